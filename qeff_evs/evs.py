@@ -1,0 +1,154 @@
+"""EVS (Efficient Video Sampling): which merged video tokens survive pruning.
+
+Semantics are vLLM's (``vllm.multimodal.video_prune.evs``), reproduced bit for bit:
+
+* retained count ``K = max(h*w, int(h*w*T * (1 - q)))`` in Python double precision;
+* dissimilarity ``1 - cosine_similarity`` with the same spatial token of the previous
+  temporal patch, in the embeddings' dtype, frame 0 pinned to the sentinel 255;
+* the K largest survive, ties broken toward the lower flat index, raster order kept.
+
+Two selection paths share the dissimilarity: the eager reference (stable argsort, the
+definition) and the exportable one (TopK, whose ONNX tie rule is the same "lower index
+first"; eager ``torch.topk`` breaks ties the other way, so it is only used under export).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+FIRST_FRAME_SENTINEL = 255.0
+
+
+def validate_pruning_rate(q: float) -> float:
+    """Return ``q`` as a float, or raise if it is not a pruning rate in [0, 1)."""
+    try:
+        value = float(q)
+    except (TypeError, ValueError):
+        raise ValueError(f"video pruning rate must be a number in [0, 1), got {q!r}") from None
+    if math.isnan(value) or not 0.0 <= value < 1.0:
+        raise ValueError(
+            f"video pruning rate must be in [0, 1) (0 disables EVS), got {q!r}; "
+            "pass e.g. --video-pruning-rate 0.5"
+        )
+    return value
+
+
+def retained_token_count(tokens_per_frame: int, num_frames: int, q: float) -> int:
+    """Number of merged video tokens EVS keeps: at least one full frame."""
+    q = validate_pruning_rate(q)
+    if tokens_per_frame < 1 or num_frames < 1:
+        raise ValueError(
+            f"tokens_per_frame and num_frames must be >= 1, got {tokens_per_frame} and {num_frames}"
+        )
+    # Integer product first, then a double multiply, then truncation: the order vLLM uses.
+    total = tokens_per_frame * num_frames
+    return max(tokens_per_frame, int(total * (1 - q)))
+
+
+def merged_grid(grid_thw: Sequence[int] | torch.Tensor, spatial_merge_size: int) -> tuple[int, int, int]:
+    """(T, h, w) on the merged grid from the patch grid (T, H, W); H and W must divide by the merge size."""
+    t, h, w = (int(v) for v in grid_thw)
+    m = int(spatial_merge_size)
+    if m < 1:
+        raise ValueError(f"spatial_merge_size must be >= 1, got {spatial_merge_size}")
+    if t < 1 or h < 1 or w < 1:
+        raise ValueError(f"grid_thw must be positive, got {(t, h, w)}")
+    if h % m or w % m:
+        raise ValueError(
+            f"patch grid {h}x{w} is not divisible by spatial_merge_size {m}; "
+            f"resize frames so the patch grid is a multiple of {m}"
+        )
+    return t, h // m, w // m
+
+
+def frame_dissimilarity(frames: torch.Tensor) -> torch.Tensor:
+    """``(T, hw, D)`` -> ``(T, hw)``: 1 - cosine with the previous frame, frame 0 = 255.
+
+    Runs in the input dtype, with PyTorch's cosine definition (eps 1e-8), as vLLM does.
+    """
+    similarity = F.cosine_similarity(frames[1:], frames[:-1], dim=-1)
+    sentinel = torch.full_like(frames[:1, :, 0], FIRST_FRAME_SENTINEL)
+    return torch.cat([sentinel, 1 - similarity], dim=0)
+
+
+def _check_embeds(embeds: torch.Tensor, t: int, h: int, w: int) -> None:
+    if embeds.dim() != 2:
+        raise ValueError(
+            f"embeds must be 2-D (T*h*w, D), got shape {tuple(embeds.shape)}; flatten the video's merged tokens"
+        )
+    if embeds.shape[0] != t * h * w:
+        raise ValueError(
+            f"embeds has {embeds.shape[0]} rows but the merged grid {t}x{h}x{w} needs {t * h * w}; "
+            "pass the merger output of exactly this video"
+        )
+
+
+def reference_keep_order(dissimilarity: torch.Tensor, k: int) -> torch.Tensor:
+    """Flat indices of the ``k`` most dissimilar tokens, ties toward the lower index, ascending."""
+    order = torch.argsort(dissimilarity.reshape(-1), descending=True, stable=True)
+    return torch.sort(order[:k]).values
+
+
+def retention_mask(
+    embeds: torch.Tensor,
+    grid_thw: Sequence[int] | torch.Tensor,
+    spatial_merge_size: int,
+    q: float,
+) -> torch.BoolTensor:
+    """Boolean mask over the ``T*h*w`` merged tokens (raster order) of the tokens EVS keeps."""
+    q = validate_pruning_rate(q)
+    t, h, w = merged_grid(grid_thw, spatial_merge_size)
+    _check_embeds(embeds, t, h, w)
+    dissimilarity = frame_dissimilarity(embeds.reshape(t, h * w, embeds.shape[-1]))
+    keep = reference_keep_order(dissimilarity, retained_token_count(h * w, t, q))
+    mask = torch.zeros(t * h * w, dtype=torch.bool, device=embeds.device)
+    mask[keep] = True
+    return mask
+
+
+def _exporting() -> bool:
+    return torch.onnx.is_in_onnx_export() or torch.compiler.is_exporting()
+
+
+def exportable_keep_order(dissimilarity: torch.Tensor, retained_carrier: torch.Tensor) -> torch.Tensor:
+    """Ascending flat indices of the K kept tokens, K = ``retained_carrier.shape[0]``.
+
+    Export form: TopK(K) (ONNX ties -> lower index), then a second TopK over the indices to
+    restore raster order. No NonZero, no boolean indexing, no data-dependent shape. In eager
+    mode it falls back to the reference order so both paths mean the same thing.
+    """
+    flat = dissimilarity.reshape(-1)
+    k = retained_carrier.shape[0]
+    if not _exporting():
+        return reference_keep_order(flat, k)
+    top = torch.topk(flat, k, largest=True, sorted=True).indices
+    return torch.topk(top, k, largest=False, sorted=True).values
+
+
+def select_retained(
+    embeds: torch.Tensor, frames: int, retained_carrier: torch.Tensor, extra: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keep the EVS-selected rows of ``embeds`` (``(T*hw, D)``); returns ``(rows (K, D), indices (K,))``.
+
+    The dissimilarity is taken over ``embeds`` concatenated with ``extra`` along features
+    (Qwen3-VL's deepstack levels) when given; callers gather ``extra`` with the same indices.
+    """
+    features = embeds if extra is None else torch.cat([embeds, extra], dim=-1)
+    per_frame = features.reshape(frames, -1, features.shape[-1])
+    indices = exportable_keep_order(frame_dissimilarity(per_frame), retained_carrier)
+    return embeds.index_select(0, indices), indices
+
+
+def tokens_per_frame_kept(retained_indices: torch.Tensor | Sequence[int], num_frames: int, tokens_per_frame: int) -> list[int]:
+    """Per temporal patch, how many retained flat indices fall in it."""
+    idx = torch.as_tensor(retained_indices, dtype=torch.int64).reshape(-1)
+    if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= num_frames * tokens_per_frame):
+        raise ValueError(
+            f"retained indices must lie in [0, {num_frames * tokens_per_frame}), got range "
+            f"[{int(idx.min())}, {int(idx.max())}]"
+        )
+    return torch.bincount(idx // tokens_per_frame, minlength=num_frames).tolist()
