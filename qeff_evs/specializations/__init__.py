@@ -1,0 +1,67 @@
+"""Specialization sets and the compile artifacts built from them (DESIGN §7).
+
+* :mod:`.sets` -- :class:`Specialization`, :class:`VisionTarget`, the language/vision builders;
+* :mod:`.files` -- ``specializations.json`` in QEfficient's flat and named layouts;
+* :mod:`.custom_io` -- ``custom_io.yaml`` (fp16 vision embeds, fp16/mxint8 KV cache);
+* :mod:`.symbols` -- the graph's dimension symbols and the "every symbol bound" check;
+* :mod:`.compile_command` -- ``qaic-compile`` command lines, ``compile.sh``, the runner;
+* :mod:`.artifacts` -- all of the above for one exported graph, check first.
+"""
+
+from .artifacts import CUSTOM_IO_FILE, QPC_DIR, SPECIALIZATIONS_FILE, prepare_graph_compile
+from .compile_command import (
+    CompileCommand,
+    find_qaic_compile,
+    qaic_compile_command,
+    run_compile,
+    write_compile_script,
+)
+from .custom_io import (
+    FLOAT16,
+    MXINT8,
+    custom_io_precisions,
+    language_custom_io,
+    read_custom_io_yaml,
+    vision_custom_io,
+    write_custom_io_yaml,
+)
+from .files import parse_specializations, read_specializations_json, write_specializations_json
+from .sets import (
+    Specialization,
+    VisionTarget,
+    language_specializations,
+    manifest_entries,
+    specialization_for_target,
+    vision_specializations,
+)
+from .symbols import check_specializations, graph_symbols
+
+__all__ = [
+    "CUSTOM_IO_FILE",
+    "FLOAT16",
+    "MXINT8",
+    "QPC_DIR",
+    "SPECIALIZATIONS_FILE",
+    "CompileCommand",
+    "Specialization",
+    "VisionTarget",
+    "check_specializations",
+    "custom_io_precisions",
+    "find_qaic_compile",
+    "graph_symbols",
+    "language_custom_io",
+    "language_specializations",
+    "manifest_entries",
+    "parse_specializations",
+    "prepare_graph_compile",
+    "qaic_compile_command",
+    "read_custom_io_yaml",
+    "read_specializations_json",
+    "run_compile",
+    "specialization_for_target",
+    "vision_custom_io",
+    "vision_specializations",
+    "write_compile_script",
+    "write_custom_io_yaml",
+    "write_specializations_json",
+]

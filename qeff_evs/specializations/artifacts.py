@@ -1,0 +1,68 @@
+"""One exported graph -> its compile folder: checked specializations.json, custom_io.yaml, command.
+
+The order matters: the symbol check runs before anything is written, so a specialization
+set that cannot compile never lands on disk next to a graph it does not fit.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+from .compile_command import DEFAULT_NUM_CORES, CompileCommand, GraphKind, qaic_compile_command
+from .custom_io import FLOAT16, check_retained_pairs, custom_io_precisions, write_custom_io_yaml
+from .files import DEFAULT_STYLE, SpecializationStyle, write_specializations_json
+from .sets import Specialization
+from .symbols import check_specializations, graph_symbols, load_graph
+
+SPECIALIZATIONS_FILE = "specializations.json"
+CUSTOM_IO_FILE = "custom_io.yaml"
+QPC_DIR = "qpc"
+
+
+def prepare_graph_compile(
+    onnx_path: str | Path,
+    graph_dir: str | Path,
+    specs: Sequence[Specialization],
+    *,
+    graph: GraphKind,
+    kv_precision: str = FLOAT16,
+    pixel_values_fp16: bool = True,
+    style: SpecializationStyle = DEFAULT_STYLE,
+    num_cores: int = DEFAULT_NUM_CORES,
+    mxfp6_matmul: bool = False,
+    extra_flags: Sequence[str] = (),
+    relative_to: str | Path | None = None,
+) -> CompileCommand:
+    """Check ``specs`` against the graph, write its compile inputs into ``graph_dir``, return the command.
+
+    Files: ``graph_dir/specializations.json``, ``graph_dir/custom_io.yaml``; the QPC goes to
+    ``graph_dir/qpc``. With ``relative_to`` (the folder ``compile.sh`` lives in) the command's
+    paths are relative to it, so the build folder can be copied to a machine with the SDK.
+    """
+    proto, label = load_graph(onnx_path)
+    check_specializations(proto, specs, label=label)  # before writing anything
+    io_names = list(graph_symbols(proto))
+    precisions = custom_io_precisions(io_names, kv_precision=kv_precision, pixel_values_fp16=pixel_values_fp16)
+    check_retained_pairs(precisions, io_names)
+
+    graph_dir = Path(graph_dir)
+    json_path = write_specializations_json(graph_dir / SPECIALIZATIONS_FILE, specs, style)
+    yaml_path = write_custom_io_yaml(graph_dir / CUSTOM_IO_FILE, precisions) if precisions else None
+
+    def shown(path: Path | str | None) -> str | None:
+        if path is None or relative_to is None:
+            return None if path is None else str(path)
+        return os.path.relpath(Path(path).resolve(), Path(relative_to).resolve())
+
+    return qaic_compile_command(
+        shown(onnx_path),
+        shown(json_path),
+        shown(yaml_path),
+        shown(graph_dir / QPC_DIR),
+        graph=graph,
+        num_cores=num_cores,
+        mxfp6_matmul=mxfp6_matmul,
+        extra_flags=extra_flags,
+    )

@@ -1,0 +1,108 @@
+"""``custom_io.yaml``: the device-side precision of selected graph inputs/outputs.
+
+``qaic-compile -custom-IO-list-file=`` takes a YAML list of ``{IOName, Precision}`` records;
+any IO not listed keeps the ONNX dtype (fp32 here). QEfficient lists:
+
+* vision graph: ``pixel_values`` and ``vision_embeds`` (+ ``deepstack_features``) as
+  ``float16`` -- halves the transfer of the largest buffers;
+* language graph: ``vision_embeds`` (+ ``deepstack_features``) and their ``_RetainedState``
+  twins as ``float16``; every ``past_key.{i}`` / ``past_value.{i}`` and its
+  ``_RetainedState`` as ``float16`` or ``mxint8`` (``mxint8`` is not a compiler flag, only
+  this precision). A retained-state output must have the same precision as its input.
+
+The builders read the IO names from the exported graph itself, so the list can never name
+an IO the graph lacks or miss one it has.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+import yaml
+
+FLOAT16 = "float16"
+MXINT8 = "mxint8"
+KV_PRECISIONS: tuple[str, ...] = (FLOAT16, MXINT8)
+RETAINED_SUFFIX = "_RetainedState"
+
+# Embedding-like IOs kept in fp16 on both graphs.
+FP16_EMBEDDING_NAMES: tuple[str, ...] = ("vision_embeds", "deepstack_features")
+_KV_NAME = re.compile(r"^past_(key|value)\.\d+$")
+
+
+def _base_name(io_name: str) -> str:
+    return io_name[: -len(RETAINED_SUFFIX)] if io_name.endswith(RETAINED_SUFFIX) else io_name
+
+
+def custom_io_precisions(
+    io_names: Iterable[str], kv_precision: str = FLOAT16, pixel_values_fp16: bool = True
+) -> dict[str, str]:
+    """``{io name: precision}`` for the IOs among ``io_names`` that get a custom precision.
+
+    Works for both graphs: embeddings (and their retained twins) -> float16, KV cache (and
+    retained twins) -> ``kv_precision``, ``pixel_values`` -> float16 when ``pixel_values_fp16``.
+    Other names (ids, positions, index tensors, logits, retained_indices) are left out.
+    """
+    if kv_precision not in KV_PRECISIONS:
+        raise ValueError(f"kv_precision must be one of {KV_PRECISIONS}, got {kv_precision!r}; use --mxint8 for mxint8")
+    precisions: dict[str, str] = {}
+    for name in io_names:
+        base = _base_name(name)
+        if base in FP16_EMBEDDING_NAMES or (pixel_values_fp16 and name == "pixel_values"):
+            precisions[name] = FLOAT16
+        elif _KV_NAME.match(base):
+            precisions[name] = kv_precision
+    return precisions
+
+
+def vision_custom_io(has_deepstack: bool, pixel_values_fp16: bool = True) -> dict[str, str]:
+    """Custom IO of the vision(+EVS) graph, from the names the design fixes (§5)."""
+    names = ["pixel_values", "vision_embeds"] + (["deepstack_features"] if has_deepstack else [])
+    return custom_io_precisions(names, pixel_values_fp16=pixel_values_fp16)
+
+
+def language_custom_io(num_layers: int, has_deepstack: bool, kv_precision: str = FLOAT16) -> dict[str, str]:
+    """Custom IO of the language graph, from the names the design fixes (§6)."""
+    if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
+        raise ValueError(f"num_layers must be a positive integer, got {num_layers!r}")
+    inputs = ["vision_embeds"] + (["deepstack_features"] if has_deepstack else [])
+    inputs += [f"past_{kind}.{i}" for i in range(num_layers) for kind in ("key", "value")]
+    names = [n for name in inputs for n in (name, name + RETAINED_SUFFIX)]
+    return custom_io_precisions(names, kv_precision=kv_precision)
+
+
+def check_retained_pairs(precisions: Mapping[str, str], io_names: Iterable[str]) -> None:
+    """Each ``X_RetainedState`` must share ``X``'s precision (they alias one device buffer)."""
+    names = set(io_names)
+    for name in names:
+        if not name.endswith(RETAINED_SUFFIX) or _base_name(name) not in names:
+            continue
+        base = _base_name(name)
+        if precisions.get(name) != precisions.get(base):
+            raise ValueError(
+                f"{name} has precision {precisions.get(name)!r} but its input {base} has {precisions.get(base)!r}; "
+                "a retained-state output and its input must share one precision"
+            )
+
+
+def write_custom_io_yaml(path: str | Path, precisions: Mapping[str, str]) -> Path:
+    """Write ``[{IOName, Precision}, ...]`` to ``path`` (the -custom-IO-list-file format)."""
+    if not precisions:
+        raise ValueError("no custom IO entries to write; pass at least one {io name: precision}")
+    records = [{"IOName": name, "Precision": precision} for name, precision in precisions.items()]
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(records, sort_keys=False, default_flow_style=False))
+    return path
+
+
+def read_custom_io_yaml(path: str | Path) -> dict[str, str]:
+    """``{IOName: Precision}`` from a custom IO list file."""
+    records = yaml.safe_load(Path(path).read_text())
+    if not isinstance(records, list) or not all(
+        isinstance(r, Mapping) and {"IOName", "Precision"} <= set(r) for r in records
+    ):
+        raise ValueError(f"{path}: expected a YAML list of {{IOName, Precision}} records, got {records!r:.200}")
+    return {str(r["IOName"]): str(r["Precision"]) for r in records}

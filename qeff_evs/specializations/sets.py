@@ -1,0 +1,193 @@
+"""Specialization sets: the concrete symbol values each compiled graph is built for.
+
+A QAIC program is compiled once per *specialization*: a binding of every dynamic ONNX
+dimension name (``seq_len``, ``grid_h``, ...) to an integer. At run time the device picks
+the specialization whose shapes match the input buffers, so the host pads to one of them.
+
+Two sets exist per model:
+
+* language: ``Prefill`` (``seq_len = prefill_seq_len``) and ``Decode`` (``seq_len = 1``),
+  both binding ``vision_size = user_vision_size`` -- each prefill chunk is handed only its
+  own window of retained vision rows, so the language graph never needs the whole prompt's;
+* vision: one entry per distinct symbol binding; several (resolution, frames, q) requests
+  can share one entry (e.g. two pruning rates that keep the same count), and the entry
+  remembers which requests it serves so the manifest and the host can find it again.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+PREFILL_NAME = "Prefill"
+DECODE_NAME = "Decode"
+VISION_NAME = "Vision"
+
+
+def _check_dimension(symbol: str, value: object, context: str) -> int:
+    """A bound dimension must be a positive Python/NumPy integer (never a bool or float)."""
+    if isinstance(value, bool) or not hasattr(value, "__index__"):
+        raise ValueError(
+            f"{context}: symbol {symbol!r} is bound to {value!r} ({type(value).__name__}); "
+            "bind every symbol to a positive integer"
+        )
+    number = int(value)
+    if number < 1:
+        raise ValueError(f"{context}: symbol {symbol!r} is bound to {number}; dimensions must be >= 1")
+    return number
+
+
+@dataclass(frozen=True)
+class VisionTarget:
+    """One video shape the vision graph is compiled for.
+
+    ``height``/``width``: the frame size in pixels the encoder sees; ``frames``: sampled frames
+    (before temporal patching); ``pruning_rate``: the EVS rate q the retained count comes from.
+    """
+
+    height: int
+    width: int
+    frames: int
+    pruning_rate: float
+
+    def __post_init__(self) -> None:
+        for label in ("height", "width", "frames"):
+            _check_dimension(label, getattr(self, label), "VisionTarget")
+        q = float(self.pruning_rate)
+        if math.isnan(q) or not 0.0 <= q < 1.0:
+            raise ValueError(
+                f"VisionTarget: pruning_rate must be in [0, 1) (0 disables EVS), got {self.pruning_rate!r}"
+            )
+
+    def to_dict(self) -> dict[str, int | float]:
+        return {"height": self.height, "width": self.width, "frames": self.frames, "pruning_rate": self.pruning_rate}
+
+
+@dataclass(frozen=True)
+class Specialization:
+    """A named binding of ONNX dimension symbols to integers; ``serves`` lists the vision targets it covers."""
+
+    name: str
+    symbols: Mapping[str, int]
+    serves: tuple[VisionTarget, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"a specialization needs a non-empty string name, got {self.name!r}")
+        if not self.symbols:
+            raise ValueError(f"specialization {self.name!r} binds no symbols; pass at least one symbol value")
+        checked = {
+            str(symbol): _check_dimension(str(symbol), value, f"specialization {self.name!r}")
+            for symbol, value in self.symbols.items()
+        }
+        # A private dict copy: callers cannot change a specialization after it was validated.
+        object.__setattr__(self, "symbols", checked)
+        object.__setattr__(self, "serves", tuple(self.serves))
+
+
+def language_specializations(
+    prefill_seq_len: int,
+    ctx_len: int,
+    user_vision_size: int | None = None,
+    batch_size: int = 1,
+) -> list[Specialization]:
+    """``[Prefill, Decode]`` for the language graph, both with ``vision_size = user_vision_size``.
+
+    ``user_vision_size`` defaults to ``prefill_seq_len``: a chunk of ``seq_len`` tokens holds
+    at most ``seq_len`` media tokens, so that many rows always suffice and fewer would not.
+    With ``prefill_seq_len == 1`` the two entries coincide and only ``Decode`` is returned.
+    """
+    prefill_seq_len = _check_dimension("prefill_seq_len", prefill_seq_len, "language_specializations")
+    ctx_len = _check_dimension("ctx_len", ctx_len, "language_specializations")
+    batch_size = _check_dimension("batch_size", batch_size, "language_specializations")
+    if user_vision_size is None:
+        user_vision_size = prefill_seq_len
+    user_vision_size = _check_dimension("user_vision_size", user_vision_size, "language_specializations")
+
+    if prefill_seq_len >= ctx_len:
+        raise ValueError(
+            f"prefill_seq_len={prefill_seq_len} must be smaller than ctx_len={ctx_len}; "
+            "raise --ctx-len or lower --prefill-seq-len"
+        )
+    if user_vision_size < prefill_seq_len:
+        raise ValueError(
+            f"user_vision_size={user_vision_size} is smaller than prefill_seq_len={prefill_seq_len}: "
+            "a chunk can hold at most seq_len media tokens, so vision_size must be >= seq_len; "
+            f"use user_vision_size >= {prefill_seq_len} (or leave it unset)"
+        )
+    if user_vision_size >= ctx_len:
+        raise ValueError(
+            f"user_vision_size={user_vision_size} must be smaller than ctx_len={ctx_len}; "
+            "lower user_vision_size or raise --ctx-len"
+        )
+
+    shared = {"batch_size": batch_size, "ctx_len": ctx_len, "vision_size": user_vision_size}
+    decode = Specialization(DECODE_NAME, {**shared, "seq_len": 1})
+    if prefill_seq_len == 1:
+        return [decode]
+    prefill = Specialization(PREFILL_NAME, {**shared, "seq_len": prefill_seq_len})
+    return [prefill, decode]
+
+
+def vision_specializations(
+    entries: Iterable[tuple[VisionTarget, Mapping[str, int]]],
+) -> list[Specialization]:
+    """De-duplicate per-target vision symbol bindings, keeping which targets each one serves.
+
+    ``entries`` pairs each (resolution, frames, q) target with the symbols its family computed
+    (``grid_h``, ``grid_w``, ``grid_height``, ``grid_width``, ``time``, ``vision_size``,
+    ``retained_size``, ...). Identical bindings collapse into one specialization, in first-seen
+    order; names follow QEfficient: ``Vision`` when there is one, else ``Vision_0``, ``Vision_1``...
+    """
+    # Keyed by the sorted binding (so symbol order does not matter); the first-seen dict is kept for output.
+    groups: dict[tuple[tuple[str, int], ...], tuple[dict[str, int], list[VisionTarget]]] = {}
+    first_keys: set[str] | None = None
+    for target, symbols in entries:
+        if not isinstance(target, VisionTarget):
+            raise ValueError(f"vision entries pair a VisionTarget with its symbols, got {target!r}")
+        checked = Specialization(VISION_NAME, symbols).symbols
+        keys = set(checked)
+        if first_keys is None:
+            first_keys = keys
+        elif keys != first_keys:
+            raise ValueError(
+                f"vision target {target} binds symbols {sorted(keys)} but earlier targets bind "
+                f"{sorted(first_keys)}; one graph needs the same symbols in every specialization"
+            )
+        _, served = groups.setdefault(tuple(sorted(checked.items())), (dict(checked), []))
+        if target not in served:
+            served.append(target)
+    if not groups:
+        raise ValueError("no vision targets given; pass at least one (resolution, frames, q) entry")
+
+    def name(index: int) -> str:
+        return VISION_NAME if len(groups) == 1 else f"{VISION_NAME}_{index}"
+
+    return [
+        Specialization(name(i), symbols, tuple(targets)) for i, (symbols, targets) in enumerate(groups.values())
+    ]
+
+
+def specialization_for_target(specs: Sequence[Specialization], target: VisionTarget) -> Specialization:
+    """The vision specialization compiled for ``target``; ValueError listing what exists otherwise."""
+    for spec in specs:
+        if target in spec.serves:
+            return spec
+    available = [t.to_dict() for spec in specs for t in spec.serves]
+    raise ValueError(
+        f"no vision specialization serves {target.to_dict()}; compiled targets are {available}. "
+        "Re-export with this resolution/frame count/pruning rate, or pick one of those"
+    )
+
+
+def manifest_entries(specs: Sequence[Specialization]) -> list[dict]:
+    """JSON-ready records: each specialization's name, symbols and the targets it serves."""
+    return [
+        {
+            "name": spec.name,
+            "symbols": dict(spec.symbols),
+            "serves": [target.to_dict() for target in spec.serves],
+        }
+        for spec in specs
+    ]
