@@ -1,0 +1,1 @@
+"""Host-side runtime: video input and preprocessing, prompt layout, sessions and the chunked-prefill engine."""

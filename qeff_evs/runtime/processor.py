@@ -1,0 +1,565 @@
+"""Video -> vision-encoder patches, the way Hugging Face's Qwen-VL processors do it (without torchvision).
+
+Pipeline per request (DESIGN §7): pick frames (:func:`sample_frame_indices`, whose frame count must be
+one the vision graph was exported for), pick the exported frame size closest in aspect ratio
+(:func:`choose_resolution`), then :func:`preprocess_video`: resize every frame with PIL, rescale by
+1/255, normalise, repeat the last frame up to a multiple of ``temporal_patch_size`` and cut the clip
+into patches in HF's order.
+
+Numerics follow transformers' PIL image processor (``Qwen2VLImageProcessorPil``) exactly: PIL
+resampling on uint8, rescale in float64 then cast to float32, normalise in float32. HF's *video*
+processors resize with torchvision instead, whose bicubic differs from PIL's by a few grey levels;
+torchvision is not available here, so PIL is the reference.
+
+Patch order (what the vision tower's ``pixel_values`` rows mean): rows run over
+``(t, block_row, block_col, row_in_block, col_in_block)`` where a block is the
+``merge_size x merge_size`` window of patches that the merger fuses into one token; each row is
+``(channel, frame_in_temporal_patch, y, x)`` flattened.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from fractions import Fraction
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image
+
+from qeff_evs.runtime.video_io import validate_frames
+
+CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+HALF_MEAN = (0.5, 0.5, 0.5)
+HALF_STD = (0.5, 0.5, 0.5)
+PIL_BICUBIC = int(Image.Resampling.BICUBIC)  # 3, what every Qwen-VL checkpoint asks for
+DEFAULT_TARGET_FPS = 2.0  # Qwen-VL samples videos at 2 frames per second
+MAX_ASPECT_RATIO = 200  # HF refuses frames more elongated than this
+RGB_CHANNELS = 3
+
+VIDEO_CONFIG_FILE = "video_preprocessor_config.json"
+IMAGE_CONFIG_FILE = "preprocessor_config.json"
+MODEL_CONFIG_FILE = "config.json"
+
+QWEN2_5_VL = "qwen2_5_vl"
+QWEN3_VL = "qwen3_vl"
+FAMILIES = (QWEN2_5_VL, QWEN3_VL)
+
+
+# ---------------------------------------------------------------------------------------------
+# spec
+
+
+@dataclass(frozen=True)
+class VisionPreprocessSpec:
+    """Everything that turns RGB frames into one model family's vision-encoder input.
+
+    ``min_pixels``/``max_pixels`` bound :meth:`natural_size`: per frame for Qwen2.5-VL, over the whole
+    clip (``frames x height x width``) for Qwen3-VL (``pixel_limits_per_video``), as HF's video
+    processors do. ``target_fps`` is the default sampling rate.
+    """
+
+    family: str
+    patch_size: int
+    temporal_patch_size: int
+    merge_size: int
+    image_mean: tuple[float, float, float]
+    image_std: tuple[float, float, float]
+    min_pixels: int
+    max_pixels: int
+    pixel_limits_per_video: bool = False
+    resample: int = PIL_BICUBIC
+    rescale_factor: float = 1 / 255
+    target_fps: float = DEFAULT_TARGET_FPS
+
+    def __post_init__(self) -> None:
+        if self.family not in FAMILIES:
+            raise ValueError(f"family must be one of {FAMILIES}, got {self.family!r}")
+        for name in ("patch_size", "temporal_patch_size", "merge_size", "min_pixels", "max_pixels"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.min_pixels > self.max_pixels:
+            raise ValueError(f"min_pixels {self.min_pixels} exceeds max_pixels {self.max_pixels}; swap them")
+        for name in ("image_mean", "image_std"):
+            value = getattr(self, name)
+            if len(value) != self.in_channels:
+                raise ValueError(f"{name} needs {self.in_channels} values (R, G, B), got {value!r}")
+            object.__setattr__(self, name, tuple(float(v) for v in value))
+        if any(s == 0 for s in self.image_std):
+            raise ValueError(f"image_std must not contain 0, got {self.image_std}")
+        try:
+            Image.Resampling(self.resample)
+        except ValueError:
+            raise ValueError(f"resample must be a PIL resampling code (3 = bicubic), got {self.resample!r}") from None
+        if not self.rescale_factor > 0:
+            raise ValueError(f"rescale_factor must be > 0, got {self.rescale_factor!r}")
+        if not self.target_fps > 0:
+            raise ValueError(f"target_fps must be > 0, got {self.target_fps!r}")
+
+    @property
+    def in_channels(self) -> int:
+        return RGB_CHANNELS
+
+    @property
+    def factor(self) -> int:
+        """Frame sides must be multiples of this: one merged token covers factor x factor pixels."""
+        return self.patch_size * self.merge_size
+
+    @property
+    def patch_dim(self) -> int:
+        """Length of one ``pixel_values`` row: C * temporal_patch_size * patch_size**2."""
+        return self.in_channels * self.temporal_patch_size * self.patch_size * self.patch_size
+
+    @classmethod
+    def qwen2_5_vl(cls, **overrides: Any) -> VisionPreprocessSpec:
+        """Qwen2.5-VL: 14-px patches, CLIP mean/std, HF video-processor pixel limits per frame."""
+        base = cls(
+            family=QWEN2_5_VL,
+            patch_size=14,
+            temporal_patch_size=2,
+            merge_size=2,
+            image_mean=CLIP_MEAN,
+            image_std=CLIP_STD,
+            min_pixels=128 * 28 * 28,
+            max_pixels=768 * 28 * 28,
+            pixel_limits_per_video=False,
+        )
+        return replace(base, **overrides)
+
+    @classmethod
+    def qwen3_vl(cls, **overrides: Any) -> VisionPreprocessSpec:
+        """Qwen3-VL: 16-px patches, mean/std 0.5, pixel limits over the whole clip."""
+        base = cls(
+            family=QWEN3_VL,
+            patch_size=16,
+            temporal_patch_size=2,
+            merge_size=2,
+            image_mean=HALF_MEAN,
+            image_std=HALF_STD,
+            min_pixels=128 * 32 * 32,
+            max_pixels=768 * 32 * 32,
+            pixel_limits_per_video=True,
+        )
+        return replace(base, **overrides)
+
+    @classmethod
+    def for_family(cls, family: str, **overrides: Any) -> VisionPreprocessSpec:
+        if family == QWEN2_5_VL:
+            return cls.qwen2_5_vl(**overrides)
+        if family == QWEN3_VL:
+            return cls.qwen3_vl(**overrides)
+        raise ValueError(f"unknown model family {family!r}; expected one of {FAMILIES}")
+
+    @classmethod
+    def from_pretrained_dir(cls, path: str | Path, model_config: Any = None) -> VisionPreprocessSpec:
+        """Read a checkpoint directory's processor configs, falling back to the model config and defaults.
+
+        ``video_preprocessor_config.json`` wins over ``preprocessor_config.json`` (this spec is for
+        video). Patch sizes missing from both come from ``model_config.vision_config`` (a
+        transformers config, a dict, or ``None`` to read ``config.json``); a processor patch size
+        that contradicts the vision config is an error, since the encoder could not consume it.
+        """
+        return spec_from_pretrained_dir(path, model_config)
+
+    def natural_size(self, height: int, width: int, num_frames: int | None = None) -> tuple[int, int]:
+        """The frame size HF's video processor would resize to (before any export constraint)."""
+        if self.pixel_limits_per_video:
+            if num_frames is None:
+                raise ValueError(f"{self.family} bounds pixels over the whole clip: pass num_frames")
+            return smart_resize_video(
+                num_frames,
+                height,
+                width,
+                temporal_factor=self.temporal_patch_size,
+                factor=self.factor,
+                min_pixels=self.min_pixels,
+                max_pixels=self.max_pixels,
+            )
+        return smart_resize(height, width, self.factor, self.min_pixels, self.max_pixels)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        with open(path, encoding="utf-8") as handle:
+            data = json.load(handle)
+    except (OSError, json.JSONDecodeError) as error:
+        raise ValueError(f"cannot read processor config {path}: {error}") from error
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} must hold a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _field(obj: Any, key: str) -> Any:
+    """``obj[key]`` for mappings, ``obj.key`` for config objects, ``None`` when absent."""
+    if obj is None:
+        return None
+    if isinstance(obj, Mapping):
+        return obj.get(key)
+    return getattr(obj, key, None)
+
+
+def _family_from(model_config: Any, processor_config: Mapping[str, Any]) -> str:
+    model_type = str(_field(model_config, "model_type") or "")
+    if model_type.startswith("qwen3_vl"):  # qwen3_vl, qwen3_vl_moe
+        return QWEN3_VL
+    if model_type == QWEN2_5_VL:
+        return QWEN2_5_VL
+    names = " ".join(
+        str(processor_config.get(key, ""))
+        for key in ("processor_class", "video_processor_type", "image_processor_type")
+    )
+    if "Qwen3VL" in names:
+        return QWEN3_VL
+    if "Qwen2_5_VL" in names:
+        return QWEN2_5_VL
+    raise ValueError(
+        f"cannot tell the model family from model_type {model_type!r} or processor classes {names.strip()!r}; "
+        f"pass a model config whose model_type is one of {FAMILIES}"
+    )
+
+
+def _pixel_limits(config: Mapping[str, Any]) -> dict[str, int]:
+    limits: dict[str, int] = {}
+    size = config.get("size") or {}
+    if isinstance(size, Mapping):
+        if size.get("shortest_edge") is not None:
+            limits["min_pixels"] = int(size["shortest_edge"])
+        if size.get("longest_edge") is not None:
+            limits["max_pixels"] = int(size["longest_edge"])
+    # Older checkpoints spell the limits out; HF lets them override ``size``.
+    if config.get("min_pixels") is not None:
+        limits["min_pixels"] = int(config["min_pixels"])
+    if config.get("max_pixels") is not None:
+        limits["max_pixels"] = int(config["max_pixels"])
+    return limits
+
+
+def spec_from_pretrained_dir(path: str | Path, model_config: Any = None) -> VisionPreprocessSpec:
+    """See :meth:`VisionPreprocessSpec.from_pretrained_dir`."""
+    directory = Path(path)
+    if not directory.is_dir():
+        raise ValueError(f"checkpoint directory {directory} does not exist")
+    if model_config is None and (directory / MODEL_CONFIG_FILE).is_file():
+        model_config = _read_json(directory / MODEL_CONFIG_FILE)
+
+    processor_config: dict[str, Any] = {}
+    for name in (IMAGE_CONFIG_FILE, VIDEO_CONFIG_FILE):  # later files override earlier ones
+        if (directory / name).is_file():
+            processor_config.update(_read_json(directory / name))
+
+    family = _family_from(model_config, processor_config)
+    vision_config = _field(model_config, "vision_config")
+    overrides: dict[str, Any] = {}
+    for spec_key, processor_key, vision_key in (
+        ("patch_size", "patch_size", "patch_size"),
+        ("temporal_patch_size", "temporal_patch_size", "temporal_patch_size"),
+        ("merge_size", "merge_size", "spatial_merge_size"),
+    ):
+        from_processor = processor_config.get(processor_key)
+        from_vision = _field(vision_config, vision_key)
+        if from_processor is not None and from_vision is not None and int(from_processor) != int(from_vision):
+            raise ValueError(
+                f"{processor_key}={from_processor} in the processor config of {directory} contradicts "
+                f"vision_config.{vision_key}={from_vision}; fix the checkpoint's processor config"
+            )
+        chosen = from_processor if from_processor is not None else from_vision
+        if chosen is not None:
+            overrides[spec_key] = int(chosen)
+
+    if processor_config.get("image_mean") is not None:
+        overrides["image_mean"] = tuple(processor_config["image_mean"])
+    if processor_config.get("image_std") is not None:
+        overrides["image_std"] = tuple(processor_config["image_std"])
+    if processor_config.get("rescale_factor") is not None:
+        overrides["rescale_factor"] = float(processor_config["rescale_factor"])
+    if processor_config.get("resample") is not None:
+        overrides["resample"] = int(processor_config["resample"])
+    if processor_config.get("fps") is not None:
+        overrides["target_fps"] = float(processor_config["fps"])
+    overrides.update(_pixel_limits(processor_config))
+    # Switched-off steps become identity values, so the arithmetic stays the same code path.
+    if processor_config.get("do_rescale") is False:
+        overrides["rescale_factor"] = 1.0
+    if processor_config.get("do_normalize") is False:
+        overrides["image_mean"], overrides["image_std"] = (0.0, 0.0, 0.0), (1.0, 1.0, 1.0)
+    return VisionPreprocessSpec.for_family(family, **overrides)
+
+
+# ---------------------------------------------------------------------------------------------
+# sizes
+
+
+def _check_aspect(height: int, width: int) -> None:
+    if height < 1 or width < 1:
+        raise ValueError(f"frame size must be positive, got {height}x{width}")
+    if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
+        raise ValueError(
+            f"aspect ratio of {height}x{width} exceeds {MAX_ASPECT_RATIO}:1; crop the frames first"
+        )
+
+
+def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
+    """HF's Qwen-VL size rule for one frame: sides multiples of ``factor``, area in [min, max], shape kept.
+
+    Round each side to the nearest multiple (Python's half-to-even ``round``); if the area is too
+    large, scale both sides down by the same factor and floor to multiples (never below one
+    ``factor``); if too small, scale up and ceil.
+    """
+    _check_aspect(height, width)
+    new_h = round(height / factor) * factor
+    new_w = round(width / factor) * factor
+    if new_h * new_w > max_pixels:
+        shrink = math.sqrt(height * width / max_pixels)
+        new_h = max(factor, math.floor(height / shrink / factor) * factor)
+        new_w = max(factor, math.floor(width / shrink / factor) * factor)
+    elif new_h * new_w < min_pixels:
+        grow = math.sqrt(min_pixels / (height * width))
+        new_h = math.ceil(height * grow / factor) * factor
+        new_w = math.ceil(width * grow / factor) * factor
+    return new_h, new_w
+
+
+def smart_resize_video(
+    num_frames: int,
+    height: int,
+    width: int,
+    *,
+    temporal_factor: int,
+    factor: int,
+    min_pixels: int,
+    max_pixels: int,
+) -> tuple[int, int]:
+    """Qwen3-VL's video size rule: like :func:`smart_resize`, but the limits bound frames x area.
+
+    Frames smaller than one ``factor`` are first scaled up (truncating) so the shorter side reaches it.
+    """
+    if num_frames < temporal_factor:
+        raise ValueError(f"need at least temporal_factor={temporal_factor} frames, got {num_frames}")
+    if height < 1 or width < 1:
+        raise ValueError(f"frame size must be positive, got {height}x{width}")
+    if height < factor or width < factor:
+        scale = max(factor / height, factor / width)
+        height, width = int(height * scale), int(width * scale)
+    _check_aspect(height, width)
+    new_h = round(height / factor) * factor
+    new_w = round(width / factor) * factor
+    new_t = round(num_frames / temporal_factor) * temporal_factor
+    if new_t * new_h * new_w > max_pixels:
+        shrink = math.sqrt(num_frames * height * width / max_pixels)
+        new_h = max(factor, math.floor(height / shrink / factor) * factor)
+        new_w = max(factor, math.floor(width / shrink / factor) * factor)
+    elif new_t * new_h * new_w < min_pixels:
+        grow = math.sqrt(min_pixels / (num_frames * height * width))
+        new_h = math.ceil(height * grow / factor) * factor
+        new_w = math.ceil(width * grow / factor) * factor
+    return new_h, new_w
+
+
+def _check_exported_size(size: Sequence[int], factor: int) -> tuple[int, int]:
+    if len(size) != 2:
+        raise ValueError(f"a frame size is (height, width), got {size!r}")
+    height, width = (int(v) for v in size)
+    if height < 1 or width < 1 or height % factor or width % factor:
+        raise ValueError(
+            f"frame size {height}x{width} must be positive multiples of patch_size*merge_size={factor}; "
+            f"use e.g. {max(factor, round(height / factor) * factor)}x{max(factor, round(width / factor) * factor)}"
+        )
+    return height, width
+
+
+def choose_resolution(
+    height: int, width: int, exported: Sequence[Sequence[int]], factor: int
+) -> tuple[int, int]:
+    """The exported (height, width) closest in aspect ratio to a ``height x width`` video.
+
+    Closeness is the ratio between the two aspect ratios, larger over smaller (so 2:1 is as far
+    from 1:1 as 1:2), compared exactly with fractions. Ties go to the size whose pixel count is
+    closest (same larger-over-smaller ratio) to the video's, so a small clip is not blown up to a
+    big resolution needlessly; remaining ties to the earlier entry of ``exported``. Every exported
+    size must be a multiple of ``factor`` (= patch_size * merge_size).
+    """
+    if height < 1 or width < 1:
+        raise ValueError(f"video frame size must be positive, got {height}x{width}")
+    if not exported:
+        raise ValueError("no exported resolutions to choose from; export at least one --height/--width")
+    sizes = [_check_exported_size(size, factor) for size in exported]
+
+    def distance(size: tuple[int, int]) -> tuple[Fraction, Fraction]:
+        out_h, out_w = size
+        aspect = Fraction(out_h * width, out_w * height)
+        area = Fraction(out_h * out_w, height * width)
+        return max(aspect, 1 / aspect), max(area, 1 / area)
+
+    best = min(range(len(sizes)), key=lambda i: (distance(sizes[i]), i))
+    return sizes[best]
+
+
+# ---------------------------------------------------------------------------------------------
+# frame sampling
+
+
+@dataclass(frozen=True)
+class SampledFrames:
+    """Which source frames to feed the encoder.
+
+    ``indices``: source frame indices, ascending. ``fps``: effective sampling rate, HF's
+    ``sampled_fps`` = samples / source frames * source fps (Qwen2.5-VL's ``second_per_grid`` is
+    ``temporal_patch_size / fps``). ``timestamps``: each sampled frame's time in seconds,
+    ``index / source fps`` (Qwen3-VL averages them per temporal patch for its timestamp text).
+    """
+
+    indices: np.ndarray
+    fps: float
+    timestamps: np.ndarray
+
+    @property
+    def num_frames(self) -> int:
+        return int(self.indices.shape[0])
+
+
+def sample_frame_indices(
+    total_frames: int,
+    video_fps: float,
+    target_fps: float | None,
+    allowed_counts: Sequence[int],
+) -> SampledFrames:
+    """Sample at ``target_fps`` and keep the largest exported frame count that the clip can fill.
+
+    The clip offers ``int(total_frames / video_fps * target_fps)`` frames at the target rate (HF's
+    count; ``None`` means every source frame), capped by ``total_frames``. The largest entry of
+    ``allowed_counts`` not above that is used, spread uniformly over the whole clip as HF's
+    Qwen3-VL does (``linspace(0, total-1, n)`` rounded half-to-even), so first and last frames are
+    included. Frames are never duplicated to reach a count: a clip too short for every exported
+    count is a ``ValueError``.
+    """
+    if int(total_frames) != total_frames or total_frames < 1:
+        raise ValueError(f"total_frames must be a positive integer, got {total_frames!r}")
+    total_frames = int(total_frames)
+    if not video_fps > 0 or math.isinf(video_fps):
+        raise ValueError(f"video_fps must be a positive finite number, got {video_fps!r}")
+    if target_fps is not None and (not target_fps > 0 or math.isinf(target_fps)):
+        raise ValueError(f"target_fps must be a positive finite number or None, got {target_fps!r}")
+    def is_count(c: object) -> bool:
+        return isinstance(c, (int, np.integer)) and not isinstance(c, bool) and c >= 1
+
+    if len(allowed_counts) == 0 or not all(is_count(c) for c in allowed_counts):
+        raise ValueError(f"allowed_counts must be positive integers (the exported frame counts), got {allowed_counts!r}")
+    counts = sorted({int(c) for c in allowed_counts})
+
+    if target_fps is None:
+        available = total_frames
+    else:
+        available = min(total_frames, int(total_frames / video_fps * target_fps))
+    fitting = [c for c in counts if c <= available]
+    if not fitting:
+        duration = total_frames / video_fps
+        rate = "its native rate" if target_fps is None else f"{target_fps:g} fps"
+        raise ValueError(
+            f"video of {total_frames} frames at {video_fps:g} fps ({duration:.2f} s) gives only {available} "
+            f"frames at {rate}, fewer than every exported frame count {counts}; export a frame count "
+            f"<= {available} or sample at a higher rate"
+        )
+    count = fitting[-1]
+    indices = np.linspace(0, total_frames - 1, count).round().astype(np.int64)
+    return SampledFrames(
+        indices=indices,
+        fps=count / total_frames * video_fps,
+        timestamps=indices / float(video_fps),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# pixels
+
+
+@dataclass(frozen=True)
+class ProcessedVideo:
+    """Vision-encoder input: ``pixel_values`` (t*gh*gw, C*tp*p*p) float32 and the patch grid (t, gh, gw)."""
+
+    pixel_values: torch.Tensor
+    grid_thw: tuple[int, int, int]
+
+    @property
+    def grid_thw_tensor(self) -> torch.Tensor:
+        """(1, 3) int64, the form HF's ``video_grid_thw`` / ``image_grid_thw`` take."""
+        return torch.tensor([self.grid_thw], dtype=torch.int64)
+
+
+def resize_frames(frames: np.ndarray, size: Sequence[int], resample: int = PIL_BICUBIC) -> np.ndarray:
+    """(T, H, W, 3) uint8 -> (T, h, w, 3) uint8 with PIL, on uint8 as HF's PIL processor does."""
+    frames = validate_frames(frames)
+    height, width = (int(v) for v in size)
+    if frames.shape[1:3] == (height, width):
+        return frames  # PIL returns an exact copy at the same size
+    method = Image.Resampling(resample)
+    return np.stack([np.asarray(Image.fromarray(frame).resize((width, height), resample=method)) for frame in frames])
+
+
+def normalize_frames(frames: np.ndarray, spec: VisionPreprocessSpec) -> np.ndarray:
+    """(T, H, W, 3) uint8 -> (T, 3, H, W) float32: ``(x * rescale - mean) / std``.
+
+    The rescale runs in float64 and is cast to float32 before normalising in float32, which is the
+    arithmetic HF's PIL processor does, so results match bit for bit.
+    """
+    scaled = (frames.astype(np.float64) * spec.rescale_factor).astype(np.float32)
+    mean = np.asarray(spec.image_mean, dtype=np.float32)
+    std = np.asarray(spec.image_std, dtype=np.float32)
+    normalized = (scaled - mean) / std
+    return np.ascontiguousarray(normalized.transpose(0, 3, 1, 2))
+
+
+def pad_to_temporal_multiple(frames: np.ndarray, temporal_patch_size: int) -> np.ndarray:
+    """Repeat the last frame until the count divides by ``temporal_patch_size`` (HF's padding)."""
+    missing = -frames.shape[0] % temporal_patch_size
+    if missing == 0:
+        return frames
+    return np.concatenate([frames, np.repeat(frames[-1:], missing, axis=0)], axis=0)
+
+
+def patchify(frames: np.ndarray, spec: VisionPreprocessSpec) -> tuple[np.ndarray, tuple[int, int, int]]:
+    """(T, C, H, W) float, T a multiple of temporal_patch_size -> (t*gh*gw, C*tp*p*p) rows and (t, gh, gw).
+
+    Rows go over merge windows first (t, block row, block col, row in block, col in block) so the
+    merger's ``merge_size**2`` consecutive rows are one output token.
+    """
+    num_frames, channels, height, width = frames.shape
+    p, m, tp = spec.patch_size, spec.merge_size, spec.temporal_patch_size
+    if num_frames % tp:
+        raise ValueError(f"{num_frames} frames is not a multiple of temporal_patch_size {tp}; pad first")
+    if height % (p * m) or width % (p * m):
+        raise ValueError(f"frame size {height}x{width} is not a multiple of patch_size*merge_size={p * m}")
+    grid_t, grid_h, grid_w = num_frames // tp, height // p, width // p
+    blocks = frames.reshape(grid_t, tp, channels, grid_h // m, m, p, grid_w // m, m, p)
+    # axes: 0 t, 1 frame-in-patch, 2 channel, 3 block row, 4 row-in-block, 5 y, 6 block col, 7 col-in-block, 8 x
+    ordered = blocks.transpose(0, 3, 6, 4, 7, 2, 1, 5, 8)
+    rows = ordered.reshape(grid_t * grid_h * grid_w, channels * tp * p * p)
+    return rows, (grid_t, grid_h, grid_w)
+
+
+def preprocess_video(frames: np.ndarray, size: Sequence[int], spec: VisionPreprocessSpec) -> ProcessedVideo:
+    """Sampled RGB frames (T, H, W, 3) uint8 -> encoder patches at frame size ``size`` = (h, w).
+
+    ``size`` must be a multiple of ``spec.factor`` (use :func:`choose_resolution`). A frame count
+    that does not divide by ``temporal_patch_size`` is padded with copies of the last frame, as HF does.
+    """
+    frames = validate_frames(frames)
+    height, width = _check_exported_size(size, spec.factor)
+    resized = resize_frames(frames, (height, width), spec.resample)
+    normalized = pad_to_temporal_multiple(normalize_frames(resized, spec), spec.temporal_patch_size)
+    rows, grid = patchify(normalized, spec)
+    return ProcessedVideo(pixel_values=torch.from_numpy(np.ascontiguousarray(rows)), grid_thw=grid)
+
+
+def preprocess_image(image: np.ndarray, size: Sequence[int], spec: VisionPreprocessSpec) -> ProcessedVideo:
+    """One RGB image (H, W, 3) uint8 -> patches with grid (1, gh, gw): the image fills every temporal slot."""
+    if not isinstance(image, np.ndarray) or image.ndim != 3:
+        shape = getattr(image, "shape", None)
+        raise ValueError(f"image must be a (H, W, 3) uint8 array, got shape {shape}; use preprocess_video for clips")
+    # A one-frame clip is padded with copies of itself up to temporal_patch_size: exactly HF's image path.
+    return preprocess_video(image[None], size, spec)
