@@ -1,0 +1,165 @@
+"""The ``qeff-evs`` command: export, compile, run, demo (and bench)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from qeff_evs.specializations import FLOAT16, MXINT8
+
+
+def _progress(message: str) -> None:
+    print(f"[qeff-evs] {message}", file=sys.stderr, flush=True)
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(v) for v in text.replace(",", " ").split()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected integers separated by commas, got {text!r}") from None
+
+
+def _grid(text: str) -> tuple[int, int, int]:
+    values = _int_list(text)
+    if len(values) != 3:
+        raise argparse.ArgumentTypeError(f"--video-grid-thw takes T,H,W (patch units), got {text!r}")
+    return tuple(values)
+
+
+def _flatten(lists: list[list[int]] | None) -> list[int]:
+    return [v for chunk in (lists or []) for v in chunk]
+
+
+def _resolutions(heights: list[int], widths: list[int]) -> list[tuple[int, int]]:
+    if len(heights) != len(widths):
+        raise ValueError(
+            f"--height and --width pair up position by position; got {len(heights)} heights {heights} "
+            f"and {len(widths)} widths {widths}")
+    return list(zip(heights, widths))
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from qeff_evs.export.pipeline import ExportOptions, export_checkpoint
+
+    options = ExportOptions(
+        video_pruning_rate=args.video_pruning_rate,
+        frames=tuple(_flatten(args.frames)),
+        resolutions=tuple(_resolutions(_flatten(args.height), _flatten(args.width))),
+        prefill_seq_len=args.prefill_seq_len,
+        ctx_len=args.ctx_len,
+        user_vision_size=args.user_vision_size,
+        kv_precision=args.kv_precision,
+        num_cores=args.num_cores,
+        mxfp6_matmul=args.mxfp6,
+    )
+    manifest = export_checkpoint(args.model_dir, args.output, options, progress=_progress)
+    print(json.dumps({"export_dir": str(args.output), "family": manifest.family,
+                      "vision_specializations": len(manifest.vision_entries)}))
+    return 0
+
+
+def cmd_compile(args: argparse.Namespace) -> int:
+    from qeff_evs.export.compile import compile_export
+
+    return compile_export(Path(args.export_dir), args.num_cores, args.mxfp6, progress=_progress)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from qeff_evs.runtime.runner import answer, build_engine, open_export, video_from_file, video_from_patches
+
+    bundle = open_export(args.export_dir)
+    if args.video:
+        video = video_from_file(args.video, bundle, target_fps=args.fps)
+    else:
+        if args.video_grid_thw is None:
+            raise ValueError("--pixel-values-videos needs --video-grid-thw T,H,W")
+        video = video_from_patches(args.pixel_values_videos, args.video_grid_thw, args.fps or 2.0)
+    engine = build_engine(bundle, args.backend, args.max_new_tokens, progress=_progress)
+    result = answer(bundle, engine, video, args.prompt)
+    if args.json:
+        print(json.dumps(result.to_json()))
+    else:
+        print("retained tokens per frame:", result.retained_tokens_per_frame)
+        print("generated token ids:", result.generated_token_ids)
+        print("generated text:", repr(bundle.tokenizer.decode(result.generated_token_ids)))
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from qeff_evs.demo import run_demo
+
+    return run_demo(Path(args.workdir) if args.workdir else None, backend=args.backend, progress=_progress)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from qeff_evs.bench import run_bench
+
+    return run_bench(args, progress=_progress)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="qeff-evs", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("export", help="export vision(+EVS) and language ONNX graphs, specializations, compile.sh")
+    p.add_argument("model_dir", help="a local Qwen2.5-VL / Qwen3-VL checkpoint folder")
+    p.add_argument("-o", "--output", required=True, type=Path, help="export folder")
+    p.add_argument("--video-pruning-rate", type=float, default=0.5, help="EVS pruning rate q in [0, 1)")
+    p.add_argument("--frames", type=_int_list, action="append", required=True,
+                   help="sampled frame counts to compile (even), e.g. 16 or 8,16")
+    p.add_argument("--height", type=_int_list, action="append", required=True,
+                   help="frame heights the encoder sees (multiples of patch*merge), paired with --width")
+    p.add_argument("--width", type=_int_list, action="append", required=True, help="frame widths")
+    p.add_argument("--prefill-seq-len", type=int, default=128)
+    p.add_argument("--ctx-len", type=int, default=8192)
+    p.add_argument("--user-vision-size", type=int, default=None,
+                   help="vision rows per prefill chunk (default: the prefill length)")
+    p.add_argument("--kv-precision", choices=(FLOAT16, MXINT8), default=FLOAT16)
+    p.add_argument("--num-cores", type=int, default=16, help="cores in the generated compile.sh")
+    p.add_argument("--mxfp6", action="store_true", help="-mxfp6-matmul for the language graph")
+    p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser("compile", help="run qaic-compile where the SDK is installed, else print the commands")
+    p.add_argument("export_dir", type=Path)
+    p.add_argument("--num-cores", type=int, default=16)
+    p.add_argument("--mxfp6", action="store_true")
+    p.set_defaults(func=cmd_compile)
+
+    p = sub.add_parser("run", help="answer a question about a video with the exported graphs")
+    p.add_argument("export_dir", type=Path)
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--video", help="a video file or a .npy array (T, H, W, 3) uint8")
+    source.add_argument("--pixel-values-videos", help=".npy of patchified pixels (rows, C*tp*p*p)")
+    p.add_argument("--video-grid-thw", type=_grid, default=None, help="T,H,W patch grid for --pixel-values-videos")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--fps", type=float, default=None, help="sampling rate (default: the checkpoint's, 2)")
+    p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--backend", choices=("ort", "torch", "qaic"), default="ort")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("demo", help="tiny random Qwen2.5-VL, exported and run on a synthetic video")
+    p.add_argument("--workdir", default=None, help="where to keep the checkpoint and export (default: a temp dir)")
+    p.add_argument("--backend", choices=("ort", "torch"), default="ort")
+    p.set_defaults(func=cmd_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    started = time.perf_counter()
+    try:
+        code = args.func(args)
+    except ValueError as error:
+        print(f"qeff-evs {args.command}: error: {error}", file=sys.stderr)
+        return 2
+    _progress(f"{args.command} finished in {time.perf_counter() - started:.1f} s")
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

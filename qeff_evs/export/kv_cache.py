@@ -1,0 +1,84 @@
+"""A KV cache addressed by slot: each token's key/value lives at slot ``position_ids[0]``.
+
+The language graph receives the whole cache ``(batch, kv_heads, ctx_len, head_dim)`` per layer,
+scatters the chunk's new keys/values into it and attends over all ``ctx_len`` slots, with a mask
+built from the slots alone: a query at slot ``p`` sees key slot ``j`` iff ``j <= p``. Nothing here
+has a data-dependent shape, so the graph exports with ``ctx_len`` as a plain symbol.
+
+Padding tokens carry slot ``-1``. They are redirected to the last slot, ``ctx_len - 1``, and their
+queries see no key at all. This is safe under one host invariant:
+
+    prompt_len + max_new_tokens <= ctx_len
+
+so while a padded prefill chunk runs, slot ``ctx_len - 1`` never holds a real token; a real decode
+token written there later simply overwrites the padding's leftovers (it is written before it is read).
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Added to the scores of hidden key slots. Finite on purpose: a padding query sees no key at all,
+# and an all -inf row would turn its softmax into NaN (which would then leak into the cache).
+# Half the fp16 minimum keeps ``score + MASKED_SCORE`` finite after ``-convert-to-fp16``.
+MASKED_SCORE = torch.finfo(torch.float16).min / 2
+
+
+def cache_slots(cache: torch.Tensor) -> torch.Tensor:
+    """``arange(ctx_len)`` of a ``(B, H, ctx_len, D)`` cache.
+
+    Built from the cache's shape so that, under tracing, ``ctx_len`` stays a symbol instead of
+    being frozen into a constant (a Python int taken from ``shape`` would be).
+    """
+    return torch.arange(cache.shape[2], device=cache.device)
+
+
+def write_slots(position_slots: torch.Tensor, key_slots: torch.Tensor) -> torch.Tensor:
+    """Cache slot each token writes to: its own slot, or the last slot for padding (slot < 0)."""
+    return torch.where(position_slots < 0, key_slots[-1], position_slots)
+
+
+def scatter_at_slots(cache: torch.Tensor, new: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """Write ``new (B, H, S, D)`` into ``cache (B, H, ctx_len, D)`` at ``slots (B, S)``; returns a new tensor."""
+    index = slots[:, None, :, None].expand(-1, new.shape[1], -1, new.shape[3])
+    return cache.scatter(2, index, new.to(cache.dtype))
+
+
+def slot_attention_mask(
+    position_slots: torch.Tensor, key_slots: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """Additive mask ``(B, 1, S, ctx_len)``: 0 where key slot ``j <= query slot p``, else MASKED_SCORE.
+
+    A padding query (slot -1) sees nothing; its output is finite garbage that no real token reads.
+    """
+    visible = key_slots[None, None, None, :] <= position_slots[:, None, :, None]
+    zero = torch.zeros((), dtype=dtype, device=position_slots.device)
+    hidden = torch.full((), MASKED_SCORE, dtype=dtype, device=position_slots.device)
+    return torch.where(visible, zero, hidden)
+
+
+class SlotKVCache:
+    """The ``past_key_values`` handed to a transformers text model for one graph step.
+
+    Decoder attention calls ``update(key, value, layer_idx)``; this scatters the chunk's keys and
+    values at their slots and returns the full ``ctx_len`` cache, which attention then reads whole.
+    The updated per-layer caches are what the graph returns as ``*_RetainedState``.
+    """
+
+    def __init__(self, past_keys, past_values, slots: torch.Tensor):
+        if len(past_keys) != len(past_values):
+            raise ValueError(
+                f"got {len(past_keys)} past keys but {len(past_values)} past values; "
+                "pass one key and one value cache per decoder layer"
+            )
+        self.keys = list(past_keys)
+        self.values = list(past_values)
+        self.slots = slots
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        self.keys[layer_idx] = scatter_at_slots(self.keys[layer_idx], key_states, self.slots)
+        self.values[layer_idx] = scatter_at_slots(self.values[layer_idx], value_states, self.slots)
+        return self.keys[layer_idx], self.values[layer_idx]
+
+    def __len__(self) -> int:
+        return len(self.keys)

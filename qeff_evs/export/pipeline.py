@@ -1,0 +1,169 @@
+"""``qeff-evs export``: a checkpoint folder in, ONNX graphs + specializations + compile script out.
+
+Layout of the export folder::
+
+    manifest.json                 what `run` and `compile` read
+    vision/vision.onnx            vision(+EVS) graph, one file for every grid / frame count / K
+    vision/specializations.json   one entry per (resolution, frames, q); + specializations.named.json
+    vision/custom_io.yaml
+    language/language.onnx        language graph (QEfficient contract, user_vision_size windows)
+    language/specializations.json prefill + decode; + specializations.named.json
+    language/custom_io.yaml
+    tokenizer/                    the checkpoint's tokenizer (and chat template)
+    compile.sh                    the qaic-compile command lines
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from qeff_evs import evs
+from qeff_evs.export.language import export_language_graph
+from qeff_evs.export.vision import export_vision_graph
+from qeff_evs.manifest import Manifest, VisionEntry
+from qeff_evs.models.checkpoint import load_checkpoint
+from qeff_evs.models.language import language_spec
+from qeff_evs.models.registry import family_for_config
+from qeff_evs.specializations import (
+    FLOAT16,
+    CompileCommand,
+    VisionTarget,
+    language_specializations,
+    prepare_graph_compile,
+    vision_specializations,
+    write_compile_script,
+    write_specializations_json,
+)
+
+Progress = Callable[[str], None]
+MODEL_CONFIG_DIR = "model_config"
+PREPROCESSOR_FILES = ("preprocessor_config.json", "video_preprocessor_config.json")
+
+
+def save_model_config(checkpoint, folder: Path) -> None:
+    """The config and preprocessor files the ORT/QAIC runtime needs, without the weights."""
+    checkpoint.config.save_pretrained(folder)
+    for name in PREPROCESSOR_FILES:
+        source = Path(checkpoint.model_dir) / name
+        if source.is_file():
+            shutil.copyfile(source, folder / name)
+
+
+@dataclass(frozen=True)
+class ExportOptions:
+    video_pruning_rate: float
+    frames: tuple[int, ...]
+    resolutions: tuple[tuple[int, int], ...]  # (height, width) the encoder sees
+    prefill_seq_len: int
+    ctx_len: int
+    user_vision_size: int | None = None
+    kv_precision: str = FLOAT16
+    num_cores: int = 16
+    mxfp6_matmul: bool = False
+
+    @property
+    def vision_size(self) -> int:
+        return self.user_vision_size if self.user_vision_size is not None else self.prefill_seq_len
+
+
+def check_frame_sizes(options: ExportOptions, patch_size: int, merge_size: int, temporal_patch_size: int) -> None:
+    factor = patch_size * merge_size
+    for height, width in options.resolutions:
+        if height % factor or width % factor or height <= 0 or width <= 0:
+            raise ValueError(
+                f"frame size {height}x{width} is not a positive multiple of patch_size*merge_size = {factor}; "
+                f"use e.g. {max(factor, round(height / factor) * factor)}x{max(factor, round(width / factor) * factor)}")
+    for frames in options.frames:
+        if frames <= 0 or frames % temporal_patch_size:
+            raise ValueError(
+                f"--frames {frames} must be a positive multiple of temporal_patch_size {temporal_patch_size}")
+
+
+def vision_grid(height: int, width: int, frames: int, patch_size: int, temporal_patch_size: int) -> tuple[int, int, int]:
+    return frames // temporal_patch_size, height // patch_size, width // patch_size
+
+
+def compile_commands(export_dir: Path, num_cores: int, mxfp6_matmul: bool, kv_precision: str,
+                     vision_specs, language_specs) -> list[CompileCommand]:
+    """Check both graphs against their specializations, write their compile inputs, return the commands."""
+    commands = []
+    for graph, specs in (("vision", vision_specs), ("language", language_specs)):
+        graph_dir = export_dir / graph
+        commands.append(prepare_graph_compile(
+            graph_dir / f"{graph}.onnx", graph_dir, specs, graph=graph, kv_precision=kv_precision,
+            num_cores=num_cores, mxfp6_matmul=mxfp6_matmul, relative_to=export_dir))
+        write_specializations_json(graph_dir / "specializations.named.json", specs, "named")
+    return commands
+
+
+def export_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, options: ExportOptions,
+                      progress: Progress = lambda message: None) -> Manifest:
+    q = evs.validate_pruning_rate(options.video_pruning_rate)
+    lang_specs = language_specializations(options.prefill_seq_len, options.ctx_len, options.user_vision_size)
+    out = Path(out_dir)
+    progress(f"loading checkpoint {model_dir}")
+    checkpoint = load_checkpoint(model_dir)
+    family = family_for_config(checkpoint.config)
+    vc = checkpoint.config.vision_config
+    check_frame_sizes(options, vc.patch_size, vc.spatial_merge_size, vc.temporal_patch_size)
+
+    targets = []
+    for height, width in options.resolutions:
+        for frames in options.frames:
+            grid = vision_grid(height, width, frames, vc.patch_size, vc.temporal_patch_size)
+            t, h, w = family.merged_grid(grid)
+            retained = evs.retained_token_count(h * w, t, q)
+            targets.append((VisionTarget(height, width, frames, q), grid, retained))
+    vision_specs = vision_specializations(
+        [(target, family.vision_symbols(grid, k)) for target, grid, k in targets])
+
+    (out / "vision").mkdir(parents=True, exist_ok=True)
+    (out / "language").mkdir(parents=True, exist_ok=True)
+    _, example_grid, example_k = targets[0]
+    progress(f"exporting vision(+EVS) graph (example grid {example_grid}, K={example_k})")
+    export_vision_graph(family.vision_wrapper(checkpoint.model), example_grid, example_k,
+                        out / "vision" / "vision.onnx", progress=progress)
+    progress("exporting language graph")
+    export_language_graph(checkpoint.model, out / "language" / "language.onnx",
+                          media_token_ids=family.special_tokens().media_pads)
+
+    progress("checking specializations against the graphs and writing compile inputs")
+    commands = compile_commands(out, options.num_cores, options.mxfp6_matmul, options.kv_precision,
+                                vision_specs, lang_specs)
+    write_compile_script(out / "compile.sh", commands)
+    checkpoint.tokenizer.save_pretrained(out / "tokenizer")
+    save_model_config(checkpoint, out / MODEL_CONFIG_DIR)
+
+    spec = language_spec(checkpoint.model)
+    specials = family.special_tokens()
+    manifest = Manifest(
+        family=family.name,
+        model_dir=str(Path(model_dir).resolve()),
+        video_pruning_rate=q,
+        prefill_seq_len=options.prefill_seq_len,
+        ctx_len=options.ctx_len,
+        user_vision_size=options.vision_size,
+        frames=tuple(options.frames),
+        resolutions=tuple(tuple(r) for r in options.resolutions),
+        special_tokens=dict(image_pad=specials.image_pad, video_pad=specials.video_pad,
+                            vision_start=specials.vision_start, vision_end=specials.vision_end,
+                            eos=list(specials.eos)),
+        language_shape=dict(num_layers=spec.num_layers, kv_heads=spec.kv_heads, head_dim=spec.head_dim,
+                            hidden=spec.hidden_size, vocab=spec.vocab_size, deepstack_levels=spec.deepstack_levels),
+        files=dict(vision="vision/vision.onnx", language="language/language.onnx", tokenizer="tokenizer",
+                   vision_specializations="vision/specializations.json",
+                   language_specializations="language/specializations.json",
+                   vision_custom_io="vision/custom_io.yaml", language_custom_io="language/custom_io.yaml",
+                   compile_script="compile.sh"),
+        vision_entries=tuple(
+            VisionEntry(target.height, target.width, target.frames, tuple(grid), k, family.vision_symbols(grid, k))
+            for target, grid, k in targets),
+        kv_precision=options.kv_precision,
+    )
+    manifest.write(out)
+    progress(f"export written to {out}")
+    return manifest

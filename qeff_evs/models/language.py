@@ -1,0 +1,215 @@
+"""The language-model step both backends run: merge vision rows, attend over a slot KV cache, emit logits.
+
+One step takes a chunk of ``seq_len`` tokens (a prefill chunk, or one decode token per row) and:
+
+1. embeds ``input_ids`` and replaces every media token (image pad or video pad) with a row of
+   ``vision_embeds``: the k-th media token of the chunk takes row ``image_idx + k``;
+2. runs the transformers decoder layers with rows 1..3 of ``position_ids`` as M-RoPE positions and
+   row 0 as KV-cache slots (``qeff_evs.export.kv_cache``); Qwen3-VL deepstack rows, gathered with the
+   same indices, are added after the first ``levels`` layers;
+3. returns the logits of each row's last valid token, ``image_idx`` advanced by the chunk's media
+   tokens, and the updated caches.
+
+The module drives the family's own transformers submodules (embedding, rotary embedding, decoder
+layers, norm, lm_head) directly, so Qwen2.5-VL and Qwen3-VL share it, no class is swapped, and no
+boolean indexing (which would export as NonZero) is involved.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple, Sequence
+
+import torch
+from torch import nn
+
+from qeff_evs.export.kv_cache import SlotKVCache, cache_slots, slot_attention_mask, write_slots
+
+
+@dataclass(frozen=True)
+class LanguageSpec:
+    """Shapes and ids of a model's language graph, read from its transformers config."""
+
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+    kv_heads: int
+    head_dim: int
+    media_token_ids: tuple[int, ...]  # image pad, video pad
+    deepstack_levels: int  # 0 for Qwen2.5-VL
+
+    @property
+    def has_deepstack(self) -> bool:
+        return self.deepstack_levels > 0
+
+
+def language_spec(hf_model: nn.Module) -> LanguageSpec:
+    """Read the language-graph spec of a ``Qwen2_5_VL/Qwen3VL ...ForConditionalGeneration`` model."""
+    config = hf_model.config
+    text = getattr(config, "text_config", None)
+    if text is None:
+        raise ValueError(
+            f"{type(hf_model).__name__} has no config.text_config; pass a Qwen2.5-VL or Qwen3-VL "
+            "ForConditionalGeneration model"
+        )
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    media = tuple(
+        int(getattr(config, name))
+        for name in ("image_token_id", "video_token_id")
+        if getattr(config, name, None) is not None
+    )
+    if not media:
+        raise ValueError(
+            f"{type(config).__name__} sets neither image_token_id nor video_token_id; "
+            "the language graph needs the media pad ids to merge vision rows"
+        )
+    vision = getattr(config, "vision_config", None)
+    deepstack = len(getattr(vision, "deepstack_visual_indexes", None) or ())
+    return LanguageSpec(
+        num_layers=int(text.num_hidden_layers),
+        hidden_size=int(text.hidden_size),
+        vocab_size=int(text.vocab_size),
+        kv_heads=int(text.num_key_value_heads),
+        head_dim=int(head_dim),
+        media_token_ids=media,
+        deepstack_levels=deepstack,
+    )
+
+
+def _text_model_and_head(hf_model: nn.Module) -> tuple[nn.Module, nn.Module]:
+    inner = getattr(hf_model, "model", None)
+    text_model = getattr(inner, "language_model", None)
+    lm_head = getattr(hf_model, "lm_head", None)
+    if text_model is None or lm_head is None:
+        raise ValueError(
+            f"{type(hf_model).__name__} lacks .model.language_model or .lm_head; pass the "
+            "ForConditionalGeneration model (transformers >= 5), not its inner model"
+        )
+    return text_model, lm_head
+
+
+class MediaMerge(NamedTuple):
+    """Where a chunk's media tokens are and which vision rows they read."""
+
+    is_media: torch.Tensor  # (B, S) bool: a media pad id at a valid (slot >= 0) position
+    rows: torch.Tensor  # (B, S) int64 row of vision_embeds for each token (clamped for non-media)
+    count: torch.Tensor  # (B,) int64 media tokens per row
+
+
+def media_rows(
+    input_ids: torch.Tensor,
+    position_slots: torch.Tensor,
+    image_idx: torch.Tensor,
+    media_token_ids: torch.Tensor,
+    last_vision_row: torch.Tensor,
+) -> MediaMerge:
+    """The k-th media token of each row reads vision row ``image_idx + k`` (cumsum, no NonZero).
+
+    Padding positions never count as media, whatever id the host padded with.
+    """
+    is_media = (input_ids[..., None] == media_token_ids).any(-1) & (position_slots >= 0)
+    running = torch.cumsum(is_media.to(torch.int64), dim=1)
+    # Non-media tokens before the first media token would point at image_idx - 1 (maybe -1); the
+    # clamp keeps every gather in range, and torch.where discards those rows anyway.
+    rows = (running - 1 + image_idx.reshape(())).clamp(min=0)
+    rows = torch.minimum(rows, last_vision_row)
+    return MediaMerge(is_media=is_media, rows=rows, count=running[:, -1])
+
+
+class LanguageStep(NamedTuple):
+    logits: torch.Tensor  # (B, 1, vocab) fp32, last valid position of each row
+    image_idx_output: torch.Tensor  # (1, 1) int64
+    past_keys: list[torch.Tensor]  # per layer (B, kv_heads, ctx_len, head_dim)
+    past_values: list[torch.Tensor]
+
+
+class LanguageGraph(nn.Module):
+    """One language-model step over a slot KV cache; the module the language ONNX is traced from.
+
+    It shares (does not copy) the parameters of ``hf_model``. ``media_token_ids`` defaults to the
+    config's image and video pad ids.
+    """
+
+    def __init__(self, hf_model: nn.Module, media_token_ids: Sequence[int] | None = None):
+        super().__init__()
+        self.spec = language_spec(hf_model)
+        if media_token_ids is not None:
+            self.spec = LanguageSpec(**{**self.spec.__dict__, "media_token_ids": tuple(media_token_ids)})
+        self.text_model, self.lm_head = _text_model_and_head(hf_model)
+        self.register_buffer(
+            "media_token_ids", torch.tensor(self.spec.media_token_ids, dtype=torch.int64), persistent=False
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        vision_embeds: torch.Tensor,
+        position_ids: torch.Tensor,
+        image_idx: torch.Tensor,
+        past_keys: Sequence[torch.Tensor],
+        past_values: Sequence[torch.Tensor],
+        deepstack_features: torch.Tensor | None = None,
+    ) -> LanguageStep:
+        self._check_inputs(position_ids, past_keys, past_values, deepstack_features)
+        text = self.text_model
+        hidden = text.embed_tokens(input_ids)
+        slots = position_ids[0]
+
+        # Taken from a Range over the shape so vision_size stays a graph symbol under tracing.
+        last_vision_row = torch.arange(vision_embeds.shape[1], device=input_ids.device)[-1]
+        merge = media_rows(input_ids, slots, image_idx, self.media_token_ids, last_vision_row)
+        media_mask = merge.is_media[..., None]
+        vision_rows = vision_embeds[0][merge.rows].to(hidden.dtype)  # (B, S, hidden)
+        hidden = torch.where(media_mask, vision_rows, hidden)
+
+        key_slots = cache_slots(past_keys[0])
+        cache = SlotKVCache(past_keys, past_values, write_slots(slots, key_slots))
+        attention_mask = slot_attention_mask(slots, key_slots, hidden.dtype)
+        rotary = text.rotary_emb(hidden, position_ids[1:])
+
+        for layer_idx, layer in enumerate(text.layers):
+            hidden = layer(
+                hidden,
+                attention_mask=attention_mask,
+                position_ids=slots,
+                past_key_values=cache,
+                position_embeddings=rotary,
+            )
+            if deepstack_features is not None and layer_idx < deepstack_features.shape[0]:
+                extra = deepstack_features[layer_idx, 0][merge.rows].to(hidden.dtype)
+                hidden = torch.where(media_mask, hidden + extra, hidden)
+
+        # Only each row's last valid token (largest slot; padding is -1) needs logits.
+        last = slots.argmax(dim=1)
+        batch_rows = torch.arange(hidden.shape[0], device=hidden.device)
+        # (B, hidden) then unsqueeze, so the graph knows the middle axis of the logits is exactly 1.
+        last_hidden = hidden[batch_rows, last].unsqueeze(1)
+        logits = self.lm_head(text.norm(last_hidden)).float()
+
+        image_idx_output = (image_idx.reshape(()) + merge.count.max()).reshape(1, 1)
+        return LanguageStep(logits, image_idx_output, cache.keys, cache.values)
+
+    def _check_inputs(self, position_ids, past_keys, past_values, deepstack_features) -> None:
+        if torch.jit.is_tracing():
+            return
+        if position_ids.dim() != 3 or position_ids.shape[0] != 4:
+            raise ValueError(
+                f"position_ids must be (4, batch, seq_len) (KV slot row + M-RoPE t/h/w), got "
+                f"{tuple(position_ids.shape)}; prepend the slot row to the 3-row M-RoPE positions"
+            )
+        layers = self.spec.num_layers
+        if len(past_keys) != layers or len(past_values) != layers:
+            raise ValueError(
+                f"expected {layers} past keys and values (one per decoder layer), got "
+                f"{len(past_keys)} and {len(past_values)}"
+            )
+        if self.spec.has_deepstack and deepstack_features is None:
+            raise ValueError(
+                f"this model has {self.spec.deepstack_levels} deepstack levels; pass deepstack_features "
+                "(levels, 1, vision_size, hidden)"
+            )
+        if deepstack_features is not None and deepstack_features.shape[0] != self.spec.deepstack_levels:
+            raise ValueError(
+                f"deepstack_features has {deepstack_features.shape[0]} levels, the model has "
+                f"{self.spec.deepstack_levels}; pass the vision graph's deepstack output unchanged"
+            )

@@ -1,0 +1,83 @@
+"""The small protocol a model family implements to plug into export and runtime.
+
+A family knows three things the shared pipeline does not: how to build its exportable
+vision(+EVS) and language wrappers from a transformers model, which host-side index tensors
+its vision graph takes for a grid, and how a video is laid out in the prompt (before the
+encoder, where only the retained count K is known, and after it, where the per-frame split is).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence
+
+import numpy as np
+import torch
+
+from qeff_evs.positions import MediaBlock
+
+
+@dataclass(frozen=True)
+class VideoInput:
+    """A preprocessed video: patches in the family's order and its patch grid."""
+
+    pixel_values: torch.Tensor  # (T*H*W, C*tp*p*p)
+    grid_thw: tuple[int, int, int]  # patch grid (temporal patches, H patches, W patches)
+    fps: float  # sampling rate of the frames the patches were made from
+    frame_times: tuple[float, ...] = ()  # seconds of each sampled frame (Qwen3-VL timestamps)
+
+
+@dataclass(frozen=True)
+class VideoLayout:
+    """A video's prompt segment after encoding, described on its unpruned layout.
+
+    ``unpruned_ids[keep]`` are the ids fed to the language graph; positions are computed on
+    the unpruned ids with ``blocks`` and then restricted with ``keep``.
+    """
+
+    unpruned_ids: np.ndarray  # int64
+    keep: np.ndarray  # bool, same length
+    blocks: tuple[MediaBlock, ...]
+
+    @property
+    def ids(self) -> np.ndarray:
+        return self.unpruned_ids[self.keep]
+
+
+@dataclass(frozen=True)
+class SpecialTokens:
+    image_pad: int
+    video_pad: int
+    vision_start: int
+    vision_end: int
+    eos: tuple[int, ...] = field(default=())
+
+    @property
+    def media_pads(self) -> tuple[int, int]:
+        return (self.image_pad, self.video_pad)
+
+
+class ModelFamily(Protocol):
+    """What export and runtime need from Qwen2.5-VL or Qwen3-VL."""
+
+    name: str
+    deepstack_levels: int
+
+    def special_tokens(self) -> SpecialTokens: ...
+
+    def merged_grid(self, grid_thw: Sequence[int]) -> tuple[int, int, int]: ...
+
+    def vision_wrapper(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Exportable vision(+EVS) module: host inputs in, (embeds, [deepstack], retained indices) out."""
+
+    def vision_host_inputs(self, grid_thw: Sequence[int], retained: int) -> dict[str, np.ndarray]:
+        """Every vision-graph input except ``pixel_values``, for this grid and K."""
+
+    def vision_symbols(self, grid_thw: Sequence[int], retained: int) -> dict[str, int]:
+        """Values of the vision graph's dynamic symbols for one specialization."""
+
+    def placeholder_ids(self, video: VideoInput, retained: int) -> np.ndarray:
+        """The video's prompt segment before encoding (only K known). Same length as after."""
+
+    def video_layout(self, video: VideoInput, retained_indices: np.ndarray) -> VideoLayout:
+        """The video's real segment once the encoder has chosen the retained tokens."""

@@ -1,0 +1,129 @@
+"""Runs one request through the vision and language sessions: encode, windowed chunked prefill, greedy decode."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from qeff_evs import evs
+from qeff_evs.models.protocol import ModelFamily, VideoInput
+from qeff_evs.runtime.chunks import decode_step, prefill_step
+from qeff_evs.runtime.request import EncodedVideo, PreparedPrompt, PromptPiece, prepare_prompt, provisional_ids
+from qeff_evs.runtime.sessions import LanguageSession, VisionSession
+from qeff_evs.runtime.window import prefill_chunks
+
+TOP_LOGITS = 10
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    prefill_seq_len: int
+    ctx_len: int
+    user_vision_size: int
+    video_pruning_rate: float
+    max_new_tokens: int = 16
+    pad_token_id: int = 0
+
+    def __post_init__(self) -> None:
+        evs.validate_pruning_rate(self.video_pruning_rate)
+        if self.user_vision_size < self.prefill_seq_len:
+            raise ValueError(
+                f"user_vision_size {self.user_vision_size} is below prefill_seq_len {self.prefill_seq_len}: a "
+                "chunk can hold that many media tokens; use --user-vision-size >= --prefill-seq-len")
+
+
+@dataclass
+class GenerationResult:
+    prompt_token_ids: list[int]
+    generated_token_ids: list[int]
+    prefill_top_logits: list[list[float]]
+    retained_tokens_per_frame: list[list[int]]
+    num_prefill_chunks: int
+    vision_rows_per_chunk: list[int] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return dict(self.__dict__)
+
+
+def top_logits(logits: np.ndarray, k: int = TOP_LOGITS) -> list[list[float]]:
+    flat = np.asarray(logits, dtype=np.float64).reshape(-1)
+    order = np.argsort(-flat, kind="stable")[:k]
+    return [[int(i), float(flat[i])] for i in order]
+
+
+class Engine:
+    def __init__(self, family: ModelFamily, vision: VisionSession, language: LanguageSession,
+                 config: EngineConfig, progress: Callable[[str], None] | None = None):
+        self.family = family
+        self.vision = vision
+        self.language = language
+        self.config = config
+        self.progress = progress or (lambda message: None)
+
+    def encode(self, video: VideoInput) -> EncodedVideo:
+        t, h, w = self.family.merged_grid(video.grid_thw)
+        k = evs.retained_token_count(h * w, t, self.config.video_pruning_rate)
+        host = self.family.vision_host_inputs(video.grid_thw, k)
+        result = self.vision.run(video.pixel_values.numpy(), host)
+        retained = result.retained_indices.astype(np.int64)
+        kept = evs.tokens_per_frame_kept(retained, t, h * w)
+        return EncodedVideo(result.rows, retained, result.deepstack, tuple(kept))
+
+    def prepare(self, pieces: list[PromptPiece], videos: list[VideoInput]) -> PreparedPrompt:
+        retained = []
+        for video in videos:
+            t, h, w = self.family.merged_grid(video.grid_thw)
+            retained.append(evs.retained_token_count(h * w, t, self.config.video_pruning_rate))
+        planned = provisional_ids(pieces, videos, retained, self.family)
+        self._check_fits(len(planned))
+        encoded = []
+        for i, video in enumerate(videos):
+            self.progress(f"vision graph: video {i} grid {tuple(video.grid_thw)}, keeping {retained[i]} tokens")
+            encoded.append(self.encode(video))
+        prompt = prepare_prompt(pieces, videos, encoded, self.family)
+        if len(prompt.ids) != len(planned):
+            raise ValueError(f"prompt length changed after encoding: {len(planned)} -> {len(prompt.ids)}")
+        return prompt
+
+    def _check_fits(self, num_prompt_tokens: int) -> None:
+        # Pad writes of a partial chunk land in KV slot ctx_len-1, so that slot must stay free during prefill.
+        need = num_prompt_tokens + self.config.max_new_tokens
+        if need > self.config.ctx_len:
+            raise ValueError(
+                f"the prompt ({num_prompt_tokens} tokens) plus max_new_tokens ({self.config.max_new_tokens}) "
+                f"needs {need} KV slots but ctx_len is {self.config.ctx_len}; use fewer frames, a higher "
+                "--video-pruning-rate, fewer new tokens, or export with a larger --ctx-len")
+
+    def generate(self, prompt: PreparedPrompt, eos_ids: tuple[int, ...] = ()) -> GenerationResult:
+        cfg = self.config
+        shape = self.language.shape
+        self._check_fits(len(prompt.ids))
+        self.language.reset()
+        chunks = prefill_chunks(len(prompt.ids), cfg.prefill_seq_len)
+        rows_per_chunk = []
+        logits = None
+        for number, (computed, scheduled) in enumerate(chunks, 1):
+            step = prefill_step(prompt, computed, scheduled, cfg.prefill_seq_len, cfg.user_vision_size,
+                                shape.hidden, shape.deepstack_levels, cfg.pad_token_id)
+            rows_per_chunk.append(step.vision_rows)
+            self.progress(f"prefill chunk {number}/{len(chunks)}: {scheduled} tokens, {step.vision_rows} vision rows")
+            logits = self.language.run(step)
+        generated = [int(np.argmax(logits.reshape(-1)))]
+        prefill_top = top_logits(logits)
+        for j in range(1, cfg.max_new_tokens):
+            if generated[-1] in eos_ids:
+                break
+            step = decode_step(generated[-1], len(prompt.ids) + j - 1, prompt.decode_start + j - 1)
+            logits = self.language.run(step)
+            generated.append(int(np.argmax(logits.reshape(-1))))
+        self.progress(f"decoded {len(generated)} tokens")
+        return GenerationResult(
+            prompt_token_ids=prompt.ids.tolist(),
+            generated_token_ids=generated,
+            prefill_top_logits=prefill_top,
+            retained_tokens_per_frame=[list(e.kept_per_frame) for e in prompt.encoded],
+            num_prefill_chunks=len(chunks),
+            vision_rows_per_chunk=rows_per_chunk,
+        )

@@ -1,0 +1,124 @@
+"""``qeff-evs run``: an export folder + a video + a question -> generated tokens, on a chosen backend."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from transformers import AutoConfig, AutoTokenizer
+
+from qeff_evs.export.pipeline import MODEL_CONFIG_DIR
+from qeff_evs.manifest import Manifest, read_manifest
+from qeff_evs.models.protocol import ModelFamily, VideoInput
+from qeff_evs.models.registry import family_for_config
+from qeff_evs.runtime.engine import Engine, EngineConfig, GenerationResult
+from qeff_evs.runtime.processor import (
+    VisionPreprocessSpec,
+    choose_resolution,
+    preprocess_video,
+    sample_frame_indices,
+)
+from qeff_evs.runtime.prompt import video_question_pieces
+from qeff_evs.runtime.sessions import (
+    LanguageShape,
+    OrtLanguageSession,
+    OrtVisionSession,
+    TorchLanguageSession,
+    TorchVisionSession,
+)
+from qeff_evs.runtime.video_io import load_video, probe_video
+
+BACKENDS = ("ort", "torch", "qaic")
+
+Progress = Callable[[str], None]
+
+
+@dataclass
+class ExportBundle:
+    """An export folder opened for running: manifest, family, tokenizer, preprocessing."""
+
+    export_dir: Path
+    manifest: Manifest
+    family: ModelFamily
+    tokenizer: object
+    preprocess: VisionPreprocessSpec
+
+    @property
+    def language_shape(self) -> LanguageShape:
+        s = self.manifest.language_shape
+        return LanguageShape(s["num_layers"], s["kv_heads"], s["head_dim"], s["hidden"], self.manifest.ctx_len,
+                             self.manifest.user_vision_size, s.get("deepstack_levels", 0))
+
+
+def open_export(export_dir: str | Path) -> ExportBundle:
+    export_dir = Path(export_dir)
+    manifest = read_manifest(export_dir)
+    config_dir = export_dir / MODEL_CONFIG_DIR
+    config = AutoConfig.from_pretrained(config_dir, local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(manifest.path(export_dir, "tokenizer"), local_files_only=True)
+    preprocess = VisionPreprocessSpec.from_pretrained_dir(config_dir, config)
+    return ExportBundle(export_dir, manifest, family_for_config(config), tokenizer, preprocess)
+
+
+def video_from_file(path: str | Path, bundle: ExportBundle, target_fps: float | None = None,
+                    source_fps: float | None = None) -> VideoInput:
+    """Sample by fps to an exported frame count, resize to the exported size closest in aspect, patchify."""
+    spec = bundle.preprocess
+    info = probe_video(path, fps=source_fps)
+    sampled = sample_frame_indices(info.num_frames, info.fps, target_fps or spec.target_fps, bundle.manifest.frames)
+    frames = load_video(path, fps=source_fps, frame_indices=sampled.indices).frames
+    size = choose_resolution(info.height, info.width, bundle.manifest.resolutions, spec.factor)
+    processed = preprocess_video(frames, size, spec)
+    return VideoInput(processed.pixel_values, tuple(processed.grid_thw), float(sampled.fps),
+                      tuple(float(t) for t in sampled.timestamps))
+
+
+def video_from_patches(pixel_values_path: str | Path, grid_thw: tuple[int, int, int], fps: float) -> VideoInput:
+    """Already-patchified pixels (``pixel_values_videos`` as transformers' processor returns them)."""
+    pixels = torch.from_numpy(np.load(pixel_values_path)).to(torch.float32)
+    t, h, w = (int(v) for v in grid_thw)
+    if pixels.dim() != 2 or pixels.shape[0] != t * h * w:
+        raise ValueError(
+            f"pixel_values of shape {tuple(pixels.shape)} do not match --video-grid-thw {t},{h},{w} "
+            f"(expected {t * h * w} rows of patches)")
+    frame_times = tuple(float(i) / fps for i in range(2 * t))
+    return VideoInput(pixels, (t, h, w), float(fps), frame_times)
+
+
+def sessions_for(bundle: ExportBundle, backend: str, device: str | None = None):
+    if backend == "ort":
+        return (OrtVisionSession(bundle.manifest.path(bundle.export_dir, "vision")),
+                OrtLanguageSession(bundle.manifest.path(bundle.export_dir, "language"), bundle.language_shape))
+    if backend == "torch":
+        from qeff_evs.export.language import ExportableLanguageGraph
+        from qeff_evs.models.checkpoint import load_checkpoint
+        from qeff_evs.models.language import LanguageGraph
+
+        checkpoint = load_checkpoint(bundle.manifest.model_dir)
+        language = ExportableLanguageGraph(LanguageGraph(checkpoint.model, bundle.family.special_tokens().media_pads))
+        return (TorchVisionSession(bundle.family.vision_wrapper(checkpoint.model), device),
+                TorchLanguageSession(language, bundle.language_shape, device))
+    if backend == "qaic":
+        from qeff_evs.runtime.qaic import qaic_sessions
+
+        return qaic_sessions(bundle)
+    raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+
+
+def build_engine(bundle: ExportBundle, backend: str = "ort", max_new_tokens: int = 16,
+                 progress: Progress | None = None, device: str | None = None) -> Engine:
+    m = bundle.manifest
+    config = EngineConfig(m.prefill_seq_len, m.ctx_len, m.user_vision_size, m.video_pruning_rate,
+                          max_new_tokens=max_new_tokens)
+    vision, language = sessions_for(bundle, backend, device)
+    return Engine(bundle.family, vision, language, config, progress)
+
+
+def answer(bundle: ExportBundle, engine: Engine, video: VideoInput, question: str) -> GenerationResult:
+    bundle.manifest.vision_entry(video.grid_thw)  # fails clearly when no specialization serves this grid
+    pieces = video_question_pieces(bundle.tokenizer, question)
+    prompt = engine.prepare(pieces, [video])
+    return engine.generate(prompt, eos_ids=bundle.family.special_tokens().eos)
