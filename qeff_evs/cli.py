@@ -145,6 +145,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workdir", default=None, help="where to keep the checkpoint and export (default: a temp dir)")
     p.add_argument("--backend", choices=("ort", "torch"), default="ort")
     p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("bench", help="measure what EVS and user_vision_size buy (JSON, Markdown, PNG plots)")
+    from qeff_evs.bench import add_bench_arguments
+
+    add_bench_arguments(p)
+    p.set_defaults(func=cmd_bench)
     return parser
 
 

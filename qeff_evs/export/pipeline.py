@@ -107,7 +107,7 @@ def export_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, 
     out = Path(out_dir)
     progress(f"loading checkpoint {model_dir}")
     checkpoint = load_checkpoint(model_dir)
-    family = family_for_config(checkpoint.config)
+    family = family_for_config(checkpoint.config, checkpoint.tokenizer)
     vc = checkpoint.config.vision_config
     check_frame_sizes(options, vc.patch_size, vc.spatial_merge_size, vc.temporal_patch_size)
 

@@ -60,7 +60,7 @@ def open_export(export_dir: str | Path) -> ExportBundle:
     config = AutoConfig.from_pretrained(config_dir, local_files_only=True)
     tokenizer = AutoTokenizer.from_pretrained(manifest.path(export_dir, "tokenizer"), local_files_only=True)
     preprocess = VisionPreprocessSpec.from_pretrained_dir(config_dir, config)
-    return ExportBundle(export_dir, manifest, family_for_config(config), tokenizer, preprocess)
+    return ExportBundle(export_dir, manifest, family_for_config(config, tokenizer), tokenizer, preprocess)
 
 
 def video_from_file(path: str | Path, bundle: ExportBundle, target_fps: float | None = None,
