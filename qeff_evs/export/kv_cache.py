@@ -35,7 +35,8 @@ def cache_slots(cache: torch.Tensor) -> torch.Tensor:
 
 def write_slots(position_slots: torch.Tensor, key_slots: torch.Tensor) -> torch.Tensor:
     """Cache slot each token writes to: its own slot, or the last slot for padding (slot < 0)."""
-    return torch.where(position_slots < 0, key_slots[-1], position_slots)
+    # max() rather than [-1]: a negative Gather index is legal ONNX but not every backend takes it.
+    return torch.where(position_slots < 0, key_slots.max(), position_slots)
 
 
 def scatter_at_slots(cache: torch.Tensor, new: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:

@@ -17,6 +17,7 @@ boolean indexing (which would export as NonZero) is involved.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import NamedTuple, Sequence
 
@@ -109,11 +110,12 @@ def media_rows(
     """
     is_media = (input_ids[..., None] == media_token_ids).any(-1) & (position_slots >= 0)
     running = torch.cumsum(is_media.to(torch.int64), dim=1)
-    # Non-media tokens before the first media token would point at image_idx - 1 (maybe -1); the
-    # clamp keeps every gather in range, and torch.where discards those rows anyway.
+    # Clamped into [0, vision_size - 1] so every gather stays in the buffer: non-media tokens before
+    # the chunk's first media token point at image_idx - 1, and torch.where discards their rows.
+    # (A host sending fewer rows than media tokens would read the last row instead of failing.)
     rows = (running - 1 + image_idx.reshape(())).clamp(min=0)
     rows = torch.minimum(rows, last_vision_row)
-    return MediaMerge(is_media=is_media, rows=rows, count=running[:, -1])
+    return MediaMerge(is_media=is_media, rows=rows, count=is_media.sum(dim=1))
 
 
 class LanguageStep(NamedTuple):
@@ -134,7 +136,7 @@ class LanguageGraph(nn.Module):
         super().__init__()
         self.spec = language_spec(hf_model)
         if media_token_ids is not None:
-            self.spec = LanguageSpec(**{**self.spec.__dict__, "media_token_ids": tuple(media_token_ids)})
+            self.spec = dataclasses.replace(self.spec, media_token_ids=tuple(int(i) for i in media_token_ids))
         self.text_model, self.lm_head = _text_model_and_head(hf_model)
         self.register_buffer(
             "media_token_ids", torch.tensor(self.spec.media_token_ids, dtype=torch.int64), persistent=False
@@ -156,7 +158,7 @@ class LanguageGraph(nn.Module):
         slots = position_ids[0]
 
         # Taken from a Range over the shape so vision_size stays a graph symbol under tracing.
-        last_vision_row = torch.arange(vision_embeds.shape[1], device=input_ids.device)[-1]
+        last_vision_row = torch.arange(vision_embeds.shape[1], device=input_ids.device).max()
         merge = media_rows(input_ids, slots, image_idx, self.media_token_ids, last_vision_row)
         media_mask = merge.is_media[..., None]
         vision_rows = vision_embeds[0][merge.rows].to(hidden.dtype)  # (B, S, hidden)
