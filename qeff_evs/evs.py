@@ -129,6 +129,23 @@ def exportable_keep_order(dissimilarity: torch.Tensor, retained_carrier: torch.T
     return torch.topk(top, k, largest=False, sorted=True).values
 
 
+def _check_selection_shapes(embeds: torch.Tensor, frames: int, k: int, extra: torch.Tensor | None) -> None:
+    if embeds.dim() != 2:
+        raise ValueError(f"embeds must be 2-D (T*h*w, D), got shape {tuple(embeds.shape)}")
+    rows = embeds.shape[0]
+    if frames < 1 or rows % frames:
+        raise ValueError(
+            f"{rows} embedding rows do not split into {frames} frames; "
+            "the frames carrier length must be the temporal grid size T"
+        )
+    if not 1 <= k <= rows:
+        raise ValueError(
+            f"retained count {k} must be in [1, {rows}]; size the retained carrier with retained_token_count"
+        )
+    if extra is not None and (extra.dim() != 2 or extra.shape[0] != rows):
+        raise ValueError(f"extra features must be 2-D with {rows} rows, got shape {tuple(extra.shape)}")
+
+
 def select_retained(
     embeds: torch.Tensor, frames: int, retained_carrier: torch.Tensor, extra: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -137,14 +154,24 @@ def select_retained(
     The dissimilarity is taken over ``embeds`` concatenated with ``extra`` along features
     (Qwen3-VL's deepstack levels) when given; callers gather ``extra`` with the same indices.
     """
+    if not _exporting():
+        # Under export these sizes are symbols; in eager mode catch what TopK would
+        # otherwise turn into a silent short selection or an opaque reshape error.
+        _check_selection_shapes(embeds, frames, retained_carrier.shape[0], extra)
     features = embeds if extra is None else torch.cat([embeds, extra], dim=-1)
     per_frame = features.reshape(frames, -1, features.shape[-1])
     indices = exportable_keep_order(frame_dissimilarity(per_frame), retained_carrier)
     return embeds.index_select(0, indices), indices
 
 
-def tokens_per_frame_kept(retained_indices: torch.Tensor | Sequence[int], num_frames: int, tokens_per_frame: int) -> list[int]:
+def tokens_per_frame_kept(
+    retained_indices: torch.Tensor | Sequence[int], num_frames: int, tokens_per_frame: int
+) -> list[int]:
     """Per temporal patch, how many retained flat indices fall in it."""
+    if num_frames < 1 or tokens_per_frame < 1:
+        raise ValueError(
+            f"num_frames and tokens_per_frame must be >= 1, got {num_frames} and {tokens_per_frame}"
+        )
     idx = torch.as_tensor(retained_indices, dtype=torch.int64).reshape(-1)
     if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= num_frames * tokens_per_frame):
         raise ValueError(
