@@ -1,0 +1,378 @@
+"""Qwen3-VL family.
+
+Vision part: ``Qwen3_VLVisionEVS`` wraps the transformers vision tower into the exportable
+vision(+EVS) graph; ``vision_host_inputs`` / ``vision_symbols`` give the host-side index tensors
+and the specialization symbols for a grid; ``reference_vision_evs`` is the independent reference
+(stock transformers forward, then the EVS mask over the deepstack-concatenated features).
+
+What differs from Qwen2.5-VL: full attention within each temporal patch (no windows), learned
+position embeddings resampled bilinearly to the grid (the taps and weights are host inputs), and
+``levels`` deepstack mergers whose outputs are pruned with the same kept indices as the main rows.
+EVS scores ``[merger | deepstack 0 | deepstack 1 | ...]`` along features, as vLLM does.
+
+Graph interface (DESIGN §5, §7 symbol names):
+
+=====================  ======  ==================================  ===============================
+name                   dtype   shape                               meaning
+=====================  ======  ==================================  ===============================
+pixel_values           float   (grid_height, grid_width)           patches, T*H*W rows of C*tp*p*p
+video_grid_thw         int64   (time, grid_h, grid_w)              shape-only carrier, values unused
+rotary_position_ids    int64   (grid_height, 2)                    (row, col) of each patch, merge-block order
+cu_seqlens             int32   (frame_bounds,)                     per-frame attention bounds, time+1
+interp_indices         int64   (grid_height, 4)                    bilinear taps into the pos-embed table
+interp_weights         float   (grid_height, 4)                    their weights (float32)
+retained_carrier       int64   (retained_size,)                    shape-only: its length is K
+vision_embeds          float   (retained_size, out_hidden)         kept merger rows, raster order
+deepstack_features     float   (levels, retained_size, out_hidden) the same rows of every deepstack level
+retained_indices       int64   (retained_size,)                    their flat (t, row, col) indices, ascending
+=====================  ======  ==================================  ===============================
+
+``grid_h``/``grid_w`` are the patch rows/columns of one frame (QEfficient's convention), ``time``
+the temporal patches. ``vision_size = time * grid_h * grid_w / merge**2`` is not a graph axis
+here (no window index) but is reported with the other symbols, as every vision specialization has it.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+import torch.nn as nn
+from transformers.vision_utils import (
+    get_vision_cu_seqlens,
+    get_vision_interpolation_indices_and_weights,
+    get_vision_position_ids,
+)
+
+from qeff_evs import evs
+from qeff_evs.export.attention import register_block_mask_attention
+from qeff_evs.export.vision import VisionGraphSpec
+from qeff_evs.models.protocol import SpecialTokens, VideoInput, VideoLayout
+from qeff_evs.positions import MediaBlock
+
+# ---------------------------------------------------------------------------------------------
+# Vision(+EVS) graph
+# ---------------------------------------------------------------------------------------------
+
+# How transformers' Qwen3-VL tower resamples its square learned position grid (set on the model
+# instance, not in the config); the host inputs reproduce exactly this.
+INTERPOLATION_MODE = "bilinear"
+INTERPOLATION_ALIGN_CORNERS = True
+
+VISION_GRAPH_SPEC = VisionGraphSpec(
+    inputs={
+        "pixel_values": {0: "grid_height", 1: "grid_width"},
+        "video_grid_thw": {0: "time", 1: "grid_h", 2: "grid_w"},
+        "rotary_position_ids": {0: "grid_height"},
+        "cu_seqlens": {0: "frame_bounds"},
+        "interp_indices": {0: "grid_height"},
+        "interp_weights": {0: "grid_height"},
+        "retained_carrier": {0: "retained_size"},
+    },
+    outputs={
+        "vision_embeds": {0: "retained_size"},
+        "deepstack_features": {1: "retained_size"},
+        "retained_indices": {0: "retained_size"},
+    },
+)
+
+
+def _grid_tensor(grid_thw: Sequence[int] | torch.Tensor) -> torch.Tensor:
+    return torch.tensor([[int(v) for v in grid_thw]], dtype=torch.int64)
+
+
+def _check_retained(vision_config, grid_thw: Sequence[int] | torch.Tensor, retained: int) -> tuple[int, int, int]:
+    t, h, w = evs.merged_grid(grid_thw, vision_config.spatial_merge_size)
+    if not 1 <= int(retained) <= t * h * w:
+        raise ValueError(
+            f"retained count {retained} is outside [1, {t * h * w}] for grid {tuple(int(v) for v in grid_thw)}; "
+            "compute it with evs.retained_token_count(h*w, T, q)"
+        )
+    return t, h, w
+
+
+def position_grid_side(vision_config) -> int:
+    """Side of the square learned position-embedding grid; raises if ``num_position_embeddings`` is not square."""
+    count = int(vision_config.num_position_embeddings)
+    side = int(round(count**0.5))
+    if side * side != count:
+        raise ValueError(
+            f"num_position_embeddings={count} is not a perfect square; Qwen3-VL learns a square position grid "
+            "(e.g. 2304 = 48 x 48)"
+        )
+    return side
+
+
+def vision_host_inputs(vision_config, grid_thw: Sequence[int], retained: int) -> dict[str, np.ndarray]:
+    """Every vision-graph input except ``pixel_values`` for one video grid ``(T, H, W)`` and K, in graph order."""
+    _check_retained(vision_config, grid_thw, retained)
+    grid = _grid_tensor(grid_thw)
+    merge = vision_config.spatial_merge_size
+    interp_indices, interp_weights = get_vision_interpolation_indices_and_weights(
+        grid,
+        num_grid_per_side=position_grid_side(vision_config),
+        mode=INTERPOLATION_MODE,
+        align_corners=INTERPOLATION_ALIGN_CORNERS,
+        spatial_merge_size=merge,
+    )
+    return {
+        "video_grid_thw": np.zeros(tuple(grid[0].tolist()), dtype=np.int64),
+        "rotary_position_ids": get_vision_position_ids(grid, merge).numpy().astype(np.int64),
+        # One segment per temporal patch: Qwen3-VL attends fully within a frame, never across.
+        "cu_seqlens": get_vision_cu_seqlens(grid).numpy().astype(np.int32),
+        "interp_indices": interp_indices.numpy().astype(np.int64),
+        "interp_weights": interp_weights.numpy().astype(np.float32),
+        "retained_carrier": np.zeros(int(retained), dtype=np.int64),
+    }
+
+
+def vision_symbols(vision_config, grid_thw: Sequence[int], retained: int) -> dict[str, int]:
+    """Value of every symbol of the vision graph for one specialization (grid and K)."""
+    t, h, w = _check_retained(vision_config, grid_thw, retained)
+    big_t, big_h, big_w = (int(v) for v in grid_thw)
+    patch = vision_config.patch_size
+    return {
+        "grid_height": big_t * big_h * big_w,
+        "grid_width": vision_config.in_channels * vision_config.temporal_patch_size * patch * patch,
+        "time": big_t,
+        "grid_h": big_h,
+        "grid_w": big_w,
+        "frame_bounds": big_t + 1,
+        "vision_size": t * h * w,
+        "retained_size": int(retained),
+    }
+
+
+def _share_weights_copy(module: nn.Module) -> nn.Module:
+    """A structural copy of ``module`` (own config objects) that shares every parameter and buffer."""
+    shared = {id(t): t for t in itertools.chain(module.parameters(), module.buffers())}
+    return copy.deepcopy(module, memo=shared)
+
+
+def _check_tower(visual: nn.Module) -> None:
+    levels = getattr(visual, "deepstack_merger_list", None)
+    if levels is None or not hasattr(visual, "pos_embed"):
+        raise ValueError(
+            f"{type(visual).__name__} is not a Qwen3-VL vision tower; pass a Qwen3-VL model or its .visual"
+        )
+    if len(levels) == 0:
+        raise ValueError(
+            "vision_config.deepstack_visual_indexes is empty; the Qwen3-VL graph outputs "
+            "deepstack_features (levels, K, hidden) and needs at least one level (released models have 3)"
+        )
+    resample = (getattr(visual, "interpolation_mode", None), getattr(visual, "interpolation_align_corners", None))
+    if resample != (INTERPOLATION_MODE, INTERPOLATION_ALIGN_CORNERS):
+        raise ValueError(
+            f"vision tower resamples position embeddings with (mode, align_corners)={resample}, but the host "
+            f"inputs reproduce {(INTERPOLATION_MODE, INTERPOLATION_ALIGN_CORNERS)}; update INTERPOLATION_* to match"
+        )
+    position_grid_side(visual.config)
+
+
+class Qwen3_VLVisionEVS(nn.Module):
+    """Qwen3-VL vision tower + deepstack + EVS selection, exportable as one graph for every grid and K.
+
+    The tower is a weight-sharing copy of the one given, whose own config copy selects the
+    block-mask attention: the caller's model keeps its attention implementation. Grid-dependent
+    index tensors (rotary ids, frame bounds, position-embedding taps and weights) come in as inputs
+    (``vision_host_inputs``), so nothing in the graph depends on tensor values except the EVS TopK,
+    whose K is the length of ``retained_carrier``.
+    """
+
+    graph_spec = VISION_GRAPH_SPEC
+
+    def __init__(self, visual: nn.Module) -> None:
+        super().__init__()
+        _check_tower(visual)
+        self.visual = _share_weights_copy(visual)
+        self.visual.config._attn_implementation = register_block_mask_attention()
+
+    @classmethod
+    def from_model(cls, model: nn.Module) -> Qwen3_VLVisionEVS:
+        """Wrap the vision tower of a ``Qwen3VLForConditionalGeneration`` (or its inner ``Qwen3VLModel``)."""
+        inner = getattr(model, "model", model)
+        visual = getattr(inner, "visual", None)
+        if visual is None:
+            raise ValueError(f"{type(model).__name__} has no .visual tower; pass a Qwen3-VL model or its .visual")
+        return cls(visual)
+
+    @property
+    def vision_config(self):
+        return self.visual.config
+
+    @property
+    def deepstack_levels(self) -> int:
+        return len(self.visual.deepstack_merger_list)
+
+    def forward(
+        self,
+        pixel_values: torch.Tensor,
+        video_grid_thw: torch.Tensor,
+        rotary_position_ids: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        interp_indices: torch.Tensor,
+        interp_weights: torch.Tensor,
+        retained_carrier: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Returns ``(vision_embeds (K, D), deepstack_features (levels, K, D), retained_indices (K,))``."""
+        output = self.visual(
+            pixel_values,
+            grid_thw=None,  # every grid-derived tensor is precomputed; None makes any fallback fail loudly
+            position_ids=rotary_position_ids,
+            cu_seqlens=cu_seqlens,
+            interp_indices=interp_indices,
+            interp_weights=interp_weights,
+            max_seqlen=0,  # only flash kernels read it; 0 avoids a .item() on cu_seqlens
+        )
+        levels = list(output.deepstack_features)
+        # T from a shape, so the EVS reshape stays symbolic in the graph.
+        frames = video_grid_thw.shape[0]
+        # vLLM scores the concatenation [merger | level 0 | level 1 | ...] and prunes every part alike.
+        rows, indices = evs.select_retained(
+            output.pooler_output, frames, retained_carrier, extra=torch.cat(levels, dim=-1)
+        )
+        deepstack = torch.stack(levels, dim=0).index_select(1, indices)
+        return rows, deepstack, indices
+
+    def host_inputs(self, grid_thw: Sequence[int], retained: int) -> dict[str, np.ndarray]:
+        return vision_host_inputs(self.vision_config, grid_thw, retained)
+
+    def symbols(self, grid_thw: Sequence[int], retained: int) -> dict[str, int]:
+        return vision_symbols(self.vision_config, grid_thw, retained)
+
+    def dummy_inputs(self, grid_thw: Sequence[int], retained: int, seed: int = 0) -> dict[str, torch.Tensor]:
+        """Random ``pixel_values`` plus the host inputs, as tensors in graph order (export examples)."""
+        symbols = self.symbols(grid_thw, retained)
+        dtype = next(self.visual.parameters()).dtype
+        generator = torch.Generator().manual_seed(seed)
+        pixels = torch.randn(symbols["grid_height"], symbols["grid_width"], generator=generator).to(dtype)
+        host = {name: torch.from_numpy(array) for name, array in self.host_inputs(grid_thw, retained).items()}
+        return {"pixel_values": pixels, **host}
+
+    def run(
+        self, pixel_values: torch.Tensor, grid_thw: Sequence[int], retained: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Eager forward for one video, host inputs built here.
+
+        Returns ``(embeds (K, D), deepstack (levels, K, D), indices (K,))``.
+        """
+        device = pixel_values.device
+        host = [torch.from_numpy(array).to(device) for array in self.host_inputs(grid_thw, retained).values()]
+        with torch.no_grad():
+            return self(pixel_values, *host)
+
+
+# ---------------------------------------------------------------------------------------------
+# Reference path
+# ---------------------------------------------------------------------------------------------
+
+
+def reference_vision_evs(
+    hf_visual: nn.Module, pixel_values: torch.Tensor, grid_thw: Sequence[int], q: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Stock transformers vision forward (its own attention), then the EVS mask over ``[merger | deepstack...]``.
+
+    Returns ``(kept rows (K, D), kept deepstack (levels, K, D), indices (K,))``. Independent of the
+    wrapper: no precomputed inputs, no block-mask attention, no TopK.
+    """
+    with torch.no_grad():
+        output = hf_visual(pixel_values, grid_thw=_grid_tensor(grid_thw))
+    merged, levels = output.pooler_output, list(output.deepstack_features)
+    scored = torch.cat([merged, *levels], dim=-1)
+    mask = evs.retention_mask(scored, grid_thw, hf_visual.config.spatial_merge_size, q)
+    deepstack = torch.stack([level[mask] for level in levels], dim=0)
+    return merged[mask], deepstack, torch.nonzero(mask).reshape(-1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Family adapter: timestamps, the lumped placeholder and the real per-frame layout (DESIGN §4)
+# ---------------------------------------------------------------------------------------------
+
+
+def temporal_patch_times(frame_times: Sequence[float], temporal_patch_size: int) -> list[float]:
+    """Seconds of each temporal patch: the mean of its first and last frame's time.
+
+    An incomplete last group is completed with the last frame, as the frames themselves are.
+    """
+    times = [float(t) for t in frame_times]
+    if not times:
+        raise ValueError("a Qwen3-VL video needs the sampled frames' times to write its timestamps")
+    while len(times) % temporal_patch_size:
+        times.append(times[-1])
+    return [(times[i] + times[i + temporal_patch_size - 1]) / 2 for i in range(0, len(times), temporal_patch_size)]
+
+
+def timestamp_text(seconds: float) -> str:
+    """``<{t:.1f} seconds>``: Python's formatting, ties to even on the binary value (0.25 -> "0.2")."""
+    return f"<{seconds:.1f} seconds>"
+
+
+class Qwen3_VLFamily:
+    """Qwen3-VL: per temporal patch ``<t seconds> <|vision_start|> n_f pads <|vision_end|>``.
+
+    Before encoding only K = sum(n_f) is known; the text per frame does not depend on the split, so
+    the placeholder is built with the lumped split ``[K, 0, ..., 0]`` and rewritten after the encoder
+    to the real split, same length. Each frame is its own M-RoPE block (1, h, w).
+    """
+
+    name = "qwen3_vl"
+
+    def __init__(self, config, tokenizer=None) -> None:
+        self.config = config
+        self.vision_config = config.vision_config
+        self.merge_size = int(self.vision_config.spatial_merge_size)
+        self.deepstack_levels = len(getattr(self.vision_config, "deepstack_visual_indexes", ()) or ())
+        self.tokenizer = tokenizer
+
+    def special_tokens(self) -> SpecialTokens:
+        c = self.config
+        eos = getattr(c.text_config, "eos_token_id", None)
+        eos = () if eos is None else tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+        return SpecialTokens(c.image_token_id, c.video_token_id, c.vision_start_token_id, c.vision_end_token_id, eos)
+
+    def merged_grid(self, grid_thw: Sequence[int]) -> tuple[int, int, int]:
+        return evs.merged_grid(grid_thw, self.merge_size)
+
+    def vision_wrapper(self, model: nn.Module) -> Qwen3_VLVisionEVS:
+        return Qwen3_VLVisionEVS.from_model(model)
+
+    def vision_host_inputs(self, grid_thw: Sequence[int], retained: int) -> dict[str, np.ndarray]:
+        return vision_host_inputs(self.vision_config, grid_thw, retained)
+
+    def vision_symbols(self, grid_thw: Sequence[int], retained: int) -> dict[str, int]:
+        return vision_symbols(self.vision_config, grid_thw, retained)
+
+    def timestamp_ids(self, video: VideoInput) -> list[np.ndarray]:
+        if self.tokenizer is None:
+            raise ValueError("the Qwen3-VL prompt layout needs the checkpoint's tokenizer for its timestamps")
+        t = self.merged_grid(video.grid_thw)[0]
+        times = temporal_patch_times(video.frame_times, int(self.vision_config.temporal_patch_size))
+        if len(times) != t:
+            raise ValueError(f"video has {t} temporal patches but {len(video.frame_times)} frame times "
+                             f"({len(times)} patches); pass the sampled frames' times")
+        return [np.asarray(self.tokenizer.encode(timestamp_text(s), add_special_tokens=False), dtype=np.int64)
+                for s in times]
+
+    def _frames(self, video: VideoInput, pads_per_frame: Sequence[int]) -> np.ndarray:
+        c = self.config
+        parts = []
+        for stamp, pads in zip(self.timestamp_ids(video), pads_per_frame):
+            parts += [stamp, np.array([c.vision_start_token_id]), np.full(pads, c.video_token_id),
+                      np.array([c.vision_end_token_id])]
+        return np.concatenate(parts).astype(np.int64)
+
+    def placeholder_ids(self, video: VideoInput, retained: int) -> np.ndarray:
+        t = self.merged_grid(video.grid_thw)[0]
+        return self._frames(video, [retained] + [0] * (t - 1))
+
+    def video_layout(self, video: VideoInput, retained_indices: np.ndarray) -> VideoLayout:
+        t, h, w = self.merged_grid(video.grid_thw)
+        keep_tokens = np.zeros(t * h * w, dtype=bool)
+        keep_tokens[np.asarray(retained_indices, dtype=np.int64)] = True
+        unpruned = self._frames(video, [h * w] * t)
+        keep = np.ones(len(unpruned), dtype=bool)
+        keep[unpruned == self.config.video_token_id] = keep_tokens  # pads appear in raster order
+        return VideoLayout(unpruned, keep, tuple(MediaBlock(1, h, w) for _ in range(t)))
