@@ -16,7 +16,7 @@ import numpy as np
 from qeff_evs.export.pipeline import ExportOptions, export_checkpoint
 from qeff_evs.models.tiny import save_tiny_checkpoint
 from qeff_evs.runtime.prompt import video_question_pieces
-from qeff_evs.runtime.runner import build_engine, open_export, video_from_file
+from qeff_evs.runtime.runner import build_engine, open_export, stop_ids, video_from_file
 from qeff_evs.runtime.synthetic import moving_square_video
 
 DEMO_FRAMES = 16
@@ -53,7 +53,7 @@ def run_demo(workdir: Path | None = None, backend: str = "ort",
         engine = build_engine(bundle, backend, max_new_tokens=12, progress=progress)
         video = video_from_file(video_path, bundle)
         prompt = engine.prepare(video_question_pieces(bundle.tokenizer, DEMO_QUESTION), [video])
-        result = engine.generate(prompt, eos_ids=bundle.family.special_tokens().eos)
+        result = engine.generate(prompt, eos_ids=stop_ids(bundle))
 
         grid = bundle.family.merged_grid(video.grid_thw)
         kept = prompt.encoded[0].kept_per_frame

@@ -12,6 +12,15 @@ queries see no key at all. This is safe under one host invariant:
 
 so while a padded prefill chunk runs, slot ``ctx_len - 1`` never holds a real token; a real decode
 token written there later simply overwrites the padding's leftovers (it is written before it is read).
+
+Continuous batching (QEfficient's ``full_batch_size`` mode, :class:`BatchedSlotKVCache`): the cache
+holds ``full_batch_size`` request rows and a call of ``batch_size`` rows names the cache row of each of
+its rows in ``batch_index``. The chunk's keys/values are scattered only at ``(batch_index[b], head,
+slot)`` (one ScatterND), attention reads the gathered rows ``cache[batch_index]``, and every cache row
+the call does not name is returned bit for bit unchanged. A padding row of a decode call (all
+positions -1) writes only slot ``ctx_len - 1`` of the row it names, which by the same invariant no
+request reads before writing it itself; it must not name a row another row of the same call writes,
+or two writes to one slot would race (the host picks a row the call does not use).
 """
 
 from __future__ import annotations
@@ -83,3 +92,35 @@ class SlotKVCache:
 
     def __len__(self) -> int:
         return len(self.keys)
+
+
+def scatter_at_rows_and_slots(
+    cache: torch.Tensor, new: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor
+) -> torch.Tensor:
+    """Write ``new (B, H, S, D)`` into ``cache (F, H, ctx_len, D)`` at ``(rows[b], h, slots[b, s])``.
+
+    ``rows (B,)`` picks the cache row of each batch row. Exports as one ScatterND whose indices are
+    ``(B, H, S, 3)``: only the ``B*H*S`` new vectors move, never a whole ``ctx_len`` row, and rows
+    not named in ``rows`` keep their values exactly.
+    """
+    heads = torch.arange(new.shape[1], device=new.device)
+    index = (torch.arange(rows.shape[0])[:, None, None], heads[None, :, None], slots[:, None, :])  # broadcast to (B, H, S)
+    return cache.index_put(index, new.to(cache.dtype))
+
+
+class BatchedSlotKVCache(SlotKVCache):
+    """``past_key_values`` of a continuous-batching step: full_batch_size cache rows, batch_index per call.
+
+    ``update`` scatters the call's keys/values into the full caches (kept as the retained state) and
+    returns only the call's rows, ``cache[batch_index]`` ``(B, H, ctx_len, D)``, for attention.
+    """
+
+    def __init__(self, past_keys, past_values, slots: torch.Tensor, batch_rows: torch.Tensor):
+        super().__init__(past_keys, past_values, slots)
+        self.batch_rows = batch_rows  # (B,) int64 cache row of each batch row
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        rows, slots = self.batch_rows, self.slots
+        self.keys[layer_idx] = scatter_at_rows_and_slots(self.keys[layer_idx], key_states, rows, slots)
+        self.values[layer_idx] = scatter_at_rows_and_slots(self.values[layer_idx], value_states, rows, slots)
+        return self.keys[layer_idx].index_select(0, rows), self.values[layer_idx].index_select(0, rows)

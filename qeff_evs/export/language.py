@@ -8,6 +8,12 @@ ctx_len, head_dim)``. Outputs: ``logits (batch_size, 1, vocab)``, ``vision_embed
 ``past_value.{i}_RetainedState``. The dynamic symbols are ``batch_size``, ``seq_len``,
 ``vision_size`` and ``ctx_len``; one file serves the prefill and the decode specializations.
 
+Continuous batching (``continuous_batching=True``, QEfficient's CB export): one more input,
+``batch_index (batch_size, 1)`` int64, after the caches, and the caches become ``(full_batch_size,
+kv_heads, ctx_len, head_dim)`` under their own symbol. Row ``b`` of a call reads and writes cache row
+``batch_index[b, 0]``; the other cache rows pass through unchanged. Prefill runs ``batch_size = 1``
+(one request into its row), decode runs every running request in one call.
+
 ``ExportableLanguageGraph`` is the traced module; its ``run`` takes and returns tensors keyed by
 these names, so the PyTorch reference backend calls it exactly like an ONNX Runtime session.
 """
@@ -32,6 +38,8 @@ from qeff_evs.models.language import LanguageGraph, LanguageSpec
 _LOG = logging.getLogger(__name__)
 
 BATCH, SEQ, VISION, CTX = "batch_size", "seq_len", "vision_size", "ctx_len"
+FULL_BATCH = "full_batch_size"  # KV cache rows under continuous batching (QEfficient's symbol)
+BATCH_INDEX = "batch_index"
 
 
 @dataclass(frozen=True)
@@ -40,6 +48,7 @@ class LanguageGraphIO:
 
     num_layers: int
     deepstack: bool
+    continuous_batching: bool = False
 
     def _kv(self, suffix: str = "") -> list[str]:
         return [f"past_{kind}.{i}{suffix}" for i in range(self.num_layers) for kind in ("key", "value")]
@@ -47,7 +56,9 @@ class LanguageGraphIO:
     @property
     def input_names(self) -> list[str]:
         vision = ["vision_embeds"] + (["deepstack_features"] if self.deepstack else [])
-        return ["input_ids", *vision, "position_ids", "image_idx", *self._kv()]
+        # batch_index follows the caches, as in QEfficient's forward signature.
+        cb = [BATCH_INDEX] if self.continuous_batching else []
+        return ["input_ids", *vision, "position_ids", "image_idx", *self._kv(), *cb]
 
     @property
     def output_names(self) -> list[str]:
@@ -58,7 +69,7 @@ class LanguageGraphIO:
 
     @property
     def dynamic_axes(self) -> dict[str, dict[int, str]]:
-        kv_axes = {0: BATCH, 2: CTX}
+        kv_axes = {0: FULL_BATCH if self.continuous_batching else BATCH, 2: CTX}
         axes = {
             "input_ids": {0: BATCH, 1: SEQ},
             "vision_embeds": {1: VISION},
@@ -69,24 +80,28 @@ class LanguageGraphIO:
         if self.deepstack:
             axes["deepstack_features"] = {2: VISION}
             axes["deepstack_features_RetainedState"] = {2: VISION}
+        if self.continuous_batching:
+            axes[BATCH_INDEX] = {0: BATCH}
         for name in self._kv() + self._kv("_RetainedState"):
             axes[name] = dict(kv_axes)
         return axes
 
 
-def language_io_names(num_layers: int, deepstack: bool) -> tuple[list[str], list[str]]:
+def language_io_names(
+    num_layers: int, deepstack: bool, continuous_batching: bool = False
+) -> tuple[list[str], list[str]]:
     """``(input_names, output_names)`` of the language graph, in graph order."""
-    io = LanguageGraphIO(num_layers, deepstack)
+    io = LanguageGraphIO(num_layers, deepstack, continuous_batching)
     return io.input_names, io.output_names
 
 
 class ExportableLanguageGraph(nn.Module):
     """``LanguageGraph`` with flat tensor inputs/outputs in graph order (what the exporter traces)."""
 
-    def __init__(self, graph: LanguageGraph):
+    def __init__(self, graph: LanguageGraph, continuous_batching: bool = False):
         super().__init__()
         self.graph = graph
-        self.io = LanguageGraphIO(graph.spec.num_layers, graph.spec.has_deepstack)
+        self.io = LanguageGraphIO(graph.spec.num_layers, graph.spec.has_deepstack, continuous_batching)
 
     @property
     def spec(self) -> LanguageSpec:
@@ -106,6 +121,7 @@ class ExportableLanguageGraph(nn.Module):
             [named[f"past_key.{i}"] for i in layers],
             [named[f"past_value.{i}"] for i in layers],
             deepstack_features=named.get("deepstack_features"),
+            batch_index=named.get(BATCH_INDEX),
         )
         retained = [named["vision_embeds"]]
         if self.io.deepstack:
@@ -132,16 +148,26 @@ def language_dummy_inputs(
     vision_size: int = 6,
     ctx_len: int = 32,
     dtype: torch.dtype = torch.float32,
+    full_batch_size: int | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Example inputs keyed and ordered like the graph: a prefill chunk with a few media tokens."""
+    """Example inputs keyed and ordered like the graph: a prefill chunk with a few media tokens.
+
+    With ``full_batch_size`` (continuous batching) the caches have that many rows and
+    ``batch_index`` sends batch row ``b`` to cache row ``full_batch_size - 1 - b``.
+    """
     if seq_len > ctx_len:
         raise ValueError(f"example seq_len {seq_len} exceeds ctx_len {ctx_len}; choose ctx_len >= seq_len")
-    io = LanguageGraphIO(spec.num_layers, spec.has_deepstack)
+    if full_batch_size is not None and full_batch_size < batch_size:
+        raise ValueError(
+            f"example full_batch_size {full_batch_size} is below batch_size {batch_size}; a call's rows need "
+            "distinct cache rows, so choose full_batch_size >= batch_size"
+        )
+    io = LanguageGraphIO(spec.num_layers, spec.has_deepstack, full_batch_size is not None)
     media = min(seq_len // 2, vision_size)
     input_ids = torch.zeros(batch_size, seq_len, dtype=torch.int64)
     input_ids[:, 1 : 1 + media] = spec.media_token_ids[-1]
     positions = torch.arange(seq_len, dtype=torch.int64).expand(4, batch_size, seq_len).contiguous()
-    kv_shape = (batch_size, spec.kv_heads, ctx_len, spec.head_dim)
+    kv_shape = (full_batch_size or batch_size, spec.kv_heads, ctx_len, spec.head_dim)
     values = {
         "input_ids": input_ids,
         "vision_embeds": torch.zeros(1, vision_size, spec.hidden_size, dtype=dtype),
@@ -149,6 +175,8 @@ def language_dummy_inputs(
         "position_ids": positions,
         "image_idx": torch.zeros(1, 1, dtype=torch.int64),
     }
+    if full_batch_size is not None:
+        values[BATCH_INDEX] = (full_batch_size - 1 - torch.arange(batch_size, dtype=torch.int64)).reshape(-1, 1)
     return {name: values[name] if name in values else torch.zeros(kv_shape, dtype=dtype) for name in io.input_names}
 
 
@@ -161,12 +189,16 @@ def export_language_graph(
     vision_size_example: int = 6,
     batch_size_example: int = 1,
     media_token_ids: Sequence[int] | None = None,
+    continuous_batching: bool = False,
+    full_batch_size_example: int = 4,
 ) -> Path:
     """Trace the language step of ``hf_model`` (legacy exporter, opset 17) and write it to ``path``.
 
     The example sizes only have to be valid: every one of them is a named symbol in the graph.
+    ``continuous_batching`` adds ``batch_index`` and the ``full_batch_size`` cache rows (the example
+    value is only traced with; the specializations choose the real one).
     """
-    module = ExportableLanguageGraph(LanguageGraph(hf_model, media_token_ids))
+    module = ExportableLanguageGraph(LanguageGraph(hf_model, media_token_ids), continuous_batching)
     io = module.io
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -178,10 +210,12 @@ def export_language_graph(
         vision_size=vision_size_example,
         ctx_len=ctx_len_example,
         dtype=dtype,
+        full_batch_size=full_batch_size_example if continuous_batching else None,
     )
     _LOG.info(
-        "exporting language graph (%d layers, deepstack=%s) with example seq_len=%d ctx_len=%d -> %s",
-        module.spec.num_layers, io.deepstack, seq_len_example, ctx_len_example, path,
+        "exporting language graph (%d layers, deepstack=%s, continuous_batching=%s) with example "
+        "seq_len=%d ctx_len=%d -> %s",
+        module.spec.num_layers, io.deepstack, continuous_batching, seq_len_example, ctx_len_example, path,
     )
     was_training = hf_model.training
     module.eval()

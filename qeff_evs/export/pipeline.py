@@ -44,6 +44,15 @@ MODEL_CONFIG_DIR = "model_config"
 PREPROCESSOR_FILES = ("preprocessor_config.json", "video_preprocessor_config.json")
 
 
+def stop_token_ids(checkpoint, config_eos: tuple[int, ...]) -> list[int]:
+    """The config's eos ids, then generation_config.json's: HF generate and vLLM stop on both."""
+    generation = getattr(checkpoint.model, "generation_config", None)
+    extra = getattr(generation, "eos_token_id", None)
+    extra = [] if extra is None else [extra] if isinstance(extra, int) else list(extra)
+    ids = [int(i) for i in config_eos]
+    return ids + [int(i) for i in extra if int(i) not in ids]
+
+
 def save_model_config(checkpoint, folder: Path) -> None:
     """The config and preprocessor files the ORT/QAIC runtime needs, without the weights."""
     checkpoint.config.save_pretrained(folder)
@@ -151,12 +160,15 @@ def export_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, 
         resolutions=tuple(tuple(r) for r in options.resolutions),
         special_tokens=dict(image_pad=specials.image_pad, video_pad=specials.video_pad,
                             vision_start=specials.vision_start, vision_end=specials.vision_end,
-                            eos=list(specials.eos)),
+                            eos=stop_token_ids(checkpoint, specials.eos)),
         language_shape=dict(num_layers=spec.num_layers, kv_heads=spec.kv_heads, head_dim=spec.head_dim,
                             hidden=spec.hidden_size, vocab=spec.vocab_size, deepstack_levels=spec.deepstack_levels),
         files=dict(vision="vision/vision.onnx", language="language/language.onnx", tokenizer="tokenizer",
                    vision_specializations="vision/specializations.json",
                    language_specializations="language/specializations.json",
+                   vision_specializations_named="vision/specializations.named.json",
+                   language_specializations_named="language/specializations.named.json",
+                   model_config=MODEL_CONFIG_DIR,
                    vision_custom_io="vision/custom_io.yaml", language_custom_io="language/custom_io.yaml",
                    compile_script="compile.sh"),
         vision_entries=tuple(

@@ -10,6 +10,10 @@ One step takes a chunk of ``seq_len`` tokens (a prefill chunk, or one decode tok
 3. returns the logits of each row's last valid token, ``image_idx`` advanced by the chunk's media
    tokens, and the updated caches.
 
+With ``batch_index`` (continuous batching, QEfficient's ``full_batch_size`` mode) the caches hold
+``full_batch_size`` requests and batch row ``b`` reads and writes cache row ``batch_index[b, 0]``;
+the rows no batch row names come back unchanged (``qeff_evs.export.kv_cache.BatchedSlotKVCache``).
+
 The module drives the family's own transformers submodules (embedding, rotary embedding, decoder
 layers, norm, lm_head) directly, so Qwen2.5-VL and Qwen3-VL share it, no class is swapped, and no
 boolean indexing (which would export as NonZero) is involved.
@@ -24,7 +28,13 @@ from typing import NamedTuple, Sequence
 import torch
 from torch import nn
 
-from qeff_evs.export.kv_cache import SlotKVCache, cache_slots, slot_attention_mask, write_slots
+from qeff_evs.export.kv_cache import (
+    BatchedSlotKVCache,
+    SlotKVCache,
+    cache_slots,
+    slot_attention_mask,
+    write_slots,
+)
 
 
 @dataclass(frozen=True)
@@ -121,7 +131,7 @@ def media_rows(
 class LanguageStep(NamedTuple):
     logits: torch.Tensor  # (B, 1, vocab) fp32, last valid position of each row
     image_idx_output: torch.Tensor  # (1, 1) int64
-    past_keys: list[torch.Tensor]  # per layer (B, kv_heads, ctx_len, head_dim)
+    past_keys: list[torch.Tensor]  # per layer (B or full_batch_size, kv_heads, ctx_len, head_dim)
     past_values: list[torch.Tensor]
 
 
@@ -151,8 +161,9 @@ class LanguageGraph(nn.Module):
         past_keys: Sequence[torch.Tensor],
         past_values: Sequence[torch.Tensor],
         deepstack_features: torch.Tensor | None = None,
+        batch_index: torch.Tensor | None = None,
     ) -> LanguageStep:
-        self._check_inputs(position_ids, past_keys, past_values, deepstack_features)
+        self._check_inputs(position_ids, past_keys, past_values, deepstack_features, batch_index)
         text = self.text_model
         hidden = text.embed_tokens(input_ids)
         slots = position_ids[0]
@@ -165,7 +176,11 @@ class LanguageGraph(nn.Module):
         hidden = torch.where(media_mask, vision_rows, hidden)
 
         key_slots = cache_slots(past_keys[0])
-        cache = SlotKVCache(past_keys, past_values, write_slots(slots, key_slots))
+        if batch_index is None:
+            cache = SlotKVCache(past_keys, past_values, write_slots(slots, key_slots))
+        else:
+            cache_rows = batch_index.reshape(-1)
+            cache = BatchedSlotKVCache(past_keys, past_values, write_slots(slots, key_slots), cache_rows)
         attention_mask = slot_attention_mask(slots, key_slots, hidden.dtype)
         rotary = text.rotary_emb(hidden, position_ids[1:])
 
@@ -191,7 +206,7 @@ class LanguageGraph(nn.Module):
         image_idx_output = (image_idx.reshape(()) + merge.count.max()).reshape(1, 1)
         return LanguageStep(logits, image_idx_output, cache.keys, cache.values)
 
-    def _check_inputs(self, position_ids, past_keys, past_values, deepstack_features) -> None:
+    def _check_inputs(self, position_ids, past_keys, past_values, deepstack_features, batch_index) -> None:
         if torch.jit.is_tracing():
             return
         if position_ids.dim() != 3 or position_ids.shape[0] != 4:
@@ -215,3 +230,40 @@ class LanguageGraph(nn.Module):
                 f"deepstack_features has {deepstack_features.shape[0]} levels, the model has "
                 f"{self.spec.deepstack_levels}; pass the vision graph's deepstack output unchanged"
             )
+        if batch_index is not None:
+            _check_batch_index(batch_index, position_ids, cache_rows=past_keys[0].shape[0])
+
+
+def _check_batch_index(batch_index: torch.Tensor, position_ids: torch.Tensor, cache_rows: int) -> None:
+    """Eager-only checks of a continuous-batching call's ``batch_index``.
+
+    It must be ``(batch, 1)`` int64 rows in ``[0, full_batch_size)``; two real rows (any slot >= 0)
+    may not share a cache row, and a padding row (all slots -1) may not name a real row's cache row
+    (its write to slot ``ctx_len - 1`` could race a real write there).
+    """
+    batch = position_ids.shape[1]
+    if batch_index.dim() != 2 or tuple(batch_index.shape) != (batch, 1):
+        raise ValueError(
+            f"batch_index must be (batch_size, 1) = ({batch}, 1), one cache row per batch row, got "
+            f"{tuple(batch_index.shape)}"
+        )
+    if batch_index.dtype != torch.int64:
+        raise ValueError(f"batch_index must be int64, got {batch_index.dtype}; cast it on the host")
+    rows = batch_index.reshape(-1).tolist()
+    if min(rows) < 0 or max(rows) >= cache_rows:
+        raise ValueError(
+            f"batch_index values must lie in [0, full_batch_size={cache_rows}), got {rows}; "
+            "point every row (padding rows too) at a row the KV cache has"
+        )
+    real = (position_ids[0] >= 0).any(dim=1).tolist()
+    real_rows = [row for row, is_real in zip(rows, real) if is_real]
+    if len(set(real_rows)) != len(real_rows):
+        raise ValueError(
+            f"batch_index {rows} names one cache row for two requests; give each request of a call its own row"
+        )
+    shared = sorted({row for row, is_real in zip(rows, real) if not is_real} & set(real_rows))
+    if shared:
+        raise ValueError(
+            f"padding rows of batch_index {rows} point at cache rows {shared} that real rows of the same call "
+            "write; point padding rows at a row the call does not use"
+        )

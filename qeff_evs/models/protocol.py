@@ -25,6 +25,13 @@ class VideoInput:
     grid_thw: tuple[int, int, int]  # patch grid (temporal patches, H patches, W patches)
     fps: float  # sampling rate of the frames the patches were made from
     frame_times: tuple[float, ...] = ()  # seconds of each sampled frame (Qwen3-VL timestamps)
+    kind: str = "video"  # "video" (pruned by EVS) or "image" (grid T = 1, never pruned)
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("video", "image"):
+            raise ValueError(f"media kind must be 'video' or 'image', got {self.kind!r}")
+        if self.kind == "image" and int(self.grid_thw[0]) != 1:
+            raise ValueError(f"an image has one temporal patch, got grid {tuple(self.grid_thw)}")
 
 
 @dataclass(frozen=True)
@@ -42,6 +49,13 @@ class VideoLayout:
     @property
     def ids(self) -> np.ndarray:
         return self.unpruned_ids[self.keep]
+
+
+def image_layout(image_pad: int, merged_grid: tuple[int, int, int]) -> VideoLayout:
+    """Images are never pruned: h*w image pads, one M-RoPE block, everything kept (both families)."""
+    _, h, w = merged_grid
+    ids = np.full(h * w, image_pad, dtype=np.int64)
+    return VideoLayout(ids, np.ones(h * w, dtype=bool), (MediaBlock(1, h, w),))
 
 
 @dataclass(frozen=True)

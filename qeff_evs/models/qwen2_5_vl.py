@@ -39,7 +39,7 @@ from transformers.vision_utils import get_vision_cu_seqlens, get_vision_position
 from qeff_evs import evs
 from qeff_evs.export.attention import register_block_mask_attention
 from qeff_evs.export.vision import VisionGraphSpec
-from qeff_evs.models.protocol import SpecialTokens, VideoInput, VideoLayout
+from qeff_evs.models.protocol import SpecialTokens, VideoInput, VideoLayout, image_layout
 from qeff_evs.positions import MediaBlock
 
 # ---------------------------------------------------------------------------------------------
@@ -131,10 +131,12 @@ class Qwen2_5_VLVisionEVS(nn.Module):
 
     graph_spec = VISION_GRAPH_SPEC
 
-    def __init__(self, visual: nn.Module) -> None:
+    def __init__(self, visual: nn.Module, evs_selection: bool = True) -> None:
         super().__init__()
         self.visual = _share_weights_copy(visual)
         self.visual.config._attn_implementation = register_block_mask_attention()
+        # False only for benchmarks: the first K rows stand in for the EVS selection (same output shapes).
+        self.evs_selection = evs_selection
 
     @classmethod
     def from_model(cls, model: nn.Module) -> Qwen2_5_VLVisionEVS:
@@ -169,6 +171,9 @@ class Qwen2_5_VLVisionEVS(nn.Module):
             max_seqlen=0,  # only flash kernels read these; 0 avoids a .item() on cu_seqlens
             max_window_seqlen=0,
         ).pooler_output
+        if not self.evs_selection:
+            retained = retained_carrier.shape[0]
+            return merged[:retained], torch.arange(retained, device=merged.device)
         # T from a shape, so the EVS reshape stays symbolic in the graph.
         frames = video_grid_thw.shape[0]
         return evs.select_retained(merged, frames, retained_carrier)
@@ -259,9 +264,13 @@ class Qwen2_5_VLFamily:
         return float(self.vision_config.tokens_per_second) * second_per_grid
 
     def placeholder_ids(self, video: VideoInput, retained: int) -> np.ndarray:
+        if video.kind == "image":
+            return image_layout(self.config.image_token_id, self.merged_grid(video.grid_thw)).ids
         return np.full(retained, self.config.video_token_id, dtype=np.int64)
 
     def video_layout(self, video: VideoInput, retained_indices: np.ndarray) -> VideoLayout:
+        if video.kind == "image":
+            return image_layout(self.config.image_token_id, self.merged_grid(video.grid_thw))
         t, h, w = self.merged_grid(video.grid_thw)
         keep = np.zeros(t * h * w, dtype=bool)
         keep[np.asarray(retained_indices, dtype=np.int64)] = True

@@ -50,7 +50,7 @@ from transformers.vision_utils import (
 from qeff_evs import evs
 from qeff_evs.export.attention import register_block_mask_attention
 from qeff_evs.export.vision import VisionGraphSpec
-from qeff_evs.models.protocol import SpecialTokens, VideoInput, VideoLayout
+from qeff_evs.models.protocol import SpecialTokens, VideoInput, VideoLayout, image_layout
 from qeff_evs.positions import MediaBlock
 
 # ---------------------------------------------------------------------------------------------
@@ -365,10 +365,14 @@ class Qwen3_VLFamily:
         return np.concatenate(parts).astype(np.int64)
 
     def placeholder_ids(self, video: VideoInput, retained: int) -> np.ndarray:
+        if video.kind == "image":
+            return image_layout(self.config.image_token_id, self.merged_grid(video.grid_thw)).ids
         t = self.merged_grid(video.grid_thw)[0]
         return self._frames(video, [retained] + [0] * (t - 1))
 
     def video_layout(self, video: VideoInput, retained_indices: np.ndarray) -> VideoLayout:
+        if video.kind == "image":
+            return image_layout(self.config.image_token_id, self.merged_grid(video.grid_thw))
         t, h, w = self.merged_grid(video.grid_thw)
         keep_tokens = np.zeros(t * h * w, dtype=bool)
         keep_tokens[np.asarray(retained_indices, dtype=np.int64)] = True

@@ -96,12 +96,17 @@ class Engine:
                 f"needs {need} KV slots but ctx_len is {self.config.ctx_len}; use fewer frames, a higher "
                 "--video-pruning-rate, fewer new tokens, or export with a larger --ctx-len")
 
-    def generate(self, prompt: PreparedPrompt, eos_ids: tuple[int, ...] = ()) -> GenerationResult:
+    def generate(self, prompt: PreparedPrompt, eos_ids: tuple[int, ...] = (),
+                 chunks: list[tuple[int, int]] | None = None) -> GenerationResult:
+        """Prefill in ``chunks`` (``(computed, scheduled)``; default: cut every prefill_seq_len), then decode."""
         cfg = self.config
         shape = self.language.shape
         self._check_fits(len(prompt.ids))
         self.language.reset()
-        chunks = prefill_chunks(len(prompt.ids), cfg.prefill_seq_len)
+        chunks = chunks or prefill_chunks(len(prompt.ids), cfg.prefill_seq_len)
+        covered = [c for c, _ in chunks] + [len(prompt.ids)]
+        if covered[0] != 0 or any(c + n != nxt for (c, n), nxt in zip(chunks, covered[1:])):
+            raise ValueError(f"prefill chunks {chunks} do not cover the prompt's {len(prompt.ids)} tokens in order")
         rows_per_chunk = []
         logits = None
         for number, (computed, scheduled) in enumerate(chunks, 1):

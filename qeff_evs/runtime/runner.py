@@ -18,6 +18,7 @@ from qeff_evs.runtime.engine import Engine, EngineConfig, GenerationResult
 from qeff_evs.runtime.processor import (
     VisionPreprocessSpec,
     choose_resolution,
+    preprocess_image,
     preprocess_video,
     sample_frame_indices,
 )
@@ -53,12 +54,26 @@ class ExportBundle:
                              self.manifest.user_vision_size, s.get("deepstack_levels", 0))
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json")
+
+
+def _require_any_file(folder: Path, names: tuple[str, ...], what: str) -> None:
+    # transformers would take a missing local folder for a hub repo id and fail with an OSError.
+    if not any((folder / name).is_file() for name in names):
+        raise ValueError(
+            f"{folder} holds no {what} (none of {', '.join(names)}); the export folder is incomplete: "
+            "run `qeff-evs export` again")
+
+
 def open_export(export_dir: str | Path) -> ExportBundle:
     export_dir = Path(export_dir)
     manifest = read_manifest(export_dir)
     config_dir = export_dir / MODEL_CONFIG_DIR
+    tokenizer_dir = manifest.path(export_dir, "tokenizer")
+    _require_any_file(config_dir, ("config.json",), "model config")
+    _require_any_file(tokenizer_dir, TOKENIZER_FILES, "tokenizer")
     config = AutoConfig.from_pretrained(config_dir, local_files_only=True)
-    tokenizer = AutoTokenizer.from_pretrained(manifest.path(export_dir, "tokenizer"), local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
     preprocess = VisionPreprocessSpec.from_pretrained_dir(config_dir, config)
     return ExportBundle(export_dir, manifest, family_for_config(config, tokenizer), tokenizer, preprocess)
 
@@ -74,6 +89,14 @@ def video_from_file(path: str | Path, bundle: ExportBundle, target_fps: float | 
     processed = preprocess_video(frames, size, spec)
     return VideoInput(processed.pixel_values, tuple(processed.grid_thw), float(sampled.fps),
                       tuple(float(t) for t in sampled.timestamps))
+
+
+def image_from_array(image: np.ndarray, bundle: ExportBundle) -> VideoInput:
+    """An RGB uint8 ``(H, W, 3)`` image, resized to the exported size closest in aspect (never pruned)."""
+    spec = bundle.preprocess
+    size = choose_resolution(image.shape[0], image.shape[1], bundle.manifest.resolutions, spec.factor)
+    processed = preprocess_image(image, size, spec)
+    return VideoInput(processed.pixel_values, tuple(processed.grid_thw), 1.0, (), kind="image")
 
 
 def video_from_patches(pixel_values_path: str | Path, grid_thw: tuple[int, int, int], fps: float) -> VideoInput:
@@ -117,8 +140,16 @@ def build_engine(bundle: ExportBundle, backend: str = "ort", max_new_tokens: int
     return Engine(bundle.family, vision, language, config, progress)
 
 
+def stop_ids(bundle: ExportBundle) -> tuple[int, ...]:
+    """The export's stop tokens: the config's eos and generation_config.json's, as HF generate uses."""
+    eos = bundle.manifest.special_tokens.get("eos")
+    if eos is None:
+        return bundle.family.special_tokens().eos
+    return tuple(int(i) for i in eos)
+
+
 def answer(bundle: ExportBundle, engine: Engine, video: VideoInput, question: str) -> GenerationResult:
     bundle.manifest.vision_entry(video.grid_thw)  # fails clearly when no specialization serves this grid
     pieces = video_question_pieces(bundle.tokenizer, question)
     prompt = engine.prepare(pieces, [video])
-    return engine.generate(prompt, eos_ids=bundle.family.special_tokens().eos)
+    return engine.generate(prompt, eos_ids=stop_ids(bundle))

@@ -3,10 +3,19 @@
 A language session owns its retained state (KV cache, last vision window) the way a QAIC
 program does with ``-retained-state``: the engine sends only the per-call inputs, and the session
 feeds each ``*_RetainedState`` output back as the next call's input.
+
+Continuous batching: when the language graph was exported with ``batch_index``, the session keeps
+``full_batch_size`` KV cache rows, one per running request. ``prefill(row, step)`` runs one
+request's chunk into its row; ``decode(rows)`` runs the next token of several requests in calls of
+``decode_batch_size`` rows. A call with fewer requests than that is padded with rows whose positions
+are all -1, pointed at a cache row the call does not use: such a row writes only slot ``ctx_len - 1``
+of that row, which no request reads before writing it itself (the host keeps prompt + new tokens
+<= ctx_len), and its logits are dropped. ``run(step)`` is the single-request case (cache row 0).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -16,6 +25,8 @@ import numpy as np
 from qeff_evs.runtime.chunks import LanguageStep
 
 RETAINED_SUFFIX = "_RetainedState"
+BATCH_INDEX = "batch_index"
+PAD_POSITION = -1
 
 
 @dataclass(frozen=True)
@@ -36,6 +47,32 @@ class LanguageShape:
     ctx_len: int
     vision_size: int  # user_vision_size
     deepstack_levels: int = 0
+    full_batch_size: int = 1  # KV cache rows; > 1 needs a graph exported with continuous batching
+    decode_batch_size: int | None = None  # rows per decode call (the Decode specialization); None: full_batch_size
+
+    def __post_init__(self) -> None:
+        if self.full_batch_size < 1:
+            raise ValueError(f"full_batch_size must be >= 1, got {self.full_batch_size}")
+        decode = self.decode_rows
+        if not 1 <= decode <= self.full_batch_size:
+            raise ValueError(
+                f"decode_batch_size={decode} must lie in [1, full_batch_size={self.full_batch_size}]: "
+                "a decode call's rows need distinct KV cache rows"
+            )
+
+    @property
+    def decode_rows(self) -> int:
+        return self.full_batch_size if self.decode_batch_size is None else self.decode_batch_size
+
+
+@dataclass(frozen=True)
+class DecodeRow:
+    """One running request's next token in a continuous-batching decode call."""
+
+    cache_row: int  # the request's KV cache row (its batch_index)
+    token_id: int
+    kv_slot: int  # position_ids[0]: the token's slot in the request's cache row
+    mrope_position: int  # rows 1..3 of position_ids (text: t = h = w)
 
 
 class VisionSession(Protocol):
@@ -76,19 +113,37 @@ class OrtVisionSession:
 
 
 class OrtLanguageSession:
-    """ONNX Runtime language graph; KV and the vision window are kept as retained state."""
+    """ONNX Runtime language graph; KV and the vision window are kept as retained state.
+
+    With a continuous-batching graph (input ``batch_index``) the KV state has
+    ``shape.full_batch_size`` rows and ``prefill``/``decode``/``run_rows`` address them explicitly.
+    """
 
     def __init__(self, path: Path, shape: LanguageShape):
         self.session = _ort_session(path)
+        self._bind(shape, [i.name for i in self.session.get_inputs()],
+                   [o.name for o in self.session.get_outputs()])
+
+    def _bind(self, shape: LanguageShape, input_names: list[str], output_names: list[str]) -> None:
         self.shape = shape
-        self.input_names = [i.name for i in self.session.get_inputs()]
-        self.output_names = [o.name for o in self.session.get_outputs()]
+        self.input_names = input_names
+        self.output_names = output_names
+        self.continuous_batching = BATCH_INDEX in input_names
+        if shape.full_batch_size > 1 and not self.continuous_batching:
+            raise ValueError(
+                f"full_batch_size={shape.full_batch_size} needs a language graph with a batch_index input; "
+                "export it with continuous batching, or use full_batch_size=1"
+            )
         self.state: dict[str, np.ndarray] = {}
         self.reset()
 
+    @property
+    def cache_rows(self) -> int:
+        return self.shape.full_batch_size
+
     def reset(self) -> None:
         s = self.shape
-        kv = (1, s.kv_heads, s.ctx_len, s.head_dim)
+        kv = (self.cache_rows, s.kv_heads, s.ctx_len, s.head_dim)
         self.state = {}
         for i in range(s.num_layers):
             self.state[f"past_key.{i}"] = np.zeros(kv, dtype=np.float32)
@@ -99,8 +154,49 @@ class OrtLanguageSession:
                 (s.deepstack_levels, 1, s.vision_size, s.hidden), dtype=np.float32)
 
     def run(self, step: LanguageStep) -> np.ndarray:
+        """Logits ``(B, 1, vocab)`` of a single-request step (cache rows ``0..B-1`` under CB)."""
+        if self.continuous_batching:
+            return self.run_rows(step, range(step.input_ids.shape[0]))
+        return self._run(step, None)
+
+    def prefill(self, cache_row: int, step: LanguageStep) -> np.ndarray:
+        """One request's prefill chunk (batch 1) into its KV cache row; logits ``(1, 1, vocab)``."""
+        if step.input_ids.shape[0] != 1:
+            raise ValueError(f"a prefill call carries one request, got a step of {step.input_ids.shape[0]} rows")
+        return self.run_rows(step, [cache_row])
+
+    def decode(self, rows: Sequence[DecodeRow], pad_token_id: int = 0) -> np.ndarray:
+        """Next-token logits ``(len(rows), vocab)`` of several requests, in calls of ``decode_rows`` rows."""
+        rows = list(rows)
+        if not rows:
+            raise ValueError("decode needs at least one DecodeRow")
+        cache_rows = [r.cache_row for r in rows]
+        if len(set(cache_rows)) != len(cache_rows):
+            raise ValueError(f"decode rows share KV cache rows {cache_rows}; each running request has its own row")
+        width = self.shape.decode_rows
+        logits = []
+        for start in range(0, len(rows), width):
+            group = rows[start:start + width]
+            step, batch_index = decode_batch(group, width, self.cache_rows, pad_token_id)
+            logits.append(self.run_rows(step, batch_index)[: len(group), 0])
+        return np.concatenate(logits, axis=0)
+
+    def run_rows(self, step: LanguageStep, batch_index: Sequence[int]) -> np.ndarray:
+        """One call whose batch row ``b`` reads and writes KV cache row ``batch_index[b]``."""
+        if not self.continuous_batching:
+            raise ValueError(
+                "this language graph has no batch_index input; export it with continuous batching "
+                "to address KV cache rows"
+            )
+        index = np.asarray(list(batch_index), dtype=np.int64).reshape(-1, 1)
+        check_batch_index(index, step.position_ids, self.cache_rows)
+        return self._run(step, index)
+
+    def _run(self, step: LanguageStep, batch_index: np.ndarray | None) -> np.ndarray:
         feeds = dict(self.state)
         feeds.update(input_ids=step.input_ids, position_ids=step.position_ids, image_idx=step.image_idx)
+        if batch_index is not None:
+            feeds[BATCH_INDEX] = batch_index
         if step.vision_embeds is not None:
             feeds["vision_embeds"] = step.vision_embeds.astype(np.float32)
         if step.deepstack is not None:
@@ -113,6 +209,53 @@ class OrtLanguageSession:
 
     def _execute(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
         return self.session.run(None, {name: feeds[name] for name in self.input_names})
+
+
+def check_batch_index(batch_index: np.ndarray, position_ids: np.ndarray, cache_rows: int) -> None:
+    """Host-side check of a call's ``batch_index (B, 1)`` before it reaches a backend.
+
+    Rows must lie in ``[0, cache_rows)``; real rows (any slot >= 0) need distinct cache rows, and a
+    padding row may not name a real row's cache row (both could write slot ``ctx_len - 1``).
+    """
+    batch = position_ids.shape[1]
+    if batch_index.shape != (batch, 1):
+        raise ValueError(f"batch_index has {batch_index.shape[0]} rows for a step of {batch}; give one per row")
+    rows = batch_index[:, 0].tolist()
+    if min(rows) < 0 or max(rows) >= cache_rows:
+        raise ValueError(f"batch_index {rows} leaves [0, full_batch_size={cache_rows}); use rows the KV cache has")
+    real = (np.asarray(position_ids)[0] >= 0).any(axis=1).tolist()
+    real_rows = [row for row, is_real in zip(rows, real) if is_real]
+    pad_rows = {row for row, is_real in zip(rows, real) if not is_real}
+    if len(set(real_rows)) != len(real_rows) or pad_rows & set(real_rows):
+        raise ValueError(
+            f"batch_index {rows} (real rows {real}) names one KV cache row twice; give each request its own row "
+            "and point padding rows at a row no request of the call uses"
+        )
+
+
+def decode_batch(rows: Sequence[DecodeRow], width: int, cache_rows: int,
+                 pad_token_id: int = 0) -> tuple[LanguageStep, list[int]]:
+    """A decode call of exactly ``width`` rows: the requests, then padding rows (positions -1).
+
+    Padding rows point at the lowest cache row no request of this call uses (one exists: the call has
+    fewer requests than ``width <= cache_rows``); they write only that row's slot ``ctx_len - 1``.
+    """
+    if not 1 <= len(rows) <= width:
+        raise ValueError(f"a decode call of width {width} takes 1..{width} rows, got {len(rows)}")
+    if width > cache_rows:
+        raise ValueError(f"decode width {width} exceeds full_batch_size {cache_rows}; use decode_batch_size <= it")
+    used = {r.cache_row for r in rows}
+    spare = next((row for row in range(cache_rows) if row not in used), None)
+    input_ids = np.full((width, 1), pad_token_id, dtype=np.int64)
+    position_ids = np.full((4, width, 1), PAD_POSITION, dtype=np.int64)
+    batch_index = [spare] * width
+    for b, r in enumerate(rows):
+        input_ids[b, 0] = r.token_id
+        position_ids[0, b, 0] = r.kv_slot
+        position_ids[1:, b, 0] = r.mrope_position
+        batch_index[b] = r.cache_row
+    step = LanguageStep(input_ids, position_ids, None, None, np.zeros((1, 1), dtype=np.int64), 0)
+    return step, batch_index
 
 
 def torch_device(prefer: str | None = None):
@@ -149,11 +292,7 @@ class TorchLanguageSession(OrtLanguageSession):
     def __init__(self, module, shape: LanguageShape, device=None):
         self.device = torch_device(device)
         self.module = module.to(self.device).eval()
-        self.shape = shape
-        self.input_names = list(module.io.input_names)
-        self.output_names = list(module.io.output_names)
-        self.state = {}
-        self.reset()
+        self._bind(shape, list(module.io.input_names), list(module.io.output_names))
 
     def _execute(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
         import torch

@@ -8,7 +8,10 @@ Two sets exist per model:
 
 * language: ``Prefill`` (``seq_len = prefill_seq_len``) and ``Decode`` (``seq_len = 1``),
   both binding ``vision_size = user_vision_size`` -- each prefill chunk is handed only its
-  own window of retained vision rows, so the language graph never needs the whole prompt's;
+  own window of retained vision rows, so the language graph never needs the whole prompt's.
+  With continuous batching both also bind ``full_batch_size`` (the KV cache rows); prefill
+  runs ``batch_size = 1`` (one request into its row) and decode ``batch_size = full_batch_size``
+  (or a chosen decode batch), QEfficient's CB layout;
 * vision: one entry per distinct symbol binding; several (resolution, frames, q) requests
   can share one entry (e.g. two pruning rates that keep the same count), and the entry
   remembers which requests it serves so the manifest and the host can find it again.
@@ -91,16 +94,25 @@ def language_specializations(
     ctx_len: int,
     user_vision_size: int | None = None,
     batch_size: int = 1,
+    full_batch_size: int | None = None,
+    decode_batch_size: int | None = None,
 ) -> list[Specialization]:
     """``[Prefill, Decode]`` for the language graph, both with ``vision_size = user_vision_size``.
 
     ``user_vision_size`` defaults to ``prefill_seq_len``: a chunk of ``seq_len`` tokens holds
     at most ``seq_len`` media tokens, so that many rows always suffice and fewer would not.
     With ``prefill_seq_len == 1`` the two entries coincide and only ``Decode`` is returned.
+
+    ``full_batch_size`` (continuous batching; the graph was exported with ``batch_index``) adds
+    that symbol to both entries, sets the prefill ``batch_size`` to 1 and the decode
+    ``batch_size`` to ``decode_batch_size`` (default ``full_batch_size``). Then a one-token
+    prefill still needs its own batch-1 entry unless the decode batch is 1 too.
     """
-    prefill_seq_len = _check_dimension("prefill_seq_len", prefill_seq_len, "language_specializations")
-    ctx_len = _check_dimension("ctx_len", ctx_len, "language_specializations")
-    batch_size = _check_dimension("batch_size", batch_size, "language_specializations")
+    context = "language_specializations"
+    prefill_seq_len = _check_dimension("prefill_seq_len", prefill_seq_len, context)
+    ctx_len = _check_dimension("ctx_len", ctx_len, context)
+    batch_size = _check_dimension("batch_size", batch_size, context)
+    cb = _continuous_batching_sizes(batch_size, full_batch_size, decode_batch_size)
     if user_vision_size is None:
         user_vision_size = prefill_seq_len
     user_vision_size = _check_dimension("user_vision_size", user_vision_size, "language_specializations")
@@ -123,11 +135,46 @@ def language_specializations(
         )
 
     shared = {"batch_size": batch_size, "ctx_len": ctx_len, "vision_size": user_vision_size}
-    decode = Specialization(DECODE_NAME, {**shared, "seq_len": 1})
-    if prefill_seq_len == 1:
+    if cb is None:
+        decode = Specialization(DECODE_NAME, {**shared, "seq_len": 1})
+        if prefill_seq_len == 1:
+            return [decode]
+        return [Specialization(PREFILL_NAME, {**shared, "seq_len": prefill_seq_len}), decode]
+
+    full, decode_batch = cb
+    shared["full_batch_size"] = full
+    prefill = Specialization(PREFILL_NAME, {**shared, "batch_size": 1, "seq_len": prefill_seq_len})
+    decode = Specialization(DECODE_NAME, {**shared, "batch_size": decode_batch, "seq_len": 1})
+    if prefill.symbols == decode.symbols:
         return [decode]
-    prefill = Specialization(PREFILL_NAME, {**shared, "seq_len": prefill_seq_len})
     return [prefill, decode]
+
+
+def _continuous_batching_sizes(
+    batch_size: int, full_batch_size: int | None, decode_batch_size: int | None
+) -> tuple[int, int] | None:
+    """``(full_batch_size, decode batch)`` when continuous batching is asked for, else None."""
+    context = "language_specializations"
+    if full_batch_size is None:
+        if decode_batch_size is not None:
+            raise ValueError(
+                f"decode_batch_size={decode_batch_size} needs continuous batching; also pass full_batch_size "
+                "(the KV cache rows) or drop decode_batch_size"
+            )
+        return None
+    full = _check_dimension("full_batch_size", full_batch_size, context)
+    if batch_size != 1:
+        raise ValueError(
+            f"batch_size={batch_size} with full_batch_size={full}: continuous batching prefills one request per "
+            "call (batch_size 1) and decodes up to full_batch_size rows; leave batch_size at 1"
+        )
+    decode = full if decode_batch_size is None else _check_dimension("decode_batch_size", decode_batch_size, context)
+    if decode > full:
+        raise ValueError(
+            f"decode_batch_size={decode} exceeds full_batch_size={full}: a decode call's rows need distinct KV "
+            f"cache rows; use decode_batch_size <= {full}"
+        )
+    return full, decode
 
 
 def vision_specializations(
