@@ -1,0 +1,76 @@
+"""Shared fixtures: one tiny Qwen2.5-VL checkpoint folder and ONE export of it, for the whole session.
+
+Exports cost seconds each, so the end-to-end, CLI and artifact tests all read this one folder;
+tests that need other chunk lengths build engines with their own ``EngineConfig`` over the same
+graphs (``seq_len``, ``vision_size`` and ``ctx_len`` are symbols of the language graph, and ONNX
+Runtime ignores specializations). Tests that modify an export work on a copy.
+
+The export serves two resolutions x two frame counts at q = 0.5, with ``user_vision_size`` (48)
+different from the prefill length (32) so that a test can tell which of the two a file carries.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from qeff_evs.export.pipeline import ExportOptions, export_checkpoint
+from qeff_evs.models.tiny import save_tiny_checkpoint
+from qeff_evs.runtime.synthetic import moving_square_video
+
+FAMILY = "qwen2_5_vl"
+CHECKPOINT_SEED = 0
+
+# 112x196 px = 8x14 patches = 4x7 merged tokens per temporal patch; 168x168 = 6x6 merged.
+EXPORT_OPTIONS = ExportOptions(
+    video_pruning_rate=0.5,
+    frames=(4, 8),
+    resolutions=((112, 196), (168, 168)),
+    prefill_seq_len=32,
+    ctx_len=256,
+    user_vision_size=48,
+)
+
+# The clip the tests ask about: 8 frames at 2 fps (the .npy default rate), aspect 0.6, so the
+# processor keeps all 8 frames and resizes to 112x196 -> grid (4, 8, 14), merged (4, 4, 7).
+VIDEO_FRAMES = 8
+VIDEO_HEIGHT, VIDEO_WIDTH = 120, 200
+VIDEO_SEED = 3
+QUESTION = "What happens in this video?"
+
+
+@pytest.fixture(scope="session")
+def export_options() -> ExportOptions:
+    return EXPORT_OPTIONS
+
+
+@pytest.fixture(scope="session")
+def question() -> str:
+    return QUESTION
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory) -> Path:
+    """A complete tiny Qwen2.5-VL checkpoint folder (config, safetensors, tokenizer, preprocessor)."""
+    return save_tiny_checkpoint(FAMILY, tmp_path_factory.mktemp("checkpoint"), seed=CHECKPOINT_SEED)
+
+
+@pytest.fixture(scope="session")
+def tiny_export(tiny_checkpoint, tmp_path_factory) -> Path:
+    """The session's one export folder. Read it; copy it before changing anything in it."""
+    out = tmp_path_factory.mktemp("export")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        export_checkpoint(tiny_checkpoint, out, EXPORT_OPTIONS)
+    return out
+
+
+@pytest.fixture(scope="session")
+def video_npy(tmp_path_factory) -> Path:
+    """A moving-square clip as a (T, H, W, 3) uint8 ``.npy``."""
+    path = tmp_path_factory.mktemp("video") / "moving_square.npy"
+    np.save(path, moving_square_video(VIDEO_FRAMES, VIDEO_HEIGHT, VIDEO_WIDTH, seed=VIDEO_SEED))
+    return path

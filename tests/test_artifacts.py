@@ -1,0 +1,245 @@
+"""The export folder's real files (DESIGN §7): manifest, specializations (both layouts), custom IO,
+compile script, and the "every symbol bound" check run on the exported graphs themselves.
+
+Expected values are derived here from the export options, the tokenizer and transformers'
+own helpers; the files are read with json / yaml / onnx / shlex, not with the package's readers
+(except where a test is about those readers).
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from pathlib import Path
+
+import onnx
+import pytest
+import torch
+import yaml
+from transformers import AutoTokenizer, GenerationConfig
+from transformers.vision_utils import get_vision_window_index
+
+from qeff_evs.manifest import read_manifest
+from qeff_evs.specializations import check_specializations, read_specializations_json
+
+# What the tiny checkpoint is built with (qeff_evs/models/tiny.py); stated here so a change shows.
+PATCH, MERGE, TEMPORAL_PATCH, CHANNELS, WINDOW = 14, 2, 2, 3, 56
+NUM_LAYERS = 2
+
+VISION_SYMBOLS = ("grid_h", "grid_w", "grid_height", "grid_width", "time", "vision_size", "retained_size")
+
+
+def load_json(path: Path):
+    return json.loads(path.read_text())
+
+
+def graph_dims(path: Path) -> dict[str, list]:
+    """{io name: [dim_param or dim_value]} of a graph's inputs and outputs, read with onnx."""
+    proto = onnx.load(str(path), load_external_data=False)
+    weights = {init.name for init in proto.graph.initializer}
+    ios = [vi for vi in proto.graph.input if vi.name not in weights] + list(proto.graph.output)
+    return {vi.name: [d.dim_param or d.dim_value for d in vi.type.tensor_type.shape.dim] for vi in ios}
+
+
+def symbols_of(dims: dict[str, list]) -> set[str]:
+    return {d for shape in dims.values() for d in shape if isinstance(d, str)}
+
+
+@pytest.fixture(scope="module")
+def manifest_json(tiny_export):
+    return load_json(tiny_export / "manifest.json")
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_checkpoint):
+    return AutoTokenizer.from_pretrained(tiny_checkpoint)
+
+
+# --------------------------------------------------------------------------------------------------
+# manifest.json
+
+
+def test_manifest_names_every_file_of_the_export(tiny_export, manifest_json):
+    files = manifest_json["files"]
+    for role, relative in files.items():
+        assert (tiny_export / relative).exists(), (role, relative)
+    named = [tiny_export / relative for relative in files.values()]
+    for path in tiny_export.rglob("*"):
+        if path.is_file() and path.name != "manifest.json":
+            unnamed = path.relative_to(tiny_export)
+            assert any(path == p or p in path.parents for p in named), f"{unnamed} is not in the manifest"
+    for role in ("vision", "language", "tokenizer", "vision_specializations", "language_specializations",
+                 "vision_custom_io", "language_custom_io", "compile_script"):
+        assert role in files
+
+
+def test_manifest_records_family_and_export_options(manifest_json, export_options):
+    m = manifest_json
+    assert m["family"] == "qwen2_5_vl"
+    assert m["video_pruning_rate"] == export_options.video_pruning_rate
+    assert m["prefill_seq_len"] == export_options.prefill_seq_len
+    assert m["ctx_len"] == export_options.ctx_len
+    assert m["user_vision_size"] == export_options.user_vision_size
+    assert m["frames"] == list(export_options.frames)
+    assert [tuple(r) for r in m["resolutions"]] == list(export_options.resolutions)
+    assert m["kv_precision"] == "float16"
+    assert m["language_shape"]["num_layers"] == NUM_LAYERS
+
+
+def test_manifest_special_tokens_are_the_tokenizers(manifest_json, tokenizer, tiny_checkpoint):
+    tokens = manifest_json["special_tokens"]
+    by_name = {"image_pad": "<|image_pad|>", "video_pad": "<|video_pad|>",
+               "vision_start": "<|vision_start|>", "vision_end": "<|vision_end|>"}
+    for key, token in by_name.items():
+        assert tokens[key] == tokenizer.convert_tokens_to_ids(token), key
+    config = load_json(tiny_checkpoint / "config.json")
+    assert tokens["video_pad"] == config["video_token_id"]
+    generation_eos = GenerationConfig.from_pretrained(tiny_checkpoint).eos_token_id
+    assert set(tokens["eos"]) == {tokenizer.convert_tokens_to_ids("<|im_end|>")} | set(generation_eos)
+
+
+def test_manifest_reads_back(tiny_export, manifest_json):
+    manifest = read_manifest(tiny_export)
+    assert manifest.user_vision_size == manifest_json["user_vision_size"]
+    grids = [tuple(e["grid_thw"]) for e in manifest_json["vision_entries"]]
+    assert [e.grid_thw for e in manifest.vision_entries] == grids
+
+
+# --------------------------------------------------------------------------------------------------
+# specializations.json, both layouts
+
+
+@pytest.mark.parametrize("graph", ["vision", "language"])
+def test_flat_and_named_layouts_hold_the_same_entries(tiny_export, graph):
+    flat = load_json(tiny_export / graph / "specializations.json")["specializations"]
+    named = load_json(tiny_export / graph / "specializations.named.json")["specializations"]
+    assert [entry["symbols"] for entry in named] == flat
+    for entry in flat:
+        assert all(isinstance(v, str) and v.isdigit() for v in entry.values()), entry  # QEfficient stringifies
+    assert read_specializations_json(tiny_export / graph / "specializations.json") == \
+        read_specializations_json(tiny_export / graph / "specializations.named.json")
+
+
+def test_language_specializations_carry_user_vision_size(tiny_export, export_options):
+    named = load_json(tiny_export / "language" / "specializations.named.json")["specializations"]
+    assert [entry["name"] for entry in named] == ["Prefill", "Decode"]
+    prefill, decode = (entry["symbols"] for entry in named)
+    shared = {"batch_size": "1", "ctx_len": str(export_options.ctx_len),
+              "vision_size": str(export_options.user_vision_size)}
+    assert prefill == {**shared, "seq_len": str(export_options.prefill_seq_len)}
+    assert decode == {**shared, "seq_len": "1"}
+    assert export_options.user_vision_size != export_options.prefill_seq_len  # so the check above tells them apart
+
+
+def expected_vision_symbols(height: int, width: int, frames: int, q: float) -> dict[str, str]:
+    t, h, w = frames // TEMPORAL_PATCH, height // PATCH, width // PATCH
+    per_frame = (h // MERGE) * (w // MERGE)
+    _, cu_window = get_vision_window_index(torch.tensor([[t, h, w]]), spatial_merge_size=MERGE,
+                                           window_size=WINDOW, patch_size=PATCH)
+    symbols = {
+        "grid_height": t * h * w,
+        "grid_width": CHANNELS * TEMPORAL_PATCH * PATCH * PATCH,
+        "time": t,
+        "grid_h": h,
+        "grid_w": w,
+        "frame_bounds": t + 1,
+        "vision_size": t * per_frame,
+        "window_bounds": len(cu_window),
+        "retained_size": max(per_frame, int(per_frame * t * (1 - q))),  # vLLM's count rule
+    }
+    return {k: str(v) for k, v in symbols.items()}
+
+
+def test_vision_specializations_one_per_resolution_and_frame_count(tiny_export, export_options, manifest_json):
+    flat = load_json(tiny_export / "vision" / "specializations.json")["specializations"]
+    q = export_options.video_pruning_rate
+    targets = [(h, w, f) for h, w in export_options.resolutions for f in export_options.frames]
+    assert len(flat) == len(targets)
+    for entry, (height, width, frames) in zip(flat, targets):
+        assert set(VISION_SYMBOLS) <= set(entry)
+        assert entry == expected_vision_symbols(height, width, frames, q), (height, width, frames)
+    served = [(e["height"], e["width"], e["frames"]) for e in manifest_json["vision_entries"]]
+    assert served == targets
+    assert [str(e["retained"]) for e in manifest_json["vision_entries"]] == [e["retained_size"] for e in flat]
+
+
+# --------------------------------------------------------------------------------------------------
+# the graphs against their specializations
+
+
+@pytest.mark.parametrize("graph", ["vision", "language"])
+def test_every_graph_symbol_is_bound_in_every_specialization(tiny_export, graph):
+    dims = graph_dims(tiny_export / graph / f"{graph}.onnx")
+    assert all(d != 0 for shape in dims.values() for d in shape), "a dynamic axis without a name"
+    symbols = symbols_of(dims)
+    assert symbols, "the graph has no dynamic symbols at all"
+    for entry in load_json(tiny_export / graph / "specializations.json")["specializations"]:
+        assert symbols <= set(entry), symbols - set(entry)
+
+
+@pytest.mark.parametrize("graph, symbol", [("language", "vision_size"), ("language", "ctx_len"),
+                                           ("vision", "retained_size"), ("vision", "grid_height")])
+def test_symbol_check_fails_loudly_on_the_real_graph(tiny_export, graph, symbol):
+    specs = load_json(tiny_export / graph / "specializations.json")["specializations"]
+    broken = [dict(entry) for entry in specs]
+    del broken[-1][symbol]
+    check_specializations(tiny_export / graph / f"{graph}.onnx", [{k: int(v) for k, v in e.items()} for e in specs])
+    with pytest.raises(ValueError, match=rf"symbol '{symbol}'.*not bound"):
+        check_specializations(tiny_export / graph / f"{graph}.onnx",
+                              [{k: int(v) for k, v in e.items()} for e in broken])
+
+
+# --------------------------------------------------------------------------------------------------
+# custom_io.yaml
+
+
+def test_custom_io_names_real_graph_ios_in_fp16(tiny_export):
+    language = yaml.safe_load((tiny_export / "language" / "custom_io.yaml").read_text())
+    vision = yaml.safe_load((tiny_export / "vision" / "custom_io.yaml").read_text())
+    for graph, entries in (("language", language), ("vision", vision)):
+        ios = graph_dims(tiny_export / graph / f"{graph}.onnx")
+        for entry in entries:
+            assert set(entry) == {"IOName", "Precision"}
+            assert entry["IOName"] in ios, (graph, entry)
+    precisions = {e["IOName"]: e["Precision"] for e in language}
+    expected = ["vision_embeds", "vision_embeds_RetainedState"]
+    for i in range(NUM_LAYERS):
+        expected += [f"past_key.{i}", f"past_value.{i}", f"past_key.{i}_RetainedState",
+                     f"past_value.{i}_RetainedState"]
+    assert precisions == {name: "float16" for name in expected}
+    assert {e["IOName"]: e["Precision"] for e in vision} == {"pixel_values": "float16", "vision_embeds": "float16"}
+
+
+# --------------------------------------------------------------------------------------------------
+# compile.sh
+
+
+def compile_lines(script: Path) -> dict[str, list[str]]:
+    """{graph: argv} of the qaic-compile lines, keyed by the -m= graph's folder."""
+    commands = {}
+    for line in script.read_text().splitlines():
+        argv = shlex.split(line)
+        if argv and argv[0] == "$QAIC_COMPILE":
+            model = next(a for a in argv if a.startswith("-m="))[3:]
+            commands[Path(model).parent.name] = argv[1:]
+    return commands
+
+
+def test_compile_script_has_one_qaic_compile_line_per_graph(tiny_export):
+    script = tiny_export / "compile.sh"
+    assert script.stat().st_mode & 0o100, "compile.sh is not executable"
+    commands = compile_lines(script)
+    assert set(commands) == {"vision", "language"}
+    for graph, argv in commands.items():
+        options = dict(a.split("=", 1) if "=" in a else (a, None) for a in argv)
+        assert options["-m"] == f"{graph}/{graph}.onnx"
+        assert options["-network-specialization-config"] == f"{graph}/specializations.json"
+        assert options["-custom-IO-list-file"] == f"{graph}/custom_io.yaml"
+        for key in ("-m", "-network-specialization-config", "-custom-IO-list-file"):
+            assert (tiny_export / options[key]).is_file()
+        assert options["-aic-hw-version"] == "ai100" and "-aic-hw" in options
+        assert options["-aic-num-cores"] == "16"
+        assert "-convert-to-fp16" in options
+        assert options["-aic-binary-dir"]
+        assert ("-retained-state" in options) == (graph == "language")
+        assert "-mxfp6-matmul" not in options

@@ -1,0 +1,300 @@
+"""The ``qeff-evs`` command: export, run (--video and --pixel-values-videos), compile without the
+SDK, demo, and bad input (exit status 2 with a message that names the bad value).
+
+Commands run in-process through ``qeff_evs.cli.main`` to save interpreter start-ups; one test runs
+the installed console script in a subprocess. ``run`` uses the session's export (conftest.py);
+one test makes its own export through the CLI.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import math
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+from qeff_evs.cli import main
+from qeff_evs.models.tiny import build_tokenizer
+from qeff_evs.runtime.runner import open_export, video_from_file
+from qeff_evs.runtime.synthetic import moving_square_video
+from qeff_evs.specializations import compile_command
+
+MAX_NEW_TOKENS = 6
+# The session clip: 8 frames -> grid (4, 8, 14) patches, (4, 4, 7) merged; q = 0.5 keeps 56 of 112.
+GRID = (4, 8, 14)
+TOKENS_PER_FRAME, KEPT = 28, 56
+RESULT_KEYS = {"prompt_token_ids", "generated_token_ids", "prefill_top_logits", "retained_tokens_per_frame",
+               "num_prefill_chunks", "vision_rows_per_chunk"}
+
+
+def cli(argv: list[str], capsys) -> tuple[int, str, str]:
+    """Run the command in-process: (exit status, stdout, stderr). argparse's own errors exit too."""
+    capsys.readouterr()
+    try:
+        code = main([str(a) for a in argv])
+    except SystemExit as stop:
+        code = stop.code
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def expected_prompt_ids(tokenizer, question: str, num_video_tokens: int) -> list[int]:
+    """The chat template with its video pad expanded, tokenized here (not by the package)."""
+    messages = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": question}]}]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    text = text.replace("<|video_pad|>", "<|video_pad|>" * num_video_tokens)
+    return tokenizer(text, add_special_tokens=False).input_ids
+
+
+def assert_same_result(ours: dict, reference: dict) -> None:
+    """Ids, counts and tokens exactly equal; logits within fp32 tolerance (another process may sum differently)."""
+    assert set(ours) == set(reference)
+    for key in reference:
+        if key != "prefill_top_logits":
+            assert ours[key] == reference[key], key
+    assert [i for i, _ in ours["prefill_top_logits"]] == [i for i, _ in reference["prefill_top_logits"]]
+    np.testing.assert_allclose([v for _, v in ours["prefill_top_logits"]],
+                               [v for _, v in reference["prefill_top_logits"]], atol=1e-4, rtol=0)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_checkpoint):
+    return AutoTokenizer.from_pretrained(tiny_checkpoint)
+
+
+def run_argv(export_dir, *source: str, question: str) -> list[str]:
+    return ["run", export_dir, *source, "--prompt", question, "--json", "--max-new-tokens", MAX_NEW_TOKENS]
+
+
+@pytest.fixture(scope="module")
+def run_json(tiny_export, video_npy, question):
+    """``qeff-evs run EXPORT --video X.npy --json`` in-process, parsed (module-scoped: reused below)."""
+    out = io.StringIO()  # capsys is function-scoped
+    with contextlib.redirect_stdout(out):
+        code = main([str(a) for a in run_argv(tiny_export, "--video", str(video_npy), question=question)])
+    assert code == 0
+    return json.loads(out.getvalue())
+
+
+# --------------------------------------------------------------------------------------------------
+# run
+
+
+def test_run_json_has_the_documented_fields(run_json, tokenizer, question, export_options):
+    result = run_json
+    assert RESULT_KEYS <= set(result)
+    ids = result["prompt_token_ids"]
+    assert ids == expected_prompt_ids(tokenizer, question, KEPT)
+    assert 1 <= len(result["generated_token_ids"]) <= MAX_NEW_TOKENS
+    top = result["prefill_top_logits"]
+    assert len(top) == 10 and all(len(pair) == 2 and isinstance(pair[0], int) for pair in top)
+    assert top[0][0] == result["generated_token_ids"][0]
+    values = [v for _, v in top]
+    assert values == sorted(values, reverse=True)
+    per_frame = result["retained_tokens_per_frame"]
+    assert len(per_frame) == 1 and len(per_frame[0]) == GRID[0]
+    assert per_frame[0][0] == TOKENS_PER_FRAME and sum(per_frame[0]) == KEPT
+    seq_len, vision_size = export_options.prefill_seq_len, export_options.user_vision_size
+    assert result["num_prefill_chunks"] == math.ceil(len(ids) / seq_len)
+    video_pad = tokenizer.convert_tokens_to_ids("<|video_pad|>")
+    pads = [sum(t == video_pad for t in ids[c:c + seq_len]) for c in range(0, len(ids), seq_len)]
+    assert result["vision_rows_per_chunk"] == pads
+    assert max(result["vision_rows_per_chunk"]) <= vision_size
+
+
+def test_pixel_values_videos_path_gives_the_same_answer(run_json, tiny_export, video_npy, question, tmp_path, capsys):
+    """The same clip, already patchified (as transformers' processor hands it over), at the same fps."""
+    video = video_from_file(video_npy, open_export(tiny_export))
+    assert video.grid_thw == GRID
+    pixels = tmp_path / "pixel_values_videos.npy"
+    np.save(pixels, video.pixel_values.numpy())
+    code, out, err = cli(run_argv(tiny_export, "--pixel-values-videos", pixels, "--video-grid-thw", "4,8,14",
+                                  "--fps", video.fps, question=question), capsys)
+    assert code == 0, err
+    assert_same_result(json.loads(out), run_json)
+
+
+def test_console_script_runs_in_a_subprocess(run_json, tiny_export, video_npy, question):
+    script = Path(sys.executable).with_name("qeff-evs")
+    assert script.is_file(), f"console script missing at {script}; pip install -e ."
+    argv = [str(a) for a in run_argv(tiny_export, "--video", str(video_npy), question=question)]
+    completed = subprocess.run([str(script), *argv], capture_output=True, text=True, timeout=300, check=False)
+    assert completed.returncode == 0, completed.stderr
+    assert_same_result(json.loads(completed.stdout), run_json)
+
+
+def test_run_prints_text_without_json(tiny_export, video_npy, question, capsys):
+    code, out, _ = cli(["run", tiny_export, "--video", video_npy, "--prompt", question, "--max-new-tokens", 2], capsys)
+    assert code == 0
+    assert "generated token ids:" in out and "retained tokens per frame:" in out
+
+
+# --------------------------------------------------------------------------------------------------
+# export through the CLI, then run on it
+
+
+def test_export_then_run(tiny_checkpoint, video_npy, question, tokenizer, tmp_path, capsys):
+    out_dir = tmp_path / "cli_export"
+    code, out, err = cli(["export", tiny_checkpoint, "-o", out_dir, "--video-pruning-rate", 0.25,
+                          "--frames", 4, "--frames", 8, "--height", 112, "--width", 196, "--prefill-seq-len", 16,
+                          "--ctx-len", 128, "--kv-precision", "mxint8", "--mxfp6", "--num-cores", 4], capsys)
+    assert code == 0, err
+    assert json.loads(out) == {"export_dir": str(out_dir), "family": "qwen2_5_vl", "vision_specializations": 2}
+    manifest = json.loads((out_dir / "manifest.json").read_text())
+    assert manifest["user_vision_size"] == 16  # defaults to the prefill length
+    assert manifest["video_pruning_rate"] == 0.25
+    language_specs = json.loads((out_dir / "language" / "specializations.json").read_text())["specializations"]
+    assert {entry["vision_size"] for entry in language_specs} == {"16"}
+    custom_io = (out_dir / "language" / "custom_io.yaml").read_text()
+    assert "IOName: past_key.0\n  Precision: mxint8" in custom_io
+    script = (out_dir / "compile.sh").read_text()
+    assert "-aic-num-cores=4" in script and "-mxfp6-matmul" in script
+
+    code, out, err = cli(run_argv(out_dir, "--video", video_npy, question=question), capsys)
+    assert code == 0, err
+    result = json.loads(out)
+    kept = max(TOKENS_PER_FRAME, int(TOKENS_PER_FRAME * GRID[0] * 0.75))
+    assert sum(result["retained_tokens_per_frame"][0]) == kept
+    assert result["prompt_token_ids"] == expected_prompt_ids(tokenizer, question, kept)
+    assert result["num_prefill_chunks"] == math.ceil(len(result["prompt_token_ids"]) / 16)
+    assert max(result["vision_rows_per_chunk"]) <= 16
+
+
+# --------------------------------------------------------------------------------------------------
+# compile and demo
+
+
+def test_compile_without_the_sdk_prints_the_commands(tiny_export, tmp_path, monkeypatch, capsys):
+    if Path(compile_command.SDK_COMPILER_PATH).exists():
+        pytest.skip("the Cloud AI 100 SDK is installed here; compile would really run")
+    monkeypatch.setenv("PATH", str(tmp_path))  # no qaic-compile on PATH
+    build = tmp_path / "build"
+    shutil.copytree(tiny_export, build)  # compile rewrites compile.sh: keep the session export as it is
+    code, out, err = cli(["compile", build, "--num-cores", 8], capsys)
+    assert code == 0, err
+    lines = [line for line in out.splitlines() if line.startswith("qaic-compile ")]
+    assert len(lines) == 2
+    assert all("-aic-num-cores=8" in line for line in lines)
+    assert "-m=vision/vision.onnx" in lines[0] and "-m=language/language.onnx" in lines[1]
+    assert "not found" in out
+    assert (build / "compile.sh").read_text().count("-aic-num-cores=8") == 2
+
+
+def test_demo_runs(tmp_path, capsys):
+    code, out, err = cli(["demo", "--workdir", tmp_path], capsys)
+    assert code == 0, err
+    assert "kept map" in out and "generated token ids (ort):" in out
+    assert (tmp_path / "export" / "manifest.json").is_file()
+
+
+# --------------------------------------------------------------------------------------------------
+# bad input: exit status 2 and a message naming the value
+
+
+@pytest.fixture(scope="module")
+def bad_inputs(tmp_path_factory, tiny_checkpoint, tiny_export):
+    """Folders and files that each hold one mistake."""
+    root = tmp_path_factory.mktemp("bad")
+    paths = {}
+
+    paths["unexported_frames"] = root / "grid_3_8_14.npy"
+    np.save(paths["unexported_frames"], np.zeros((3 * 8 * 14, 1176), dtype=np.float32))
+    paths["unexported_size"] = root / "grid_4_10_10.npy"
+    np.save(paths["unexported_size"], np.zeros((4 * 10 * 10, 1176), dtype=np.float32))
+    paths["wrong_rows"] = root / "rows_10.npy"
+    np.save(paths["wrong_rows"], np.zeros((10, 1176), dtype=np.float32))
+    paths["two_frames"] = root / "two_frames.npy"
+    np.save(paths["two_frames"], moving_square_video(2, 120, 200, seed=0))
+
+    text_only = root / "qwen2_text_only"
+    config = Qwen2Config(vocab_size=len(build_tokenizer()), hidden_size=16, intermediate_size=32,
+                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
+    Qwen2ForCausalLM(config).save_pretrained(text_only)
+    build_tokenizer().save_pretrained(text_only)
+    paths["text_only"] = text_only
+
+    other_type = root / "other_model_type"
+    shutil.copytree(tiny_checkpoint, other_type)
+    raw = json.loads((other_type / "config.json").read_text())
+    raw["model_type"] = "llava"
+    (other_type / "config.json").write_text(json.dumps(raw))
+    paths["other_type"] = other_type
+
+    no_tokenizer = root / "checkpoint_without_tokenizer"
+    shutil.copytree(tiny_checkpoint, no_tokenizer,
+                    ignore=shutil.ignore_patterns("tokenizer*", "vocab*", "merges*", "special_tokens*",
+                                                  "chat_template*"))
+    paths["no_tokenizer"] = no_tokenizer
+
+    export_no_tokenizer = root / "export_without_tokenizer"
+    shutil.copytree(tiny_export, export_no_tokenizer, ignore=shutil.ignore_patterns("tokenizer"))
+    paths["export_no_tokenizer"] = export_no_tokenizer
+    return paths
+
+
+EXPORT_GRID = ["--frames", "8", "--height", "112", "--width", "196"]
+
+BAD_COMMANDS = {
+    "frame count 6 not exported": (["run", "{export}", "--pixel-values-videos", "{unexported_frames}",
+                                    "--video-grid-thw", "3,8,14", "--prompt", "hi"],
+                                   r"no vision specialization for video grid \(3, 8, 14\)"),
+    "resolution 140x140 not exported": (["run", "{export}", "--pixel-values-videos", "{unexported_size}",
+                                         "--video-grid-thw", "4,10,10", "--prompt", "hi"],
+                                        r"no vision specialization for video grid \(4, 10, 10\)"),
+    "pixel rows do not match the grid": (["run", "{export}", "--pixel-values-videos", "{wrong_rows}",
+                                          "--video-grid-thw", "4,8,14", "--prompt", "hi"],
+                                         r"shape \(10, 1176\) do not match --video-grid-thw 4,8,14"),
+    "pixel values without a grid": (["run", "{export}", "--pixel-values-videos", "{wrong_rows}", "--prompt", "hi"],
+                                    r"needs --video-grid-thw"),
+    "clip shorter than every exported frame count": (["run", "{export}", "--video", "{two_frames}", "--prompt", "hi"],
+                                                     r"2 frames .*fewer than every exported frame count \[4, 8\]"),
+    "prompt does not fit ctx_len": (["run", "{export}", "--video", "{video}", "--prompt", "{long_question}"],
+                                    r"the prompt \(\d+ tokens\).* ctx_len is 256"),
+    "max new tokens do not fit ctx_len": (["run", "{export}", "--video", "{video}", "--prompt", "hi",
+                                           "--max-new-tokens", "250"], r"max_new_tokens \(250\).* ctx_len is 256"),
+    "export folder without tokenizer": (["run", "{export_no_tokenizer}", "--video", "{video}", "--prompt", "hi"],
+                                        r"export_without_tokenizer/tokenizer holds no tokenizer"),
+    "not an export folder": (["run", "{checkpoint}", "--video", "{video}", "--prompt", "hi"],
+                             r"manifest.json not found"),
+    "user_vision_size below the prefill length": (["export", "{checkpoint}", "-o", "{out}", *EXPORT_GRID,
+                                                   "--prefill-seq-len", "32", "--user-vision-size", "16"],
+                                                  r"user_vision_size=16 is smaller than prefill_seq_len=32"),
+    "user_vision_size at ctx_len": (["export", "{checkpoint}", "-o", "{out}", *EXPORT_GRID, "--prefill-seq-len", "32",
+                                     "--ctx-len", "256", "--user-vision-size", "256"],
+                                    r"user_vision_size=256 must be smaller than ctx_len=256"),
+    "text-only Qwen2 checkpoint": (["export", "{text_only}", "-o", "{out}", *EXPORT_GRID],
+                                   r"model_type='qwen2'"),
+    "config of another model_type": (["export", "{other_type}", "-o", "{out}", *EXPORT_GRID],
+                                     r"model_type='llava'"),
+    "checkpoint without tokenizer": (["export", "{no_tokenizer}", "-o", "{out}", *EXPORT_GRID],
+                                     r"checkpoint_without_tokenizer has no tokenizer"),
+    "frame size not a multiple of 28": (["export", "{checkpoint}", "-o", "{out}", "--frames", "8", "--height", "100",
+                                         "--width", "196"], r"frame size 100x196 .*multiple of .* 28"),
+    "odd frame count": (["export", "{checkpoint}", "-o", "{out}", "--frames", "3", "--height", "112", "--width", "196"],
+                        r"--frames 3 .*temporal_patch_size 2"),
+    "pruning rate 1": (["export", "{checkpoint}", "-o", "{out}", *EXPORT_GRID, "--video-pruning-rate", "1.0"],
+                       r"1\.0"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_COMMANDS))
+def test_bad_input_exits_2_naming_the_value(case, bad_inputs, tiny_checkpoint, tiny_export, video_npy, tmp_path,
+                                            capsys):
+    argv, message = BAD_COMMANDS[case]
+    values = {**{k: str(v) for k, v in bad_inputs.items()}, "export": str(tiny_export), "video": str(video_npy),
+              "checkpoint": str(tiny_checkpoint), "out": str(tmp_path / "out"),
+              "long_question": "Describe the video in detail, please. " * 40}
+    code, out, err = cli([a.format(**values) for a in argv], capsys)
+    assert code == 2, (out, err)
+    assert "Traceback" not in err
+    assert f"qeff-evs {argv[0]}: error:" in err
+    assert re.search(message, err), err
