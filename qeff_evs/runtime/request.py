@@ -11,7 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
-import torch
 
 from qeff_evs import positions as pos
 from qeff_evs.models.protocol import ModelFamily, VideoInput, VideoLayout
@@ -53,44 +52,90 @@ def provisional_ids(pieces: list[PromptPiece], videos: list[VideoInput], retaine
     return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
 
+@dataclass
+class PromptPlan:
+    """A request's prompt once its media grids are known; each item is filled in when it is encoded.
+
+    Text positions and the placeholders' offsets and lengths are final from the start (they depend
+    on grids and K only); an item's real ids and positions need its retained indices, so the engine
+    completes it after the vision graph ran, before any chunk reaches its placeholder.
+    """
+
+    ids: np.ndarray  # (N,) int64; provisional inside placeholders until completed
+    positions: np.ndarray  # (3, N) int64; -1 inside placeholders until completed
+    decode_start: int
+    placeholders: list[Placeholder]  # one per media item, in media order
+    encoded: list[EncodedVideo | None]
+    unpruned_positions: list[np.ndarray]  # per media item: (3, unpruned length) positions of its segment
+
+    @property
+    def complete(self) -> bool:
+        return all(e is not None for e in self.encoded)
+
+    def fill(self, item: int, video: VideoInput, encoded: EncodedVideo, family: ModelFamily) -> None:
+        """Rewrite item ``item``'s placeholder to its real layout and write its positions."""
+        layout: VideoLayout = family.video_layout(video, encoded.retained_indices)
+        ph = self.placeholders[item]
+        if len(layout.ids) != ph.length:
+            raise ValueError(f"media item {item}: real layout has {len(layout.ids)} tokens, "
+                             f"its placeholder {ph.length}")
+        self.ids[ph.offset:ph.offset + ph.length] = layout.ids
+        self.positions[:, ph.offset:ph.offset + ph.length] = self.unpruned_positions[item][:, layout.keep]
+        is_embed = np.isin(layout.ids, family.special_tokens().media_pads)
+        self.placeholders[item] = Placeholder(ph.offset, ph.length, None if is_embed.all() else is_embed)
+        self.encoded[item] = encoded
+
+    def prepared(self) -> PreparedPrompt:
+        if not self.complete:
+            missing = [i for i, e in enumerate(self.encoded) if e is None]
+            raise ValueError(f"media items {missing} are not encoded yet")
+        return PreparedPrompt(self.ids, self.positions, self.decode_start, self.placeholders, list(self.encoded))
+
+
+def plan_prompt(pieces: list[PromptPiece], media: list[VideoInput], retained: list[int],
+                family: ModelFamily) -> PromptPlan:
+    """Provisional ids, final text positions and placeholders, from grids and retained counts alone."""
+    pads = family.special_tokens().media_pads
+    ids_parts, unpruned_parts, blocks, segments = [], [], [], []
+    for piece in pieces:
+        if piece.video is None:
+            text = np.asarray(piece.ids, dtype=np.int64)
+            ids_parts.append(text)
+            unpruned_parts.append(text)
+            segments.append(None)
+            continue
+        video, k = media[piece.video], retained[piece.video]
+        # The unpruned segment and its blocks do not depend on which tokens are kept.
+        shape = family.video_layout(video, np.arange(k, dtype=np.int64))
+        ids_parts.append(family.placeholder_ids(video, k))
+        unpruned_parts.append(shape.unpruned_ids)
+        blocks.extend(shape.blocks)
+        segments.append(piece.video)
+    unpruned = np.asarray(pos.unpruned_positions(np.concatenate(unpruned_parts).tolist(), set(pads), blocks))
+    ids = np.concatenate(ids_parts) if ids_parts else np.zeros(0, dtype=np.int64)
+    positions = np.full((3, len(ids)), -1, dtype=np.int64)
+    placeholders: list[Placeholder | None] = [None] * len(media)
+    unpruned_segments: list[np.ndarray | None] = [None] * len(media)
+    at = unpruned_at = 0
+    for part, unpruned_part, item in zip(ids_parts, unpruned_parts, segments):
+        if item is None:
+            positions[:, at:at + len(part)] = unpruned[:, unpruned_at:unpruned_at + len(part)]
+        else:
+            is_embed = np.isin(part, pads)
+            placeholders[item] = Placeholder(at, len(part), None if is_embed.all() else is_embed)
+            unpruned_segments[item] = unpruned[:, unpruned_at:unpruned_at + len(unpruned_part)]
+        at += len(part)
+        unpruned_at += len(unpruned_part)
+    if any(p is None for p in placeholders):
+        raise ValueError("every media item must appear exactly once in the prompt pieces")
+    return PromptPlan(ids, positions, int(unpruned.max()) + 1 if unpruned.size else 0, placeholders,
+                      [None] * len(media), unpruned_segments)
+
+
 def prepare_prompt(pieces: list[PromptPiece], videos: list[VideoInput], encoded: list[EncodedVideo],
                    family: ModelFamily) -> PreparedPrompt:
     """Final ids (real per-frame layouts), int64 positions and placeholders for the language graph."""
-    specials = family.special_tokens()
-    pads = specials.media_pads
-    final_parts, unpruned_parts, keep_parts, blocks = [], [], [], []
-    placeholders = []
-    offset = 0
-    for piece in pieces:
-        if piece.video is None:
-            ids = np.asarray(piece.ids, dtype=np.int64)
-            final_parts.append(ids)
-            unpruned_parts.append(ids)
-            keep_parts.append(np.ones(len(ids), dtype=bool))
-            offset += len(ids)
-            continue
-        video, enc = videos[piece.video], encoded[piece.video]
-        layout: VideoLayout = family.video_layout(video, enc.retained_indices)
-        expected = len(family.placeholder_ids(video, len(enc.retained_indices)))
-        ids = layout.ids
-        if len(ids) != expected:
-            raise ValueError(f"video {piece.video}: real layout has {len(ids)} tokens, the placeholder {expected}")
-        final_parts.append(ids)
-        unpruned_parts.append(layout.unpruned_ids)
-        keep_parts.append(layout.keep)
-        blocks.extend(layout.blocks)
-        is_embed = np.isin(ids, pads)
-        placeholders.append(Placeholder(offset, len(ids), None if is_embed.all() else is_embed))
-        offset += len(ids)
-    final = np.concatenate(final_parts)
-    unpruned_ids = np.concatenate(unpruned_parts)
-    keep = np.concatenate(keep_parts)
-    unpruned = pos.unpruned_positions(unpruned_ids.tolist(), set(pads), blocks)
-    restricted = pos.pruned_positions(unpruned, torch.from_numpy(keep))
-    return PreparedPrompt(
-        ids=final,
-        positions=np.asarray(restricted, dtype=np.int64),
-        decode_start=pos.decode_start(unpruned),
-        placeholders=placeholders,
-        encoded=list(encoded),
-    )
+    plan = plan_prompt(pieces, videos, [len(e.retained_indices) for e in encoded], family)
+    for item, (video, enc) in enumerate(zip(videos, encoded)):
+        plan.fill(item, video, enc, family)
+    return plan.prepared()
