@@ -1,0 +1,177 @@
+"""Adapters between vLLM's multimodal types and what qeff-evs's language graph needs.
+
+vLLM describes a media item of a request with ``MultiModalFeatureSpec`` (``identifier`` = the
+encoder-cache key, ``mm_position`` = a ``PlaceholderRange(offset, length, is_embed)``). From those
+this module gives:
+
+* the window of a prefill chunk: which rows of which cached encoder output it consumes, and the
+  ``(1, user_vision_size, hidden)`` zero-padded window with ``image_idx = 0`` the language graph
+  takes (DESIGN §6, §8);
+* the placeholder a vLLM processor must reserve for an EVS video before the encoder runs
+  (Qwen2.5-VL: K pads; Qwen3-VL: the lumped layout, ``L = sum_f(len(ts_f) + 2) + K``);
+* converters between ``PlaceholderRange`` and ``qeff_evs.runtime.window.Placeholder``, and
+  ``MediaItem`` s for ``qeff_evs.runtime.scheduler``.
+
+vLLM objects are only read through their attributes; vLLM is imported only to build a
+``PlaceholderRange``. Difference from vLLM's own Qwen3-VL EVS processor: vLLM marks every position
+of the lumped placeholder as an embedding row (``is_embed=None``) because its encoder returns
+vocabulary rows for the timestamps too; our language graph embeds that text itself, so our
+reservation marks only the video pads (``num_embeds = K``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from qeff_evs import evs
+from qeff_evs.runtime.scheduler import MediaItem
+from qeff_evs.runtime.window import Placeholder, WindowSlice, window_slices
+
+# --- placeholder conversion -------------------------------------------------------------------
+
+
+def to_placeholder(placeholder_range: Any) -> Placeholder:
+    """Our ``Placeholder`` from a vLLM ``PlaceholderRange`` (``is_embed`` tensor -> bool array)."""
+    mask = placeholder_range.is_embed
+    if mask is not None:
+        mask = np.asarray(mask.detach().cpu().numpy() if hasattr(mask, "detach") else mask, dtype=bool)
+    return Placeholder(int(placeholder_range.offset), int(placeholder_range.length), mask)
+
+
+def to_placeholder_range(placeholder: Placeholder):
+    """vLLM's ``PlaceholderRange`` for our ``Placeholder`` (needs vLLM installed)."""
+    try:
+        import torch
+        from vllm.multimodal.inputs import PlaceholderRange
+    except ImportError as error:  # pragma: no cover - depends on the environment
+        raise ValueError(
+            "building a vLLM PlaceholderRange needs vLLM; install it with `pip install --no-deps vllm==0.32.0` "
+            f"plus the 'oracle' extra ({error})") from error
+    mask = None if placeholder.is_embed is None else torch.from_numpy(placeholder.is_embed.copy())
+    return PlaceholderRange(offset=placeholder.offset, length=placeholder.length, is_embed=mask)
+
+
+def feature_placeholders(features: Sequence[Any]) -> list[Placeholder]:
+    return [to_placeholder(f.mm_position) for f in features]
+
+
+def media_items(features: Sequence[Any]) -> tuple[MediaItem, ...]:
+    """Scheduler media items (keyed by the feature's encoder-cache ``identifier``)."""
+    return tuple(MediaItem(str(f.identifier), to_placeholder(f.mm_position)) for f in features)
+
+
+# --- the window of one prefill chunk ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class VisionWindow:
+    """Language-graph vision inputs of one prefill chunk."""
+
+    vision_embeds: np.ndarray  # (1, user_vision_size, hidden), real rows first, zeros after
+    deepstack: np.ndarray | None  # (levels, 1, user_vision_size, hidden)
+    image_idx: np.ndarray  # (1, 1) int64, always 0: the chunk's k-th media token takes row k
+    num_rows: int
+
+
+def feature_window_slices(features: Sequence[Any], computed: int, scheduled: int) -> list[WindowSlice]:
+    """Rows of each feature's cached encoder output that chunk ``[computed, computed+scheduled)`` uses.
+
+    ``WindowSlice.item`` indexes ``features``; slices come in prompt order.
+    """
+    return window_slices(feature_placeholders(features), computed, scheduled)
+
+
+def gather_feature_window(features: Sequence[Any], encoder_outputs: Mapping[str, Any], computed: int,
+                          scheduled: int, user_vision_size: int, hidden: int, deepstack_levels: int = 0,
+                          deepstack_outputs: Mapping[str, Any] | None = None) -> VisionWindow:
+    """The chunk's vision rows, concatenated in prompt order and zero-padded to ``user_vision_size``.
+
+    ``encoder_outputs[identifier]`` is an item's ``(rows, hidden)`` output; with ``deepstack_levels``
+    (Qwen3-VL), ``deepstack_outputs[identifier]`` holds its ``(levels, rows, hidden)`` deepstack rows.
+    """
+    slices = feature_window_slices(features, computed, scheduled)
+    num_rows = sum(s.num_rows for s in slices)
+    if num_rows > user_vision_size:
+        raise ValueError(
+            f"chunk [{computed}, {computed + scheduled}) needs {num_rows} vision rows but user_vision_size is "
+            f"{user_vision_size}; export with --user-vision-size >= --prefill-seq-len")
+    keys = [str(features[s.item].identifier) for s in slices]
+    missing = [k for k in keys if k not in encoder_outputs or (deepstack_levels and k not in (deepstack_outputs or {}))]
+    if missing:
+        raise ValueError(f"encoder outputs missing for {missing}; encode those items before the chunk that uses them")
+    dtype = _as_array(encoder_outputs[keys[0]]).dtype if keys else np.float32
+    window = np.zeros((1, user_vision_size, hidden), dtype=dtype)
+    deepstack = np.zeros((deepstack_levels, 1, user_vision_size, hidden), dtype=dtype) if deepstack_levels else None
+    at = 0
+    for s, key in zip(slices, keys):
+        window[0, at:at + s.num_rows] = _as_array(encoder_outputs[key])[s.row_start:s.row_end]
+        if deepstack is not None:
+            deepstack[:, 0, at:at + s.num_rows] = _as_array(deepstack_outputs[key])[:, s.row_start:s.row_end]
+        at += s.num_rows
+    return VisionWindow(window, deepstack, np.zeros((1, 1), dtype=np.int64), num_rows)
+
+
+def _as_array(value: Any) -> np.ndarray:
+    if hasattr(value, "detach"):  # torch tensor
+        return value.detach().cpu().numpy()
+    return np.asarray(value)
+
+
+# --- placeholders a vLLM processor reserves for an EVS video ---------------------------------------
+
+
+@dataclass(frozen=True)
+class EvsReservation:
+    """A video's placeholder, sized before the encoder runs (only K is known then)."""
+
+    length: int  # prompt positions the placeholder spans
+    num_video_rows: int  # K: encoder rows our language graph merges at the video pads
+    is_embed: np.ndarray | None  # pad positions of the provisional layout; None = every position
+
+    def placeholder(self, offset: int) -> Placeholder:
+        return Placeholder(offset, self.length, self.is_embed)
+
+    def placeholder_range(self, offset: int):
+        return to_placeholder_range(self.placeholder(offset))
+
+
+def qwen2_5_vl_reservation(grid_thw: Sequence[int], spatial_merge_size: int, q: float) -> EvsReservation:
+    """Qwen2.5-VL: K video pads, all of them embedding rows (the vision markers sit outside)."""
+    t, h, w = evs.merged_grid(grid_thw, spatial_merge_size)
+    k = evs.retained_token_count(h * w, t, q)
+    return EvsReservation(k, k, None)
+
+
+def qwen3_vl_embed_mask(timestamp_token_counts: Sequence[int], pads_per_frame: Sequence[int]) -> np.ndarray:
+    """Video-pad positions of ``ts_f <|vision_start|> pads_f <|vision_end|>`` over the frames."""
+    if len(timestamp_token_counts) != len(pads_per_frame):
+        raise ValueError(
+            f"{len(timestamp_token_counts)} timestamp counts for {len(pads_per_frame)} frames; give one per "
+            "temporal patch")
+    parts = []
+    for ts, pads in zip(timestamp_token_counts, pads_per_frame):
+        if ts < 0 or pads < 0:
+            raise ValueError(f"token counts must be >= 0, got timestamp {ts} and pads {pads}")
+        parts.append(np.r_[np.zeros(ts + 1, dtype=bool), np.ones(pads, dtype=bool), np.zeros(1, dtype=bool)])
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=bool)
+
+
+def qwen3_vl_reservation(grid_thw: Sequence[int], spatial_merge_size: int, q: float,
+                         timestamp_token_counts: Sequence[int]) -> EvsReservation:
+    """Qwen3-VL: the lumped layout ``[K, 0, ..., 0]``, ``L = sum_f(len(ts_f) + 2) + K``.
+
+    ``timestamp_token_counts[f]`` is the token count of frame f's ``<t seconds>`` text (one per
+    temporal patch). The length is the real layout's too, whatever split EVS picks.
+    """
+    t, h, w = evs.merged_grid(grid_thw, spatial_merge_size)
+    if len(timestamp_token_counts) != t:
+        raise ValueError(
+            f"{len(timestamp_token_counts)} timestamp token counts for {t} temporal patches "
+            f"(grid {tuple(grid_thw)}); give one count per temporal patch")
+    k = evs.retained_token_count(h * w, t, q)
+    mask = qwen3_vl_embed_mask(timestamp_token_counts, [k] + [0] * (t - 1))
+    return EvsReservation(len(mask), k, mask)
