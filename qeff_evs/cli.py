@@ -54,6 +54,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         kv_precision=args.kv_precision,
         num_cores=args.num_cores,
         mxfp6_matmul=args.mxfp6,
+        full_batch_size=args.full_batch_size,
     )
     manifest = export_checkpoint(args.model_dir, args.output, options, progress=_progress)
     print(json.dumps({"export_dir": str(args.output), "family": manifest.family,
@@ -71,12 +72,16 @@ def cmd_run(args: argparse.Namespace) -> int:
     from qeff_evs.runtime.runner import answer, build_engine, open_export, video_from_file, video_from_patches
 
     bundle = open_export(args.export_dir)
+    if args.requests:
+        return _serve_requests(args, bundle)
     if args.video:
         video = video_from_file(args.video, bundle, target_fps=args.fps)
     else:
         if args.video_grid_thw is None:
             raise ValueError("--pixel-values-videos needs --video-grid-thw T,H,W")
         video = video_from_patches(args.pixel_values_videos, args.video_grid_thw, args.fps or 2.0)
+    if args.prompt is None:
+        raise ValueError("--prompt is required with --video / --pixel-values-videos")
     engine = build_engine(bundle, args.backend, args.max_new_tokens, progress=_progress)
     result = answer(bundle, engine, video, args.prompt)
     if args.json:
@@ -85,6 +90,25 @@ def cmd_run(args: argparse.Namespace) -> int:
         print("retained tokens per frame:", result.retained_tokens_per_frame)
         print("generated token ids:", result.generated_token_ids)
         print("generated text:", repr(bundle.tokenizer.decode(result.generated_token_ids)))
+    return 0
+
+
+def _serve_requests(args: argparse.Namespace, bundle) -> int:
+    """Many requests at once through the continuous-batching engine; one JSON line per finished request."""
+    from qeff_evs.runtime.runner import build_serving_engine, requests_from_jsonl
+
+    requests = requests_from_jsonl(args.requests, bundle)
+    engine = build_serving_engine(bundle, args.backend, args.max_num_seqs, args.max_num_batched_tokens,
+                                  args.encoder_cache_rows, progress=_progress)
+    for request in requests:
+        engine.add_request(request)
+    tokens: dict[str, list[int]] = {}
+    while engine.has_unfinished():
+        for event in engine.step():
+            tokens.setdefault(event.request_id, []).append(event.token_id)
+            if event.finish_reason is not None:
+                print(json.dumps({"id": event.request_id, "generated_token_ids": tokens[event.request_id],
+                                  "finish_reason": event.finish_reason.value}), flush=True)
     return 0
 
 
@@ -120,6 +144,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-precision", choices=(FLOAT16, MXINT8), default=FLOAT16)
     p.add_argument("--num-cores", type=int, default=16, help="cores in the generated compile.sh")
     p.add_argument("--mxfp6", action="store_true", help="-mxfp6-matmul for the language graph")
+    p.add_argument("--full-batch-size", type=int, default=None,
+                   help="continuous batching: KV cache rows (requests served at once) and a batch_index input")
     p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("compile", help="run qaic-compile where the SDK is installed, else print the commands")
@@ -131,10 +157,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("run", help="answer a question about a video with the exported graphs")
     p.add_argument("export_dir", type=Path)
     source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--requests", type=Path, help="JSONL of requests (id, prompt, video, max_new_tokens) "
+                        "served together with continuous batching (export with --full-batch-size)")
     source.add_argument("--video", help="a video file or a .npy array (T, H, W, 3) uint8")
     source.add_argument("--pixel-values-videos", help=".npy of patchified pixels (rows, C*tp*p*p)")
     p.add_argument("--video-grid-thw", type=_grid, default=None, help="T,H,W patch grid for --pixel-values-videos")
-    p.add_argument("--prompt", required=True)
+    p.add_argument("--prompt", help="the question (not with --requests)")
+    p.add_argument("--max-num-seqs", type=int, default=None, help="--requests: running requests (<= full batch)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="--requests: token budget per step")
+    p.add_argument("--encoder-cache-rows", type=int, default=None, help="--requests: encoder cache size in rows")
     p.add_argument("--fps", type=float, default=None, help="sampling rate (default: the checkpoint's, 2)")
     p.add_argument("--max-new-tokens", type=int, default=16)
     p.add_argument("--backend", choices=("ort", "torch", "qaic"), default="ort")

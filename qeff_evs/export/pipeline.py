@@ -73,6 +73,7 @@ class ExportOptions:
     kv_precision: str = FLOAT16
     num_cores: int = 16
     mxfp6_matmul: bool = False
+    full_batch_size: int | None = None  # continuous batching: KV rows + batch_index input (QEfficient CB)
 
     @property
     def vision_size(self) -> int:
@@ -112,7 +113,8 @@ def compile_commands(export_dir: Path, num_cores: int, mxfp6_matmul: bool, kv_pr
 def export_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, options: ExportOptions,
                       progress: Progress = lambda message: None) -> Manifest:
     q = evs.validate_pruning_rate(options.video_pruning_rate)
-    lang_specs = language_specializations(options.prefill_seq_len, options.ctx_len, options.user_vision_size)
+    lang_specs = language_specializations(options.prefill_seq_len, options.ctx_len, options.user_vision_size,
+                                          full_batch_size=options.full_batch_size)
     out = Path(out_dir)
     progress(f"loading checkpoint {model_dir}")
     checkpoint = load_checkpoint(model_dir)
@@ -138,7 +140,8 @@ def export_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, 
                         out / "vision" / "vision.onnx", progress=progress)
     progress("exporting language graph")
     export_language_graph(checkpoint.model, out / "language" / "language.onnx",
-                          media_token_ids=family.special_tokens().media_pads)
+                          media_token_ids=family.special_tokens().media_pads,
+                          continuous_batching=options.full_batch_size is not None)
 
     progress("checking specializations against the graphs and writing compile inputs")
     commands = compile_commands(out, options.num_cores, options.mxfp6_matmul, options.kv_precision,
@@ -162,7 +165,9 @@ def export_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, 
                             vision_start=specials.vision_start, vision_end=specials.vision_end,
                             eos=stop_token_ids(checkpoint, specials.eos)),
         language_shape=dict(num_layers=spec.num_layers, kv_heads=spec.kv_heads, head_dim=spec.head_dim,
-                            hidden=spec.hidden_size, vocab=spec.vocab_size, deepstack_levels=spec.deepstack_levels),
+                            hidden=spec.hidden_size, vocab=spec.vocab_size, deepstack_levels=spec.deepstack_levels,
+                            full_batch_size=options.full_batch_size or 1,
+                            continuous_batching=options.full_batch_size is not None),
         files=dict(vision="vision/vision.onnx", language="language/language.onnx", tokenizer="tokenizer",
                    vision_specializations="vision/specializations.json",
                    language_specializations="language/specializations.json",

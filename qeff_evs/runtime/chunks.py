@@ -37,7 +37,7 @@ def gather_window(prompt: PreparedPrompt, computed: int, scheduled: int, user_vi
             f"a chunk needs {rows} vision rows but user_vision_size is {user_vision_size}; "
             "export with --user-vision-size >= --prefill-seq-len"
         )
-    dtype = prompt.encoded[0].rows.dtype if prompt.encoded else np.float32
+    dtype = prompt.encoded[slices[0].item].rows.dtype if slices else np.float32
     window = np.zeros((1, user_vision_size, hidden), dtype=dtype)
     deepstack = np.zeros((levels, 1, user_vision_size, hidden), dtype=dtype) if levels else None
     at = 0

@@ -72,6 +72,17 @@ class PromptPlan:
     def complete(self) -> bool:
         return all(e is not None for e in self.encoded)
 
+    def leading_text(self, item: int) -> int:
+        """How many tokens of item ``item``'s placeholder precede its first embedding row."""
+        ph = self.placeholders[item]
+        return ph.length if ph.num_embeds == 0 else int(np.argmax(ph.is_embed)) if ph.is_embed is not None else 0
+
+    def items_needing_fill(self, computed: int, scheduled: int) -> list[int]:
+        """Unfilled items whose placeholder, past its leading text, overlaps ``[computed, computed+scheduled)``."""
+        end = computed + scheduled
+        return [i for i, ph in enumerate(self.placeholders) if self.encoded[i] is None
+                and ph.offset + self.leading_text(i) < end and ph.offset + ph.length > computed]
+
     def fill(self, item: int, video: VideoInput, encoded: EncodedVideo, family: ModelFamily) -> None:
         """Rewrite item ``item``'s placeholder to its real layout and write its positions."""
         layout: VideoLayout = family.video_layout(video, encoded.retained_indices)
@@ -124,6 +135,10 @@ def plan_prompt(pieces: list[PromptPiece], media: list[VideoInput], retained: li
             is_embed = np.isin(part, pads)
             placeholders[item] = Placeholder(at, len(part), None if is_embed.all() else is_embed)
             unpruned_segments[item] = unpruned[:, unpruned_at:unpruned_at + len(unpruned_part)]
+            # Text before the first pad (Qwen3's frame-0 timestamp and marker) reads the same in the
+            # provisional and the real layout, so its positions are final already.
+            lead = int(np.argmax(is_embed)) if is_embed.any() else len(part)
+            positions[:, at:at + lead] = unpruned[:, unpruned_at:unpruned_at + lead]
         at += len(part)
         unpruned_at += len(unpruned_part)
     if any(p is None for p in placeholders):

@@ -51,7 +51,8 @@ class ExportBundle:
     def language_shape(self) -> LanguageShape:
         s = self.manifest.language_shape
         return LanguageShape(s["num_layers"], s["kv_heads"], s["head_dim"], s["hidden"], self.manifest.ctx_len,
-                             self.manifest.user_vision_size, s.get("deepstack_levels", 0))
+                             self.manifest.user_vision_size, s.get("deepstack_levels", 0),
+                             full_batch_size=s.get("full_batch_size", 1))
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json")
@@ -121,7 +122,9 @@ def sessions_for(bundle: ExportBundle, backend: str, device: str | None = None):
         from qeff_evs.models.language import LanguageGraph
 
         checkpoint = load_checkpoint(bundle.manifest.model_dir)
-        language = ExportableLanguageGraph(LanguageGraph(checkpoint.model, bundle.family.special_tokens().media_pads))
+        language = ExportableLanguageGraph(
+            LanguageGraph(checkpoint.model, bundle.family.special_tokens().media_pads),
+            continuous_batching=bool(bundle.manifest.language_shape.get("continuous_batching", False)))
         return (TorchVisionSession(bundle.family.vision_wrapper(checkpoint.model), device),
                 TorchLanguageSession(language, bundle.language_shape, device))
     if backend == "qaic":
@@ -153,3 +156,56 @@ def answer(bundle: ExportBundle, engine: Engine, video: VideoInput, question: st
     pieces = video_question_pieces(bundle.tokenizer, question)
     prompt = engine.prepare(pieces, [video])
     return engine.generate(prompt, eos_ids=stop_ids(bundle))
+
+
+def build_serving_engine(bundle: ExportBundle, backend: str = "ort", max_num_seqs: int | None = None,
+                         max_num_batched_tokens: int | None = None, encoder_cache_rows: int | None = None,
+                         progress: Progress | None = None, device: str | None = None):
+    """A continuous-batching serving engine over an export made with ``--full-batch-size``."""
+    from qeff_evs.runtime.scheduler import SchedulerConfig
+    from qeff_evs.runtime.serving import ServingEngine
+
+    m = bundle.manifest
+    shape = bundle.language_shape
+    if not m.language_shape.get("continuous_batching", False):
+        raise ValueError(
+            f"{bundle.export_dir} was exported without continuous batching; re-export with "
+            "--full-batch-size N to serve several requests at once")
+    seqs = max_num_seqs or shape.full_batch_size
+    budget = max_num_batched_tokens or m.prefill_seq_len * seqs
+    scheduler = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=seqs,
+                                prefill_seq_len=m.prefill_seq_len, ctx_len=m.ctx_len,
+                                encoder_compute_budget=encoder_cache_rows, encoder_cache_size=encoder_cache_rows)
+    vision, language = sessions_for(bundle, backend, device)
+    config = EngineConfig(m.prefill_seq_len, m.ctx_len, m.user_vision_size, m.video_pruning_rate)
+    return ServingEngine(bundle.family, vision, language, config, scheduler, stop_ids(bundle), progress)
+
+
+def requests_from_jsonl(path: str | Path, bundle: ExportBundle):
+    """``{"id", "prompt", "video" | "pixel_values_videos"+"video_grid_thw", "max_new_tokens", "fps"}`` per line."""
+    import json
+
+    from qeff_evs.runtime.serving import ServeRequest
+
+    requests = []
+    for number, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            entry = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{path}:{number}: not JSON ({error})") from None
+        if "prompt" not in entry or not ({"video", "pixel_values_videos"} & entry.keys()):
+            raise ValueError(f"{path}:{number}: each request needs 'prompt' and 'video' (or 'pixel_values_videos')")
+        if "video" in entry:
+            video = video_from_file(entry["video"], bundle, target_fps=entry.get("fps"))
+        else:
+            video = video_from_patches(entry["pixel_values_videos"], tuple(entry["video_grid_thw"]),
+                                       float(entry.get("fps", 2.0)))
+        bundle.manifest.vision_entry(video.grid_thw)
+        requests.append(ServeRequest(str(entry.get("id", f"request-{number}")),
+                                     video_question_pieces(bundle.tokenizer, entry["prompt"]), [video],
+                                     int(entry.get("max_new_tokens", 16))))
+    if not requests:
+        raise ValueError(f"{path} holds no requests")
+    return requests
