@@ -1,16 +1,409 @@
-"""QAIC backend entry point: needs the Cloud AI 100 Apps SDK's Python runtime (``qaicrt``)."""
+"""QAIC backend: run the compiled QPCs on a Cloud AI 100 card through the Apps SDK's ``qaicrt``.
+
+``qeff-evs compile`` puts one QPC per graph into ``<export>/vision/qpc`` and ``<export>/language/qpc``.
+A ``QaicProgram`` is one loaded QPC: its bindings (name, direction, device dtype, dims), the shapes
+each compiled specialization allows, and ``run(inputs, skip)``. Every call hands the runtime one
+buffer per binding; an *empty* buffer means "skip": an input keeps what the device holds, an output
+is not copied back. That is how retained state works with ``-retained-state``: the output
+``X_RetainedState`` aliases input ``X`` on the device, so the language session
+
+* skips every ``*_RetainedState`` output on every call (the KV cache never crosses PCIe), and
+* uploads a retained input only when it has new content: zeros at the first call after ``reset``,
+  a prefill chunk's window of vision rows; decode calls re-use the device's copy.
+
+Device dtypes follow ``custom_io.yaml`` (fp16 vision embeddings and pixels, fp16 KV): the host
+converts inputs to the binding's dtype and outputs back to float32, so the engine sees the same
+types as with ONNX Runtime. The SDK is imported only when a session is built.
+"""
 
 from __future__ import annotations
 
+import importlib
+import math
+import platform
+import sys
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from pathlib import Path
+from types import ModuleType
 
-def qaic_sessions(bundle):
+import numpy as np
+
+from qeff_evs.runtime.chunks import LanguageStep
+from qeff_evs.runtime.sessions import (
+    BATCH_INDEX,
+    PAD_POSITION,
+    RETAINED_SUFFIX,
+    LanguageShape,
+    OrtLanguageSession,
+    VisionResult,
+)
+from qeff_evs.specializations import QPC_DIR
+
+DEFAULT_SDK_ROOT = Path("/opt/qti-aic")
+QPC_FILE = "programqpc.bin"  # what qaic-compile writes into -aic-binary-dir
+
+# IoDesc type names (QAicApi_pb2 enum members) -> host numpy dtype. Looked up by name, so a
+# member missing from an SDK version is simply not served.
+DEVICE_DTYPES: tuple[tuple[str, np.dtype], ...] = (
+    ("FLOAT_TYPE", np.dtype(np.float32)),
+    ("FLOAT_16_TYPE", np.dtype(np.float16)),
+    ("INT64_I_TYPE", np.dtype(np.int64)),
+    ("INT32_I_TYPE", np.dtype(np.int32)),
+    ("INT32_Q_TYPE", np.dtype(np.int32)),
+    ("INT16_Q_TYPE", np.dtype(np.int16)),
+    ("INT8_Q_TYPE", np.dtype(np.int8)),
+    ("UINT8_Q_TYPE", np.dtype(np.uint8)),
+    ("INT8_TYPE", np.dtype(np.int8)),
+)
+
+
+# --------------------------------------------------------------------------------------------------
+# SDK
+
+
+@dataclass(frozen=True)
+class QaicSdk:
+    """The two Apps SDK modules: ``qaicrt`` (runtime) and ``QAicApi_pb2`` (the IoDesc protobuf)."""
+
+    qaicrt: ModuleType
+    aicapi: ModuleType
+
+    def dtypes(self) -> dict[int, np.dtype]:
+        return {getattr(self.aicapi, name): dtype for name, dtype in DEVICE_DTYPES if hasattr(self.aicapi, name)}
+
+    def ok(self, status) -> bool:
+        return status == self.qaicrt.QStatus.QS_SUCCESS
+
+    def check(self, status, what: str) -> None:
+        if not self.ok(status):
+            raise RuntimeError(f"qaicrt: {what} failed with status {status}")
+
+
+@contextmanager
+def _search_path(folder: Path) -> Iterator[None]:
+    """``folder`` on ``sys.path`` for one import only (the SDK installs outside site-packages)."""
+    sys.path.insert(0, str(folder))
     try:
-        import qaicrt  # noqa: F401  (Apps SDK, /opt/qti-aic/dev/lib/x86_64)
+        yield
+    finally:
+        if str(folder) in sys.path:
+            sys.path.remove(str(folder))
+
+
+def _import_from(name: str, folder: Path) -> ModuleType:
+    try:
+        return importlib.import_module(name)
     except ImportError:
+        with _search_path(folder):
+            return importlib.import_module(name)
+
+
+def load_sdk(sdk_root: str | Path = DEFAULT_SDK_ROOT) -> QaicSdk:
+    """Import ``qaicrt`` and ``QAicApi_pb2``, from the environment or from ``sdk_root``'s dev folders."""
+    root = Path(sdk_root)
+    lib = root / "dev" / "lib" / platform.machine()
+    python = root / "dev" / "python"
+    try:
+        return QaicSdk(_import_from("qaicrt", lib), _import_from("QAicApi_pb2", python))
+    except ImportError as error:
         raise ValueError(
-            "the qaic backend needs the Cloud AI 100 Apps SDK Python runtime `qaicrt`, which is not importable "
-            "here; install the Apps SDK (and add its python path), run `qeff-evs compile` first, "
-            "or use --backend ort / --backend torch") from None
-    raise ValueError(
-        "qaicrt was found, but running compiled QPCs is not wired into qeff-evs yet (planned with the serving "
-        "engine); use --backend ort or --backend torch")
+            f"the qaic backend needs the Cloud AI 100 Apps SDK Python runtime (`qaicrt` from {lib}, "
+            f"`QAicApi_pb2` from {python}), which is not importable here ({error}); install the Apps SDK "
+            "and run `qeff-evs compile EXPORT_DIR` on that machine, or use --backend ort / --backend torch"
+        ) from None
+
+
+# --------------------------------------------------------------------------------------------------
+# one loaded QPC
+
+
+@dataclass(frozen=True)
+class Binding:
+    """One input or output buffer of a QPC, as its IoDesc describes it."""
+
+    name: str
+    index: int
+    is_input: bool
+    dtype: np.dtype | None  # None: a device type the host does not convert (never uploaded)
+    itemsize: int
+
+
+Shapes = dict[str, tuple[int, ...]]  # binding name -> dims, one compiled specialization
+
+
+def _fmt_shapes(shapes: Mapping[str, tuple[int, ...]]) -> str:
+    return ", ".join(f"{name} {tuple(dims)}" for name, dims in shapes.items())
+
+
+class QaicProgram:
+    """One QPC loaded and activated on a device; ``run`` executes it once."""
+
+    def __init__(self, qpc_dir: str | Path, sdk: QaicSdk, device_id: int | None = None):
+        self.qpc_dir = Path(qpc_dir)
+        self.sdk = sdk
+        rt = sdk.qaicrt
+        if device_id is None:
+            self.context = rt.Context()
+            queue_device = 0
+        else:
+            self.context = rt.Context(rt.QIDList([device_id]))
+            queue_device = device_id
+        self.queue = rt.Queue(self.context, queue_device)
+        qpc = rt.Qpc(str(self.qpc_dir))
+        status, raw = qpc.getIoDescriptor()
+        sdk.check(status, f"reading the IO descriptor of {self.qpc_dir}")
+        iodesc = sdk.aicapi.IoDesc()
+        iodesc.ParseFromString(bytes(raw))
+        self._read_iodesc(iodesc)
+        self.program = rt.Program(self.context, device_id, qpc, rt.QAicProgramProperties())
+        sdk.check(self.program.load(), f"loading {self.qpc_dir}")
+        activated = self.program.activate()
+        if activated is not None:
+            sdk.check(activated, f"activating {self.qpc_dir}")
+        self.exec_obj = rt.ExecObj(self.context, self.program)
+
+    def _read_iodesc(self, iodesc) -> None:
+        dtypes = self.sdk.dtypes()
+        descs = list(iodesc.selected_set.bindings)
+        self.bindings: list[Binding] = []
+        for desc in descs:
+            dtype = dtypes.get(desc.type)
+            dims = tuple(int(d) for d in desc.dims)
+            itemsize = dtype.itemsize if dtype is not None else max(1, int(desc.size) // max(1, math.prod(dims)))
+            self.bindings.append(Binding(desc.name, int(desc.index), desc.dir == self.sdk.aicapi.BUFFER_IO_TYPE_INPUT,
+                                         dtype, itemsize))
+        if sorted(b.index for b in self.bindings) != list(range(len(self.bindings))):
+            raise ValueError(f"{self.qpc_dir}: binding indices {[b.index for b in self.bindings]} are not 0..n-1; "
+                             "the QPC's IO descriptor is not one this runtime understands")
+        self.by_name = {b.name: b for b in self.bindings}
+        names = [b.name for b in self.bindings]
+        sets = [[tuple(int(d) for d in shape.dims) for shape in allowed.shapes] for allowed in iodesc.allowed_shapes]
+        if not sets:  # a QPC without specializations: the selected set's dims are the only shapes
+            sets = [[tuple(int(d) for d in desc.dims) for desc in descs]]
+        self.allowed_shapes: list[Shapes] = [dict(zip(names, dims)) for dims in sets]
+
+    @property
+    def input_names(self) -> list[str]:
+        return [b.name for b in self.bindings if b.is_input]
+
+    @property
+    def output_names(self) -> list[str]:
+        return [b.name for b in self.bindings if not b.is_input]
+
+    def dtype(self, name: str) -> np.dtype | None:
+        return self._binding(name).dtype
+
+    def _binding(self, name: str) -> Binding:
+        if name not in self.by_name:
+            raise ValueError(f"{self.qpc_dir} has no binding {name!r}; its bindings are {sorted(self.by_name)}")
+        return self.by_name[name]
+
+    def match(self, shapes: Mapping[str, tuple[int, ...]]) -> Shapes:
+        """The first compiled specialization whose dims equal ``shapes`` on every named binding."""
+        wanted = {name: tuple(int(d) for d in dims) for name, dims in shapes.items()}
+        for name in wanted:
+            self._binding(name)
+        for allowed in self.allowed_shapes:
+            if all(allowed[name] == dims for name, dims in wanted.items()):
+                return allowed
+        # Retained state (KV: many large, fixed buffers) is shown only where it is what differs.
+        outputs = set(self.output_names)
+        shown = [n for n, dims in wanted.items()
+                 if n + RETAINED_SUFFIX not in outputs or any(a[n] != dims for a in self.allowed_shapes)]
+        inputs = [n for n in self.input_names if n + RETAINED_SUFFIX not in outputs or n in shown]
+        listing = "\n".join(f"  [{i}] " + _fmt_shapes({n: allowed[n] for n in inputs})
+                            for i, allowed in enumerate(self.allowed_shapes))
+        raise ValueError(
+            f"no compiled specialization of {self.qpc_dir} takes the input shapes "
+            f"{_fmt_shapes({n: wanted[n] for n in shown})}; "
+            f"it allows:\n{listing}\npad the inputs to one of these shapes, or export and compile a "
+            "specialization for them (qeff-evs export, then qeff-evs compile)")
+
+    def run(self, inputs: Mapping[str, np.ndarray], skip: Iterable[str] = ()) -> dict[str, np.ndarray]:
+        """Execute once. Every input is either given or named in ``skip`` (the device keeps its copy);
+        outputs named in ``skip`` are not copied back. Returns the other outputs in host dtypes."""
+        skip = set(skip)
+        for name in skip | set(inputs):
+            self._binding(name)
+        missing = [n for n in self.input_names if n not in inputs and n not in skip]
+        if missing:
+            raise ValueError(f"inputs {missing} of {self.qpc_dir} were neither given nor skipped")
+        unreadable = [b.name for b in self.bindings if b.dtype is None and b.name not in skip]
+        if unreadable:
+            raise ValueError(f"{unreadable} of {self.qpc_dir} have a device type the host cannot convert; "
+                             "skip them (retained state stays on the device)")
+        shapes = self.match({name: np.shape(value) for name, value in inputs.items()})
+        rt = self.sdk.qaicrt
+        buffers: list = [None] * len(self.bindings)
+        dims: list = [None] * len(self.bindings)
+        for b in self.bindings:
+            if b.name in inputs:
+                data = np.ascontiguousarray(inputs[b.name], dtype=b.dtype)
+                buffers[b.index], dims[b.index] = rt.QBuffer(data.tobytes()), (b.itemsize, list(data.shape or (1,)))
+            elif b.name in skip:
+                buffers[b.index], dims[b.index] = rt.QBuffer(b""), (b.itemsize, [0])
+            else:  # an output to copy back, sized by the chosen specialization
+                size = b.itemsize * math.prod(shapes[b.name])
+                buffers[b.index], dims[b.index] = rt.QBuffer(bytes(size)), (b.itemsize, list(shapes[b.name]))
+        self.sdk.check(self.exec_obj.setData(buffers, rt.BufferDimensionsVecRef(dims)), "setData")
+        self.sdk.check(self.queue.enqueue(self.exec_obj), "enqueue")
+        self.sdk.check(self.exec_obj.waitForCompletion(), f"running {self.qpc_dir}")
+        status, results = self.exec_obj.getData()
+        self.sdk.check(status, "getData")
+        outputs = {}
+        for b in self.bindings:
+            if b.is_input or b.name in skip:
+                continue
+            outputs[b.name] = np.frombuffer(bytes(results[b.index]), dtype=b.dtype).reshape(shapes[b.name]).copy()
+        return outputs
+
+    def close(self) -> None:
+        """Release the device (deactivate the program)."""
+        self.exec_obj = None
+        self.program.deactivate()
+
+
+# --------------------------------------------------------------------------------------------------
+# sessions
+
+
+class QaicVisionSession:
+    """The vision(+EVS) QPC: pixels and grid index tensors in, retained rows and indices out."""
+
+    def __init__(self, program: QaicProgram):
+        self.program = program
+
+    def run(self, pixel_values: np.ndarray, host_inputs: dict[str, np.ndarray]) -> VisionResult:
+        feeds = {"pixel_values": pixel_values, **host_inputs}
+        missing = [name for name in self.program.input_names if name not in feeds]
+        if missing:
+            raise ValueError(f"vision QPC inputs {missing} were not provided")
+        out = self.program.run({name: feeds[name] for name in self.program.input_names})
+        deepstack = out.get("deepstack_features")
+        return VisionResult(out["vision_embeds"].astype(np.float32), out["retained_indices"].astype(np.int64),
+                            None if deepstack is None else deepstack.astype(np.float32))
+
+
+def retained_inputs(program: QaicProgram) -> list[str]:
+    """Inputs ``X`` whose output ``X_RetainedState`` aliases them on the device."""
+    outputs = set(program.output_names)
+    return [name for name in program.input_names if name + RETAINED_SUFFIX in outputs]
+
+
+def state_shapes(shape: LanguageShape) -> dict[str, tuple[int, ...]]:
+    """Dims of every retained input the language graph has, from the export's manifest."""
+    kv = (shape.full_batch_size, shape.kv_heads, shape.ctx_len, shape.head_dim)
+    dims = {"vision_embeds": (1, shape.vision_size, shape.hidden)}
+    if shape.deepstack_levels:
+        dims["deepstack_features"] = (shape.deepstack_levels, 1, shape.vision_size, shape.hidden)
+    for i in range(shape.num_layers):
+        dims[f"past_key.{i}"] = kv
+        dims[f"past_value.{i}"] = kv
+    return dims
+
+
+def decode_width(program: QaicProgram) -> int | None:
+    """Rows of the compiled decode specialization (``input_ids`` of shape ``(B, 1)``), if there is one."""
+    widths = [allowed["input_ids"][0] for allowed in program.allowed_shapes
+              if "input_ids" in allowed and allowed["input_ids"][1:] == (1,)]
+    return max(widths) if widths else None
+
+
+class QaicLanguageSession(OrtLanguageSession):
+    """The language QPC with device-side retained state (KV cache, last vision window).
+
+    Same interface as ``OrtLanguageSession`` (``reset``, ``run``, and with a ``batch_index`` graph
+    ``prefill``/``decode``/``run_rows``), but no state lives on the host: retained outputs are
+    always skipped, retained inputs are sent only when they change (see the module docstring).
+    """
+
+    def __init__(self, program: QaicProgram, shape: LanguageShape):
+        self.program = program
+        self.retained = retained_inputs(program)
+        self._check_state_shapes(shape)
+        width = decode_width(program)
+        if BATCH_INDEX in program.input_names and width is not None and width != shape.decode_rows:
+            shape = replace(shape, decode_batch_size=width)  # the compiled decode batch decides
+        self._stale: set[str] = set()
+        self._bind(shape, program.input_names, program.output_names)
+
+    def _check_state_shapes(self, shape: LanguageShape) -> None:
+        expected = state_shapes(shape)
+        for name in self.retained:
+            if name not in expected:
+                raise ValueError(f"{self.program.qpc_dir} retains {name!r}, which this language graph contract lacks")
+            for allowed in self.program.allowed_shapes:
+                if allowed[name] != expected[name]:
+                    raise ValueError(
+                        f"{self.program.qpc_dir} was compiled for {name} of shape {allowed[name]}, but the export's "
+                        f"manifest says {expected[name]}; compile this export again (qeff-evs compile)")
+
+    def reset(self) -> None:
+        """Forget the device state: the next call uploads zeros for every retained input."""
+        self.state = {}
+        self._stale = set(self.retained)
+
+    def run(self, step: LanguageStep) -> np.ndarray:
+        """A single-request step; under continuous batching a decode step is padded to the compiled width."""
+        rows = step.input_ids.shape[0]
+        if self.continuous_batching and step.input_ids.shape[1] == 1 and rows < self.shape.decode_rows:
+            padded, batch_index = pad_decode_step(step, self.shape.decode_rows)
+            return self.run_rows(padded, batch_index)[:rows]
+        return super().run(step)
+
+    def _run(self, step: LanguageStep, batch_index: np.ndarray | None) -> np.ndarray:
+        inputs = {"input_ids": step.input_ids, "position_ids": step.position_ids, "image_idx": step.image_idx}
+        if batch_index is not None:
+            inputs[BATCH_INDEX] = batch_index
+        new_content = {"vision_embeds": step.vision_embeds, "deepstack_features": step.deepstack}
+        expected = state_shapes(self.shape)
+        for name in self.retained:
+            dtype = self.program.dtype(name)
+            if new_content.get(name) is not None:
+                inputs[name] = new_content[name]
+            elif name in self._stale and dtype is not None:  # a type the host cannot write (mxint8 KV) stays as is
+                inputs[name] = np.zeros(expected[name], dtype=dtype)
+        inputs = {name: value for name, value in inputs.items() if name in self.program.by_name}
+        skip = [n for n in self.retained if n not in inputs] + [n + RETAINED_SUFFIX for n in self.retained]
+        outputs = self.program.run(inputs, skip=skip)
+        self._stale.clear()
+        return outputs["logits"].astype(np.float32)
+
+
+def pad_decode_step(step: LanguageStep, width: int) -> tuple[LanguageStep, list[int]]:
+    """Rows ``0..B-1`` of a decode step, then padding rows (positions -1) pointed at cache row ``B``.
+
+    A padding row writes only slot ``ctx_len - 1`` of a row the call's requests do not use.
+    """
+    rows = step.input_ids.shape[0]
+    input_ids = np.zeros((width, 1), dtype=np.int64)
+    input_ids[:rows] = step.input_ids
+    position_ids = np.full((4, width, 1), PAD_POSITION, dtype=np.int64)
+    position_ids[:, :rows] = step.position_ids
+    batch_index = list(range(rows)) + [rows] * (width - rows)
+    return replace(step, input_ids=input_ids, position_ids=position_ids), batch_index
+
+
+# --------------------------------------------------------------------------------------------------
+# entry point
+
+
+def qpc_dir(bundle, graph: str) -> Path:
+    """``<export>/<graph>/qpc``, checked to hold a compiled program."""
+    folder = bundle.manifest.path(bundle.export_dir, graph).parent / QPC_DIR
+    if not (folder / QPC_FILE).is_file():
+        raise ValueError(
+            f"no compiled {graph} QPC at {folder} ({QPC_FILE} missing); run `qeff-evs compile "
+            f"{bundle.export_dir}` on a machine with the Apps SDK first")
+    return folder
+
+
+def qaic_sessions(bundle, device_id: int | None = None,
+                  sdk_root: str | Path = DEFAULT_SDK_ROOT) -> tuple[QaicVisionSession, QaicLanguageSession]:
+    """Vision and language sessions over the export's compiled QPCs (``qeff-evs compile``)."""
+    sdk = load_sdk(sdk_root)
+    vision_qpc, language_qpc = qpc_dir(bundle, "vision"), qpc_dir(bundle, "language")
+    return (QaicVisionSession(QaicProgram(vision_qpc, sdk, device_id)),
+            QaicLanguageSession(QaicProgram(language_qpc, sdk, device_id), bundle.language_shape))

@@ -1,0 +1,406 @@
+"""The QAIC backend (``qeff_evs.runtime.qaic``) against a fake Apps SDK that runs the real graphs.
+
+No card and no SDK here, so ``qaicrt`` and ``QAicApi_pb2`` are replaced (through ``sys.modules``) by a
+fake that behaves like a device: a "compile" step records the graph, its specializations and its
+custom IO next to the QPC folder; loading it yields an IoDesc whose bindings carry the device dtypes
+(fp16 where custom_io.yaml says so) and one allowed shape set per specialization; a run checks the
+buffer shapes against those sets, keeps ``*_RetainedState`` outputs as device state (in the device
+dtype), serves a skipped (empty) input from that state and fails if the host skips one it never
+uploaded, and computes the outputs with ONNX Runtime. Every ``setData`` is recorded.
+
+Checks: the missing-SDK and missing-QPC errors; greedy tokens equal the ONNX Runtime backend's, for a
+single request (plain and continuous-batching exports) and for the serving engine; KV buffers are
+uploaded once per reset, ``*_RetainedState`` outputs are skipped on every call, a prefill chunk
+uploads its own fp16 vision window and a decode call none; a shape no specialization serves raises
+before anything reaches the device.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import types
+import warnings
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+
+from qeff_evs.export.pipeline import ExportOptions, export_checkpoint
+from qeff_evs.models.tiny import save_tiny_checkpoint
+from qeff_evs.runtime.engine import Engine, EngineConfig
+from qeff_evs.runtime.prompt import video_question_pieces
+from qeff_evs.runtime.qaic import QPC_FILE, QaicLanguageSession, QaicProgram, load_sdk, qaic_sessions, qpc_dir
+from qeff_evs.runtime.runner import build_serving_engine, open_export, sessions_for, stop_ids, video_from_file
+from qeff_evs.runtime.serving import ServeRequest
+from qeff_evs.runtime.synthetic import moving_square_video
+from qeff_evs.specializations import read_custom_io_yaml
+
+DECODE_STEPS = 8
+QUESTION = "What happens in this video?"
+# 8 frames of 120x200 -> the processor resizes to 112x196: grid (4, 8, 14), merged (4, 4, 7).
+EXPORT = dict(video_pruning_rate=0.5, frames=(8,), resolutions=((112, 196),), prefill_seq_len=32, ctx_len=256,
+              user_vision_size=48)
+FULL_BATCH = 2
+
+# --------------------------------------------------------------------------------------------------
+# the fake Apps SDK
+
+SUCCESS, FAILURE = 0, 1
+FLOAT_TYPE, FLOAT_16_TYPE, INT64_I_TYPE, INT32_I_TYPE = 1, 2, 3, 4
+INPUT, OUTPUT = 0, 1
+ONNX_TO_DEVICE = {onnx.TensorProto.FLOAT: FLOAT_TYPE, onnx.TensorProto.INT64: INT64_I_TYPE,
+                  onnx.TensorProto.INT32: INT32_I_TYPE}
+DEVICE_DTYPE = {FLOAT_TYPE: np.float32, FLOAT_16_TYPE: np.float16, INT64_I_TYPE: np.int64, INT32_I_TYPE: np.int32}
+ONNX_DTYPE = {onnx.TensorProto.FLOAT: np.float32, onnx.TensorProto.INT64: np.int64, onnx.TensorProto.INT32: np.int32}
+RETAINED = "_RetainedState"
+
+
+def fake_compile(graph_dir: Path) -> Path:
+    """What qaic-compile would consume, written as the QPC folder's program file (the fake loads it)."""
+    graph = graph_dir.name
+    qpc = graph_dir / "qpc"
+    qpc.mkdir(exist_ok=True)
+    specs = json.loads((graph_dir / "specializations.json").read_text())["specializations"]
+    program = {"onnx": str(graph_dir / f"{graph}.onnx"), "specializations": specs,
+               "custom_io": read_custom_io_yaml(graph_dir / "custom_io.yaml")}
+    (qpc / QPC_FILE).write_text(json.dumps(program))
+    return qpc
+
+
+@dataclass
+class Call:
+    """One ``setData``: per binding the bytes sent (0 = skipped) and the dims passed."""
+
+    qpc: str
+    sent: dict[str, int]
+    dims: dict[str, list[int]]
+
+
+@dataclass
+class FakeDevice:
+    calls: list[Call] = field(default_factory=list)
+
+    def language_calls(self) -> list[Call]:
+        return [c for c in self.calls if c.qpc.endswith("language/qpc")]
+
+
+def build_fake_sdk(device: FakeDevice) -> tuple[types.ModuleType, types.ModuleType]:
+    rt = types.ModuleType("qaicrt")
+    api = types.ModuleType("QAicApi_pb2")
+    for name, value in dict(FLOAT_TYPE=FLOAT_TYPE, FLOAT_16_TYPE=FLOAT_16_TYPE, INT64_I_TYPE=INT64_I_TYPE,
+                            INT32_I_TYPE=INT32_I_TYPE, BUFFER_IO_TYPE_INPUT=INPUT,
+                            BUFFER_IO_TYPE_OUTPUT=OUTPUT).items():
+        setattr(api, name, value)
+
+    class IoDesc:
+        def ParseFromString(self, raw: bytes) -> None:  # noqa: N802 (protobuf's name)
+            desc = json.loads(raw)
+            ns = types.SimpleNamespace
+            self.selected_set = ns(bindings=[ns(**b) for b in desc["bindings"]])
+            self.allowed_shapes = [ns(shapes=[ns(type=t, dims=d) for t, d in shapes]) for shapes in desc["allowed"]]
+
+    api.IoDesc = IoDesc
+    rt.QStatus = types.SimpleNamespace(QS_SUCCESS=SUCCESS, QS_ERROR=FAILURE)
+
+    class QBuffer:
+        def __init__(self, data: bytes):
+            self.data = bytes(data)
+            self.size = len(self.data)
+
+        def __bytes__(self) -> bytes:
+            return self.data
+
+    class Qpc:
+        def __init__(self, path: str):
+            self.path = path
+            program = json.loads((Path(path) / QPC_FILE).read_text())
+            self.model = onnx.load(program["onnx"], load_external_data=False)
+            self.onnx_path = program["onnx"]
+            custom = program["custom_io"]
+            values = [(v, INPUT) for v in self.model.graph.input] + [(v, OUTPUT) for v in self.model.graph.output]
+            self.bindings = []
+            for index, (value, direction) in enumerate(values):
+                elem = value.type.tensor_type.elem_type
+                kind = FLOAT_16_TYPE if custom.get(value.name) == "float16" else ONNX_TO_DEVICE[elem]
+                dims = [d.dim_param or d.dim_value for d in value.type.tensor_type.shape.dim]
+                self.bindings.append(dict(name=value.name, index=index, dir=direction, type=kind, onnx=elem,
+                                          symbolic=dims))
+            self.allowed = []
+            for spec in program["specializations"]:
+                symbols = {k: int(v) for k, v in spec.items()}
+                self.allowed.append([(b["type"], [symbols[d] if isinstance(d, str) else d for d in b["symbolic"]])
+                                     for b in self.bindings])
+            self.output_names = {b["name"] for b in self.bindings if b["dir"] == OUTPUT}
+
+        def getIoDescriptor(self):  # noqa: N802
+            first = self.allowed[0]
+            bindings = [dict(name=b["name"], index=b["index"], dir=b["dir"], type=b["type"], dims=dims,
+                             size=np.dtype(DEVICE_DTYPE[b["type"]]).itemsize * math.prod(dims))
+                        for b, (_, dims) in zip(self.bindings, first)]
+            return SUCCESS, json.dumps({"bindings": bindings, "allowed": self.allowed}).encode()
+
+    class Program:
+        def __init__(self, context, device_id, qpc: Qpc, properties):
+            self.qpc = qpc
+            options = ort.SessionOptions()
+            options.log_severity_level = 3
+            self.session = ort.InferenceSession(qpc.onnx_path, options, providers=["CPUExecutionProvider"])
+            self.state: dict[str, np.ndarray] = {}  # retained inputs, in device dtype
+            self.active = False
+
+        def load(self):
+            return SUCCESS
+
+        def activate(self):
+            self.active = True
+            return SUCCESS
+
+        def deactivate(self):
+            self.active = False
+
+    class ExecObj:
+        def __init__(self, context, program: Program):
+            self.program = program
+            self.results: list[bytes] = []
+
+        def setData(self, buffers, dims):  # noqa: N802
+            self.buffers, self.dims = list(buffers), list(dims.items)
+            qpc = self.program.qpc
+            device.calls.append(Call(qpc.path, {b["name"]: buffers[b["index"]].size for b in qpc.bindings},
+                                     {b["name"]: list(dims.items[b["index"]][1]) for b in qpc.bindings}))
+            return SUCCESS
+
+        def waitForCompletion(self):  # noqa: N802
+            program, qpc = self.program, self.program.qpc
+            given = {b["name"]: list(self.dims[b["index"]][1]) for b in qpc.bindings
+                     if b["dir"] == INPUT and self.buffers[b["index"]].size}
+            matching = [a for a in qpc.allowed
+                        if all(given[b["name"]] == dims for b, (_, dims) in zip(qpc.bindings, a) if b["name"] in given)]
+            if not program.active or not matching:
+                return FAILURE  # the device finds no specialization for these buffers
+            feeds = {}
+            for b in qpc.bindings:
+                if b["dir"] != INPUT:
+                    continue
+                buffer = self.buffers[b["index"]]
+                if buffer.size:
+                    value = np.frombuffer(buffer.data, DEVICE_DTYPE[b["type"]]).reshape(given[b["name"]])
+                    if b["name"] + RETAINED in qpc.output_names:  # an upload replaces the device's copy
+                        program.state[b["name"]] = value
+                elif b["name"] in program.state:
+                    value = program.state[b["name"]]
+                else:
+                    return FAILURE  # skipped an input the device never received
+                feeds[b["name"]] = value.astype(ONNX_DTYPE[b["onnx"]])
+            outputs = dict(zip([o.name for o in program.session.get_outputs()], program.session.run(None, feeds)))
+            self.results = [b"" for _ in qpc.bindings]
+            for b in qpc.bindings:
+                if b["dir"] != OUTPUT:
+                    continue
+                value = outputs[b["name"]].astype(DEVICE_DTYPE[b["type"]])
+                if b["name"].endswith(RETAINED):
+                    program.state[b["name"][: -len(RETAINED)]] = value
+                buffer, dims = self.buffers[b["index"]], list(self.dims[b["index"]][1])
+                if buffer.size:
+                    if dims != list(value.shape) or buffer.size != value.nbytes:
+                        return FAILURE  # output buffer of the wrong size
+                    self.results[b["index"]] = value.tobytes()
+            return SUCCESS
+
+        def getData(self):  # noqa: N802
+            return SUCCESS, [QBuffer(r) for r in self.results]
+
+    class BufferDimensionsVecRef:
+        def __init__(self, items):
+            self.items = [(int(size), list(dims)) for size, dims in items]
+
+    class Queue:
+        def __init__(self, context, device_id):
+            pass
+
+        def enqueue(self, exec_obj):
+            return SUCCESS
+
+    rt.QBuffer, rt.Qpc, rt.Program, rt.ExecObj, rt.Queue = QBuffer, Qpc, Program, ExecObj, Queue
+    rt.BufferDimensionsVecRef = BufferDimensionsVecRef
+    rt.Context = lambda *devices: object()
+    rt.QIDList = list
+    rt.QAicProgramProperties = types.SimpleNamespace
+    return rt, api
+
+
+# --------------------------------------------------------------------------------------------------
+# fixtures
+
+
+def export_tiny(root: Path, full_batch_size: int | None) -> Path:
+    checkpoint = save_tiny_checkpoint("qwen2_5_vl", root / "checkpoint", seed=0)
+    out = root / "export"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        export_checkpoint(checkpoint, out, ExportOptions(**EXPORT, full_batch_size=full_batch_size))
+    return out
+
+
+@pytest.fixture(scope="module")
+def exports(tmp_path_factory) -> dict[str, Path]:
+    """A plain and a continuous-batching export (QPC folders not yet "compiled")."""
+    return {"plain": export_tiny(tmp_path_factory.mktemp("plain"), None),
+            "cb": export_tiny(tmp_path_factory.mktemp("cb"), FULL_BATCH)}
+
+
+@pytest.fixture(scope="module")
+def compiled(exports) -> dict[str, Path]:
+    for export in exports.values():
+        for graph in ("vision", "language"):
+            fake_compile(export / graph)
+    return exports
+
+
+@pytest.fixture(scope="module")
+def video_npy(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("video") / "clip.npy"
+    np.save(path, moving_square_video(8, 120, 200, seed=3))
+    return path
+
+
+@pytest.fixture
+def device(monkeypatch) -> FakeDevice:
+    """The fake SDK in sys.modules for one test; its record of every setData call."""
+    fake = FakeDevice()
+    rt, api = build_fake_sdk(fake)
+    monkeypatch.setitem(sys.modules, "qaicrt", rt)
+    monkeypatch.setitem(sys.modules, "QAicApi_pb2", api)
+    return fake
+
+
+def engine_for(bundle, backend: str, prefill_seq_len: int | None = None) -> Engine:
+    m = bundle.manifest
+    config = EngineConfig(prefill_seq_len or m.prefill_seq_len, m.ctx_len, m.user_vision_size,
+                          m.video_pruning_rate, max_new_tokens=DECODE_STEPS)
+    vision, language = sessions_for(bundle, backend)
+    return Engine(bundle.family, vision, language, config)
+
+
+def generate(bundle, engine: Engine, video_npy: Path):
+    prompt = engine.prepare(video_question_pieces(bundle.tokenizer, QUESTION), [video_from_file(video_npy, bundle)])
+    return engine.generate(prompt, eos_ids=stop_ids(bundle))
+
+
+# --------------------------------------------------------------------------------------------------
+# errors
+
+
+def test_missing_sdk_names_the_sdk_and_the_fix(exports, monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "qaicrt", None)  # import fails, as on a machine without the SDK
+    monkeypatch.setitem(sys.modules, "QAicApi_pb2", None)
+    bundle = open_export(exports["plain"])
+    with pytest.raises(ValueError, match=r"Apps SDK.*qaicrt.*qeff-evs compile"):
+        sessions_for(bundle, "qaic")
+    with pytest.raises(ValueError, match=str(tmp_path / "dev" / "python")):
+        qaic_sessions(bundle, sdk_root=tmp_path)
+
+
+def test_missing_qpc_folder_says_to_compile(exports, device, tmp_path):
+    import shutil
+
+    copy = tmp_path / "export"
+    shutil.copytree(exports["plain"], copy, ignore=shutil.ignore_patterns("qpc"))
+    with pytest.raises(ValueError, match=r"no compiled vision QPC .*qeff-evs compile"):
+        sessions_for(open_export(copy), "qaic")
+    fake_compile(copy / "vision")
+    with pytest.raises(ValueError, match=r"no compiled language QPC"):
+        sessions_for(open_export(copy), "qaic")
+    assert device.calls == []
+
+
+# --------------------------------------------------------------------------------------------------
+# results and buffer traffic
+
+
+@pytest.mark.parametrize("kind", ["plain", "cb"])
+def test_tokens_equal_onnx_runtime_backend(compiled, device, video_npy, kind):
+    bundle = open_export(compiled[kind])
+    expected = generate(bundle, engine_for(bundle, "ort"), video_npy)
+    got = generate(bundle, engine_for(bundle, "qaic"), video_npy)
+    assert got.generated_token_ids == expected.generated_token_ids
+    assert got.prompt_token_ids == expected.prompt_token_ids
+    assert got.retained_tokens_per_frame == expected.retained_tokens_per_frame
+    # fp16 vision rows and KV on the device: logits agree to fp16 accuracy, not to 1e-4.
+    np.testing.assert_allclose([v for _, v in got.prefill_top_logits], [v for _, v in expected.prefill_top_logits],
+                               atol=2e-2)
+    assert len(got.generated_token_ids) > 1  # decode calls ran, not only the prefill
+
+
+@pytest.mark.parametrize("kind", ["plain", "cb"])
+def test_retained_state_crosses_the_bus_once(compiled, device, video_npy, kind):
+    bundle = open_export(compiled[kind])
+    engine = engine_for(bundle, "qaic")
+    shape = bundle.language_shape
+    kv_names = [f"past_{kv}.{i}" for i in range(shape.num_layers) for kv in ("key", "value")]
+    for request in range(2):  # a second request resets: zeros go up once more
+        start = len(device.language_calls())
+        result = generate(bundle, engine, video_npy)
+        calls = device.language_calls()[start:]
+        prefill, decode = calls[: result.num_prefill_chunks], calls[result.num_prefill_chunks:]
+        assert len(decode) == len(result.generated_token_ids) - 1 > 0
+        fp16_kv = 2 * shape.full_batch_size * shape.kv_heads * shape.ctx_len * shape.head_dim
+        for number, call in enumerate(calls):
+            for name in kv_names:
+                assert call.sent[name] == (fp16_kv if number == 0 else 0), (request, number, name)
+            retained_outputs = [n for n in call.sent if n.endswith("_RetainedState")]
+            assert sorted(retained_outputs) == sorted([n + "_RetainedState" for n in kv_names + ["vision_embeds"]])
+            assert all(call.sent[n] == 0 for n in retained_outputs), (request, number)
+            assert call.sent["logits"] > 0
+        window_fp16 = 2 * shape.vision_size * shape.hidden
+        assert [c.sent["vision_embeds"] for c in prefill] == [window_fp16] * len(prefill)
+        assert [c.sent["vision_embeds"] for c in decode] == [0] * len(decode)
+        assert [c.dims["input_ids"][1] for c in prefill] == [bundle.manifest.prefill_seq_len] * len(prefill)
+    vision_calls = [c for c in device.calls if c.qpc.endswith("vision/qpc")]
+    assert len(vision_calls) == 2
+    grid_height, grid_width = vision_calls[0].dims["pixel_values"]
+    assert vision_calls[0].sent["pixel_values"] == 2 * grid_height * grid_width  # fp16 per custom_io.yaml
+
+
+def test_unserved_shape_lists_the_compiled_ones(compiled, device, video_npy):
+    bundle = open_export(compiled["plain"])
+    engine = engine_for(bundle, "qaic", prefill_seq_len=16)  # the QPC was compiled for chunks of 32
+    prompt = engine.prepare(video_question_pieces(bundle.tokenizer, QUESTION), [video_from_file(video_npy, bundle)])
+    before = len(device.calls)
+    with pytest.raises(ValueError, match=r"no compiled specialization .*input_ids \(1, 16\)") as error:
+        engine.generate(prompt)
+    message = str(error.value)
+    assert "input_ids (1, 32)" in message and "input_ids (1, 1)" in message
+    assert "past_key.0" not in message  # fixed retained state that fits every entry is not listed
+    assert len(device.calls) == before  # refused on the host, nothing reached the device
+
+
+def test_qpc_for_another_ctx_len_is_refused(compiled, device):
+    bundle = open_export(compiled["plain"])
+    program = QaicProgram(qpc_dir(bundle, "language"), load_sdk())
+    with pytest.raises(ValueError, match=r"compiled for past_key.0 of shape \(1, 2, 256, 16\).*qeff-evs compile"):
+        QaicLanguageSession(program, replace(bundle.language_shape, ctx_len=128))
+
+
+def test_serving_engine_tokens_equal_onnx_runtime(compiled, device, video_npy):
+    bundle = open_export(compiled["cb"])
+    video = video_from_file(video_npy, bundle)
+    questions = ("What happens in this video?", "Describe the moving square.")
+
+    def serve(backend: str) -> dict[str, list[int]]:
+        engine = build_serving_engine(bundle, backend)
+        for i, question in enumerate(questions):
+            engine.add_request(ServeRequest(f"r{i}", video_question_pieces(bundle.tokenizer, question), [video],
+                                            max_new_tokens=DECODE_STEPS - 2 * i))
+        return engine.run_to_completion()
+
+    expected = serve("ort")
+    got = serve("qaic")
+    assert got == expected
+    decode_batches = {c.dims["input_ids"][0] for c in device.language_calls() if c.dims["input_ids"][1] == 1}
+    assert decode_batches == {FULL_BATCH}  # decode always runs the compiled width, padded when needed
