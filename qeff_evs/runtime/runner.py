@@ -130,7 +130,7 @@ def sessions_for(bundle: ExportBundle, backend: str, device: str | None = None):
     if backend == "qaic":
         from qeff_evs.runtime.qaic import qaic_sessions
 
-        return qaic_sessions(bundle)
+        return qaic_sessions(bundle, device_id=int(device) if device else None)
     raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
 
 
