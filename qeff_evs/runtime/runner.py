@@ -173,9 +173,12 @@ def build_serving_engine(bundle: ExportBundle, backend: str = "ort", max_num_seq
             "--full-batch-size N to serve several requests at once")
     seqs = max_num_seqs or shape.full_batch_size
     budget = max_num_batched_tokens or m.prefill_seq_len * seqs
+    # As vLLM's compute_encoder_budget: the encoder budget and cache hold at least the largest item.
+    largest_item = max((e.retained for e in m.vision_entries), default=0)
+    rows = encoder_cache_rows or max(budget, largest_item)
     scheduler = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=seqs,
                                 prefill_seq_len=m.prefill_seq_len, ctx_len=m.ctx_len,
-                                encoder_compute_budget=encoder_cache_rows, encoder_cache_size=encoder_cache_rows)
+                                encoder_compute_budget=rows, encoder_cache_size=rows)
     vision, language = sessions_for(bundle, backend, device)
     config = EngineConfig(m.prefill_seq_len, m.ctx_len, m.user_vision_size, m.video_pruning_rate)
     return ServingEngine(bundle.family, vision, language, config, scheduler, stop_ids(bundle), progress)

@@ -108,6 +108,7 @@ class ServingEngine:
     def abort(self, request_id: str) -> None:
         self.scheduler.abort_request(request_id)
         self.live.pop(request_id, None)
+        self._free_when_idle()
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -123,7 +124,15 @@ class ServingEngine:
         finished = {f.request_id: f.reason for f in self.scheduler.update_from_output(out, sampled)}
         for request_id in finished:
             self.live.pop(request_id, None)
+        self._free_when_idle()
         return [TokenEvent(rid, token, finished.get(rid)) for rid, token in sampled.items()]
+
+    def _free_when_idle(self) -> None:
+        # Released encoder outputs are freed by the next step's schedule(); with no request left
+        # there is no next step, so take an empty one now rather than keep the rows.
+        if not self.has_unfinished():
+            for content_hash in self.scheduler.schedule().free_encoder_hashes:
+                self.encoder_outputs.pop(content_hash, None)
 
     def _encode(self, out: SchedulerOutput) -> None:
         for item in out.encoder_inputs:
