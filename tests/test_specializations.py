@@ -168,6 +168,54 @@ def test_user_vision_size_error_names_both_values():
     assert "user_vision_size=100" in str(caught.value) and "prefill_seq_len=128" in str(caught.value)
 
 
+def test_continuous_batching_specs_follow_qeff_layout():
+    """QEfficient CB: prefill batch 1, decode batch full_batch_size, both bind full_batch_size."""
+    prefill, decode = language_specializations(128, 8192, 256, full_batch_size=4)
+    assert (prefill.name, prefill.symbols) == (
+        "Prefill", {"batch_size": 1, "seq_len": 128, "ctx_len": 8192, "vision_size": 256, "full_batch_size": 4})
+    assert (decode.name, decode.symbols) == (
+        "Decode", {"batch_size": 4, "seq_len": 1, "ctx_len": 8192, "vision_size": 256, "full_batch_size": 4})
+
+
+def test_continuous_batching_decode_batch_can_be_smaller():
+    specs = language_specializations(64, 1024, full_batch_size=8, decode_batch_size=2)
+    assert [s.symbols for s in specs] == [
+        {"batch_size": 1, "seq_len": 64, "ctx_len": 1024, "vision_size": 64, "full_batch_size": 8},
+        {"batch_size": 2, "seq_len": 1, "ctx_len": 1024, "vision_size": 64, "full_batch_size": 8},
+    ]
+
+
+def test_continuous_batching_one_token_prefill_keeps_its_batch_1_entry():
+    specs = language_specializations(1, 16, full_batch_size=3)
+    assert [(s.name, s.symbols["batch_size"], s.symbols["seq_len"]) for s in specs] == [
+        ("Prefill", 1, 1), ("Decode", 3, 1)]
+    (only,) = language_specializations(1, 16, full_batch_size=3, decode_batch_size=1)
+    assert (only.name, only.symbols) == (
+        "Decode", {"batch_size": 1, "seq_len": 1, "ctx_len": 16, "vision_size": 1, "full_batch_size": 3})
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(full_batch_size=4, batch_size=2), "batch_size=2 with full_batch_size=4"),
+        (dict(full_batch_size=4, decode_batch_size=5), "decode_batch_size=5 exceeds full_batch_size=4"),
+        (dict(decode_batch_size=2), "decode_batch_size=2 needs continuous batching"),
+        (dict(full_batch_size=0), "full_batch_size"),
+        (dict(full_batch_size=4, decode_batch_size=0), "decode_batch_size"),
+    ],
+)
+def test_continuous_batching_bad_values_raise_naming_them(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        language_specializations(16, 128, **kwargs)
+
+
+def test_continuous_batching_specs_round_trip_through_json(tmp_path):
+    specs = language_specializations(8, 64, full_batch_size=4)
+    for style in ("flat", "named"):
+        path = write_specializations_json(tmp_path / f"{style}.json", specs, style=style)
+        assert [dict(s.symbols) for s in read_specializations_json(path)] == [dict(s.symbols) for s in specs]
+
+
 # -------------------------------------------------------------------- vision sets
 
 # Literal per-target symbols as a family would compute them (448x448, patch 14, merge 2 -> 32x32 patches,

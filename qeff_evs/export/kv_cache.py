@@ -104,7 +104,7 @@ def scatter_at_rows_and_slots(
     not named in ``rows`` keep their values exactly.
     """
     heads = torch.arange(new.shape[1], device=new.device)
-    index = (torch.arange(rows.shape[0])[:, None, None], heads[None, :, None], slots[:, None, :])  # broadcast to (B, H, S)
+    index = (rows[:, None, None], heads[None, :, None], slots[:, None, :])  # broadcast to (B, H, S)
     return cache.index_put(index, new.to(cache.dtype))
 
 

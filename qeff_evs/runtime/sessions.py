@@ -88,6 +88,16 @@ class LanguageSession(Protocol):
         """Logits ``(1, 1, vocab)`` of the step's last valid position."""
 
 
+class BatchedLanguageSession(LanguageSession, Protocol):
+    """A language session over ``shape.full_batch_size`` KV cache rows (continuous batching)."""
+
+    def prefill(self, cache_row: int, step: LanguageStep) -> np.ndarray:
+        """Logits ``(1, 1, vocab)`` of one request's prefill chunk, run into its cache row."""
+
+    def decode(self, rows: Sequence[DecodeRow], pad_token_id: int = 0) -> np.ndarray:
+        """Next-token logits ``(len(rows), vocab)`` of several running requests."""
+
+
 def _ort_session(path: Path):
     import onnxruntime as ort
 
