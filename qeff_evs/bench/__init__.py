@@ -1,14 +1,91 @@
-"""``qeff-evs bench``: pruning sweep, window sweep, EVS overhead (issue 6). Owned by the bench work."""
+"""``qeff-evs bench``: pruning sweep, window sweep, EVS overhead (issue 6).
+
+What is measured and how lives in the modules: ``pruning`` (latency vs q), ``window_sweep``
+(user_vision_size vs the QEfficient way), ``overhead`` (EVS selection cost), ``report`` (targets,
+JSON, Markdown), ``plots``; ``suite`` runs them in order. ``benchmarks/README.md`` has the results.
+"""
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
+
+from qeff_evs.bench.config import FAMILIES, PRESETS, BenchConfig, preset
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(v) for v in text.replace(",", " ").split())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected numbers separated by commas, got {text!r}") from None
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(v) for v in text.replace(",", " ").split())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected integers separated by commas, got {text!r}") from None
+
+
+# argparse dest -> BenchConfig field, for the flags that override a preset.
+_OVERRIDES = {
+    "family": "family", "text_layers": "text_layers", "vision_layers": "vision_layers", "frames": "frames",
+    "size": "frame_size", "question_tokens": "question_tokens", "pruning_rates": "pruning_rates",
+    "prefill_seq_len": "prefill_seq_len", "ctx_len": "ctx_len", "user_vision_size": "user_vision_size",
+    "window_frames": "window_frames", "window_rate": "window_rate", "vision_frames": "vision_frames",
+    "vision_size": "vision_frame_size", "repeats": "repeats", "overhead_repeats": "overhead_repeats", "seed": "seed",
+}
 
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--quick", action="store_true", help="smoke-sized run (under 2 minutes)")
-    parser.add_argument("-o", "--output", default="bench_out", help="folder for JSON, Markdown and PNG results")
+    full = PRESETS["full"]
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--quick", action="store_true",
+                      help="smaller videos and 1 text layer, same widths (under 2 minutes on 2 cores)")
+    # Tiny widths: the test suite's smoke run. Not a benchmark, so not advertised.
+    mode.add_argument("--smoke", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("-o", "--output", default="bench_out", type=Path,
+                        help="folder for results.json, results.md and the PNG plots")
+    parser.add_argument("--render", type=Path, default=None, metavar="RESULTS_JSON",
+                        help="measure nothing: re-render results.md and the plots of a saved results.json")
+    parser.add_argument("--workdir", type=Path, default=None,
+                        help="keep the exported graphs here (default: a temporary folder, removed)")
+    parser.add_argument("--family", choices=FAMILIES, default=None, help=f"model family (default {full.family})")
+    parser.add_argument("--text-layers", type=int, default=None, help=f"default {full.text_layers}")
+    parser.add_argument("--vision-layers", type=int, default=None, help=f"default {full.vision_layers} (>= 2)")
+    parser.add_argument("--frames", type=int, default=None, help=f"pruning-sweep frames (default {full.frames})")
+    parser.add_argument("--size", type=int, default=None,
+                        help=f"language-side frame side in pixels (default {full.frame_size}; x32/28 for qwen3_vl)")
+    parser.add_argument("--question-tokens", type=int, default=None, help=f"default {full.question_tokens}")
+    parser.add_argument("--pruning-rates", type=_floats, default=None,
+                        help="q values, e.g. 0,0.25,0.5,0.75,0.9 (q=0 is always added)")
+    parser.add_argument("--prefill-seq-len", type=int, default=None, help=f"default {full.prefill_seq_len}")
+    parser.add_argument("--ctx-len", type=int, default=None, help=f"default {full.ctx_len}")
+    parser.add_argument("--user-vision-size", type=int, default=None, help="default: the prefill length")
+    parser.add_argument("--window-frames", type=_ints, default=None, help="window-sweep frame counts, e.g. 4,8,16,32,64")
+    parser.add_argument("--window-rate", type=float, default=None, help=f"window-sweep q (default {full.window_rate})")
+    parser.add_argument("--vision-frames", type=int, default=None,
+                        help=f"frames of the clip the vision graph is timed on (default {full.vision_frames})")
+    parser.add_argument("--vision-size", type=int, default=None,
+                        help=f"frame side of that clip (default {full.vision_frame_size}; 448 needs ~15 GB and minutes)")
+    parser.add_argument("--repeats", type=int, default=None, help=f"default {full.repeats}")
+    parser.add_argument("--overhead-repeats", type=int, default=None, help=f"default {full.overhead_repeats}")
+    parser.add_argument("--seed", type=int, default=None)
+
+
+def config_from_args(args: argparse.Namespace) -> BenchConfig:
+    name = "quick" if args.quick else "smoke" if getattr(args, "smoke", False) else "full"
+    changes = {field: getattr(args, dest) for dest, field in _OVERRIDES.items() if getattr(args, dest, None) is not None}
+    return preset(name, changes.get("family", PRESETS[name].family)).replace(**changes)
 
 
 def run_bench(args: argparse.Namespace, progress) -> int:
-    raise ValueError("the benchmark suite is not built yet (issue 6)")
+    from qeff_evs.bench.report import markdown
+    from qeff_evs.bench.suite import render_saved, run_suite
+
+    if args.render is not None:
+        results = render_saved(args.render, args.output)
+    else:
+        results = run_suite(config_from_args(args), args.output, args.workdir, progress)
+    print(markdown(results))
+    return 0

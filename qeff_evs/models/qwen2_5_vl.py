@@ -171,11 +171,15 @@ class Qwen2_5_VLVisionEVS(nn.Module):
             max_seqlen=0,  # only flash kernels read these; 0 avoids a .item() on cu_seqlens
             max_window_seqlen=0,
         ).pooler_output
-        if not self.evs_selection:
-            retained = retained_carrier.shape[0]
-            return merged[:retained], torch.arange(retained, device=merged.device)
         # T from a shape, so the EVS reshape stays symbolic in the graph.
         frames = video_grid_thw.shape[0]
+        if not self.evs_selection:
+            # Benchmark baseline: EVS's final Gather, of the first K rows instead of the selected ones.
+            # (frame, token) -> raster index is the identity, written so T stays a graph input.
+            per_frame = merged.shape[0] // frames
+            first = torch.arange(retained_carrier.shape[0], device=merged.device)
+            indices = (first // per_frame) * per_frame + first % per_frame
+            return merged.index_select(0, indices), indices
         return evs.select_retained(merged, frames, retained_carrier)
 
     def host_inputs(self, grid_thw: Sequence[int], retained: int) -> dict[str, np.ndarray]:

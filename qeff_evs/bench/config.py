@@ -1,0 +1,149 @@
+"""What one benchmark run measures: model size, workloads, repetitions (``BenchConfig``) and its presets.
+
+Three presets share every code path: ``full`` (the issue's workloads on Qwen2.5-VL-3B widths),
+``quick`` (the same widths on smaller videos, under two minutes on 2 cores) and ``smoke`` (tiny
+widths; the test suite's run). Any field can be overridden from the command line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from qeff_evs import evs
+
+FAMILIES = ("qwen2_5_vl", "qwen3_vl")
+WIDTHS = ("realistic", "tiny")  # realistic: released-checkpoint widths; tiny: the test checkpoints' widths
+
+# Prompt text around the video: <|vision_start|> and <|vision_end|> besides the question.
+VISION_MARKERS = 2
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    family: str = "qwen2_5_vl"
+    widths: str = "realistic"
+    text_layers: int = 2
+    vision_layers: int = 2
+    # Pruning sweep: one video, several q.
+    frames: int = 16
+    frame_size: int = 448
+    question_tokens: int = 32
+    pruning_rates: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75, 0.9)
+    # Language graph specialization.
+    prefill_seq_len: int = 128
+    ctx_len: int = 8192
+    user_vision_size: int | None = None  # None: prefill_seq_len (the default export)
+    # Window sweep: several frame counts at one q.
+    window_frames: tuple[int, ...] = (4, 8, 16, 32, 64)
+    window_rate: float = 0.5
+    # The vision graph's dense block-mask attention costs S^2 per head, so it is timed on a
+    # smaller clip than the language side unless these are raised (see the README).
+    vision_frames: int = 16
+    vision_frame_size: int = 224
+    repeats: int = 3
+    overhead_repeats: int = 5
+    seed: int = 0
+    preset: str = "full"
+
+    @property
+    def vision_rows_per_chunk(self) -> int:
+        return self.user_vision_size if self.user_vision_size is not None else self.prefill_seq_len
+
+    @property
+    def text_tokens(self) -> int:
+        return self.question_tokens + VISION_MARKERS
+
+    def replace(self, **changes) -> BenchConfig:
+        return dataclasses.replace(self, **changes)
+
+
+PRESETS = {
+    "full": BenchConfig(),
+    "quick": BenchConfig(
+        text_layers=1, frames=8, frame_size=224, window_frames=(4, 8, 16), ctx_len=1024,
+        vision_frames=8, vision_frame_size=112, repeats=2, overhead_repeats=3, preset="quick",
+    ),
+    "smoke": BenchConfig(
+        widths="tiny", text_layers=1, frames=8, frame_size=112, question_tokens=8, prefill_seq_len=16,
+        ctx_len=128, window_frames=(2, 4, 8), vision_frames=4, vision_frame_size=112, repeats=1,
+        overhead_repeats=1, preset="smoke",
+    ),
+}
+
+
+# Frame sides above are for Qwen2.5-VL (28 px per merged token). Qwen3-VL merges 32 px, so its
+# presets scale every side by 32/28: the same merged-token grids, hence the same token counts.
+_PRESET_TOKEN_PIXELS = 28
+_FAMILY_TOKEN_PIXELS = {"qwen2_5_vl": 28, "qwen3_vl": 32}
+
+
+def preset(name: str, family: str = "qwen2_5_vl") -> BenchConfig:
+    """A preset for ``family``: the same merged-token grids whatever the family's patch size."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
+    if family not in FAMILIES:
+        raise ValueError(f"--family {family!r} is not one of {', '.join(FAMILIES)}")
+    base = PRESETS[name]
+    pixels = _FAMILY_TOKEN_PIXELS[family]
+    return base.replace(family=family, frame_size=base.frame_size // _PRESET_TOKEN_PIXELS * pixels,
+                        vision_frame_size=base.vision_frame_size // _PRESET_TOKEN_PIXELS * pixels)
+
+
+def _positive(name: str, value: int) -> None:
+    if int(value) != value or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def tokens_per_temporal_patch(size: int, patch_size: int, merge_size: int) -> int:
+    """Merged tokens of one square ``size`` x ``size`` temporal patch."""
+    side = size // (patch_size * merge_size)
+    return side * side
+
+
+def validate(config: BenchConfig, patch_size: int, merge_size: int, temporal_patch_size: int) -> BenchConfig:
+    """Raise ``ValueError`` naming the flag to change when the config cannot run; returns it."""
+    if config.family not in FAMILIES:
+        raise ValueError(f"--family {config.family!r} is not one of {', '.join(FAMILIES)}")
+    if config.widths not in WIDTHS:
+        raise ValueError(f"widths {config.widths!r} is not one of {', '.join(WIDTHS)}")
+    for name in ("text_layers", "vision_layers", "frames", "frame_size", "prefill_seq_len", "ctx_len",
+                 "vision_frames", "vision_frame_size", "repeats", "overhead_repeats"):
+        _positive(name, getattr(config, name))
+    if config.question_tokens < 0:
+        raise ValueError(f"--question-tokens must be >= 0, got {config.question_tokens}")
+    if config.vision_layers < 2:
+        # With one block it is the full-attention block; the window inputs go unused and the
+        # exporter drops them, so the graph would not have the contract's inputs.
+        raise ValueError(f"--vision-layers must be >= 2 (one windowed and one full-attention block), "
+                         f"got {config.vision_layers}")
+    if not config.pruning_rates or not config.window_frames:
+        raise ValueError("--pruning-rates and --window-frames need at least one value each")
+    for q in (*config.pruning_rates, config.window_rate):
+        evs.validate_pruning_rate(q)
+    if config.vision_rows_per_chunk < config.prefill_seq_len:
+        raise ValueError(f"--user-vision-size {config.user_vision_size} is below --prefill-seq-len "
+                         f"{config.prefill_seq_len}; a chunk can hold that many video tokens")
+    factor = patch_size * merge_size
+    for name in ("frame_size", "vision_frame_size"):
+        if getattr(config, name) % factor:
+            raise ValueError(f"{name.replace('_', '-')} {getattr(config, name)} is not a multiple of "
+                             f"patch_size*merge_size = {factor}")
+    for name, counts in (("frames", (config.frames,)), ("window-frames", config.window_frames),
+                         ("vision-frames", (config.vision_frames,))):
+        for count in counts:
+            _positive(name, count)
+            if count % temporal_patch_size:
+                raise ValueError(f"--{name} {count} is not a multiple of temporal_patch_size {temporal_patch_size}")
+    # The unpruned prompt of the pruning sweep and the largest window prompt must fit the KV cache
+    # (plus one slot: a padded chunk writes its padding to the last slot).
+    per_patch = tokens_per_temporal_patch(config.frame_size, patch_size, merge_size)
+    longest = max(
+        per_patch * (config.frames // temporal_patch_size),
+        max(evs.retained_token_count(per_patch, f // temporal_patch_size, config.window_rate)
+            for f in config.window_frames),
+    ) + config.text_tokens + 1
+    if longest > config.ctx_len:
+        raise ValueError(f"the longest benchmark prompt needs {longest} KV slots but --ctx-len is "
+                         f"{config.ctx_len}; raise --ctx-len or use fewer frames")
+    return config

@@ -1,0 +1,370 @@
+"""From raw samples to the published numbers: medians, limits, targets, JSON and a Markdown report.
+
+Everything derived lives here as pure functions of the sweeps' raw samples, so the JSON keeps both
+the samples and what was concluded from them.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import platform
+from dataclasses import asdict, dataclass
+
+from qeff_evs.bench.config import BenchConfig
+from qeff_evs.bench.overhead import WITH_EVS, WITHOUT_EVS, OverheadResult
+from qeff_evs.bench.pruning import PruningPoint, PruningSweep
+from qeff_evs.bench.timing import CLOCKS, CPU, WALL, Samples, median
+from qeff_evs.bench.window_sweep import QEFFICIENT, USER_VISION_SIZE, WAYS, WayMeasurement, WindowPoint, WindowSweep
+
+# The issue's targets.
+PROPORTIONAL_TOLERANCE = 0.15
+SPEEDUP_RATE = 0.75
+SPEEDUP_TARGET = 3.4
+WINDOW_TIME_TOLERANCE = 0.10
+EVS_OVERHEAD_LIMIT = 0.03
+# Both ways feed the same rows to the same graph: their logits must agree to fp32 noise.
+LOGITS_TOLERANCE = 1e-4
+# Verdicts use process CPU time: it measures the work and shrugs off other programs on the cores.
+VERDICT_CLOCK = CPU
+
+MS = 1e3
+MIB = 1024 * 1024
+
+
+def _bytes(count: int) -> str:
+    return f"{count / MIB:.2f} MiB" if count >= MIB else f"{count / 1024:.1f} KiB"
+
+
+def _percent(fraction: float | None, digits: int = 3) -> str:
+    return "n/a" if fraction is None else f"{fraction:+.{digits}%}"
+
+
+# ---------------------------------------------------------------------------------------------
+# derived rows (every timing on both clocks)
+
+
+def pruning_rows(sweep: PruningSweep) -> list[dict]:
+    """Per q: medians, and the unpruned prefill scaled by tokens (proportional) and by chunks."""
+    reference = next(p for p in sweep.points if p.q == 0.0)
+    rows = []
+    for p in sweep.points:
+        row = {
+            "q": p.q, "video_tokens": p.video_tokens, "retained_tokens": p.retained_tokens,
+            "text_tokens": p.text_tokens, "prompt_tokens": p.prompt_tokens, "prefill_chunks": p.prefill_chunks,
+            "vision_retained_tokens": p.vision_retained_tokens, "peak_rss_mb": p.peak_rss_mb,
+            "peak_above_start_mb": p.peak_above_start_mb, "encoder_cache_bytes": p.encoder_cache_bytes,
+        }
+        for clock in CLOCKS:
+            reference_ms = median(reference.prefill.clock(clock)) * MS
+            prefill_ms = median(p.prefill.clock(clock)) * MS
+            proportional_ms = reference_ms * p.prompt_tokens / reference.prompt_tokens
+            ttft = [v + f for v, f in zip(p.vision.clock(clock), p.prefill.clock(clock))]
+            row[clock] = {
+                "vision_ms": median(p.vision.clock(clock)) * MS,
+                "prefill_ms": prefill_ms,
+                "ttft_ms": median(ttft) * MS,
+                "proportional_ms": proportional_ms,
+                "chunk_limit_ms": reference_ms * p.prefill_chunks / reference.prefill_chunks,
+                "prefill_over_proportional": prefill_ms / proportional_ms,
+                "prefill_speedup": reference_ms / prefill_ms,
+            }
+        rows.append(row)
+    return rows
+
+
+def window_rows(sweep: WindowSweep) -> list[dict]:
+    rows = []
+    for p in sweep.points:
+        row = {"frames": p.frames, "video_tokens": p.video_tokens, "retained_tokens": p.retained_tokens,
+               "prompt_tokens": p.prompt_tokens, "chunks": p.chunks, "logits_max_abs_diff": p.logits_max_abs_diff}
+        for way in WAYS:
+            m = p.ways[way]
+            row[way] = {
+                "vision_size": m.vision_size,
+                "bytes_per_chunk": max(m.bytes_per_chunk),
+                "bytes_per_chunk_constant": len(set(m.bytes_per_chunk)) == 1,
+                "ms_per_chunk": {clock: median(m.chunks.clock(clock)) * MS for clock in CLOCKS},
+                "chunk_samples": len(m.chunks.wall),
+            }
+        rows.append(row)
+    return rows
+
+
+def overhead_summary(result: OverheadResult) -> dict:
+    with_ms = {clock: median(result.samples[WITH_EVS].clock(clock)) * MS for clock in CLOCKS}
+    if result.samples[WITHOUT_EVS].wall:
+        without_ms = {clock: median(result.samples[WITHOUT_EVS].clock(clock)) * MS for clock in CLOCKS}
+        fraction = {clock: (with_ms[clock] - without_ms[clock]) / without_ms[clock] for clock in CLOCKS}
+    else:  # the family's wrapper cannot drop the selection: profile only
+        without_ms = fraction = {clock: None for clock in CLOCKS}
+    profile = result.profile_us
+    profiled = profile["selection"] / profile["tower"] if profile.get("tower") else None
+    return {"frames": result.frames, "frame_size": result.frame_size, "q": result.q,
+            "video_tokens": result.video_tokens, "retained_tokens": result.retained_tokens,
+            "with_evs_ms": with_ms, "without_evs_ms": without_ms,
+            "overhead_fraction": fraction,
+            "profiled_selection_us": profile.get("selection"), "profiled_tower_us": profile.get("tower"),
+            "profiled_overhead_fraction": profiled}
+
+
+# ---------------------------------------------------------------------------------------------
+# targets (verdicts on VERDICT_CLOCK; the other clock is quoted beside)
+
+
+@dataclass(frozen=True)
+class Target:
+    name: str
+    requirement: str
+    measured: str
+    met: bool | None  # None: not measured in this run
+
+
+def _pruning_targets(rows: list[dict]) -> list[Target]:
+    pruned = [r for r in rows if r["q"] > 0]
+    if pruned:
+        def deviations(clock: str) -> str:
+            return ", ".join(f"q={r['q']:g}: {r[clock]['prefill_over_proportional']:.2f}" for r in pruned)
+
+        proportional = Target(
+            "pruning: prefill vs proportional limit",
+            f"every q within {PROPORTIONAL_TOLERANCE:.0%} of (K+text)/(V+text) x unpruned prefill",
+            f"prefill / limit, CPU: {deviations(CPU)}; wall: {deviations(WALL)}",
+            all(abs(r[VERDICT_CLOCK]["prefill_over_proportional"] - 1) <= PROPORTIONAL_TOLERANCE for r in pruned))
+    else:
+        proportional = Target("pruning: prefill vs proportional limit", "needs a q > 0", "not measured", None)
+    at_rate = [r for r in rows if math.isclose(r["q"], SPEEDUP_RATE)]
+    if at_rate:
+        row = at_rate[0]
+        fast = Target(f"pruning: q={SPEEDUP_RATE:g} prefill speedup",
+                      f">= {SPEEDUP_TARGET}x faster language prefill than q=0",
+                      f"CPU {row[CPU]['prefill_speedup']:.2f}x, wall {row[WALL]['prefill_speedup']:.2f}x "
+                      f"(chunk count ratio {rows[0]['prefill_chunks'] / row['prefill_chunks']:.2f}x)",
+                      row[VERDICT_CLOCK]["prefill_speedup"] >= SPEEDUP_TARGET)
+    else:
+        fast = Target(f"pruning: q={SPEEDUP_RATE:g} prefill speedup", f"needs q={SPEEDUP_RATE:g} in the sweep",
+                      "not measured", None)
+    return [proportional, fast]
+
+
+def _spread(ours: list[dict], clock: str) -> list[float]:
+    base = ours[0]["ms_per_chunk"][clock]
+    return [o["ms_per_chunk"][clock] / base - 1 for o in ours]
+
+
+def _window_targets(rows: list[dict]) -> list[Target]:
+    ours = [r[USER_VISION_SIZE] for r in rows]
+    theirs = [r[QEFFICIENT] for r in rows]
+    frames = f"{rows[0]['frames']} to {rows[-1]['frames']} frames"
+    sizes = sorted({o["bytes_per_chunk"] for o in ours})
+    constant = len(sizes) == 1 and all(o["bytes_per_chunk_constant"] for o in ours)
+    worst = {clock: max(_spread(ours, clock), key=abs) for clock in CLOCKS}
+    per_chunk = ", ".join(f"{o['ms_per_chunk'][CPU]:.0f}" for o in ours)
+    grows_bytes = (all(b["bytes_per_chunk"] >= a["bytes_per_chunk"] for a, b in zip(theirs, theirs[1:]))
+                   and theirs[-1]["bytes_per_chunk"] > theirs[0]["bytes_per_chunk"])
+    growth = {clock: theirs[-1]["ms_per_chunk"][clock] / theirs[0]["ms_per_chunk"][clock] - 1 for clock in CLOCKS}
+    return [
+        Target("window: bytes per chunk, user_vision_size", f"constant from {frames}",
+               f"{', '.join(_bytes(s) for s in sizes)} per chunk", constant),
+        Target("window: time per chunk, user_vision_size", f"within +-{WINDOW_TIME_TOLERANCE:.0%} from {frames}",
+               f"worst vs {rows[0]['frames']} frames: CPU {worst[CPU]:+.1%} ({per_chunk} ms), wall {worst[WALL]:+.1%}",
+               all(abs(s) <= WINDOW_TIME_TOLERANCE for s in _spread(ours, VERDICT_CLOCK))),
+        Target("window: QEfficient way, bytes per chunk", f"grow from {frames}",
+               f"{_bytes(theirs[0]['bytes_per_chunk'])} to {_bytes(theirs[-1]['bytes_per_chunk'])} "
+               f"(x{theirs[-1]['bytes_per_chunk'] / theirs[0]['bytes_per_chunk']:.1f})", grows_bytes),
+        Target("window: QEfficient way, time per chunk",
+               f"grows from {frames} by more than the +-{WINDOW_TIME_TOLERANCE:.0%} band",
+               f"CPU {growth[CPU]:+.1%}, wall {growth[WALL]:+.1%}", growth[VERDICT_CLOCK] > WINDOW_TIME_TOLERANCE),
+    ]
+
+
+def _overhead_target(summary: dict) -> Target:
+    fraction, profiled = summary["overhead_fraction"], summary["profiled_overhead_fraction"]
+    requirement = f"selection adds < {EVS_OVERHEAD_LIMIT:.0%}"
+    profile_text = f"profiled selection nodes {_percent(profiled)} of the tower"
+    if fraction[VERDICT_CLOCK] is None:
+        met = None if profiled is None else profiled < EVS_OVERHEAD_LIMIT
+        return Target("EVS overhead on the vision graph", requirement, f"no A/B (no EVS-free twin); {profile_text}", met)
+    return Target("EVS overhead on the vision graph", requirement,
+                  f"A/B medians CPU {_percent(fraction[CPU], 2)}, wall {_percent(fraction[WALL], 2)}; {profile_text}",
+                  fraction[VERDICT_CLOCK] < EVS_OVERHEAD_LIMIT)
+
+
+def _parity_check(rows: list[dict]) -> Target:
+    worst = max(r["logits_max_abs_diff"] for r in rows)
+    return Target("check: both ways give the same first-token logits", f"max abs diff <= {LOGITS_TOLERANCE:g}",
+                  f"{worst:.2e}", worst <= LOGITS_TOLERANCE)
+
+
+def evaluate_targets(pruning: list[dict], window: list[dict], overhead: dict) -> list[Target]:
+    return [*_pruning_targets(pruning), *_window_targets(window), _overhead_target(overhead), _parity_check(window)]
+
+
+# ---------------------------------------------------------------------------------------------
+# JSON and Markdown
+
+
+def environment() -> dict:
+    import onnxruntime
+    import torch
+    import transformers
+
+    return {"python": platform.python_version(), "platform": platform.platform(), "cpu_count": os.cpu_count(),
+            "onnxruntime": onnxruntime.__version__, "torch": torch.__version__,
+            "transformers": transformers.__version__, "load_average_at_end": load_average()}
+
+
+def load_average() -> list[float] | None:
+    """1/5/15-minute load averages: other work on the machine shows up here, and in the timings."""
+    try:
+        return [round(v, 2) for v in os.getloadavg()]
+    except OSError:
+        return None
+
+
+def _samples(sweep) -> list[dict]:
+    """Raw samples of every point, without the bulky arrays."""
+    out = []
+    for point in sweep.points:
+        data = asdict(point)
+        for way in data.get("ways", {}).values():
+            way.pop("first_token_logits", None)
+        out.append(data)
+    return out
+
+
+def build_results(config: BenchConfig, model: dict, phase_seconds: dict, pruning: PruningSweep, window: WindowSweep,
+                  overhead: OverheadResult, env: dict | None = None) -> dict:
+    p_rows, w_rows, o_summary = pruning_rows(pruning), window_rows(window), overhead_summary(overhead)
+    return {
+        "config": asdict(config),
+        "model": model,
+        "environment": env if env is not None else environment(),
+        "phase_seconds": phase_seconds,
+        "pruning_sweep": {"language_clip": list(pruning.language_clip), "vision_clip": list(pruning.vision_clip),
+                          "vision_merged_grid": list(pruning.vision_merged_grid), "rows": p_rows,
+                          "samples": _samples(pruning)},
+        "window_sweep": {"frame_size": window.frame_size, "q": window.q, "prefill_seq_len": window.prefill_seq_len,
+                         "rows": w_rows, "samples": _samples(window)},
+        "evs_overhead": {**o_summary, "samples": {name: asdict(v) for name, v in overhead.samples.items()}},
+        "targets": [asdict(t) for t in evaluate_targets(p_rows, w_rows, o_summary)],
+    }
+
+
+def _fmt(value, digits: int = 0) -> str:
+    if value is None:
+        return "n/a"
+    return f"{value:,.{digits}f}"
+
+
+def _verdict(met: bool | None) -> str:
+    return {True: "met", False: "**missed**", None: "not measured"}[met]
+
+
+def _s(ms: float) -> str:
+    return f"{ms / MS:.2f}"
+
+
+def markdown(results: dict) -> str:
+    cfg, model, env = results["config"], results["model"], results["environment"]
+    ps, ws, ov = results["pruning_sweep"], results["window_sweep"], results["evs_overhead"]
+    lf, ls = ps["language_clip"]
+    vf, vs = ps["vision_clip"]
+    u = cfg["user_vision_size"] or cfg["prefill_seq_len"]
+    lines = [
+        f"## qeff-evs bench ({cfg['preset']}): {cfg['family']}, {cfg['widths']} widths",
+        "",
+        f"Model: random weights, text hidden {model['text_hidden']}, {model['text_layers']} text layers, vocab "
+        f"{model['vocab_size']:,}; vision hidden {model['vision_hidden']}, {model['vision_layers']} vision layers. "
+        f"ONNX Runtime {env['onnxruntime']} (CPU, {env['cpu_count']} cores), fp32. "
+        f"Medians of {cfg['repeats']} repetitions; configurations alternate, prefills interleave chunk by chunk. "
+        f"CPU = process CPU time (the work; verdicts use it), wall = elapsed. "
+        f"Load average at the end (1/5/15 min): {env['load_average_at_end']}.",
+        "",
+        f"### Pruning sweep: {lf} frames {ls}x{ls} + {cfg['question_tokens']}-token question, "
+        f"prefill chunks of {cfg['prefill_seq_len']}, ctx_len {cfg['ctx_len']}",
+        "",
+        f"proportional = q=0 prefill x (K+text)/(V+text); chunk limit = q=0 prefill x chunks/chunks(q=0). "
+        f"Vision graph timed on {vf} frames {vs}x{vs} (its dense block-mask attention; see README); "
+        "TTFT = that vision time + prefill. Peak RSS: the q's vision run and prefill alone.",
+        "",
+        "| q | K | prompt tokens | chunks | prefill CPU s | proportional CPU s | chunk limit CPU s "
+        "| CPU / proportional | speedup CPU | prefill wall s | speedup wall | vision wall s (K) | TTFT wall s "
+        "| peak RSS MB | peak above start MB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in ps["rows"]:
+        c, w = r[CPU], r[WALL]
+        lines.append(
+            f"| {r['q']:g} | {r['retained_tokens']} | {r['prompt_tokens']} | {r['prefill_chunks']} | "
+            f"{_s(c['prefill_ms'])} | {_s(c['proportional_ms'])} | {_s(c['chunk_limit_ms'])} | "
+            f"{c['prefill_over_proportional']:.2f} | {c['prefill_speedup']:.2f}x | {_s(w['prefill_ms'])} | "
+            f"{w['prefill_speedup']:.2f}x | {_s(w['vision_ms'])} ({r['vision_retained_tokens']}) | "
+            f"{_s(w['ttft_ms'])} | {_fmt(r['peak_rss_mb'])} | {_fmt(r['peak_above_start_mb'])} |")
+    lines += [
+        "",
+        f"### Window sweep: q={ws['q']:g}, {ws['frame_size']}x{ws['frame_size']}, prefill chunks of "
+        f"{ws['prefill_seq_len']}",
+        "",
+        f"Bytes: the vision inputs sent with each chunk (fp32 here; fp16 custom IO on AI 100 halves both). "
+        f"user_vision_size (U): {u} window rows, image_idx=0. QEfficient (QEff): vision_size=K, all rows every "
+        "chunk, image_idx advancing. Times are medians over every chunk of every repetition.",
+        "",
+        "| frames | V | K | prompt tokens | chunks | bytes/chunk U | CPU ms/chunk U | wall ms/chunk U "
+        "| bytes/chunk QEff | CPU ms/chunk QEff | wall ms/chunk QEff | logits max abs diff |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in ws["rows"]:
+        ours, theirs = r[USER_VISION_SIZE], r[QEFFICIENT]
+        lines.append(
+            f"| {r['frames']} | {r['video_tokens']} | {r['retained_tokens']} | {r['prompt_tokens']} | {r['chunks']} | "
+            f"{_bytes(ours['bytes_per_chunk'])} | {_fmt(ours['ms_per_chunk'][CPU])} | {_fmt(ours['ms_per_chunk'][WALL])} | "
+            f"{_bytes(theirs['bytes_per_chunk'])} | {_fmt(theirs['ms_per_chunk'][CPU])} | "
+            f"{_fmt(theirs['ms_per_chunk'][WALL])} | {r['logits_max_abs_diff']:.1e} |")
+    samples = len(ov["samples"][WITH_EVS]["wall"])  # the twin, when there is one, ran as often
+    lines += [
+        "",
+        f"### EVS overhead: vision graph, {ov['frames']} frames {ov['frame_size']}x{ov['frame_size']}, "
+        f"q={ov['q']:g} (K={ov['retained_tokens']} of {ov['video_tokens']}), {samples} runs each",
+        "",
+        "| graph | CPU ms | wall ms |",
+        "|---|---|---|",
+        f"| with EVS selection | {_fmt(ov['with_evs_ms'][CPU])} | {_fmt(ov['with_evs_ms'][WALL])} |",
+        f"| same Gather of the first K rows instead | {_fmt(ov['without_evs_ms'][CPU])} | "
+        f"{_fmt(ov['without_evs_ms'][WALL])} |",
+        f"| overhead (difference of medians) | {_percent(ov['overhead_fraction'][CPU], 2)} | "
+        f"{_percent(ov['overhead_fraction'][WALL], 2)} |",
+        f"| selection nodes / tower nodes (ORT profiler) | {_percent(ov['profiled_overhead_fraction'])} | |",
+        "",
+        "### Targets",
+        "",
+        "| target | requirement | measured | verdict |",
+        "|---|---|---|---|",
+    ]
+    for t in results["targets"]:
+        lines.append(f"| {t['name']} | {t['requirement']} | {t['measured']} | {_verdict(t['met'])} |")
+    return "\n".join(lines) + "\n"
+
+
+def config_from_json(data: dict) -> BenchConfig:
+    return BenchConfig(**{**data, "pruning_rates": tuple(data["pruning_rates"]),
+                          "window_frames": tuple(data["window_frames"])})
+
+
+def rebuild(results: dict) -> dict:
+    """Recompute every derived number and verdict of a saved results.json from its raw samples."""
+    ps, ws, ov = results["pruning_sweep"], results["window_sweep"], results["evs_overhead"]
+    points = [PruningPoint(**{**sample, "vision": Samples(**sample["vision"]), "prefill": Samples(**sample["prefill"])})
+              for sample in ps["samples"]]
+    pruning = PruningSweep(tuple(ps["language_clip"]), tuple(ps["vision_clip"]), tuple(ps["vision_merged_grid"]),
+                           points)
+    window_points = []
+    for sample in ws["samples"]:
+        ways = {way: WayMeasurement(**{**m, "chunks": Samples(**m["chunks"])}) for way, m in sample["ways"].items()}
+        window_points.append(WindowPoint(**{**sample, "ways": ways}))
+    window = WindowSweep(ws["frame_size"], ws["q"], ws["prefill_seq_len"], window_points)
+    overhead = OverheadResult(ov["frames"], ov["frame_size"], ov["q"], ov["video_tokens"], ov["retained_tokens"],
+                              {name: Samples(**v) for name, v in ov["samples"].items()},
+                              {"selection": ov["profiled_selection_us"], "tower": ov["profiled_tower_us"]})
+    return build_results(config_from_json(results["config"]), results["model"], results["phase_seconds"],
+                         pruning, window, overhead, env=results["environment"])

@@ -1,0 +1,97 @@
+"""The benchmark's inputs: the synthetic moving-square clip, a fixed-length question, the prepared prompt.
+
+The language side is timed on the issue's video size, where the vision graph is too heavy to run
+(see ``BenchConfig.vision_frame_size``). Its retained tokens are chosen by the reference EVS rule
+applied to the clip's pixels, merged per token as the encoder's merger groups them; the embedding
+rows are random. Which tokens are kept changes positions, not the work per chunk, so prefill
+timings do not depend on that choice; the retained *count* is exactly the production rule.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from qeff_evs import evs
+from qeff_evs.models.protocol import ModelFamily, VideoInput
+from qeff_evs.runtime.processor import VisionPreprocessSpec, preprocess_video
+from qeff_evs.runtime.request import EncodedVideo, PreparedPrompt, PromptPiece, prepare_prompt
+from qeff_evs.runtime.synthetic import moving_square_video
+
+CLIP_FPS = 2.0  # Qwen-VL's default sampling rate; the clip is taken as already sampled
+
+
+@dataclass(frozen=True)
+class Clip:
+    """A synthetic clip: RGB frames and the encoder input made from them."""
+
+    frames: np.ndarray  # (T, H, W, 3) uint8
+    video: VideoInput
+
+    @property
+    def grid_thw(self) -> tuple[int, int, int]:
+        return self.video.grid_thw
+
+
+def synthetic_clip(spec: VisionPreprocessSpec, num_frames: int, size: int, seed: int) -> Clip:
+    """The moving-square clip at ``size`` x ``size``, preprocessed for the family's encoder."""
+    frames = moving_square_video(num_frames, size, size, seed=seed)
+    processed = preprocess_video(frames, (size, size), spec)
+    times = tuple(i / CLIP_FPS for i in range(num_frames))
+    return Clip(frames, VideoInput(processed.pixel_values, tuple(processed.grid_thw), CLIP_FPS, times))
+
+
+def merged_pixel_tokens(pixel_values: torch.Tensor, merge_size: int) -> torch.Tensor:
+    """``(T*H*W, patch_dim)`` patches -> ``(T*h*w, merge^2 * patch_dim)``: one row per merged token.
+
+    Patches come in merge-block order, so each token's ``merge^2`` patches are consecutive rows.
+    """
+    group = merge_size * merge_size
+    if pixel_values.shape[0] % group:
+        raise ValueError(f"{pixel_values.shape[0]} patch rows do not group into merge blocks of {group}")
+    return pixel_values.reshape(pixel_values.shape[0] // group, group * pixel_values.shape[1])
+
+
+def pixel_retained_indices(video: VideoInput, merge_size: int, q: float) -> np.ndarray:
+    """Ascending flat indices EVS keeps when its dissimilarity is taken on the pixels themselves."""
+    tokens = merged_pixel_tokens(video.pixel_values.to(torch.float32), merge_size)
+    mask = evs.retention_mask(tokens, video.grid_thw, merge_size, q)
+    return torch.nonzero(mask).reshape(-1).numpy().astype(np.int64)
+
+
+def question_ids(num_tokens: int, first_special_id: int, seed: int) -> tuple[int, ...]:
+    """A fixed-length question of ordinary (non-special) token ids, reproducible from ``seed``."""
+    rng = np.random.default_rng(seed)
+    return tuple(int(i) for i in rng.integers(0, first_special_id, size=num_tokens))
+
+
+def prompt_pieces(family: ModelFamily, question: tuple[int, ...]) -> list[PromptPiece]:
+    """``<|vision_start|>`` video ``<|vision_end|>`` question, the plain layout of ``runtime.prompt``."""
+    special = family.special_tokens()
+    return [PromptPiece(ids=(special.vision_start,)), PromptPiece(video=0),
+            PromptPiece(ids=(special.vision_end, *question))]
+
+
+def random_rows(num_rows: int, hidden: int, seed: int, levels: int = 0) -> tuple[np.ndarray, np.ndarray | None]:
+    """Stand-in vision embeddings ``(K, hidden)`` (and deepstack ``(levels, K, hidden)``), float32."""
+    rng = np.random.default_rng(seed)
+    rows = rng.standard_normal((num_rows, hidden), dtype=np.float32)
+    deepstack = rng.standard_normal((levels, num_rows, hidden), dtype=np.float32) if levels else None
+    return rows, deepstack
+
+
+def language_prompt(family: ModelFamily, clip: Clip, q: float, question: tuple[int, ...], hidden: int,
+                    levels: int, merge_size: int, seed: int) -> PreparedPrompt:
+    """Final ids and int64 positions of the clip pruned at ``q`` followed by the question."""
+    indices = pixel_retained_indices(clip.video, merge_size, q)
+    rows, deepstack = random_rows(len(indices), hidden, seed, levels)
+    t, h, w = family.merged_grid(clip.grid_thw)
+    encoded = EncodedVideo(rows, indices, deepstack, tuple(evs.tokens_per_frame_kept(indices, t, h * w)))
+    return prepare_prompt(prompt_pieces(family, question), [clip.video], [encoded], family)
+
+
+def first_special_id(family: ModelFamily) -> int:
+    special = family.special_tokens()
+    return min(special.image_pad, special.video_pad, special.vision_start, special.vision_end, *special.eos)

@@ -1,0 +1,273 @@
+"""``qeff-evs bench`` smoke test (tiny widths via the hidden --smoke flag) and its pure pieces.
+
+One CLI run (module fixture, ~10 s) writes every output; the tests check its counts, bytes and
+layouts against independent references: vLLM's retained-count rule, the chunk arithmetic, the
+byte sizes both ways must send, and the QEfficient way's ``image_idx`` counted token by token. The
+two ways' first-token logits must agree (same graph, same rows). Timings are not asserted.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+from qeff_evs import cli
+from qeff_evs.bench import report
+from qeff_evs.bench.config import PRESETS, preset, validate
+from qeff_evs.bench.overhead import kernel_time_split
+from qeff_evs.bench.pruning import PruningPoint, PruningSweep
+from qeff_evs.bench.timing import Samples, alternating
+from qeff_evs.bench.window_sweep import QEFFICIENT, USER_VISION_SIZE, qefficient_steps
+from qeff_evs.bench.workload import language_prompt, pixel_retained_indices, synthetic_clip
+from qeff_evs.runtime.processor import VisionPreprocessSpec
+
+vllm_evs = pytest.importorskip("vllm.multimodal.video_prune.evs")
+
+SMOKE = PRESETS["smoke"]
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+MAX_PNG_BYTES = 200_000
+TINY_HIDDEN = 64  # tiny_config's text hidden size
+TINY_PATCH, TINY_MERGE, TINY_TEMPORAL = 14, 2, 2
+
+
+@pytest.fixture(scope="module")
+def smoke_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        code = cli.main(["bench", "--smoke", "-o", str(out)])
+    assert code == 0
+    return out, json.loads((out / "results.json").read_text())
+
+
+def _tokens_per_patch(size: int) -> int:
+    return (size // (TINY_PATCH * TINY_MERGE)) ** 2
+
+
+# ---------------------------------------------------------------------------------------------
+# the CLI run
+
+
+def test_outputs_written(smoke_run):
+    out, _ = smoke_run
+    for name in ("latency_vs_q.png", "window_sweep.png", "kept_tokens.png"):
+        data = (out / name).read_bytes()
+        assert data.startswith(PNG_SIGNATURE), name
+        assert len(data) < MAX_PNG_BYTES, (name, len(data))
+    text = (out / "results.md").read_text()
+    assert "### Pruning sweep" in text and "### Window sweep" in text and "### Targets" in text
+
+
+def test_pruning_counts_follow_vllm(smoke_run):
+    _, results = smoke_run
+    rows = results["pruning_sweep"]["rows"]
+    assert [r["q"] for r in rows] == sorted({0.0, *SMOKE.pruning_rates})
+    per_patch = _tokens_per_patch(SMOKE.frame_size)
+    patches = SMOKE.frames // TINY_TEMPORAL
+    vision_per_patch = _tokens_per_patch(SMOKE.vision_frame_size)
+    for r in rows:
+        k = vllm_evs.compute_retained_tokens_count(per_patch, patches, r["q"])
+        assert r["video_tokens"] == per_patch * patches
+        assert r["retained_tokens"] == k
+        assert r["prompt_tokens"] == k + SMOKE.question_tokens + 2  # + <|vision_start|>, <|vision_end|>
+        assert r["prefill_chunks"] == math.ceil(r["prompt_tokens"] / SMOKE.prefill_seq_len)
+        assert r["vision_retained_tokens"] == vllm_evs.compute_retained_tokens_count(
+            vision_per_patch, SMOKE.vision_frames // TINY_TEMPORAL, r["q"])
+        assert r["encoder_cache_bytes"] == k * TINY_HIDDEN * 4
+        for clock in ("wall", "cpu"):
+            assert r[clock]["prefill_ms"] > 0 and r[clock]["vision_ms"] > 0
+
+
+def test_vision_graph_keeps_frame_zero(smoke_run):
+    _, results = smoke_run
+    per_patch = _tokens_per_patch(SMOKE.vision_frame_size)
+    for sample in results["pruning_sweep"]["samples"]:
+        kept = sample["vision_retained_indices"]
+        assert len(kept) == sample["vision_retained_tokens"]
+        assert kept == sorted(set(kept))
+        assert set(range(per_patch)) <= set(kept)  # frame 0 always survives (sentinel 255)
+        assert sum(sample["vision_kept_per_frame"]) == len(kept)
+
+
+def test_window_bytes_and_parity(smoke_run):
+    _, results = smoke_run
+    rows = results["window_sweep"]["rows"]
+    assert [r["frames"] for r in rows] == list(SMOKE.window_frames)
+    per_patch = _tokens_per_patch(SMOKE.frame_size)
+    for r in rows:
+        k = vllm_evs.compute_retained_tokens_count(per_patch, r["frames"] // TINY_TEMPORAL, SMOKE.window_rate)
+        assert r["retained_tokens"] == k
+        assert r["chunks"] == math.ceil((k + SMOKE.question_tokens + 2) / SMOKE.prefill_seq_len)
+        ours, theirs = r[USER_VISION_SIZE], r[QEFFICIENT]
+        assert ours["vision_size"] == SMOKE.prefill_seq_len
+        assert ours["bytes_per_chunk"] == SMOKE.prefill_seq_len * TINY_HIDDEN * 4
+        assert ours["bytes_per_chunk_constant"] and theirs["bytes_per_chunk_constant"]
+        assert theirs["vision_size"] == k
+        assert theirs["bytes_per_chunk"] == k * TINY_HIDDEN * 4
+        assert ours["chunk_samples"] == theirs["chunk_samples"] == r["chunks"] * SMOKE.repeats
+        assert ours["ms_per_chunk"]["cpu"] > 0 and theirs["ms_per_chunk"]["wall"] > 0
+        assert r["logits_max_abs_diff"] <= 1e-4
+
+
+def test_targets_reported(smoke_run):
+    _, results = smoke_run
+    names = [t["name"] for t in results["targets"]]
+    assert len(names) == 8
+    by_name = {t["name"]: t for t in results["targets"]}
+    assert by_name["window: bytes per chunk, user_vision_size"]["met"] is True
+    assert by_name["check: both ways give the same first-token logits"]["met"] is True
+    overhead = results["evs_overhead"]
+    assert overhead["profiled_selection_us"] > 0 and overhead["profiled_tower_us"] > 0
+
+
+def test_render_rebuilds_the_same_results(smoke_run, tmp_path):
+    out, results = smoke_run
+    assert cli.main(["bench", "--render", str(out / "results.json"), "-o", str(tmp_path)]) == 0
+    assert json.loads((tmp_path / "results.json").read_text()) == results
+    assert (tmp_path / "results.md").read_text() == (out / "results.md").read_text()
+
+
+def test_qwen3_smoke_sends_deepstack_rows_too(tmp_path):
+    """Qwen3-VL: presets scale to 32-px tokens; each window row carries its deepstack rows as well."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert cli.main(["bench", "--smoke", "--family", "qwen3_vl", "-o", str(tmp_path)]) == 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["config"]["frame_size"] == 128 and results["config"]["vision_frame_size"] == 128
+    levels = 1  # tiny_config's deepstack_visual_indexes=[0]
+    for r in results["window_sweep"]["rows"]:
+        k = vllm_evs.compute_retained_tokens_count(16, r["frames"] // TINY_TEMPORAL, SMOKE.window_rate)
+        assert r["retained_tokens"] == k
+        assert r[USER_VISION_SIZE]["bytes_per_chunk"] == SMOKE.prefill_seq_len * TINY_HIDDEN * 4 * (1 + levels)
+        assert r[QEFFICIENT]["bytes_per_chunk"] == k * TINY_HIDDEN * 4 * (1 + levels)
+        assert r["logits_max_abs_diff"] <= 1e-4
+
+
+# ---------------------------------------------------------------------------------------------
+# pure pieces
+
+
+def test_qefficient_steps_image_idx_counts_media_tokens():
+    from qeff_evs.bench.graphs import model_config
+    from qeff_evs.models.registry import family_for_config
+
+    family = family_for_config(model_config(SMOKE))
+    clip = synthetic_clip(VisionPreprocessSpec.qwen2_5_vl(), 8, 112, seed=0)
+    prompt = language_prompt(family, clip, 0.5, tuple(range(10, 18)), TINY_HIDDEN, 0, TINY_MERGE, seed=0)
+    video_pad = family.special_tokens().video_pad
+    steps = qefficient_steps(prompt, SMOKE, TINY_HIDDEN, 0, family.special_tokens().media_pads)
+    seen = 0
+    for number, step in enumerate(steps):
+        assert int(step.image_idx[0, 0]) == seen
+        np.testing.assert_array_equal(step.vision_embeds[0], prompt.encoded[0].rows)
+        chunk = prompt.ids[number * SMOKE.prefill_seq_len:(number + 1) * SMOKE.prefill_seq_len]
+        seen += sum(1 for token in chunk if token == video_pad)
+    assert seen == len(prompt.encoded[0].rows)
+
+
+def test_pixel_selection_equals_vllm_on_merged_pixels():
+    clip = synthetic_clip(VisionPreprocessSpec.qwen2_5_vl(), 8, 112, seed=1)
+    pixels = clip.video.pixel_values
+    group = TINY_MERGE * TINY_MERGE
+    # One merged token = its merge x merge patches, consecutive rows in the processor's order.
+    tokens = torch.stack([torch.cat(list(pixels[j * group:(j + 1) * group])) for j in range(pixels.shape[0] // group)])
+    for q in (0.25, 0.5, 0.9):
+        expected = torch.nonzero(vllm_evs.compute_retention_mask(tokens, clip.grid_thw, TINY_MERGE, q)).reshape(-1)
+        np.testing.assert_array_equal(pixel_retained_indices(clip.video, TINY_MERGE, q), expected.numpy())
+
+
+def test_pruning_rows_limits():
+    def point(q, k, chunks, prefill_cpu):
+        return PruningPoint(q=q, video_tokens=1000, retained_tokens=k, text_tokens=24, prompt_tokens=k + 24,
+                            prefill_chunks=chunks, vision_video_tokens=10, vision_retained_tokens=5,
+                            encoder_cache_bytes=0, vision=Samples([0.2] * 3, [0.1] * 3),
+                            prefill=Samples([2.0] * 3, prefill_cpu))
+
+    sweep = PruningSweep((16, 448), (16, 224), (8, 8, 8),
+                         [point(0.0, 1000, 8, [1.0, 1.2, 0.8]), point(0.5, 500, 4, [0.6, 0.5, 0.7])])
+    rows = report.pruning_rows(sweep)
+    cpu = rows[1]["cpu"]
+    assert rows[0]["cpu"]["prefill_ms"] == pytest.approx(1000.0)
+    assert cpu["proportional_ms"] == pytest.approx(1000.0 * 524 / 1024)
+    assert cpu["chunk_limit_ms"] == pytest.approx(500.0)
+    assert cpu["prefill_speedup"] == pytest.approx(1000.0 / 600.0)
+    assert cpu["ttft_ms"] == pytest.approx(700.0)
+    assert rows[1]["wall"]["prefill_speedup"] == pytest.approx(1.0)
+
+
+def test_window_targets_verdicts():
+    def row(frames, ours_ms, theirs_bytes, theirs_ms):
+        def way(nbytes, ms):
+            # Wall times are made wild on purpose: verdicts follow CPU time.
+            return {"bytes_per_chunk": nbytes, "bytes_per_chunk_constant": True,
+                    "ms_per_chunk": {"cpu": ms, "wall": 5 * ms if frames > 4 else ms}}
+
+        return {"frames": frames, "logits_max_abs_diff": 0.0,
+                USER_VISION_SIZE: way(1024, ours_ms), QEFFICIENT: way(theirs_bytes, theirs_ms)}
+
+    good = report._window_targets([row(4, 100, 2048, 100), row(64, 109, 32768, 150)])
+    assert [t.met for t in good] == [True, True, True, True]
+    bad = report._window_targets([row(4, 100, 2048, 100), row(64, 112, 2048, 105)])
+    assert [t.met for t in bad] == [True, False, False, False]
+
+
+def test_kernel_time_split_attributes_fused_nodes_to_the_tower():
+    events = [
+        {"cat": "Node", "name": "/visual/blocks.0/attn/MatMul_kernel_time", "dur": 900},
+        {"cat": "Node", "name": "Gelu_token_3_kernel_time", "dur": 50},  # ORT-fused, renamed
+        {"cat": "Node", "name": "/TopK_kernel_time", "dur": 7},
+        {"cat": "Node", "name": "/Gather_4_kernel_time", "dur": 3},
+        {"cat": "Node", "name": "/TopK_fence_before", "dur": 100},
+        {"cat": "Session", "name": "SequentialExecutor::Execute", "dur": 5000},
+    ]
+    assert kernel_time_split(events) == {"selection": 10.0, "tower": 950.0}
+
+
+def test_alternating_order():
+    assert alternating([1, 2, 3], 0) == [1, 2, 3]
+    assert alternating([1, 2, 3], 1) == [3, 2, 1]
+
+
+def test_qwen3_presets_keep_the_token_grids():
+    for name in ("full", "quick", "smoke"):
+        q25, q3 = preset(name, "qwen2_5_vl"), preset(name, "qwen3_vl")
+        assert q25.frame_size // 28 == q3.frame_size // 32
+        assert q25.vision_frame_size // 28 == q3.vision_frame_size // 32
+    assert preset("full").frame_size == 448 and preset("full", "qwen3_vl").frame_size == 512
+
+
+@pytest.mark.parametrize("change, flag", [
+    ({"vision_layers": 1}, "vision-layers"),
+    ({"ctx_len": 64}, "ctx-len"),
+    ({"window_frames": (3,)}, "window-frames"),
+    ({"frame_size": 100}, "frame-size"),
+    ({"user_vision_size": 8}, "user-vision-size"),
+])
+def test_config_errors_name_the_flag(change, flag):
+    with pytest.raises(ValueError, match=flag):
+        validate(SMOKE.replace(**change), TINY_PATCH, TINY_MERGE, TINY_TEMPORAL)
+
+
+def test_evs_free_vision_wrapper_returns_the_first_rows():
+    """The overhead baseline graph: stock HF vision forward, first K merged rows, indices 0..K-1."""
+    from qeff_evs.bench.graphs import model_config, random_model
+    from qeff_evs.models.qwen2_5_vl import Qwen2_5_VLVisionEVS, vision_host_inputs
+
+    hf_config = model_config(SMOKE)
+    model = random_model(hf_config, SMOKE.family, seed=3)
+    visual = model.model.visual
+    grid, k = (4, 8, 8), 40
+    pixels = torch.randn(4 * 8 * 8, 1176, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = visual(pixels, grid_thw=torch.tensor([grid])).pooler_output[:k]
+    baseline = Qwen2_5_VLVisionEVS(visual, evs_selection=False)
+    host = [torch.from_numpy(a) for a in vision_host_inputs(visual.config, grid, k).values()]
+    with torch.no_grad():
+        rows, indices = baseline(pixels, *host)
+    torch.testing.assert_close(rows, expected, atol=1e-4, rtol=0)
+    assert indices.tolist() == list(range(k))
