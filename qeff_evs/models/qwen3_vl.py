@@ -34,23 +34,25 @@ here (no window index) but is reported with the other symbols, as every vision s
 
 from __future__ import annotations
 
-import copy
-import itertools
 from collections.abc import Sequence
 
 import numpy as np
 import torch
 import torch.nn as nn
-from transformers.vision_utils import (
-    get_vision_cu_seqlens,
-    get_vision_interpolation_indices_and_weights,
-    get_vision_position_ids,
-)
+from transformers.vision_utils import get_vision_interpolation_indices_and_weights
 
 from qeff_evs import evs
-from qeff_evs.export.attention import register_block_mask_attention
 from qeff_evs.export.vision import VisionGraphSpec
-from qeff_evs.models.protocol import SpecialTokens, VideoInput, VideoLayout, image_layout
+from qeff_evs.models.family import QwenVLFamily
+from qeff_evs.models.protocol import VideoInput, VideoLayout
+from qeff_evs.models.vision_common import (
+    VisionEVSWrapper,
+    check_retained,
+    grid_symbols,
+    grid_tensor,
+    leading_host_inputs,
+    retained_carrier,
+)
 from qeff_evs.positions import MediaBlock
 
 # ---------------------------------------------------------------------------------------------
@@ -80,20 +82,6 @@ VISION_GRAPH_SPEC = VisionGraphSpec(
 )
 
 
-def _grid_tensor(grid_thw: Sequence[int] | torch.Tensor) -> torch.Tensor:
-    return torch.tensor([[int(v) for v in grid_thw]], dtype=torch.int64)
-
-
-def _check_retained(vision_config, grid_thw: Sequence[int] | torch.Tensor, retained: int) -> tuple[int, int, int]:
-    t, h, w = evs.merged_grid(grid_thw, vision_config.spatial_merge_size)
-    if not 1 <= int(retained) <= t * h * w:
-        raise ValueError(
-            f"retained count {retained} is outside [1, {t * h * w}] for grid {tuple(int(v) for v in grid_thw)}; "
-            "compute it with evs.retained_token_count(h*w, T, q)"
-        )
-    return t, h, w
-
-
 def position_grid_side(vision_config) -> int:
     """Side of the square learned position-embedding grid; raises if ``num_position_embeddings`` is not square."""
     count = int(vision_config.num_position_embeddings)
@@ -107,49 +95,29 @@ def position_grid_side(vision_config) -> int:
 
 
 def vision_host_inputs(vision_config, grid_thw: Sequence[int], retained: int) -> dict[str, np.ndarray]:
-    """Every vision-graph input except ``pixel_values`` for one video grid ``(T, H, W)`` and K, in graph order."""
-    _check_retained(vision_config, grid_thw, retained)
-    grid = _grid_tensor(grid_thw)
-    merge = vision_config.spatial_merge_size
+    """Every vision-graph input except ``pixel_values`` for one video grid ``(T, H, W)`` and K, in graph order.
+
+    ``cu_seqlens`` holds one segment per temporal patch: Qwen3-VL attends fully within a frame, never across.
+    """
+    check_retained(vision_config, grid_thw, retained)
     interp_indices, interp_weights = get_vision_interpolation_indices_and_weights(
-        grid,
+        grid_tensor(grid_thw),
         num_grid_per_side=position_grid_side(vision_config),
         mode=INTERPOLATION_MODE,
         align_corners=INTERPOLATION_ALIGN_CORNERS,
-        spatial_merge_size=merge,
+        spatial_merge_size=vision_config.spatial_merge_size,
     )
     return {
-        "video_grid_thw": np.zeros(tuple(grid[0].tolist()), dtype=np.int64),
-        "rotary_position_ids": get_vision_position_ids(grid, merge).numpy().astype(np.int64),
-        # One segment per temporal patch: Qwen3-VL attends fully within a frame, never across.
-        "cu_seqlens": get_vision_cu_seqlens(grid).numpy().astype(np.int32),
+        **leading_host_inputs(vision_config, grid_thw),
         "interp_indices": interp_indices.numpy().astype(np.int64),
         "interp_weights": interp_weights.numpy().astype(np.float32),
-        "retained_carrier": np.zeros(int(retained), dtype=np.int64),
+        "retained_carrier": retained_carrier(retained),
     }
 
 
 def vision_symbols(vision_config, grid_thw: Sequence[int], retained: int) -> dict[str, int]:
     """Value of every symbol of the vision graph for one specialization (grid and K)."""
-    t, h, w = _check_retained(vision_config, grid_thw, retained)
-    big_t, big_h, big_w = (int(v) for v in grid_thw)
-    patch = vision_config.patch_size
-    return {
-        "grid_height": big_t * big_h * big_w,
-        "grid_width": vision_config.in_channels * vision_config.temporal_patch_size * patch * patch,
-        "time": big_t,
-        "grid_h": big_h,
-        "grid_w": big_w,
-        "frame_bounds": big_t + 1,
-        "vision_size": t * h * w,
-        "retained_size": int(retained),
-    }
-
-
-def _share_weights_copy(module: nn.Module) -> nn.Module:
-    """A structural copy of ``module`` (own config objects) that shares every parameter and buffer."""
-    shared = {id(t): t for t in itertools.chain(module.parameters(), module.buffers())}
-    return copy.deepcopy(module, memo=shared)
+    return grid_symbols(vision_config, grid_thw, retained)
 
 
 def _check_tower(visual: nn.Module) -> None:
@@ -172,7 +140,7 @@ def _check_tower(visual: nn.Module) -> None:
     position_grid_side(visual.config)
 
 
-class Qwen3_VLVisionEVS(nn.Module):
+class Qwen3_VLVisionEVS(VisionEVSWrapper):
     """Qwen3-VL vision tower + deepstack + EVS selection, exportable as one graph for every grid and K.
 
     The tower is a weight-sharing copy of the one given, whose own config copy selects the
@@ -183,25 +151,13 @@ class Qwen3_VLVisionEVS(nn.Module):
     """
 
     graph_spec = VISION_GRAPH_SPEC
+    family_label = "Qwen3-VL"
+    host_inputs_fn = staticmethod(vision_host_inputs)
+    symbols_fn = staticmethod(vision_symbols)
 
     def __init__(self, visual: nn.Module) -> None:
-        super().__init__()
         _check_tower(visual)
-        self.visual = _share_weights_copy(visual)
-        self.visual.config._attn_implementation = register_block_mask_attention()
-
-    @classmethod
-    def from_model(cls, model: nn.Module) -> Qwen3_VLVisionEVS:
-        """Wrap the vision tower of a ``Qwen3VLForConditionalGeneration`` (or its inner ``Qwen3VLModel``)."""
-        inner = getattr(model, "model", model)
-        visual = getattr(inner, "visual", None)
-        if visual is None:
-            raise ValueError(f"{type(model).__name__} has no .visual tower; pass a Qwen3-VL model or its .visual")
-        return cls(visual)
-
-    @property
-    def vision_config(self):
-        return self.visual.config
+        super().__init__(visual)
 
     @property
     def deepstack_levels(self) -> int:
@@ -237,33 +193,6 @@ class Qwen3_VLVisionEVS(nn.Module):
         deepstack = torch.stack(levels, dim=0).index_select(1, indices)
         return rows, deepstack, indices
 
-    def host_inputs(self, grid_thw: Sequence[int], retained: int) -> dict[str, np.ndarray]:
-        return vision_host_inputs(self.vision_config, grid_thw, retained)
-
-    def symbols(self, grid_thw: Sequence[int], retained: int) -> dict[str, int]:
-        return vision_symbols(self.vision_config, grid_thw, retained)
-
-    def dummy_inputs(self, grid_thw: Sequence[int], retained: int, seed: int = 0) -> dict[str, torch.Tensor]:
-        """Random ``pixel_values`` plus the host inputs, as tensors in graph order (export examples)."""
-        symbols = self.symbols(grid_thw, retained)
-        dtype = next(self.visual.parameters()).dtype
-        generator = torch.Generator().manual_seed(seed)
-        pixels = torch.randn(symbols["grid_height"], symbols["grid_width"], generator=generator).to(dtype)
-        host = {name: torch.from_numpy(array) for name, array in self.host_inputs(grid_thw, retained).items()}
-        return {"pixel_values": pixels, **host}
-
-    def run(
-        self, pixel_values: torch.Tensor, grid_thw: Sequence[int], retained: int
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Eager forward for one video, host inputs built here.
-
-        Returns ``(embeds (K, D), deepstack (levels, K, D), indices (K,))``.
-        """
-        device = pixel_values.device
-        host = [torch.from_numpy(array).to(device) for array in self.host_inputs(grid_thw, retained).values()]
-        with torch.no_grad():
-            return self(pixel_values, *host)
-
 
 # ---------------------------------------------------------------------------------------------
 # Reference path
@@ -279,7 +208,7 @@ def reference_vision_evs(
     wrapper: no precomputed inputs, no block-mask attention, no TopK.
     """
     with torch.no_grad():
-        output = hf_visual(pixel_values, grid_thw=_grid_tensor(grid_thw))
+        output = hf_visual(pixel_values, grid_thw=grid_tensor(grid_thw))
     merged, levels = output.pooler_output, list(output.deepstack_features)
     scored = torch.cat([merged, *levels], dim=-1)
     mask = evs.retention_mask(scored, grid_thw, hf_visual.config.spatial_merge_size, q)
@@ -310,7 +239,7 @@ def timestamp_text(seconds: float) -> str:
     return f"<{seconds:.1f} seconds>"
 
 
-class Qwen3_VLFamily:
+class Qwen3_VLFamily(QwenVLFamily):
     """Qwen3-VL: per temporal patch ``<t seconds> <|vision_start|> n_f pads <|vision_end|>``.
 
     Before encoding only K = sum(n_f) is known; the text per frame does not depend on the split, so
@@ -319,31 +248,11 @@ class Qwen3_VLFamily:
     """
 
     name = "qwen3_vl"
+    wrapper = Qwen3_VLVisionEVS
 
     def __init__(self, config, tokenizer=None) -> None:
-        self.config = config
-        self.vision_config = config.vision_config
-        self.merge_size = int(self.vision_config.spatial_merge_size)
+        super().__init__(config, tokenizer)
         self.deepstack_levels = len(getattr(self.vision_config, "deepstack_visual_indexes", ()) or ())
-        self.tokenizer = tokenizer
-
-    def special_tokens(self) -> SpecialTokens:
-        c = self.config
-        eos = getattr(c.text_config, "eos_token_id", None)
-        eos = () if eos is None else tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
-        return SpecialTokens(c.image_token_id, c.video_token_id, c.vision_start_token_id, c.vision_end_token_id, eos)
-
-    def merged_grid(self, grid_thw: Sequence[int]) -> tuple[int, int, int]:
-        return evs.merged_grid(grid_thw, self.merge_size)
-
-    def vision_wrapper(self, model: nn.Module) -> Qwen3_VLVisionEVS:
-        return Qwen3_VLVisionEVS.from_model(model)
-
-    def vision_host_inputs(self, grid_thw: Sequence[int], retained: int) -> dict[str, np.ndarray]:
-        return vision_host_inputs(self.vision_config, grid_thw, retained)
-
-    def vision_symbols(self, grid_thw: Sequence[int], retained: int) -> dict[str, int]:
-        return vision_symbols(self.vision_config, grid_thw, retained)
 
     def timestamp_ids(self, video: VideoInput) -> list[np.ndarray]:
         if self.tokenizer is None:
@@ -364,19 +273,13 @@ class Qwen3_VLFamily:
                       np.array([c.vision_end_token_id])]
         return np.concatenate(parts).astype(np.int64)
 
-    def placeholder_ids(self, video: VideoInput, retained: int) -> np.ndarray:
-        if video.kind == "image":
-            return image_layout(self.config.image_token_id, self.merged_grid(video.grid_thw)).ids
+    def video_placeholder(self, video: VideoInput, retained: int) -> np.ndarray:
         t = self.merged_grid(video.grid_thw)[0]
         return self._frames(video, [retained] + [0] * (t - 1))
 
-    def video_layout(self, video: VideoInput, retained_indices: np.ndarray) -> VideoLayout:
-        if video.kind == "image":
-            return image_layout(self.config.image_token_id, self.merged_grid(video.grid_thw))
+    def real_video_layout(self, video: VideoInput, retained_indices: np.ndarray) -> VideoLayout:
         t, h, w = self.merged_grid(video.grid_thw)
-        keep_tokens = np.zeros(t * h * w, dtype=bool)
-        keep_tokens[np.asarray(retained_indices, dtype=np.int64)] = True
         unpruned = self._frames(video, [h * w] * t)
         keep = np.ones(len(unpruned), dtype=bool)
-        keep[unpruned == self.config.video_token_id] = keep_tokens  # pads appear in raster order
+        keep[unpruned == self.config.video_token_id] = self.kept_mask(video, retained_indices)  # raster order
         return VideoLayout(unpruned, keep, tuple(MediaBlock(1, h, w) for _ in range(t)))
