@@ -21,7 +21,6 @@ these names, so the PyTorch reference backend calls it exactly like an ONNX Runt
 from __future__ import annotations
 
 import logging
-import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +31,7 @@ import onnx
 import torch
 from torch import nn
 
-from qeff_evs.export.vision import DATA_DEPENDENT_OPS, ONNX_OPSET
+from qeff_evs.export.onnx_graph import check_named_axes, check_static_ops, legacy_export
 from qeff_evs.models.language import LanguageGraph, LanguageSpec
 
 _LOG = logging.getLogger(__name__)
@@ -217,29 +216,13 @@ def export_language_graph(
         "seq_len=%d ctx_len=%d -> %s",
         module.spec.num_layers, io.deepstack, continuous_batching, seq_len_example, ctx_len_example, path,
     )
-    was_training = hf_model.training
-    module.eval()
-    try:
-        with torch.no_grad(), warnings.catch_warnings():
-            # The legacy exporter is deprecated upstream but is QEfficient's path; silence only that notice.
-            warnings.filterwarnings("ignore", category=DeprecationWarning)
-            # transformers' sdpa turns `q_len > 1` into a Python bool while tracing; the step always
-            # passes a mask, which makes is_causal False whatever that bool is, so the trace is exact.
-            warnings.filterwarnings("ignore", message="Converting a tensor to a Python boolean")
-            # Our advanced-indexing gathers only ever see non-negative indices (argmax, clamped rows).
-            warnings.filterwarnings("ignore", message="Exporting aten::index operator")
-            torch.onnx.export(
-                module,
-                tuple(inputs.values()),
-                str(path),
-                input_names=io.input_names,
-                output_names=io.output_names,
-                dynamic_axes=io.dynamic_axes,
-                opset_version=ONNX_OPSET,
-                dynamo=False,
-            )
-    finally:
-        hf_model.train(was_training)
+    legacy_export(module, list(inputs.values()), path, input_names=io.input_names, output_names=io.output_names,
+                  dynamic_axes=io.dynamic_axes, ignore_messages=(
+                      # transformers' sdpa turns `q_len > 1` into a Python bool while tracing; the step always
+                      # passes a mask, which makes is_causal False whatever that bool is, so the trace is exact.
+                      "Converting a tensor to a Python boolean",
+                      # Our advanced-indexing gathers only ever see non-negative indices (argmax, clamped rows).
+                      "Exporting aten::index operator"))
     check_language_graph(onnx.load(str(path), load_external_data=False), io)
     _LOG.info("language graph written: %s (%.2f MB)", path, path.stat().st_size / 1e6)
     return path
@@ -254,20 +237,5 @@ def check_language_graph(model: onnx.ModelProto, io: LanguageGraphIO) -> None:
     ):
         if found != want:
             raise ValueError(f"language graph {kind} are {found}, the contract says {want}")
-    axes = io.dynamic_axes
-    for value in [*graph.input, *graph.output]:
-        declared = axes.get(value.name, {})
-        for index, dim in enumerate(value.type.tensor_type.shape.dim):
-            want = declared.get(index)
-            if want is not None and dim.dim_param != want:
-                raise ValueError(
-                    f"{value.name} axis {index} is {dim.dim_param or dim.dim_value!r}, expected symbol {want!r}"
-                )
-            if want is None and not dim.HasField("dim_value"):
-                raise ValueError(
-                    f"{value.name} axis {index} is dynamic ({dim.dim_param!r}) with no declared symbol; "
-                    "declare it in LanguageGraphIO.dynamic_axes"
-                )
-    bad_ops = sorted({node.op_type for node in graph.node} & DATA_DEPENDENT_OPS)
-    if bad_ops:
-        raise ValueError(f"language graph contains data-dependent ops {bad_ops}; rewrite them with Gather/Where")
+    check_named_axes(model, io.dynamic_axes, "language graph", "declare it in LanguageGraphIO.dynamic_axes")
+    check_static_ops(model, "language graph")

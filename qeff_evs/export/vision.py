@@ -9,7 +9,6 @@ file is checked for that and for the absence of data-dependent ops (NonZero).
 from __future__ import annotations
 
 import logging
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,9 +17,9 @@ from typing import Protocol
 import onnx
 import torch
 
-ONNX_OPSET = 17  # what QEfficient's legacy export path uses
+from qeff_evs.export.onnx_graph import check_named_axes, check_static_ops, legacy_export
+
 # Ops whose output shape depends on tensor values; a QAIC specialization cannot hold them.
-DATA_DEPENDENT_OPS = frozenset({"NonZero", "Unique", "Compress"})
 
 _LOG = logging.getLogger(__name__)
 
@@ -86,31 +85,11 @@ def export_vision_graph(
             "make the wrapper build its example inputs in forward order"
         )
     say(f"exporting vision graph for example grid {tuple(example_grid)}, K={example_retained} -> {path}")
-    was_training = wrapper.training
-    wrapper.eval()
-    try:
-        with torch.no_grad(), warnings.catch_warnings():
-            # The legacy exporter is deprecated upstream but is QEfficient's path; silence only that notice.
-            warnings.filterwarnings("ignore", category=DeprecationWarning)
-            torch.onnx.export(
-                wrapper,
-                tuple(inputs.values()),
-                str(path),
-                input_names=spec.input_names,
-                output_names=spec.output_names,
-                dynamic_axes=spec.dynamic_axes,
-                opset_version=ONNX_OPSET,
-                dynamo=False,
-            )
-    finally:
-        wrapper.train(was_training)
+    legacy_export(wrapper, list(inputs.values()), path, input_names=spec.input_names,
+                  output_names=spec.output_names, dynamic_axes=spec.dynamic_axes)
     check_vision_graph(onnx.load(str(path), load_external_data=False), spec)
     say(f"vision graph written: {path} ({path.stat().st_size / 1e6:.2f} MB)")
     return path
-
-
-def _dims(value_info: onnx.ValueInfoProto) -> list[onnx.TensorShapeProto.Dimension]:
-    return list(value_info.type.tensor_type.shape.dim)
 
 
 def check_vision_graph(model: onnx.ModelProto, spec: VisionGraphSpec) -> None:
@@ -124,17 +103,5 @@ def check_vision_graph(model: onnx.ModelProto, spec: VisionGraphSpec) -> None:
             f"exported vision graph lacks {missing}; every declared input must be used by forward "
             "(the exporter drops unused inputs)"
         )
-    for name, axes in declared.items():
-        for index, dim in enumerate(_dims(found[name])):
-            want = axes.get(index)
-            if want is not None and dim.dim_param != want:
-                got = dim.dim_param or dim.dim_value
-                raise ValueError(f"{name} axis {index} is {got!r}, expected symbol {want!r}; re-export with it named")
-            if want is None and not dim.HasField("dim_value"):
-                raise ValueError(
-                    f"{name} axis {index} is dynamic ({dim.dim_param!r}) but has no declared symbol; "
-                    "add it to the wrapper's graph_spec"
-                )
-    bad_ops = sorted({node.op_type for node in graph.node} & DATA_DEPENDENT_OPS)
-    if bad_ops:
-        raise ValueError(f"vision graph contains data-dependent ops {bad_ops}; rewrite them as TopK/Gather/Where")
+    check_named_axes(model, declared, "vision graph", "add it to the wrapper's graph_spec")
+    check_static_ops(model, "vision graph")
