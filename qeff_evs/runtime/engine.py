@@ -10,7 +10,7 @@ import numpy as np
 from qeff_evs import evs
 from qeff_evs.models.protocol import ModelFamily, VideoInput
 from qeff_evs.runtime.chunks import decode_step, prefill_step
-from qeff_evs.runtime.request import EncodedVideo, PreparedPrompt, PromptPiece, prepare_prompt, provisional_ids
+from qeff_evs.runtime.request import EncodedVideo, PreparedPrompt, PromptPiece, plan_prompt
 from qeff_evs.runtime.sessions import LanguageSession, VisionSession
 from qeff_evs.runtime.window import prefill_chunks
 
@@ -53,6 +53,22 @@ def top_logits(logits: np.ndarray, k: int = TOP_LOGITS) -> list[list[float]]:
     return [[int(i), float(flat[i])] for i in order]
 
 
+def retained_count(family: ModelFamily, media: VideoInput, q: float) -> int:
+    """K for one media item (an image, T = 1, keeps all its tokens by the same rule)."""
+    t, h, w = family.merged_grid(media.grid_thw)
+    return evs.retained_token_count(h * w, t, q)
+
+
+def encode_media(family: ModelFamily, vision: VisionSession, media: VideoInput, q: float) -> EncodedVideo:
+    """Run the vision graph once for one item: its K retained rows, their indices and per-frame counts."""
+    k = retained_count(family, media, q)
+    result = vision.run(media.pixel_values.numpy(), family.vision_host_inputs(media.grid_thw, k))
+    t, h, w = family.merged_grid(media.grid_thw)
+    retained = result.retained_indices.astype(np.int64)
+    kept = evs.tokens_per_frame_kept(retained, t, h * w)
+    return EncodedVideo(result.rows, retained, result.deepstack, tuple(kept))
+
+
 class Engine:
     def __init__(self, family: ModelFamily, vision: VisionSession, language: LanguageSession,
                  config: EngineConfig, progress: Callable[[str], None] | None = None):
@@ -63,29 +79,17 @@ class Engine:
         self.progress = progress or (lambda message: None)
 
     def encode(self, video: VideoInput) -> EncodedVideo:
-        t, h, w = self.family.merged_grid(video.grid_thw)
-        k = evs.retained_token_count(h * w, t, self.config.video_pruning_rate)
-        host = self.family.vision_host_inputs(video.grid_thw, k)
-        result = self.vision.run(video.pixel_values.numpy(), host)
-        retained = result.retained_indices.astype(np.int64)
-        kept = evs.tokens_per_frame_kept(retained, t, h * w)
-        return EncodedVideo(result.rows, retained, result.deepstack, tuple(kept))
+        return encode_media(self.family, self.vision, video, self.config.video_pruning_rate)
 
     def prepare(self, pieces: list[PromptPiece], videos: list[VideoInput]) -> PreparedPrompt:
-        retained = []
-        for video in videos:
-            t, h, w = self.family.merged_grid(video.grid_thw)
-            retained.append(evs.retained_token_count(h * w, t, self.config.video_pruning_rate))
-        planned = provisional_ids(pieces, videos, retained, self.family)
-        self._check_fits(len(planned))
-        encoded = []
+        """Encode every media item of one request and return its final ids and positions."""
+        retained = [retained_count(self.family, v, self.config.video_pruning_rate) for v in videos]
+        plan = plan_prompt(pieces, videos, retained, self.family)
+        self._check_fits(len(plan.ids))
         for i, video in enumerate(videos):
-            self.progress(f"vision graph: video {i} grid {tuple(video.grid_thw)}, keeping {retained[i]} tokens")
-            encoded.append(self.encode(video))
-        prompt = prepare_prompt(pieces, videos, encoded, self.family)
-        if len(prompt.ids) != len(planned):
-            raise ValueError(f"prompt length changed after encoding: {len(planned)} -> {len(prompt.ids)}")
-        return prompt
+            self.progress(f"vision graph: {video.kind} {i} grid {tuple(video.grid_thw)}, keeping {retained[i]} tokens")
+            plan.fill(i, video, self.encode(video), self.family)
+        return plan.prepared()
 
     def _check_fits(self, num_prompt_tokens: int) -> None:
         # Pad writes of a partial chunk land in KV slot ctx_len-1, so that slot must stay free during prefill.

@@ -15,10 +15,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from qeff_evs import evs
 from qeff_evs.models.protocol import ModelFamily, VideoInput
 from qeff_evs.runtime.chunks import prefill_step
-from qeff_evs.runtime.engine import EngineConfig
+from qeff_evs.runtime.engine import EngineConfig, encode_media, retained_count
 from qeff_evs.runtime.request import EncodedVideo, PromptPiece, PromptPlan, plan_prompt
 from qeff_evs.runtime.scheduler import (
     FinishReason,
@@ -89,8 +88,7 @@ class ServingEngine:
 
     # -- requests ---------------------------------------------------------------------------------
     def retained_count(self, media: VideoInput) -> int:
-        t, h, w = self.family.merged_grid(media.grid_thw)
-        return evs.retained_token_count(h * w, t, self.config.video_pruning_rate)
+        return retained_count(self.family, media, self.config.video_pruning_rate)
 
     def add_request(self, request: ServeRequest) -> None:
         """Queue a request; a request that can never run raises ValueError and leaves the others alone."""
@@ -139,13 +137,9 @@ class ServingEngine:
             if item.content_hash in self.encoder_outputs:
                 continue
             media = self.live[item.request_id].request.media[item.item]
-            k = self.retained_count(media)
-            result = self.vision.run(media.pixel_values.numpy(), self.family.vision_host_inputs(media.grid_thw, k))
-            t, h, w = self.family.merged_grid(media.grid_thw)
-            retained = result.retained_indices.astype(np.int64)
-            self.encoder_outputs[item.content_hash] = EncodedVideo(
-                result.rows, retained, result.deepstack, tuple(evs.tokens_per_frame_kept(retained, t, h * w)))
-            self.progress(f"encoded {item.request_id} item {item.item}: grid {tuple(media.grid_thw)}, K={k}")
+            self.encoder_outputs[item.content_hash] = encode_media(
+                self.family, self.vision, media, self.config.video_pruning_rate)
+            self.progress(f"encoded {item.request_id} item {item.item}: grid {tuple(media.grid_thw)}")
 
     def _fill(self, live: _Live, computed: int, scheduled: int) -> None:
         for item in live.plan.items_needing_fill(computed, scheduled):
