@@ -1,0 +1,191 @@
+"""vLLM 0.32.0's own v1 ``Scheduler`` drives our engine (issue 5).
+
+vLLM's scheduler is built on CPU from a ``VllmConfig`` made in code over a tiny Qwen2.5-VL
+checkpoint folder. vLLM's own Qwen2.5-VL model module cannot be imported here (it imports
+transformers' torchvision-only image processor), so the config names a stand-in architecture
+registered through vLLM's out-of-tree model API: a class that only declares multimodal support,
+with a processing-info stub that tells vLLM the largest video (in encoder rows). Everything the
+scheduler decides (chunk sizes, which video to encode when, chunks that split a video, decodes of
+running requests beside new prefills, encoder-cache frees) is vLLM's own code.
+
+The reference for every request is the single-request ``Engine`` on the same export, run alone:
+greedy tokens must be equal.
+"""
+
+from __future__ import annotations
+
+import warnings
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("vllm.v1.core.sched.scheduler")
+
+from torch import nn  # noqa: E402
+from vllm import ModelRegistry  # noqa: E402
+from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, VllmConfig  # noqa: E402
+from vllm.multimodal import MULTIMODAL_REGISTRY  # noqa: E402
+from vllm.multimodal.processing.context import BaseProcessingInfo  # noqa: E402
+from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec  # noqa: E402
+from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
+
+from qeff_evs.export.pipeline import ExportOptions, export_checkpoint  # noqa: E402
+from qeff_evs.models.tiny import save_tiny_checkpoint  # noqa: E402
+from qeff_evs.runtime.engine import Engine, EngineConfig, retained_count  # noqa: E402
+from qeff_evs.runtime.request import PromptPiece  # noqa: E402
+from qeff_evs.runtime.runner import open_export, sessions_for, video_from_file  # noqa: E402
+from qeff_evs.runtime.synthetic import moving_square_video  # noqa: E402
+from qeff_evs.vllm.driver import VllmDriver  # noqa: E402
+
+FULL_BATCH = 4
+PREFILL = 16
+CTX_LEN = 192
+BLOCK = 16
+# One request's chunk must fit one prefill call; small enough that prefills and decodes share steps.
+TOKEN_BUDGET = PREFILL
+MAX_VIDEO_ROWS = 64  # largest K vLLM is told a video can have (encoder budget and cache size)
+STAND_IN = "QeffEvsStandInForVllmScheduler"
+NEW_TOKENS = 6
+
+
+class _VideoInfo(BaseProcessingInfo):
+    def get_supported_mm_limits(self):
+        return {"video": None}
+
+    def get_mm_max_tokens_per_item(self, seq_len, mm_counts):
+        return {"video": MAX_VIDEO_ROWS}
+
+
+@MULTIMODAL_REGISTRY.register_processor(lambda info, dummy_inputs, **_: SimpleNamespace(info=info),
+                                        info=_VideoInfo, dummy_inputs=lambda info: None)
+class _StandInModel(nn.Module):
+    """Declares what vLLM's config inspection reads; never instantiated or run."""
+
+    supports_multimodal = True
+
+    def __init__(self, *, vllm_config, prefix: str = ""):
+        super().__init__()
+
+    def embed_input_ids(self, input_ids):
+        raise NotImplementedError
+
+    def forward(self, input_ids, positions):
+        raise NotImplementedError
+
+    def compute_logits(self, hidden_states):
+        raise NotImplementedError
+
+
+@pytest.fixture(scope="module")
+def stand_in_architecture():
+    ModelRegistry.register_model(STAND_IN, _StandInModel)
+    yield STAND_IN
+    ModelRegistry.models.pop(STAND_IN, None)
+
+
+def vllm_scheduler(checkpoint, architecture: str) -> Scheduler:
+    model = ModelConfig(model=str(checkpoint), dtype="float32", seed=0, max_model_len=CTX_LEN,
+                        skip_tokenizer_init=True, hf_overrides={"architectures": [architecture]},
+                        mm_processor_cache_gb=0)
+    cache = CacheConfig(block_size=BLOCK, enable_prefix_caching=False)
+    num_blocks = FULL_BATCH * CTX_LEN // BLOCK + 1
+    cache.num_gpu_blocks = num_blocks
+    config = VllmConfig(model_config=model, cache_config=cache, device_config=DeviceConfig(device="cpu"),
+                        scheduler_config=SchedulerConfig(max_num_seqs=FULL_BATCH, max_num_batched_tokens=TOKEN_BUDGET,
+                                                         max_model_len=CTX_LEN, enable_chunked_prefill=True,
+                                                         is_encoder_decoder=False))
+    # The KV blocks are only counted by the scheduler; our sessions own the real cache rows.
+    kv = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[
+        KVCacheGroupSpec(["layer"], FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=1,
+                                                      dtype=torch.float32))])
+    return Scheduler(vllm_config=config, kv_cache_config=kv, structured_output_manager=StructuredOutputManager(config),
+                     block_size=BLOCK)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("vllm_sched")
+    checkpoint = save_tiny_checkpoint("qwen2_5_vl", folder / "checkpoint", seed=1)
+    options = ExportOptions(0.5, (2, 4, 8), ((112, 112), (112, 168)), PREFILL, CTX_LEN, full_batch_size=FULL_BATCH)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        export_checkpoint(checkpoint, folder / "export", options)
+    return SimpleNamespace(checkpoint=checkpoint, folder=folder, bundle=open_export(folder / "export"))
+
+
+def pieces_for(tokenizer, question: str) -> list[PromptPiece]:
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": question}]}],
+        tokenize=False, add_generation_prompt=True)
+    before, after = text.split("<|video_pad|>")
+    return [PromptPiece(ids=tuple(tokenizer.encode(before, add_special_tokens=False))), PromptPiece(video=0),
+            PromptPiece(ids=tuple(tokenizer.encode(after, add_special_tokens=False)))]
+
+
+def test_vllm_scheduler_drives_engine_like_each_request_alone(served, stand_in_architecture):
+    bundle, m = served.bundle, served.bundle.manifest
+    config = EngineConfig(m.prefill_seq_len, m.ctx_len, m.user_vision_size, m.video_pruning_rate,
+                          max_new_tokens=NEW_TOKENS)
+    shapes = [(8, 112, 112, "what moves here?"), (4, 112, 168, "the square"), (8, 112, 168, "why left or right"),
+              (2, 112, 112, "colour?"), (4, 112, 112, "frame 7 why")]  # 5 requests > 4 KV rows
+    requests = []
+    for n, (frames, height, width, question) in enumerate(shapes):
+        path = served.folder / f"video_{n}.npy"
+        np.save(path, moving_square_video(frames, height, width, seed=n))
+        video = video_from_file(path, bundle)
+        assert retained_count(bundle.family, video, m.video_pruning_rate) <= MAX_VIDEO_ROWS
+        requests.append((f"r{n}", pieces_for(bundle.tokenizer, question), [video]))
+
+    vision, language = sessions_for(bundle, "ort")
+    alone = {}
+    for request_id, pieces, media in requests:
+        engine = Engine(bundle.family, vision, language, config)
+        alone[request_id] = engine.generate(engine.prepare(pieces, media)).generated_token_ids
+
+    scheduler = vllm_scheduler(served.checkpoint, stand_in_architecture)
+    driver = VllmDriver(bundle.family, *sessions_for(bundle, "ort"), config)
+    prompt_lens = {}
+    for request_id, pieces, media in requests:
+        request = driver.make_request(request_id, pieces, media, NEW_TOKENS)
+        prompt_lens[request_id] = request.num_prompt_tokens
+        scheduler.add_request(request)
+
+    chunks: dict[str, list[tuple[int, int]]] = {}
+    mixed_steps = split_videos = 0
+    generated: dict[str, list[int]] = {}
+    for _ in range(500):
+        if not scheduler.has_unfinished_requests():
+            break
+        out = scheduler.schedule()
+        computed = {r.req_id: r.num_computed_tokens for r in out.scheduled_new_reqs}
+        computed.update(zip(out.scheduled_cached_reqs.req_ids, out.scheduled_cached_reqs.num_computed_tokens))
+        kinds = set()
+        for request_id, scheduled in out.num_scheduled_tokens.items():
+            is_prefill = computed[request_id] < prompt_lens[request_id]
+            kinds.add(is_prefill)
+            if is_prefill:
+                chunks.setdefault(request_id, []).append((computed[request_id], scheduled))
+                ph = driver.live[request_id].plan.placeholders[0]
+                end = computed[request_id] + scheduled
+                split_videos += ph.offset < end < ph.offset + ph.length
+        mixed_steps += kinds == {True, False}
+        runner_output = driver.execute(out)
+        for engine_outputs in scheduler.update_from_output(out, runner_output).values():
+            for o in engine_outputs.outputs:
+                generated.setdefault(o.request_id, []).extend(o.new_token_ids)
+    assert not scheduler.has_unfinished_requests()
+
+    # vLLM's scheduling really exercised the window path: chunks cover each prompt in order,
+    # some chunk ends inside a video, and some step mixes prefill chunks with decodes.
+    for request_id, request_chunks in chunks.items():
+        starts = [c for c, _ in request_chunks] + [prompt_lens[request_id]]
+        assert starts[0] == 0 and all(c + n == nxt for (c, n), nxt in zip(request_chunks, starts[1:]))
+    assert set(chunks) == set(prompt_lens)
+    assert split_videos > 0 and mixed_steps > 0
+
+    assert generated == alone
+    assert all(len(tokens) == NEW_TOKENS for tokens in generated.values())
+
