@@ -79,7 +79,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     else:
         if args.video_grid_thw is None:
             raise ValueError("--pixel-values-videos needs --video-grid-thw T,H,W")
-        video = video_from_patches(args.pixel_values_videos, args.video_grid_thw, args.fps or 2.0)
+        video = video_from_patches(args.pixel_values_videos, args.video_grid_thw,
+                                   2.0 if args.fps is None else args.fps, bundle)
     if args.prompt is None:
         raise ValueError("--prompt is required with --video / --pixel-values-videos")
     engine = build_engine(bundle, args.backend, args.max_new_tokens, progress=_progress)
@@ -192,6 +193,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         code = args.func(args)
     except ValueError as error:
+        print(f"qeff-evs {args.command}: error: {error}", file=sys.stderr)
+        return 2
+    except OSError as error:  # a path that is missing, unreadable or not a folder
         print(f"qeff-evs {args.command}: error: {error}", file=sys.stderr)
         return 2
     _progress(f"{args.command} finished in {time.perf_counter() - started:.1f} s")

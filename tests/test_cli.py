@@ -230,6 +230,10 @@ def bad_inputs(tmp_path_factory, tiny_checkpoint, tiny_export):
     np.save(paths["unexported_size"], np.zeros((4 * 10 * 10, 1176), dtype=np.float32))
     paths["wrong_rows"] = root / "rows_10.npy"
     np.save(paths["wrong_rows"], np.zeros((10, 1176), dtype=np.float32))
+    paths["wrong_columns"] = root / "columns_10.npy"
+    np.save(paths["wrong_columns"], np.zeros((4 * 8 * 14, 10), dtype=np.float32))
+    paths["jsonl_no_grid"] = root / "no_grid.jsonl"
+    paths["jsonl_no_grid"].write_text(json.dumps({"prompt": "hi", "pixel_values_videos": str(paths["wrong_rows"])}) + "\n")
     paths["two_frames"] = root / "two_frames.npy"
     np.save(paths["two_frames"], moving_square_video(2, 120, 200, seed=0))
 
@@ -299,6 +303,17 @@ BAD_COMMANDS = {
                                          "--width", "196"], r"frame size 100x196 .*multiple of .* 28"),
     "odd frame count": (["export", "{checkpoint}", "-o", "{out}", "--frames", "3", "--height", "112", "--width", "196"],
                         r"--frames 3 .*temporal_patch_size 2"),
+    "missing pixel values file": (["run", "{export}", "--pixel-values-videos", "{out}/missing.npy",
+                                   "--video-grid-thw", "4,8,14", "--prompt", "hi"], r"missing\.npy not found"),
+    "pixel values of another patch size": (["run", "{export}", "--pixel-values-videos", "{wrong_columns}",
+                                            "--video-grid-thw", "4,8,14", "--prompt", "hi"],
+                                           r"rows have 10 values but this model's patches have 1176"),
+    "zero new tokens": (["run", "{export}", "--video", "{video}", "--prompt", "hi", "--max-new-tokens", "0"],
+                        r"max_new_tokens must be >= 1, got 0"),
+    "missing requests file": (["run", "{export}", "--requests", "{out}/missing.jsonl"], r"missing\.jsonl not found"),
+    "request without a grid": (["run", "{export}", "--requests", "{jsonl_no_grid}"],
+                               r"no_grid\.jsonl:1: 'video_grid_thw' must be \[T, H, W\]"),
+    "export into a file": (["export", "{checkpoint}", "-o", "{video}", *EXPORT_GRID], r"moving_square\.npy"),
     "pruning rate 1": (["export", "{checkpoint}", "-o", "{out}", *EXPORT_GRID, "--video-pruning-rate", "1.0"],
                        r"1\.0"),
 }

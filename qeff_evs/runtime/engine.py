@@ -28,6 +28,8 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         evs.validate_pruning_rate(self.video_pruning_rate)
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.user_vision_size < self.prefill_seq_len:
             raise ValueError(
                 f"user_vision_size {self.user_vision_size} is below prefill_seq_len {self.prefill_seq_len}: a "

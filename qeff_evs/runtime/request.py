@@ -115,6 +115,11 @@ def plan_prompt(pieces: list[PromptPiece], media: list[VideoInput], retained: li
             unpruned_parts.append(text)
             segments.append(None)
             continue
+        if not 0 <= piece.video < len(media):
+            raise ValueError(f"prompt piece names media item {piece.video}, but the request has {len(media)} items")
+        if piece.video in segments:
+            raise ValueError(f"media item {piece.video} appears twice in the prompt; give each occurrence its own "
+                             "media entry (identical pixels share one encoder run through the content hash)")
         video, k = media[piece.video], retained[piece.video]
         # The unpruned segment and its blocks do not depend on which tokens are kept.
         shape = family.video_layout(video, np.arange(k, dtype=np.int64))

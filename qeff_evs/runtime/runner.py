@@ -84,7 +84,8 @@ def video_from_file(path: str | Path, bundle: ExportBundle, target_fps: float | 
     """Sample by fps to an exported frame count, resize to the exported size closest in aspect, patchify."""
     spec = bundle.preprocess
     info = probe_video(path, fps=source_fps)
-    sampled = sample_frame_indices(info.num_frames, info.fps, target_fps or spec.target_fps, bundle.manifest.frames)
+    target = spec.target_fps if target_fps is None else target_fps
+    sampled = sample_frame_indices(info.num_frames, info.fps, target, bundle.manifest.frames)
     frames = load_video(path, fps=source_fps, frame_indices=sampled.indices).frames
     size = choose_resolution(info.height, info.width, bundle.manifest.resolutions, spec.factor)
     processed = preprocess_video(frames, size, spec)
@@ -100,15 +101,29 @@ def image_from_array(image: np.ndarray, bundle: ExportBundle) -> VideoInput:
     return VideoInput(processed.pixel_values, tuple(processed.grid_thw), 1.0, (), kind="image")
 
 
-def video_from_patches(pixel_values_path: str | Path, grid_thw: tuple[int, int, int], fps: float) -> VideoInput:
+def video_from_patches(pixel_values_path: str | Path, grid_thw: tuple[int, int, int], fps: float,
+                       bundle: ExportBundle | None = None) -> VideoInput:
     """Already-patchified pixels (``pixel_values_videos`` as transformers' processor returns them)."""
-    pixels = torch.from_numpy(np.load(pixel_values_path)).to(torch.float32)
+    path = Path(pixel_values_path)
+    if not path.is_file():
+        raise ValueError(f"pixel values file {path} not found")
+    if fps is None or not fps > 0:
+        raise ValueError(f"--fps must be positive for pre-patchified pixels, got {fps!r}")
+    pixels = torch.from_numpy(np.load(path)).to(torch.float32)
     t, h, w = (int(v) for v in grid_thw)
     if pixels.dim() != 2 or pixels.shape[0] != t * h * w:
         raise ValueError(
             f"pixel_values of shape {tuple(pixels.shape)} do not match --video-grid-thw {t},{h},{w} "
             f"(expected {t * h * w} rows of patches)")
-    frame_times = tuple(float(i) / fps for i in range(2 * t))
+    temporal_patch = 2
+    if bundle is not None:
+        spec = bundle.preprocess
+        temporal_patch = spec.temporal_patch_size
+        if pixels.shape[1] != spec.patch_dim:
+            raise ValueError(
+                f"pixel_values rows have {pixels.shape[1]} values but this model's patches have {spec.patch_dim} "
+                f"(C*temporal_patch*patch*patch); patchify with the checkpoint's processor")
+    frame_times = tuple(float(i) / fps for i in range(temporal_patch * t))
     return VideoInput(pixels, (t, h, w), float(fps), frame_times)
 
 
@@ -171,11 +186,11 @@ def build_serving_engine(bundle: ExportBundle, backend: str = "ort", max_num_seq
         raise ValueError(
             f"{bundle.export_dir} was exported without continuous batching; re-export with "
             "--full-batch-size N to serve several requests at once")
-    seqs = max_num_seqs or shape.full_batch_size
-    budget = max_num_batched_tokens or m.prefill_seq_len * seqs
+    seqs = shape.full_batch_size if max_num_seqs is None else max_num_seqs
+    budget = m.prefill_seq_len * seqs if max_num_batched_tokens is None else max_num_batched_tokens
     # As vLLM's compute_encoder_budget: the encoder budget and cache hold at least the largest item.
     largest_item = max((e.retained for e in m.vision_entries), default=0)
-    rows = encoder_cache_rows or max(budget, largest_item)
+    rows = max(budget, largest_item) if encoder_cache_rows is None else encoder_cache_rows
     scheduler = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=seqs,
                                 prefill_seq_len=m.prefill_seq_len, ctx_len=m.ctx_len,
                                 encoder_compute_budget=rows, encoder_cache_size=rows)
@@ -190,25 +205,37 @@ def requests_from_jsonl(path: str | Path, bundle: ExportBundle):
 
     from qeff_evs.runtime.serving import ServeRequest
 
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"requests file {path} not found")
     requests = []
-    for number, line in enumerate(Path(path).read_text().splitlines(), 1):
+    for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
         if not line.strip():
             continue
+        where = f"{path}:{number}"
         try:
             entry = json.loads(line)
         except json.JSONDecodeError as error:
-            raise ValueError(f"{path}:{number}: not JSON ({error})") from None
-        if "prompt" not in entry or not ({"video", "pixel_values_videos"} & entry.keys()):
-            raise ValueError(f"{path}:{number}: each request needs 'prompt' and 'video' (or 'pixel_values_videos')")
-        if "video" in entry:
-            video = video_from_file(entry["video"], bundle, target_fps=entry.get("fps"))
-        else:
-            video = video_from_patches(entry["pixel_values_videos"], tuple(entry["video_grid_thw"]),
-                                       float(entry.get("fps", 2.0)))
-        bundle.manifest.vision_entry(video.grid_thw)
+            raise ValueError(f"{where}: not JSON ({error})") from None
+        if not isinstance(entry, dict) or "prompt" not in entry or not ({"video", "pixel_values_videos"} & entry.keys()):
+            raise ValueError(f"{where}: each request needs 'prompt' and 'video' (or 'pixel_values_videos')")
+        try:
+            fps = None if entry.get("fps") is None else float(entry["fps"])
+            max_new_tokens = int(entry.get("max_new_tokens", 16))
+            if "video" in entry:
+                video = video_from_file(entry["video"], bundle, target_fps=fps)
+            else:
+                grid = entry.get("video_grid_thw")
+                if not isinstance(grid, list) or len(grid) != 3:
+                    raise ValueError(f"'video_grid_thw' must be [T, H, W] with 'pixel_values_videos', got {grid!r}")
+                video = video_from_patches(entry["pixel_values_videos"], tuple(int(v) for v in grid),
+                                           2.0 if fps is None else fps, bundle)
+            bundle.manifest.vision_entry(video.grid_thw)
+        except (ValueError, TypeError) as error:
+            raise ValueError(f"{where}: {error}") from None
         requests.append(ServeRequest(str(entry.get("id", f"request-{number}")),
                                      video_question_pieces(bundle.tokenizer, entry["prompt"]), [video],
-                                     int(entry.get("max_new_tokens", 16))))
+                                     max_new_tokens))
     if not requests:
         raise ValueError(f"{path} holds no requests")
     return requests

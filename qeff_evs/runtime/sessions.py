@@ -101,6 +101,9 @@ class BatchedLanguageSession(LanguageSession, Protocol):
 def _ort_session(path: Path):
     import onnxruntime as ort
 
+    if not Path(path).is_file():
+        raise ValueError(f"graph {path} not found; re-run `qeff-evs export` for this folder")
+
     options = ort.SessionOptions()
     options.log_severity_level = 3
     return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
