@@ -41,6 +41,7 @@ from qeff_evs.models.protocol import VideoInput, VideoLayout
 from qeff_evs.models.vision_common import (
     VisionEVSWrapper,
     check_retained,
+    first_rows,
     grid_symbols,
     grid_tensor,
     leading_host_inputs,
@@ -132,12 +133,7 @@ class Qwen2_5_VLVisionEVS(VisionEVSWrapper):
         # T from a shape, so the EVS reshape stays symbolic in the graph.
         frames = video_grid_thw.shape[0]
         if not self.evs_selection:
-            # Benchmark baseline: EVS's final Gather, of the first K rows instead of the selected ones.
-            # (frame, token) -> raster index is the identity, written so T stays a graph input.
-            per_frame = merged.shape[0] // frames
-            first = torch.arange(retained_carrier.shape[0], device=merged.device)
-            indices = (first // per_frame) * per_frame + first % per_frame
-            return merged.index_select(0, indices), indices
+            return first_rows(merged, frames, retained_carrier)
         return evs.select_retained(merged, frames, retained_carrier)
 
 

@@ -48,6 +48,7 @@ from qeff_evs.models.protocol import VideoInput, VideoLayout
 from qeff_evs.models.vision_common import (
     VisionEVSWrapper,
     check_retained,
+    first_rows,
     grid_symbols,
     grid_tensor,
     leading_host_inputs,
@@ -155,9 +156,11 @@ class Qwen3_VLVisionEVS(VisionEVSWrapper):
     host_inputs_fn = staticmethod(vision_host_inputs)
     symbols_fn = staticmethod(vision_symbols)
 
-    def __init__(self, visual: nn.Module) -> None:
+    def __init__(self, visual: nn.Module, evs_selection: bool = True) -> None:
         _check_tower(visual)
         super().__init__(visual)
+        # False only for benchmarks: the first K rows stand in for the EVS selection (same output shapes).
+        self.evs_selection = evs_selection
 
     @property
     def deepstack_levels(self) -> int:
@@ -187,9 +190,12 @@ class Qwen3_VLVisionEVS(VisionEVSWrapper):
         # T from a shape, so the EVS reshape stays symbolic in the graph.
         frames = video_grid_thw.shape[0]
         # vLLM scores the concatenation [merger | level 0 | level 1 | ...] and prunes every part alike.
-        rows, indices = evs.select_retained(
-            output.pooler_output, frames, retained_carrier, extra=torch.cat(levels, dim=-1)
-        )
+        if self.evs_selection:
+            rows, indices = evs.select_retained(
+                output.pooler_output, frames, retained_carrier, extra=torch.cat(levels, dim=-1)
+            )
+        else:
+            rows, indices = first_rows(output.pooler_output, frames, retained_carrier)
         deepstack = torch.stack(levels, dim=0).index_select(1, indices)
         return rows, deepstack, indices
 
