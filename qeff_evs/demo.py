@@ -15,9 +15,9 @@ import numpy as np
 
 from qeff_evs.export.pipeline import ExportOptions, export_checkpoint
 from qeff_evs.models.tiny import save_tiny_checkpoint
-from qeff_evs.runtime.prompt import video_question_pieces
+from qeff_evs.runtime.inputs.prompt import video_question_pieces
 from qeff_evs.runtime.runner import build_engine, open_export, stop_ids, video_from_file
-from qeff_evs.runtime.synthetic import moving_square_video
+from qeff_evs.runtime.inputs.synthetic import moving_square_video
 
 DEMO_FRAMES = 16
 DEMO_SIZE = 168  # 12x12 patches of 14 -> 6x6 merged tokens per temporal patch

@@ -1,4 +1,8 @@
-"""``manifest.json``: everything ``qeff-evs run`` and ``compile`` need to know about an export folder."""
+"""The export folder: its layout and typed contents (what ``qeff-evs export`` writes, the runtime reads).
+
+``manifest.json`` records everything ``run``, ``compile`` and a server need about the graphs; the
+layout of the folder (which file plays which role) is ``EXPORT_FILES``.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +11,69 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 MANIFEST_NAME = "manifest.json"
+MODEL_CONFIG_DIR = "model_config"  # the checkpoint's config and preprocessor files, without weights
+
+# role -> path relative to the export folder
+EXPORT_FILES = dict(
+    vision="vision/vision.onnx", language="language/language.onnx", tokenizer="tokenizer",
+    vision_specializations="vision/specializations.json",
+    language_specializations="language/specializations.json",
+    vision_specializations_named="vision/specializations.named.json",
+    language_specializations_named="language/specializations.named.json",
+    model_config=MODEL_CONFIG_DIR,
+    vision_custom_io="vision/custom_io.yaml", language_custom_io="language/custom_io.yaml",
+    compile_script="compile.sh",
+)
+
+
+@dataclass(frozen=True)
+class SpecialTokens:
+    """The ids the host and the language graph look for; ``eos`` also holds generation_config.json's."""
+
+    image_pad: int
+    video_pad: int
+    vision_start: int
+    vision_end: int
+    eos: tuple[int, ...] = field(default=())
+
+    @property
+    def media_pads(self) -> tuple[int, int]:
+        return (self.image_pad, self.video_pad)
+
+
+@dataclass(frozen=True)
+class LanguageShape:
+    """Static facts of a compiled/exported language graph the host must honour."""
+
+    num_layers: int
+    kv_heads: int
+    head_dim: int
+    hidden: int
+    ctx_len: int
+    vision_size: int  # user_vision_size
+    deepstack_levels: int = 0
+    full_batch_size: int = 1  # KV cache rows; > 1 needs a graph exported with continuous batching
+    decode_batch_size: int | None = None  # rows per decode call (the Decode specialization); None: full_batch_size
+    vocab: int | None = None
+    continuous_batching: bool = False  # the graph has a batch_index input (export --full-batch-size)
+
+    def __post_init__(self) -> None:
+        if self.full_batch_size < 1:
+            raise ValueError(f"full_batch_size must be >= 1, got {self.full_batch_size}")
+        decode = self.decode_rows
+        if not 1 <= decode <= self.full_batch_size:
+            raise ValueError(
+                f"decode_batch_size={decode} must lie in [1, full_batch_size={self.full_batch_size}]: "
+                "a decode call's rows need distinct KV cache rows"
+            )
+
+    @property
+    def decode_rows(self) -> int:
+        return self.full_batch_size if self.decode_batch_size is None else self.decode_batch_size
+
+
+# manifest.json keeps ctx_len and user_vision_size at its top level; the rest of the shape under "language_shape".
+_TOP_LEVEL_SHAPE = {"ctx_len": "ctx_len", "vision_size": "user_vision_size"}
 
 
 @dataclass(frozen=True)
@@ -27,15 +94,21 @@ class Manifest:
     model_dir: str  # the checkpoint the graphs came from (the PyTorch backend loads it)
     video_pruning_rate: float
     prefill_seq_len: int
-    ctx_len: int
-    user_vision_size: int
     frames: tuple[int, ...]
     resolutions: tuple[tuple[int, int], ...]  # (height, width) frame sizes the encoder sees
-    special_tokens: dict[str, object]
-    language_shape: dict[str, int]
+    special_tokens: SpecialTokens
+    language_shape: LanguageShape
     files: dict[str, str]  # role -> path relative to the export folder
     vision_entries: tuple[VisionEntry, ...] = field(default=())
     kv_precision: str = "float16"
+
+    @property
+    def ctx_len(self) -> int:
+        return self.language_shape.ctx_len
+
+    @property
+    def user_vision_size(self) -> int:
+        return self.language_shape.vision_size
 
     def path(self, export_dir: Path, role: str) -> Path:
         if role not in self.files:
@@ -51,9 +124,18 @@ class Manifest:
             f"no vision specialization for video grid {tuple(grid_thw)} (frames/2, H/patch, W/patch); "
             f"exported grids are {served}; re-export with matching --frames/--height/--width")
 
+    def to_json(self) -> dict:
+        raw = asdict(self)
+        shape = raw.pop("language_shape")
+        for field_name, key in _TOP_LEVEL_SHAPE.items():
+            raw[key] = shape.pop(field_name)
+        shape.pop("decode_batch_size")  # a property of a compiled program, not of the export
+        raw["language_shape"] = shape
+        return raw
+
     def write(self, export_dir: Path) -> Path:
         path = Path(export_dir) / MANIFEST_NAME
-        path.write_text(json.dumps(asdict(self), indent=2) + "\n")
+        path.write_text(json.dumps(self.to_json(), indent=2) + "\n")
         return path
 
 
@@ -65,6 +147,12 @@ def read_manifest(export_dir: Path) -> Manifest:
     entries = tuple(
         VisionEntry(e["height"], e["width"], e["frames"], tuple(e["grid_thw"]), e["retained"], e["symbols"])
         for e in raw.pop("vision_entries", []))
+    shape = dict(raw.pop("language_shape"))
+    for field_name, key in _TOP_LEVEL_SHAPE.items():
+        shape[field_name] = raw.pop(key)
+    tokens = dict(raw.pop("special_tokens"))
+    tokens["eos"] = tuple(tokens.get("eos", ()))
     raw["frames"] = tuple(raw["frames"])
     raw["resolutions"] = tuple(tuple(r) for r in raw["resolutions"])
-    return Manifest(**raw, vision_entries=entries)
+    return Manifest(**raw, special_tokens=SpecialTokens(**tokens), language_shape=LanguageShape(**shape),
+                    vision_entries=entries)

@@ -19,7 +19,7 @@ import pytest
 
 from qeff_evs.export.pipeline import ExportOptions, export_checkpoint
 from qeff_evs.models.tiny import save_tiny_checkpoint
-from qeff_evs.runtime.synthetic import moving_square_video
+from qeff_evs.runtime.inputs.synthetic import moving_square_video
 
 FAMILY = "qwen2_5_vl"
 CHECKPOINT_SEED = 0

@@ -17,17 +17,15 @@ import onnx
 import pytest
 import torch
 
-from qeff_evs.export.language import ExportableLanguageGraph, export_language_graph, language_io_names
+from qeff_evs.export.language import export_language_graph
+from qeff_evs.models.graph_io import language_io_names
+from qeff_evs.models.language import ExportableLanguageGraph
 from qeff_evs.models.language import LanguageGraph, language_spec
 from qeff_evs.models.tiny import build_tiny_model, build_tokenizer
-from qeff_evs.runtime.chunks import LanguageStep
-from qeff_evs.runtime.sessions import (
-    DecodeRow,
-    LanguageShape,
-    OrtLanguageSession,
-    TorchLanguageSession,
-    decode_batch,
-)
+from qeff_evs.manifest import LanguageShape
+from qeff_evs.runtime.backends.base import DecodeRow, LanguageInputs, decode_batch
+from qeff_evs.runtime.backends.ort import OrtLanguageSession
+from qeff_evs.runtime.backends.torch_reference import TorchLanguageSession
 from qeff_evs.specializations import check_specializations, language_specializations
 
 ATOL = 1e-4
@@ -84,7 +82,7 @@ def make_request(tokens: dict, hidden: int, levels: int, seed: int, before: int,
     return Request(np.array(ids, np.int64), np.array(pos, np.int64).T.copy(), rows, deep)
 
 
-def prefill_chunks(request: Request, video_id: int, hidden: int, levels: int) -> list[LanguageStep]:
+def prefill_chunks(request: Request, video_id: int, hidden: int, levels: int) -> list[LanguageInputs]:
     """Chunks of SEQ_LEN tokens (last one padded with -1 positions), each with its own vision window."""
     steps = []
     is_media = request.ids == video_id
@@ -103,7 +101,7 @@ def prefill_chunks(request: Request, video_id: int, hidden: int, levels: int) ->
         if levels:
             deep = np.zeros((levels, 1, SEQ_LEN, hidden), np.float32)
             deep[:, 0, : last - first] = request.deepstack[:, first:last]
-        steps.append(LanguageStep(ids, positions, window, deep, np.zeros((1, 1), np.int64), last - first))
+        steps.append(LanguageInputs(ids, positions, window, deep, np.zeros((1, 1), np.int64), last - first))
     return steps
 
 
@@ -111,9 +109,9 @@ def decode_row(request: Request, cache_row: int, token: int, step: int) -> Decod
     return DecodeRow(cache_row, token, len(request.ids) + step, request.decode_start + step)
 
 
-def single_decode_step(row: DecodeRow) -> LanguageStep:
+def single_decode_step(row: DecodeRow) -> LanguageInputs:
     positions = np.array([row.kv_slot] + [row.mrope_position] * 3, np.int64).reshape(4, 1, 1)
-    return LanguageStep(np.array([[row.token_id]], np.int64), positions, None, None, np.zeros((1, 1), np.int64), 0)
+    return LanguageInputs(np.array([[row.token_id]], np.int64), positions, None, None, np.zeros((1, 1), np.int64), 0)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -166,7 +164,7 @@ class Family:
     def request(self, seed: int, before: int, frames: int, after: int) -> Request:
         return make_request(self.tokens, self.hidden, self.levels, seed, before, frames, after)
 
-    def chunks(self, request: Request) -> list[LanguageStep]:
+    def chunks(self, request: Request) -> list[LanguageInputs]:
         return prefill_chunks(request, self.video_id, self.hidden, self.levels)
 
 

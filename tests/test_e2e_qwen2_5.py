@@ -25,10 +25,10 @@ import torch.nn.functional as F
 from transformers import AutoTokenizer, DynamicCache, Qwen2_5_VLForConditionalGeneration
 
 from qeff_evs import evs
-from qeff_evs.runtime.engine import Engine, EngineConfig
-from qeff_evs.runtime.prompt import video_question_pieces
+from qeff_evs.runtime.engine.single_request import Engine, EngineConfig
+from qeff_evs.runtime.inputs.prompt import video_question_pieces
 from qeff_evs.runtime.runner import answer, open_export, sessions_for, stop_ids, video_from_file
-from qeff_evs.runtime.sessions import OrtLanguageSession
+from qeff_evs.runtime.backends.ort import OrtLanguageSession
 
 ATOL = 1e-4
 DECODE_STEPS = 10
@@ -329,7 +329,7 @@ def test_chunk_lengths_give_identical_tokens_and_logits(chunked_runs):
 def test_each_chunk_gets_only_its_own_window_of_vision_rows(chunked_runs, bundle, seq_len, vision_size):
     prompt, result, _ = chunked_runs[seq_len]
     ids = np.asarray(result.prompt_token_ids)
-    video_pad = bundle.manifest.special_tokens["video_pad"]
+    video_pad = bundle.manifest.special_tokens.video_pad
     assert result.num_prefill_chunks == math.ceil(len(ids) / seq_len)
     pads_per_chunk = [int((ids[c:c + seq_len] == video_pad).sum()) for c in range(0, len(ids), seq_len)]
     assert result.vision_rows_per_chunk == pads_per_chunk

@@ -36,12 +36,13 @@ from transformers.video_utils import VideoMetadata
 from qeff_evs import evs
 from qeff_evs.export.pipeline import ExportOptions, export_checkpoint
 from qeff_evs.models.tiny import save_tiny_checkpoint
-from qeff_evs.runtime.engine import Engine, EngineConfig
-from qeff_evs.runtime.prompt import video_question_pieces
-from qeff_evs.runtime.request import PromptPiece
+from qeff_evs.runtime.engine.single_request import Engine, EngineConfig
+from qeff_evs.runtime.inputs.prompt import video_question_pieces
+from qeff_evs.runtime.engine.request import PromptPiece
 from qeff_evs.runtime.runner import answer, image_from_array, open_export, sessions_for, stop_ids, video_from_file
-from qeff_evs.runtime.sessions import OrtLanguageSession, TorchLanguageSession
-from qeff_evs.runtime.synthetic import moving_square_video
+from qeff_evs.runtime.backends.ort import OrtLanguageSession
+from qeff_evs.runtime.backends.torch_reference import TorchLanguageSession
+from qeff_evs.runtime.inputs.synthetic import moving_square_video
 
 ATOL = 1e-4
 DECODE_STEPS = 10
@@ -116,7 +117,7 @@ def sessions(bundle):
 
 @pytest.fixture(scope="module")
 def clips(tmp_path_factory, bundle):
-    """``{name: (VideoInput, HF frame indices, source fps)}`` for both clips."""
+    """``{name: (MediaInput, HF frame indices, source fps)}`` for both clips."""
     folder = tmp_path_factory.mktemp("q3_clips")
     out = {}
     for clip in (CLIP_A, CLIP_B):

@@ -7,9 +7,9 @@ import random
 import numpy as np
 import pytest
 
-from qeff_evs.runtime.encoder_cache import EncoderCache
-from qeff_evs.runtime.scheduler import MediaItem, RequestSpec, Scheduler, SchedulerConfig
-from qeff_evs.runtime.window import Placeholder
+from qeff_evs.runtime.engine.encoder_cache import EncoderCache
+from qeff_evs.runtime.engine.scheduler import MediaItem, RequestSpec, Scheduler, SchedulerConfig
+from qeff_evs.runtime.engine.window import Placeholder
 
 # --- the cache alone -------------------------------------------------------------------------------
 

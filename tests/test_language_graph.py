@@ -23,12 +23,9 @@ from transformers import (
     Qwen3VLForConditionalGeneration,
 )
 
-from qeff_evs.export.language import (
-    ExportableLanguageGraph,
-    export_language_graph,
-    language_io_names,
-)
-from qeff_evs.models.language import LanguageGraph
+from qeff_evs.export.language import export_language_graph
+from qeff_evs.models.graph_io import language_io_names
+from qeff_evs.models.language import ExportableLanguageGraph, LanguageGraph
 
 IMG, VID, VS, VE = 900, 901, 902, 903
 PAD = 2

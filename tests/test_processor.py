@@ -31,7 +31,7 @@ from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoP
 from transformers.models.qwen3_vl.video_processing_qwen3_vl import smart_resize as hf_smart_resize_video
 from transformers.video_utils import VideoMetadata
 
-from qeff_evs.runtime.processor import (
+from qeff_evs.runtime.inputs.processor import (
     CLIP_MEAN,
     CLIP_STD,
     VisionPreprocessSpec,
@@ -42,7 +42,7 @@ from qeff_evs.runtime.processor import (
     smart_resize,
     smart_resize_video,
 )
-from qeff_evs.runtime.synthetic import moving_square_video
+from qeff_evs.runtime.inputs.synthetic import moving_square_video
 
 SPECS = {"qwen2_5_vl": VisionPreprocessSpec.qwen2_5_vl(), "qwen3_vl": VisionPreprocessSpec.qwen3_vl()}
 

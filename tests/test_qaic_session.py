@@ -1,4 +1,4 @@
-"""The QAIC backend (``qeff_evs.runtime.qaic``) against a fake Apps SDK that runs the real graphs.
+"""The QAIC backend (``qeff_evs.runtime.backends.qaic``) against a fake Apps SDK that runs the real graphs.
 
 No card and no SDK here, so ``qaicrt`` and ``QAicApi_pb2`` are replaced (through ``sys.modules``) by a
 fake that behaves like a device: a "compile" step records the graph, its specializations and its
@@ -32,12 +32,12 @@ import pytest
 
 from qeff_evs.export.pipeline import ExportOptions, export_checkpoint
 from qeff_evs.models.tiny import save_tiny_checkpoint
-from qeff_evs.runtime.engine import Engine, EngineConfig
-from qeff_evs.runtime.prompt import video_question_pieces
-from qeff_evs.runtime.qaic import QPC_FILE, QaicLanguageSession, QaicProgram, load_sdk, qaic_sessions, qpc_dir
+from qeff_evs.runtime.engine.single_request import Engine, EngineConfig
+from qeff_evs.runtime.inputs.prompt import video_question_pieces
+from qeff_evs.runtime.backends.qaic import QPC_FILE, QaicLanguageSession, QaicProgram, load_sdk, qaic_sessions, qpc_dir
 from qeff_evs.runtime.runner import build_serving_engine, open_export, sessions_for, stop_ids, video_from_file
-from qeff_evs.runtime.serving import ServeRequest
-from qeff_evs.runtime.synthetic import moving_square_video
+from qeff_evs.runtime.engine.serving import ServeRequest
+from qeff_evs.runtime.inputs.synthetic import moving_square_video
 from qeff_evs.specializations import read_custom_io_yaml
 
 DECODE_STEPS = 8

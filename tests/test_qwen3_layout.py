@@ -29,11 +29,12 @@ from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
 from transformers.video_utils import VideoMetadata
 
 from qeff_evs import evs
-from qeff_evs.models.protocol import VideoInput
+from qeff_evs.models.protocol import MediaInput
 from qeff_evs.models.qwen3_vl import Qwen3_VLFamily, temporal_patch_times, timestamp_text
 from qeff_evs.models.tiny import build_tokenizer, tiny_config
-from qeff_evs.runtime.chunks import PAD_POSITION, prefill_step
-from qeff_evs.runtime.request import EncodedVideo, PromptPiece, prepare_prompt, provisional_ids
+from qeff_evs.models.graph_io import PAD_POSITION
+from qeff_evs.runtime.engine.steps import prefill_step
+from qeff_evs.runtime.engine.request import EncodedMedia, PromptPiece, prepare_prompt, provisional_ids
 
 TEXT_IDS = (20, 400)  # ordinary BPE ids, far from the special tokens
 HIDDEN = 4  # width of the fake vision rows
@@ -140,7 +141,7 @@ def pads_per_frame(ids: np.ndarray, config) -> list[int]:
 
 @dataclass
 class Media:
-    video: VideoInput
+    video: MediaInput
     retained: np.ndarray  # flat merged-grid indices, ascending
     hf_ids: list[int]  # unpruned ids of the item alone (a video: its frames without the outer markers)
     keep: np.ndarray  # over hf_ids
@@ -156,7 +157,7 @@ class Scenario:
     keep: np.ndarray  # bool over hf_ids
 
     @property
-    def videos(self) -> list[VideoInput]:
+    def videos(self) -> list[MediaInput]:
         return [m.video for m in self.media]
 
     def hf_inputs(self, config):
@@ -169,13 +170,13 @@ class Scenario:
         as_tensor = lambda g: torch.tensor(g, dtype=torch.int64) if g else None  # noqa: E731
         return ids, token_types, as_tensor(grids["image"]), as_tensor(grids["video"])
 
-    def encoded(self) -> list[EncodedVideo]:
+    def encoded(self) -> list[EncodedMedia]:
         """Fake vision rows whose values name (item, row), so windows can be checked exactly."""
         out = []
         for i, m in enumerate(self.media):
             k = len(m.retained)
             rows = np.stack([np.full(HIDDEN, 1000.0 * (i + 1) + r, dtype=np.float32) for r in range(k)])
-            out.append(EncodedVideo(rows, m.retained, -rows[None].copy()))
+            out.append(EncodedMedia(rows, m.retained, -rows[None].copy()))
         return out
 
 
@@ -196,7 +197,7 @@ def random_video(rng, tokenizer, config) -> Media:
     fps = float(rng.choice(FPS_CHOICES))
     frame_indices = sorted(int(i) for i in rng.choice(400, num_frames, replace=False))
     frame_times = tuple(i / fps for i in frame_indices)
-    video = VideoInput(torch.zeros(0), (t, 2 * h, 2 * w), fps, frame_times)
+    video = MediaInput(torch.zeros(0), (t, 2 * h, 2 * w), fps, frame_times)
     retained = random_retained(rng, t, h * w, float(rng.choice(PRUNING_RATES)))
     text = hf_video_text((t, 2 * h, 2 * w), frame_indices, fps)
     hf_ids = tokenizer.encode(text, add_special_tokens=False)
@@ -210,7 +211,7 @@ def random_video(rng, tokenizer, config) -> Media:
 
 def random_image(rng, config) -> Media:
     h, w = (int(rng.integers(1, 4)) for _ in range(2))
-    video = VideoInput(torch.zeros(0), (1, 2 * h, 2 * w), 1.0, (), kind="image")
+    video = MediaInput(torch.zeros(0), (1, 2 * h, 2 * w), 1.0, (), kind="image")
     return Media(video, np.arange(h * w, dtype=np.int64), [config.image_token_id] * (h * w),
                  np.ones(h * w, dtype=bool))
 
@@ -294,7 +295,7 @@ def test_real_pad_counts_equal_the_evs_mask_counts(family, config, q):
     frames[2] = frames[1]  # a still frame: EVS drops it entirely at most rates
     mask = evs.retention_mask(frames.reshape(-1, 8), (t, 2 * h, 2 * w), 2, q)
     retained = torch.nonzero(mask).reshape(-1).numpy()
-    video = VideoInput(torch.zeros(0), (t, 2 * h, 2 * w), 2.0, tuple(i / 2 for i in range(2 * t)))
+    video = MediaInput(torch.zeros(0), (t, 2 * h, 2 * w), 2.0, tuple(i / 2 for i in range(2 * t)))
     layout = family.video_layout(video, retained)
     assert pads_per_frame(layout.ids, config) == mask.reshape(t, -1).sum(-1).tolist()
     assert len(layout.ids) == len(family.placeholder_ids(video, int(mask.sum())))
@@ -340,7 +341,7 @@ def test_timestamps_equal_transformers_calculate_timestamps(seed):
 
 def test_timestamps_are_tokenized_one_by_one_with_split_digits(family, tokenizer):
     times = (0.0, 0.5, 9.0, 9.5, 10.0, 10.5, 123.0, 123.5)
-    video = VideoInput(torch.zeros(0), (4, 2, 2), 2.0, times)
+    video = MediaInput(torch.zeros(0), (4, 2, 2), 2.0, times)
     stamps = family.timestamp_ids(video)
     texts = ["<0.2 seconds>", "<9.2 seconds>", "<10.2 seconds>", "<123.2 seconds>"]
     for ids, text in zip(stamps, texts):

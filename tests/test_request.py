@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from qeff_evs.models.protocol import VideoInput
+from qeff_evs.models.protocol import MediaInput
 from qeff_evs.models.qwen2_5_vl import Qwen2_5_VLFamily
 from qeff_evs.models.tiny import build_tokenizer, tiny_config
-from qeff_evs.runtime.request import PromptPiece, plan_prompt
+from qeff_evs.runtime.engine.request import PromptPiece, plan_prompt
 
 
 @pytest.fixture(scope="module")
@@ -14,9 +14,9 @@ def family():
     return Qwen2_5_VLFamily(tiny_config("qwen2_5_vl", build_tokenizer()))
 
 
-def video(grid=(2, 4, 4)) -> VideoInput:
+def video(grid=(2, 4, 4)) -> MediaInput:
     t, h, w = grid
-    return VideoInput(torch.zeros(t * h * w, 1176), grid, fps=2.0)
+    return MediaInput(torch.zeros(t * h * w, 1176), grid, fps=2.0)
 
 
 def test_a_media_item_used_twice_is_an_error(family):

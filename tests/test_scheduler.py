@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 
-from qeff_evs.runtime.scheduler import (
+from qeff_evs.runtime.engine.scheduler import (
     FinishReason,
     MediaItem,
     RequestSpec,
@@ -21,7 +21,7 @@ from qeff_evs.runtime.scheduler import (
     SchedulerConfig,
     SchedulerOutput,
 )
-from qeff_evs.runtime.window import Placeholder
+from qeff_evs.runtime.engine.window import Placeholder
 
 EOS, STOP = 0, 1
 

@@ -27,10 +27,10 @@ import torch
 
 from qeff_evs import cli
 from qeff_evs.export.pipeline import ExportOptions, export_checkpoint
-from qeff_evs.models.protocol import VideoInput
+from qeff_evs.models.protocol import MediaInput
 from qeff_evs.models.tiny import save_tiny_checkpoint
-from qeff_evs.runtime.engine import Engine, EngineConfig
-from qeff_evs.runtime.request import PromptPiece
+from qeff_evs.runtime.engine.single_request import Engine, EngineConfig
+from qeff_evs.runtime.engine.request import PromptPiece
 from qeff_evs.runtime.runner import (
     ExportBundle,
     image_from_array,
@@ -39,9 +39,9 @@ from qeff_evs.runtime.runner import (
     stop_ids,
     video_from_file,
 )
-from qeff_evs.runtime.scheduler import FinishReason, SchedulerConfig
-from qeff_evs.runtime.serving import ServeRequest, ServingEngine, media_hash
-from qeff_evs.runtime.synthetic import moving_square_video
+from qeff_evs.runtime.engine.scheduler import FinishReason, SchedulerConfig
+from qeff_evs.runtime.engine.serving import ServeRequest, ServingEngine, media_hash
+from qeff_evs.runtime.inputs.synthetic import moving_square_video
 
 FULL_BATCH = 4
 PREFILL = 16
@@ -178,7 +178,7 @@ def chat_pieces(tokenizer, kinds: Sequence[str], question: str) -> list[PromptPi
     return pieces
 
 
-def random_video(served: Served, rng: np.random.Generator, seed: int) -> VideoInput:
+def random_video(served: Served, rng: np.random.Generator, seed: int) -> MediaInput:
     frames = int(rng.integers(2, 11))  # sampled to 2, 4 or 8 frames
     height, width = int(rng.integers(90, 140)), int(rng.integers(90, 220))
     path = served.folder / f"video_{seed}.npy"
@@ -186,7 +186,7 @@ def random_video(served: Served, rng: np.random.Generator, seed: int) -> VideoIn
     return video_from_file(path, served.bundle)
 
 
-def random_image(served: Served, rng: np.random.Generator) -> VideoInput:
+def random_image(served: Served, rng: np.random.Generator) -> MediaInput:
     height, width = int(rng.integers(80, 130)), int(rng.integers(80, 200))
     return image_from_array(rng.integers(0, 256, size=(height, width, 3), dtype=np.uint8), served.bundle)
 

@@ -19,10 +19,10 @@ import numpy as np
 import pytest
 
 from qeff_evs.export.pipeline import ExportOptions, export_checkpoint
-from qeff_evs.models.protocol import VideoInput
+from qeff_evs.models.protocol import MediaInput
 from qeff_evs.models.tiny import save_tiny_checkpoint
-from qeff_evs.runtime.engine import Engine, EngineConfig
-from qeff_evs.runtime.request import PromptPiece
+from qeff_evs.runtime.engine.single_request import Engine, EngineConfig
+from qeff_evs.runtime.engine.request import PromptPiece
 from qeff_evs.runtime.runner import (
     build_serving_engine,
     image_from_array,
@@ -31,9 +31,9 @@ from qeff_evs.runtime.runner import (
     stop_ids,
     video_from_file,
 )
-from qeff_evs.runtime.scheduler import FinishReason
-from qeff_evs.runtime.serving import ServeRequest
-from qeff_evs.runtime.synthetic import moving_square_video
+from qeff_evs.runtime.engine.scheduler import FinishReason
+from qeff_evs.runtime.engine.serving import ServeRequest
+from qeff_evs.runtime.inputs.synthetic import moving_square_video
 
 NUM_REQUESTS = 200
 OUTSTANDING = 6  # requests waiting or running at once (4 run, the rest queue)
@@ -62,7 +62,7 @@ def bundle(tmp_path_factory):
     return open_export(folder / "export")
 
 
-def media_pool(bundle, folder: Path, rng: np.random.Generator) -> list[VideoInput]:
+def media_pool(bundle, folder: Path, rng: np.random.Generator) -> list[MediaInput]:
     """Videos of 2-5 source frames and images, of several sizes (both exported resolutions)."""
     pool = []
     for number in range(10):
@@ -76,7 +76,7 @@ def media_pool(bundle, folder: Path, rng: np.random.Generator) -> list[VideoInpu
     return pool
 
 
-def make_request(bundle, number: int, pool: list[VideoInput], rng: np.random.Generator) -> ServeRequest:
+def make_request(bundle, number: int, pool: list[MediaInput], rng: np.random.Generator) -> ServeRequest:
     media = [pool[int(i)] for i in rng.choice(len(pool), size=int(rng.integers(1, 3)), replace=False)]
     question = " ".join(rng.choice(WORDS, size=int(rng.integers(1, 8))).tolist())
     content = [{"type": m.kind} for m in media] + [{"type": "text", "text": question}]

@@ -12,14 +12,14 @@ import av
 import numpy as np
 import pytest
 
-from qeff_evs.runtime.synthetic import (
+from qeff_evs.runtime.inputs.synthetic import (
     BACKGROUND_HIGH,
     SQUARE_COLOR,
     moving_square_positions,
     moving_square_video,
     textured_background,
 )
-from qeff_evs.runtime.video_io import DEFAULT_ARRAY_FPS, load_video, probe_video
+from qeff_evs.runtime.inputs.video_io import DEFAULT_ARRAY_FPS, load_video, probe_video
 
 T, H, W = 12, 64, 96
 

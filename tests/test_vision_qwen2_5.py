@@ -16,8 +16,9 @@ from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from qeff_evs import evs
-from qeff_evs.export.attention import block_mask_attention, register_block_mask_attention
-from qeff_evs.export.vision import VisionGraphSpec, check_vision_graph, export_vision_graph
+from qeff_evs.models.attention import block_mask_attention, register_block_mask_attention
+from qeff_evs.export.vision import check_vision_graph, export_vision_graph
+from qeff_evs.models.graph_io import VisionGraphSpec
 from qeff_evs.models.qwen2_5_vl import (
     Qwen2_5_VLVisionEVS,
     reference_vision_evs,

@@ -274,7 +274,8 @@ def test_wrapping_leaves_user_model_alone(visual, wrapper):
 
 def test_sessions_carry_deepstack(visual, wrapper, onnx_path):
     """Both runtime vision sessions return the wrapper's three outputs in their places."""
-    from qeff_evs.runtime.sessions import OrtVisionSession, TorchVisionSession
+    from qeff_evs.runtime.backends.ort import OrtVisionSession
+    from qeff_evs.runtime.backends.torch_reference import TorchVisionSession
 
     grid, q = GRIDS[1], 0.5
     pixels = random_video(grid, seed=11)

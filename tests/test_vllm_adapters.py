@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from qeff_evs.runtime.scheduler import RequestSpec, Scheduler, SchedulerConfig
-from qeff_evs.runtime.window import Placeholder, window_slices
+from qeff_evs.runtime.engine.scheduler import RequestSpec, Scheduler, SchedulerConfig
+from qeff_evs.runtime.engine.window import Placeholder, window_slices
 from qeff_evs.vllm import adapters
 
 vllm_inputs = pytest.importorskip("vllm.multimodal.inputs")

@@ -42,14 +42,15 @@ from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
 from transformers.video_utils import VideoMetadata
 from vllm.multimodal.video_prune.evs import compute_mrope_for_media, recompute_mrope_positions
 
-from qeff_evs.export.language import export_language_graph, language_io_names
+from qeff_evs.export.language import export_language_graph
+from qeff_evs.models.graph_io import language_io_names
 from qeff_evs.models.language import language_spec
-from qeff_evs.models.protocol import VideoInput
+from qeff_evs.models.protocol import MediaInput
 from qeff_evs.models.qwen2_5_vl import Qwen2_5_VLFamily
 from qeff_evs.models.qwen3_vl import Qwen3_VLFamily
 from qeff_evs.models.tiny import build_tiny_model, build_tokenizer, tiny_config
-from qeff_evs.runtime.chunks import prefill_step
-from qeff_evs.runtime.request import EncodedVideo, PromptPiece, prepare_prompt
+from qeff_evs.runtime.engine.steps import prefill_step
+from qeff_evs.runtime.engine.request import EncodedMedia, PromptPiece, prepare_prompt
 
 TEXT_IDS = (20, 400)
 HIDDEN = 4  # fake vision rows for position-only cases
@@ -126,8 +127,8 @@ class Item:
     def real_ids(self) -> list[int]:
         return np.asarray(self.unpruned_ids)[self.keep].tolist()
 
-    def as_input(self) -> VideoInput:
-        return VideoInput(torch.zeros(0), self.grid_thw, 2.0, self.frame_times, kind=self.kind)
+    def as_input(self) -> MediaInput:
+        return MediaInput(torch.zeros(0), self.grid_thw, 2.0, self.frame_times, kind=self.kind)
 
 
 def make_video(tokenizer, config, t: int, h: int, w: int, keep_fraction: float, seed: int) -> Item:
@@ -181,7 +182,7 @@ class Case:
                 pieces.append(PromptPiece(video=len(media)))
                 media.append(item.as_input())
                 rows = np.zeros((len(item.retained), HIDDEN), dtype=np.float32)
-                encoded.append(EncodedVideo(rows, item.retained, rows[None]))
+                encoded.append(EncodedMedia(rows, item.retained, rows[None]))
             if after:
                 pieces.append(PromptPiece(ids=tuple(after)))
         return prepare_prompt(pieces, media, encoded, family)
@@ -522,8 +523,8 @@ def qwen2_5_case(config, grid_thw, fps: float, retained: np.ndarray):
     """text(3) VS video VE text(2): our prompt, and the real ids + vLLM's placeholder (the pads)."""
     family = Qwen2_5_VLFamily(config)
     vs, ve = config.vision_start_token_id, config.vision_end_token_id
-    video = VideoInput(torch.zeros(0), grid_thw, fps)
-    encoded = EncodedVideo(np.zeros((len(retained), HIDDEN), np.float32), retained)
+    video = MediaInput(torch.zeros(0), grid_thw, fps)
+    encoded = EncodedMedia(np.zeros((len(retained), HIDDEN), np.float32), retained)
     pieces = [PromptPiece(ids=tuple(text(30, 3) + [vs])), PromptPiece(video=0),
               PromptPiece(ids=tuple([ve] + text(31, 2)))]
     prompt = prepare_prompt(pieces, [video], [encoded], family)

@@ -34,10 +34,10 @@ from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
 from qeff_evs.export.pipeline import ExportOptions, export_checkpoint  # noqa: E402
 from qeff_evs.models.tiny import save_tiny_checkpoint  # noqa: E402
-from qeff_evs.runtime.engine import Engine, EngineConfig, retained_count  # noqa: E402
-from qeff_evs.runtime.request import PromptPiece  # noqa: E402
+from qeff_evs.runtime.engine.single_request import Engine, EngineConfig, retained_count  # noqa: E402
+from qeff_evs.runtime.engine.request import PromptPiece  # noqa: E402
 from qeff_evs.runtime.runner import open_export, sessions_for, video_from_file  # noqa: E402
-from qeff_evs.runtime.synthetic import moving_square_video  # noqa: E402
+from qeff_evs.runtime.inputs.synthetic import moving_square_video  # noqa: E402
 from qeff_evs.vllm.driver import VllmDriver  # noqa: E402
 
 FULL_BATCH = 4

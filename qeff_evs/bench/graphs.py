@@ -26,8 +26,8 @@ from qeff_evs.export.vision import export_vision_graph
 from qeff_evs.models.language import language_spec
 from qeff_evs.models.protocol import ModelFamily
 from qeff_evs.models.registry import family_for_config
-from qeff_evs.runtime.processor import VisionPreprocessSpec
-from qeff_evs.runtime.sessions import LanguageShape
+from qeff_evs.runtime.inputs.processor import VisionPreprocessSpec
+from qeff_evs.manifest import LanguageShape
 
 Progress = Callable[[str], None]
 

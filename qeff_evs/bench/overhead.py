@@ -21,7 +21,8 @@ from pathlib import Path
 from qeff_evs import evs
 from qeff_evs.bench.config import BenchConfig
 from qeff_evs.bench.graphs import BenchGraphs
-from qeff_evs.bench.sessions import MeasuredVisionSession, open_inference_session
+from qeff_evs.bench.sessions import open_inference_session
+from qeff_evs.runtime.backends.ort import OrtVisionSession
 from qeff_evs.bench.timing import Samples, alternating, timed
 from qeff_evs.bench.workload import synthetic_clip
 
@@ -62,7 +63,7 @@ def kernel_time_split(profile_events: list[dict]) -> dict[str, float]:
 
 def profile_selection(graph_path: str, pixels, host, runs: int, scratch: Path) -> dict[str, float]:
     session = open_inference_session(graph_path, profile_prefix=scratch / "evs_profile")
-    vision = MeasuredVisionSession(session)
+    vision = OrtVisionSession(session)
     for _ in range(runs):
         vision.run(pixels, host)
     profile = Path(session.end_profiling())
@@ -78,9 +79,9 @@ def run_evs_overhead(config: BenchConfig, graphs: BenchGraphs, progress: Progres
     k = evs.retained_token_count(h * w, t, config.window_rate)
     host = graphs.family.vision_host_inputs(clip.grid_thw, k)
     pixels = clip.video.pixel_values.numpy()
-    sessions = {WITH_EVS: MeasuredVisionSession(graphs.vision)}
+    sessions = {WITH_EVS: OrtVisionSession(graphs.vision)}
     if graphs.vision_without_evs is not None:
-        sessions[WITHOUT_EVS] = MeasuredVisionSession(graphs.vision_without_evs)
+        sessions[WITHOUT_EVS] = OrtVisionSession(graphs.vision_without_evs)
     result = OverheadResult(config.vision_frames, config.vision_frame_size, config.window_rate, t * h * w, k)
     progress("EVS overhead: warm-up run")
     for session in sessions.values():

@@ -21,12 +21,13 @@ from qeff_evs import evs
 from qeff_evs.bench import memory
 from qeff_evs.bench.config import BenchConfig
 from qeff_evs.bench.graphs import BenchGraphs
-from qeff_evs.bench.sessions import MeasuredLanguageSession, MeasuredVisionSession
+from qeff_evs.runtime.backends.ort import OrtLanguageSession, OrtVisionSession
 from qeff_evs.bench.timing import ChunkedRun, Samples, alternating, run_interleaved, timed
 from qeff_evs.bench.workload import Clip, first_special_id, language_prompt, question_ids, synthetic_clip
-from qeff_evs.runtime.chunks import LanguageStep, prefill_step
-from qeff_evs.runtime.request import PreparedPrompt
-from qeff_evs.runtime.window import prefill_chunks
+from qeff_evs.runtime.backends.base import LanguageInputs
+from qeff_evs.runtime.engine.steps import prefill_step
+from qeff_evs.runtime.engine.request import PreparedPrompt
+from qeff_evs.runtime.engine.window import prefill_chunks
 
 Progress = Callable[[str], None]
 
@@ -63,7 +64,7 @@ def sweep_rates(config: BenchConfig) -> list[float]:
     return sorted({0.0, *(float(q) for q in config.pruning_rates)})
 
 
-def prefill_steps(prompt: PreparedPrompt, config: BenchConfig, hidden: int, levels: int) -> list[LanguageStep]:
+def prefill_steps(prompt: PreparedPrompt, config: BenchConfig, hidden: int, levels: int) -> list[LanguageInputs]:
     """Every prefill chunk of ``prompt`` with its ``user_vision_size`` window (runtime.chunks)."""
     return [prefill_step(prompt, computed, scheduled, config.prefill_seq_len, config.vision_rows_per_chunk,
                          hidden, levels)
@@ -73,7 +74,7 @@ def prefill_steps(prompt: PreparedPrompt, config: BenchConfig, hidden: int, leve
 @dataclass
 class _Case:
     point: PruningPoint
-    steps: list[LanguageStep]
+    steps: list[LanguageInputs]
     host: dict[str, np.ndarray]
 
 
@@ -99,7 +100,7 @@ def _cases(config: BenchConfig, graphs: BenchGraphs, language_clip: Clip, vision
     return cases
 
 
-def _memory_pass(case: _Case, vision: MeasuredVisionSession, language: MeasuredLanguageSession,
+def _memory_pass(case: _Case, vision: OrtVisionSession, language: OrtLanguageSession,
                  pixels: np.ndarray, merged_grid: tuple[int, int, int]) -> None:
     """The q's vision run and prefill alone: warm-up, kept indices and peak resident memory."""
     start_mb = memory.resident_mb()
@@ -121,19 +122,19 @@ def run_pruning_sweep(config: BenchConfig, graphs: BenchGraphs, progress: Progre
     language_clip = synthetic_clip(spec, config.frames, config.frame_size, config.seed)
     vision_clip = synthetic_clip(spec, config.vision_frames, config.vision_frame_size, config.seed)
     cases = _cases(config, graphs, language_clip, vision_clip)
-    vision = MeasuredVisionSession(graphs.vision)
+    vision = OrtVisionSession(graphs.vision)
     pixels = vision_clip.video.pixel_values.numpy()
     merged_grid = graphs.family.merged_grid(vision_clip.grid_thw)
 
     for case in cases:
         progress(f"pruning sweep: q={case.point.q:g} alone (warm-up, peak memory)")
-        _memory_pass(case, vision, MeasuredLanguageSession(graphs.language, graphs.language_shape), pixels,
+        _memory_pass(case, vision, OrtLanguageSession(graphs.language, graphs.language_shape), pixels,
                      merged_grid)
     for rep in range(config.repeats):
         order = alternating(cases, rep)
         for case in order:
             timed(lambda: vision.run(pixels, case.host), case.point.vision)
-        runs = [ChunkedRun(MeasuredLanguageSession(graphs.language, graphs.language_shape), case.steps)
+        runs = [ChunkedRun(OrtLanguageSession(graphs.language, graphs.language_shape), case.steps)
                 for case in order]
         run_interleaved(runs)
         for case, run in zip(order, runs):

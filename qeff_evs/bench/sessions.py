@@ -4,14 +4,13 @@ The runtime opens ORT with its default memory arena, which keeps the largest act
 allocated; then every later call looks as big as the biggest earlier one. Here the arena is off,
 so the peak resident memory of a call reflects that call, and thread spinning is off, so process
 CPU time measures work. One ``InferenceSession`` per graph is
-opened once and shared by the per-request wrappers (the language graph serves both ways).
+opened once and handed to the runtime's ``OrtVisionSession``/``OrtLanguageSession``, which take an
+opened session as well as a path (the language graph serves both ways).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-
-from qeff_evs.runtime.sessions import LanguageShape, OrtLanguageSession, OrtVisionSession
 
 
 def open_inference_session(path: str | Path, profile_prefix: str | Path | None = None):
@@ -28,20 +27,3 @@ def open_inference_session(path: str | Path, profile_prefix: str | Path | None =
         options.enable_profiling = True
         options.profile_file_prefix = str(profile_prefix)
     return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
-
-
-class MeasuredVisionSession(OrtVisionSession):
-    """``OrtVisionSession`` over an already opened ``InferenceSession``."""
-
-    def __init__(self, session):
-        self.session = session
-        self.input_names = {i.name for i in session.get_inputs()}
-        self.output_names = [o.name for o in session.get_outputs()]
-
-
-class MeasuredLanguageSession(OrtLanguageSession):
-    """``OrtLanguageSession`` (retained KV and vision state) over an already opened ``InferenceSession``."""
-
-    def __init__(self, session, shape: LanguageShape):
-        self.session = session
-        self._bind(shape, [i.name for i in session.get_inputs()], [o.name for o in session.get_outputs()])

@@ -17,7 +17,7 @@ from qeff_evs.bench.overhead import run_evs_overhead
 from qeff_evs.bench.pruning import run_pruning_sweep
 from qeff_evs.bench.window_sweep import run_window_sweep
 from qeff_evs.bench.workload import synthetic_clip
-from qeff_evs.runtime.processor import VisionPreprocessSpec
+from qeff_evs.runtime.inputs.processor import VisionPreprocessSpec
 
 Progress = Callable[[str], None]
 

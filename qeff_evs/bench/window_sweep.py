@@ -24,12 +24,13 @@ from qeff_evs import evs
 from qeff_evs.bench.config import BenchConfig
 from qeff_evs.bench.graphs import BenchGraphs
 from qeff_evs.bench.pruning import prefill_steps
-from qeff_evs.bench.sessions import MeasuredLanguageSession
+from qeff_evs.runtime.backends.ort import OrtLanguageSession
 from qeff_evs.bench.timing import ChunkedRun, Samples, alternating, run_interleaved
 from qeff_evs.bench.workload import first_special_id, language_prompt, question_ids, synthetic_clip
-from qeff_evs.runtime.chunks import LanguageStep, prefill_step
-from qeff_evs.runtime.request import PreparedPrompt
-from qeff_evs.runtime.window import prefill_chunks
+from qeff_evs.runtime.backends.base import LanguageInputs
+from qeff_evs.runtime.engine.steps import prefill_step
+from qeff_evs.runtime.engine.request import PreparedPrompt
+from qeff_evs.runtime.engine.window import prefill_chunks
 
 Progress = Callable[[str], None]
 
@@ -71,7 +72,7 @@ def media_before(prompt: PreparedPrompt, position: int, media_ids: tuple[int, ..
 
 
 def qefficient_steps(prompt: PreparedPrompt, config: BenchConfig, hidden: int, levels: int,
-                     media_ids: tuple[int, ...]) -> list[LanguageStep]:
+                     media_ids: tuple[int, ...]) -> list[LanguageInputs]:
     """Every prefill chunk the QEfficient way: all K rows each time, ``image_idx`` = rows consumed so far."""
     encoded = prompt.encoded[0]
     rows = np.ascontiguousarray(encoded.rows[None], dtype=np.float32)
@@ -86,7 +87,7 @@ def qefficient_steps(prompt: PreparedPrompt, config: BenchConfig, hidden: int, l
     return steps
 
 
-def vision_bytes(step: LanguageStep) -> int:
+def vision_bytes(step: LanguageInputs) -> int:
     """Bytes of the vision inputs a chunk sends to the graph."""
     return int(step.vision_embeds.nbytes) + (0 if step.deepstack is None else int(step.deepstack.nbytes))
 
@@ -106,7 +107,7 @@ def run_window_sweep(config: BenchConfig, graphs: BenchGraphs, progress: Progres
                  QEFFICIENT: qefficient_steps(prompt, config, shape.hidden, shape.deepstack_levels, media_ids)}
         ways = {way: WayMeasurement(vision_size=steps[way][0].vision_embeds.shape[1],
                                     bytes_per_chunk=[vision_bytes(s) for s in steps[way]]) for way in WAYS}
-        sessions = {way: MeasuredLanguageSession(graphs.language, graphs.with_vision_size(ways[way].vision_size))
+        sessions = {way: OrtLanguageSession(graphs.language, graphs.with_vision_size(ways[way].vision_size))
                     for way in WAYS}
         point = WindowPoint(frames, t * h * w, k, len(prompt.ids), len(steps[USER_VISION_SIZE]), ways)
         plans.append((point, steps, sessions))

@@ -15,10 +15,10 @@ import numpy as np
 import torch
 
 from qeff_evs import evs
-from qeff_evs.models.protocol import ModelFamily, VideoInput
-from qeff_evs.runtime.processor import VisionPreprocessSpec, preprocess_video
-from qeff_evs.runtime.request import EncodedVideo, PreparedPrompt, PromptPiece, prepare_prompt
-from qeff_evs.runtime.synthetic import moving_square_video
+from qeff_evs.models.protocol import ModelFamily, MediaInput
+from qeff_evs.runtime.inputs.processor import VisionPreprocessSpec, preprocess_video
+from qeff_evs.runtime.engine.request import EncodedMedia, PreparedPrompt, PromptPiece, prepare_prompt
+from qeff_evs.runtime.inputs.synthetic import moving_square_video
 
 CLIP_FPS = 2.0  # Qwen-VL's default sampling rate; the clip is taken as already sampled
 
@@ -28,7 +28,7 @@ class Clip:
     """A synthetic clip: RGB frames and the encoder input made from them."""
 
     frames: np.ndarray  # (T, H, W, 3) uint8
-    video: VideoInput
+    video: MediaInput
 
     @property
     def grid_thw(self) -> tuple[int, int, int]:
@@ -40,7 +40,7 @@ def synthetic_clip(spec: VisionPreprocessSpec, num_frames: int, size: int, seed:
     frames = moving_square_video(num_frames, size, size, seed=seed)
     processed = preprocess_video(frames, (size, size), spec)
     times = tuple(i / CLIP_FPS for i in range(num_frames))
-    return Clip(frames, VideoInput(processed.pixel_values, tuple(processed.grid_thw), CLIP_FPS, times))
+    return Clip(frames, MediaInput(processed.pixel_values, tuple(processed.grid_thw), CLIP_FPS, times))
 
 
 def merged_pixel_tokens(pixel_values: torch.Tensor, merge_size: int) -> torch.Tensor:
@@ -54,7 +54,7 @@ def merged_pixel_tokens(pixel_values: torch.Tensor, merge_size: int) -> torch.Te
     return pixel_values.reshape(pixel_values.shape[0] // group, group * pixel_values.shape[1])
 
 
-def pixel_retained_indices(video: VideoInput, merge_size: int, q: float) -> np.ndarray:
+def pixel_retained_indices(video: MediaInput, merge_size: int, q: float) -> np.ndarray:
     """Ascending flat indices EVS keeps when its dissimilarity is taken on the pixels themselves."""
     tokens = merged_pixel_tokens(video.pixel_values.to(torch.float32), merge_size)
     mask = evs.retention_mask(tokens, video.grid_thw, merge_size, q)
@@ -88,7 +88,7 @@ def language_prompt(family: ModelFamily, clip: Clip, q: float, question: tuple[i
     indices = pixel_retained_indices(clip.video, merge_size, q)
     rows, deepstack = random_rows(len(indices), hidden, seed, levels)
     t, h, w = family.merged_grid(clip.grid_thw)
-    encoded = EncodedVideo(rows, indices, deepstack, tuple(evs.tokens_per_frame_kept(indices, t, h * w)))
+    encoded = EncodedMedia(rows, indices, deepstack, tuple(evs.tokens_per_frame_kept(indices, t, h * w)))
     return prepare_prompt(prompt_pieces(family, question), [clip.video], [encoded], family)
 
 

@@ -15,6 +15,7 @@ Layout of the export folder::
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 from collections.abc import Callable
@@ -24,7 +25,7 @@ from pathlib import Path
 from qeff_evs import evs
 from qeff_evs.export.language import export_language_graph
 from qeff_evs.export.vision import export_vision_graph
-from qeff_evs.manifest import Manifest, VisionEntry
+from qeff_evs.manifest import EXPORT_FILES, MODEL_CONFIG_DIR, LanguageShape, Manifest, VisionEntry
 from qeff_evs.models.checkpoint import load_checkpoint
 from qeff_evs.models.language import language_spec
 from qeff_evs.models.registry import family_for_config
@@ -40,7 +41,6 @@ from qeff_evs.specializations import (
 )
 
 Progress = Callable[[str], None]
-MODEL_CONFIG_DIR = "model_config"
 PREPROCESSOR_FILES = ("preprocessor_config.json", "video_preprocessor_config.json")
 
 
@@ -157,25 +157,15 @@ def export_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, 
         model_dir=str(Path(model_dir).resolve()),
         video_pruning_rate=q,
         prefill_seq_len=options.prefill_seq_len,
-        ctx_len=options.ctx_len,
-        user_vision_size=options.vision_size,
         frames=tuple(options.frames),
         resolutions=tuple(tuple(r) for r in options.resolutions),
-        special_tokens=dict(image_pad=specials.image_pad, video_pad=specials.video_pad,
-                            vision_start=specials.vision_start, vision_end=specials.vision_end,
-                            eos=stop_token_ids(checkpoint, specials.eos)),
-        language_shape=dict(num_layers=spec.num_layers, kv_heads=spec.kv_heads, head_dim=spec.head_dim,
-                            hidden=spec.hidden_size, vocab=spec.vocab_size, deepstack_levels=spec.deepstack_levels,
-                            full_batch_size=options.full_batch_size or 1,
-                            continuous_batching=options.full_batch_size is not None),
-        files=dict(vision="vision/vision.onnx", language="language/language.onnx", tokenizer="tokenizer",
-                   vision_specializations="vision/specializations.json",
-                   language_specializations="language/specializations.json",
-                   vision_specializations_named="vision/specializations.named.json",
-                   language_specializations_named="language/specializations.named.json",
-                   model_config=MODEL_CONFIG_DIR,
-                   vision_custom_io="vision/custom_io.yaml", language_custom_io="language/custom_io.yaml",
-                   compile_script="compile.sh"),
+        special_tokens=dataclasses.replace(specials, eos=tuple(stop_token_ids(checkpoint, specials.eos))),
+        language_shape=LanguageShape(
+            num_layers=spec.num_layers, kv_heads=spec.kv_heads, head_dim=spec.head_dim, hidden=spec.hidden_size,
+            ctx_len=options.ctx_len, vision_size=options.vision_size, deepstack_levels=spec.deepstack_levels,
+            full_batch_size=options.full_batch_size or 1, vocab=spec.vocab_size,
+            continuous_batching=options.full_batch_size is not None),
+        files=dict(EXPORT_FILES),
         vision_entries=tuple(
             VisionEntry(target.height, target.width, target.frames, tuple(grid), k, family.vision_symbols(grid, k))
             for target, grid, k in targets),

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
@@ -18,37 +17,9 @@ import onnx
 import torch
 
 from qeff_evs.export.onnx_graph import check_named_axes, check_static_ops, legacy_export
-
-# Ops whose output shape depends on tensor values; a QAIC specialization cannot hold them.
+from qeff_evs.models.graph_io import VisionGraphSpec
 
 _LOG = logging.getLogger(__name__)
-
-Axes = Mapping[int, str]
-
-
-@dataclass(frozen=True)
-class VisionGraphSpec:
-    """Graph interface: ``inputs``/``outputs`` map each name (in order) to its dynamic axes."""
-
-    inputs: Mapping[str, Axes]
-    outputs: Mapping[str, Axes]
-
-    @property
-    def input_names(self) -> list[str]:
-        return list(self.inputs)
-
-    @property
-    def output_names(self) -> list[str]:
-        return list(self.outputs)
-
-    @property
-    def dynamic_axes(self) -> dict[str, dict[int, str]]:
-        return {name: dict(axes) for name, axes in {**self.inputs, **self.outputs}.items() if axes}
-
-    @property
-    def symbols(self) -> set[str]:
-        return {symbol for axes in {**self.inputs, **self.outputs}.values() for symbol in axes.values()}
-
 
 class ExportableVision(Protocol):
     """What ``export_vision_graph`` needs from a family's vision(+EVS) wrapper."""

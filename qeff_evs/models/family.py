@@ -14,7 +14,8 @@ import numpy as np
 import torch.nn as nn
 
 from qeff_evs import evs
-from qeff_evs.models.protocol import SpecialTokens, VideoInput, VideoLayout, image_layout
+from qeff_evs.manifest import SpecialTokens
+from qeff_evs.models.protocol import MediaInput, MediaLayout, image_layout
 from qeff_evs.models.vision_common import VisionEVSWrapper
 
 
@@ -47,17 +48,17 @@ class QwenVLFamily(abc.ABC):
     def vision_symbols(self, grid_thw: Sequence[int], retained: int) -> dict[str, int]:
         return self.wrapper.symbols_fn(self.vision_config, grid_thw, retained)
 
-    def placeholder_ids(self, media: VideoInput, retained: int) -> np.ndarray:
+    def placeholder_ids(self, media: MediaInput, retained: int) -> np.ndarray:
         if media.kind == "image":
             return image_layout(self.config.image_token_id, self.merged_grid(media.grid_thw)).ids
         return self.video_placeholder(media, retained)
 
-    def video_layout(self, media: VideoInput, retained_indices: np.ndarray) -> VideoLayout:
+    def video_layout(self, media: MediaInput, retained_indices: np.ndarray) -> MediaLayout:
         if media.kind == "image":
             return image_layout(self.config.image_token_id, self.merged_grid(media.grid_thw))
         return self.real_video_layout(media, retained_indices)
 
-    def kept_mask(self, video: VideoInput, retained_indices: np.ndarray) -> np.ndarray:
+    def kept_mask(self, video: MediaInput, retained_indices: np.ndarray) -> np.ndarray:
         """Raster-order mask over the video's merged tokens."""
         t, h, w = self.merged_grid(video.grid_thw)
         keep = np.zeros(t * h * w, dtype=bool)
@@ -65,9 +66,9 @@ class QwenVLFamily(abc.ABC):
         return keep
 
     @abc.abstractmethod
-    def video_placeholder(self, video: VideoInput, retained: int) -> np.ndarray:
+    def video_placeholder(self, video: MediaInput, retained: int) -> np.ndarray:
         """The video's prompt segment before encoding; the same length as the real one."""
 
     @abc.abstractmethod
-    def real_video_layout(self, video: VideoInput, retained_indices: np.ndarray) -> VideoLayout:
+    def real_video_layout(self, video: MediaInput, retained_indices: np.ndarray) -> MediaLayout:
         """The video's real segment once the encoder has chosen the retained tokens."""

@@ -5,14 +5,14 @@ One step takes a chunk of ``seq_len`` tokens (a prefill chunk, or one decode tok
 1. embeds ``input_ids`` and replaces every media token (image pad or video pad) with a row of
    ``vision_embeds``: the k-th media token of the chunk takes row ``image_idx + k``;
 2. runs the transformers decoder layers with rows 1..3 of ``position_ids`` as M-RoPE positions and
-   row 0 as KV-cache slots (``qeff_evs.export.kv_cache``); Qwen3-VL deepstack rows, gathered with the
+   row 0 as KV-cache slots (``qeff_evs.models.kv_cache``); Qwen3-VL deepstack rows, gathered with the
    same indices, are added after the first ``levels`` layers;
 3. returns the logits of each row's last valid token, ``image_idx`` advanced by the chunk's media
    tokens, and the updated caches.
 
 With ``batch_index`` (continuous batching, QEfficient's ``full_batch_size`` mode) the caches hold
 ``full_batch_size`` requests and batch row ``b`` reads and writes cache row ``batch_index[b, 0]``;
-the rows no batch row names come back unchanged (``qeff_evs.export.kv_cache.BatchedSlotKVCache``).
+the rows no batch row names come back unchanged (``qeff_evs.models.kv_cache.BatchedSlotKVCache``).
 
 The module drives the family's own transformers submodules (embedding, rotary embedding, decoder
 layers, norm, lm_head) directly, so Qwen2.5-VL and Qwen3-VL share it, no class is swapped, and no
@@ -23,12 +23,16 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from collections.abc import Mapping
 from typing import NamedTuple, Sequence
+
+import numpy as np
 
 import torch
 from torch import nn
 
-from qeff_evs.export.kv_cache import (
+from qeff_evs.models.graph_io import BATCH_INDEX, LanguageGraphIO
+from qeff_evs.models.kv_cache import (
     BatchedSlotKVCache,
     SlotKVCache,
     cache_slots,
@@ -128,7 +132,7 @@ def media_rows(
     return MediaMerge(is_media=is_media, rows=rows, count=is_media.sum(dim=1))
 
 
-class LanguageStep(NamedTuple):
+class LanguageGraphOutput(NamedTuple):
     logits: torch.Tensor  # (B, 1, vocab) fp32, last valid position of each row
     image_idx_output: torch.Tensor  # (1, 1) int64
     past_keys: list[torch.Tensor]  # per layer (B or full_batch_size, kv_heads, ctx_len, head_dim)
@@ -162,7 +166,7 @@ class LanguageGraph(nn.Module):
         past_values: Sequence[torch.Tensor],
         deepstack_features: torch.Tensor | None = None,
         batch_index: torch.Tensor | None = None,
-    ) -> LanguageStep:
+    ) -> LanguageGraphOutput:
         self._check_inputs(position_ids, past_keys, past_values, deepstack_features, batch_index)
         text = self.text_model
         hidden = text.embed_tokens(input_ids)
@@ -204,7 +208,7 @@ class LanguageGraph(nn.Module):
         logits = self.lm_head(text.norm(last_hidden)).float()
 
         image_idx_output = (image_idx.reshape(()) + merge.count.max()).reshape(1, 1)
-        return LanguageStep(logits, image_idx_output, cache.keys, cache.values)
+        return LanguageGraphOutput(logits, image_idx_output, cache.keys, cache.values)
 
     def _check_inputs(self, position_ids, past_keys, past_values, deepstack_features, batch_index) -> None:
         if torch.jit.is_tracing():
@@ -267,3 +271,48 @@ def _check_batch_index(batch_index: torch.Tensor, position_ids: torch.Tensor, ca
             f"padding rows of batch_index {rows} point at cache rows {shared} that real rows of the same call "
             "write; point padding rows at a row the call does not use"
         )
+
+
+class ExportableLanguageGraph(nn.Module):
+    """``LanguageGraph`` with flat tensor inputs/outputs in graph order (what the exporter traces)."""
+
+    def __init__(self, graph: LanguageGraph, continuous_batching: bool = False):
+        super().__init__()
+        self.graph = graph
+        self.io = LanguageGraphIO(graph.spec.num_layers, graph.spec.has_deepstack, continuous_batching)
+
+    @property
+    def spec(self) -> LanguageSpec:
+        return self.graph.spec
+
+    def forward(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        names = self.io.input_names
+        if len(inputs) != len(names):
+            raise ValueError(f"expected {len(names)} inputs ({names}), got {len(inputs)}")
+        named = dict(zip(names, inputs))
+        layers = range(self.spec.num_layers)
+        step = self.graph(
+            named["input_ids"],
+            named["vision_embeds"],
+            named["position_ids"],
+            named["image_idx"],
+            [named[f"past_key.{i}"] for i in layers],
+            [named[f"past_value.{i}"] for i in layers],
+            deepstack_features=named.get("deepstack_features"),
+            batch_index=named.get(BATCH_INDEX),
+        )
+        retained = [named["vision_embeds"]]
+        if self.io.deepstack:
+            retained.append(named["deepstack_features"])
+        kv = [cache for i in layers for cache in (step.past_keys[i], step.past_values[i])]
+        return (step.logits, *retained, step.image_idx_output, *kv)
+
+    @torch.no_grad()
+    def run(self, feeds: Mapping[str, torch.Tensor | np.ndarray]) -> dict[str, torch.Tensor]:
+        """Eager step with ONNX names in and out (the PyTorch reference backend's session call)."""
+        missing = [name for name in self.io.input_names if name not in feeds]
+        if missing:
+            raise ValueError(f"language step is missing inputs {missing}; feed every name in {self.io.input_names}")
+        device = next(self.parameters()).device
+        inputs = [torch.as_tensor(feeds[name]).to(device) for name in self.io.input_names]
+        return dict(zip(self.io.output_names, self(*inputs)))

@@ -8,17 +8,18 @@ encoder, where only the retained count K is known, and after it, where the per-f
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol, Sequence
 
 import numpy as np
 import torch
 
+from qeff_evs.manifest import SpecialTokens
 from qeff_evs.positions import MediaBlock
 
 
 @dataclass(frozen=True)
-class VideoInput:
+class MediaInput:
     """A preprocessed video: patches in the family's order and its patch grid."""
 
     pixel_values: torch.Tensor  # (T*H*W, C*tp*p*p)
@@ -35,7 +36,7 @@ class VideoInput:
 
 
 @dataclass(frozen=True)
-class VideoLayout:
+class MediaLayout:
     """A video's prompt segment after encoding, described on its unpruned layout.
 
     ``unpruned_ids[keep]`` are the ids fed to the language graph; positions are computed on
@@ -51,24 +52,11 @@ class VideoLayout:
         return self.unpruned_ids[self.keep]
 
 
-def image_layout(image_pad: int, merged_grid: tuple[int, int, int]) -> VideoLayout:
+def image_layout(image_pad: int, merged_grid: tuple[int, int, int]) -> MediaLayout:
     """Images are never pruned: h*w image pads, one M-RoPE block, everything kept (both families)."""
     _, h, w = merged_grid
     ids = np.full(h * w, image_pad, dtype=np.int64)
-    return VideoLayout(ids, np.ones(h * w, dtype=bool), (MediaBlock(1, h, w),))
-
-
-@dataclass(frozen=True)
-class SpecialTokens:
-    image_pad: int
-    video_pad: int
-    vision_start: int
-    vision_end: int
-    eos: tuple[int, ...] = field(default=())
-
-    @property
-    def media_pads(self) -> tuple[int, int]:
-        return (self.image_pad, self.video_pad)
+    return MediaLayout(ids, np.ones(h * w, dtype=bool), (MediaBlock(1, h, w),))
 
 
 class ModelFamily(Protocol):
@@ -90,8 +78,8 @@ class ModelFamily(Protocol):
     def vision_symbols(self, grid_thw: Sequence[int], retained: int) -> dict[str, int]:
         """Values of the vision graph's dynamic symbols for one specialization."""
 
-    def placeholder_ids(self, video: VideoInput, retained: int) -> np.ndarray:
+    def placeholder_ids(self, video: MediaInput, retained: int) -> np.ndarray:
         """The video's prompt segment before encoding (only K known). Same length as after."""
 
-    def video_layout(self, video: VideoInput, retained_indices: np.ndarray) -> VideoLayout:
+    def video_layout(self, video: MediaInput, retained_indices: np.ndarray) -> MediaLayout:
         """The video's real segment once the encoder has chosen the retained tokens."""

@@ -35,9 +35,9 @@ import torch.nn as nn
 from transformers.vision_utils import get_vision_window_index
 
 from qeff_evs import evs
-from qeff_evs.export.vision import VisionGraphSpec
 from qeff_evs.models.family import QwenVLFamily
-from qeff_evs.models.protocol import VideoInput, VideoLayout
+from qeff_evs.models.graph_io import VisionGraphSpec
+from qeff_evs.models.protocol import MediaInput, MediaLayout
 from qeff_evs.models.vision_common import (
     VisionEVSWrapper,
     check_retained,
@@ -174,11 +174,11 @@ class Qwen2_5_VLFamily(QwenVLFamily):
         second_per_grid = self.vision_config.temporal_patch_size / float(fps)
         return float(self.vision_config.tokens_per_second) * second_per_grid
 
-    def video_placeholder(self, video: VideoInput, retained: int) -> np.ndarray:
+    def video_placeholder(self, video: MediaInput, retained: int) -> np.ndarray:
         return np.full(retained, self.config.video_token_id, dtype=np.int64)
 
-    def real_video_layout(self, video: VideoInput, retained_indices: np.ndarray) -> VideoLayout:
+    def real_video_layout(self, video: MediaInput, retained_indices: np.ndarray) -> MediaLayout:
         t, h, w = self.merged_grid(video.grid_thw)
         unpruned = np.full(t * h * w, self.config.video_token_id, dtype=np.int64)
-        return VideoLayout(unpruned, self.kept_mask(video, retained_indices),
+        return MediaLayout(unpruned, self.kept_mask(video, retained_indices),
                            (MediaBlock(t, h, w, self.time_factor(video.fps)),))

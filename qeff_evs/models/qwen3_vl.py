@@ -42,9 +42,9 @@ import torch.nn as nn
 from transformers.vision_utils import get_vision_interpolation_indices_and_weights
 
 from qeff_evs import evs
-from qeff_evs.export.vision import VisionGraphSpec
 from qeff_evs.models.family import QwenVLFamily
-from qeff_evs.models.protocol import VideoInput, VideoLayout
+from qeff_evs.models.graph_io import VisionGraphSpec
+from qeff_evs.models.protocol import MediaInput, MediaLayout
 from qeff_evs.models.vision_common import (
     VisionEVSWrapper,
     check_retained,
@@ -260,7 +260,7 @@ class Qwen3_VLFamily(QwenVLFamily):
         super().__init__(config, tokenizer)
         self.deepstack_levels = len(getattr(self.vision_config, "deepstack_visual_indexes", ()) or ())
 
-    def timestamp_ids(self, video: VideoInput) -> list[np.ndarray]:
+    def timestamp_ids(self, video: MediaInput) -> list[np.ndarray]:
         if self.tokenizer is None:
             raise ValueError("the Qwen3-VL prompt layout needs the checkpoint's tokenizer for its timestamps")
         t = self.merged_grid(video.grid_thw)[0]
@@ -271,7 +271,7 @@ class Qwen3_VLFamily(QwenVLFamily):
         return [np.asarray(self.tokenizer.encode(timestamp_text(s), add_special_tokens=False), dtype=np.int64)
                 for s in times]
 
-    def _frames(self, video: VideoInput, pads_per_frame: Sequence[int]) -> np.ndarray:
+    def _frames(self, video: MediaInput, pads_per_frame: Sequence[int]) -> np.ndarray:
         c = self.config
         parts = []
         for stamp, pads in zip(self.timestamp_ids(video), pads_per_frame):
@@ -279,13 +279,13 @@ class Qwen3_VLFamily(QwenVLFamily):
                       np.array([c.vision_end_token_id])]
         return np.concatenate(parts).astype(np.int64)
 
-    def video_placeholder(self, video: VideoInput, retained: int) -> np.ndarray:
+    def video_placeholder(self, video: MediaInput, retained: int) -> np.ndarray:
         t = self.merged_grid(video.grid_thw)[0]
         return self._frames(video, [retained] + [0] * (t - 1))
 
-    def real_video_layout(self, video: VideoInput, retained_indices: np.ndarray) -> VideoLayout:
+    def real_video_layout(self, video: MediaInput, retained_indices: np.ndarray) -> MediaLayout:
         t, h, w = self.merged_grid(video.grid_thw)
         unpruned = self._frames(video, [h * w] * t)
         keep = np.ones(len(unpruned), dtype=bool)
         keep[unpruned == self.config.video_token_id] = self.kept_mask(video, retained_indices)  # raster order
-        return VideoLayout(unpruned, keep, tuple(MediaBlock(1, h, w) for _ in range(t)))
+        return MediaLayout(unpruned, keep, tuple(MediaBlock(1, h, w) for _ in range(t)))

@@ -17,7 +17,7 @@ import torch.nn as nn
 from transformers.vision_utils import get_vision_cu_seqlens, get_vision_position_ids
 
 from qeff_evs import evs
-from qeff_evs.export.attention import register_block_mask_attention
+from qeff_evs.models.attention import register_block_mask_attention
 
 
 def grid_tensor(grid_thw: Sequence[int] | torch.Tensor) -> torch.Tensor:

@@ -10,27 +10,21 @@ import numpy as np
 import torch
 from transformers import AutoConfig, AutoTokenizer
 
-from qeff_evs.export.pipeline import MODEL_CONFIG_DIR
-from qeff_evs.manifest import Manifest, read_manifest
-from qeff_evs.models.protocol import ModelFamily, VideoInput
+from qeff_evs.manifest import MODEL_CONFIG_DIR, LanguageShape, Manifest, read_manifest
+from qeff_evs.models.protocol import ModelFamily, MediaInput
 from qeff_evs.models.registry import family_for_config
-from qeff_evs.runtime.engine import Engine, EngineConfig, GenerationResult
-from qeff_evs.runtime.processor import (
+from qeff_evs.runtime.engine.single_request import Engine, EngineConfig, GenerationResult
+from qeff_evs.runtime.inputs.processor import (
     VisionPreprocessSpec,
     choose_resolution,
     preprocess_image,
     preprocess_video,
     sample_frame_indices,
 )
-from qeff_evs.runtime.prompt import video_question_pieces
-from qeff_evs.runtime.sessions import (
-    LanguageShape,
-    OrtLanguageSession,
-    OrtVisionSession,
-    TorchLanguageSession,
-    TorchVisionSession,
-)
-from qeff_evs.runtime.video_io import load_video, probe_video
+from qeff_evs.runtime.inputs.prompt import video_question_pieces
+from qeff_evs.runtime.backends.ort import OrtLanguageSession, OrtVisionSession
+from qeff_evs.runtime.backends.torch_reference import TorchLanguageSession, TorchVisionSession
+from qeff_evs.runtime.inputs.video_io import load_video, probe_video
 
 BACKENDS = ("ort", "torch", "qaic")
 
@@ -49,10 +43,7 @@ class ExportBundle:
 
     @property
     def language_shape(self) -> LanguageShape:
-        s = self.manifest.language_shape
-        return LanguageShape(s["num_layers"], s["kv_heads"], s["head_dim"], s["hidden"], self.manifest.ctx_len,
-                             self.manifest.user_vision_size, s.get("deepstack_levels", 0),
-                             full_batch_size=s.get("full_batch_size", 1))
+        return self.manifest.language_shape
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json")
@@ -80,7 +71,7 @@ def open_export(export_dir: str | Path) -> ExportBundle:
 
 
 def video_from_file(path: str | Path, bundle: ExportBundle, target_fps: float | None = None,
-                    source_fps: float | None = None) -> VideoInput:
+                    source_fps: float | None = None) -> MediaInput:
     """Sample by fps to an exported frame count, resize to the exported size closest in aspect, patchify."""
     spec = bundle.preprocess
     info = probe_video(path, fps=source_fps)
@@ -89,20 +80,20 @@ def video_from_file(path: str | Path, bundle: ExportBundle, target_fps: float | 
     frames = load_video(path, fps=source_fps, frame_indices=sampled.indices).frames
     size = choose_resolution(info.height, info.width, bundle.manifest.resolutions, spec.factor)
     processed = preprocess_video(frames, size, spec)
-    return VideoInput(processed.pixel_values, tuple(processed.grid_thw), float(sampled.fps),
+    return MediaInput(processed.pixel_values, tuple(processed.grid_thw), float(sampled.fps),
                       tuple(float(t) for t in sampled.timestamps))
 
 
-def image_from_array(image: np.ndarray, bundle: ExportBundle) -> VideoInput:
+def image_from_array(image: np.ndarray, bundle: ExportBundle) -> MediaInput:
     """An RGB uint8 ``(H, W, 3)`` image, resized to the exported size closest in aspect (never pruned)."""
     spec = bundle.preprocess
     size = choose_resolution(image.shape[0], image.shape[1], bundle.manifest.resolutions, spec.factor)
     processed = preprocess_image(image, size, spec)
-    return VideoInput(processed.pixel_values, tuple(processed.grid_thw), 1.0, (), kind="image")
+    return MediaInput(processed.pixel_values, tuple(processed.grid_thw), 1.0, (), kind="image")
 
 
 def video_from_patches(pixel_values_path: str | Path, grid_thw: tuple[int, int, int], fps: float,
-                       bundle: ExportBundle | None = None) -> VideoInput:
+                       bundle: ExportBundle | None = None) -> MediaInput:
     """Already-patchified pixels (``pixel_values_videos`` as transformers' processor returns them)."""
     path = Path(pixel_values_path)
     if not path.is_file():
@@ -124,7 +115,7 @@ def video_from_patches(pixel_values_path: str | Path, grid_thw: tuple[int, int, 
                 f"pixel_values rows have {pixels.shape[1]} values but this model's patches have {spec.patch_dim} "
                 f"(C*temporal_patch*patch*patch); patchify with the checkpoint's processor")
     frame_times = tuple(float(i) / fps for i in range(temporal_patch * t))
-    return VideoInput(pixels, (t, h, w), float(fps), frame_times)
+    return MediaInput(pixels, (t, h, w), float(fps), frame_times)
 
 
 def sessions_for(bundle: ExportBundle, backend: str, device: str | None = None):
@@ -132,18 +123,17 @@ def sessions_for(bundle: ExportBundle, backend: str, device: str | None = None):
         return (OrtVisionSession(bundle.manifest.path(bundle.export_dir, "vision")),
                 OrtLanguageSession(bundle.manifest.path(bundle.export_dir, "language"), bundle.language_shape))
     if backend == "torch":
-        from qeff_evs.export.language import ExportableLanguageGraph
         from qeff_evs.models.checkpoint import load_checkpoint
-        from qeff_evs.models.language import LanguageGraph
+        from qeff_evs.models.language import ExportableLanguageGraph, LanguageGraph
 
         checkpoint = load_checkpoint(bundle.manifest.model_dir)
         language = ExportableLanguageGraph(
             LanguageGraph(checkpoint.model, bundle.family.special_tokens().media_pads),
-            continuous_batching=bool(bundle.manifest.language_shape.get("continuous_batching", False)))
+            continuous_batching=bundle.manifest.language_shape.continuous_batching)
         return (TorchVisionSession(bundle.family.vision_wrapper(checkpoint.model), device),
                 TorchLanguageSession(language, bundle.language_shape, device))
     if backend == "qaic":
-        from qeff_evs.runtime.qaic import qaic_sessions
+        from qeff_evs.runtime.backends.qaic import qaic_sessions
 
         return qaic_sessions(bundle, device_id=int(device) if device else None)
     raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
@@ -160,13 +150,10 @@ def build_engine(bundle: ExportBundle, backend: str = "ort", max_new_tokens: int
 
 def stop_ids(bundle: ExportBundle) -> tuple[int, ...]:
     """The export's stop tokens: the config's eos and generation_config.json's, as HF generate uses."""
-    eos = bundle.manifest.special_tokens.get("eos")
-    if eos is None:
-        return bundle.family.special_tokens().eos
-    return tuple(int(i) for i in eos)
+    return bundle.manifest.special_tokens.eos
 
 
-def answer(bundle: ExportBundle, engine: Engine, video: VideoInput, question: str) -> GenerationResult:
+def answer(bundle: ExportBundle, engine: Engine, video: MediaInput, question: str) -> GenerationResult:
     bundle.manifest.vision_entry(video.grid_thw)  # fails clearly when no specialization serves this grid
     pieces = video_question_pieces(bundle.tokenizer, question)
     prompt = engine.prepare(pieces, [video])
@@ -177,12 +164,12 @@ def build_serving_engine(bundle: ExportBundle, backend: str = "ort", max_num_seq
                          max_num_batched_tokens: int | None = None, encoder_cache_rows: int | None = None,
                          progress: Progress | None = None, device: str | None = None):
     """A continuous-batching serving engine over an export made with ``--full-batch-size``."""
-    from qeff_evs.runtime.scheduler import SchedulerConfig
-    from qeff_evs.runtime.serving import ServingEngine
+    from qeff_evs.runtime.engine.scheduler import SchedulerConfig
+    from qeff_evs.runtime.engine.serving import ServingEngine
 
     m = bundle.manifest
     shape = bundle.language_shape
-    if not m.language_shape.get("continuous_batching", False):
+    if not m.language_shape.continuous_batching:
         raise ValueError(
             f"{bundle.export_dir} was exported without continuous batching; re-export with "
             "--full-batch-size N to serve several requests at once")
@@ -203,7 +190,7 @@ def requests_from_jsonl(path: str | Path, bundle: ExportBundle):
     """``{"id", "prompt", "video" | "pixel_values_videos"+"video_grid_thw", "max_new_tokens", "fps"}`` per line."""
     import json
 
-    from qeff_evs.runtime.serving import ServeRequest
+    from qeff_evs.runtime.engine.serving import ServeRequest
 
     path = Path(path)
     if not path.is_file():

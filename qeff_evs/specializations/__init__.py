@@ -19,6 +19,7 @@ from .compile_command import (
 from .custom_io import (
     FLOAT16,
     MXINT8,
+    RETAINED_SUFFIX,
     custom_io_precisions,
     language_custom_io,
     read_custom_io_yaml,
@@ -41,6 +42,7 @@ __all__ = [
     "FLOAT16",
     "MXINT8",
     "QPC_DIR",
+    "RETAINED_SUFFIX",
     "SPECIALIZATIONS_FILE",
     "CompileCommand",
     "Specialization",

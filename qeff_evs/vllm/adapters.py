@@ -9,8 +9,8 @@ this module gives:
   takes (DESIGN §6, §8);
 * the placeholder a vLLM processor must reserve for an EVS video before the encoder runs
   (Qwen2.5-VL: K pads; Qwen3-VL: the lumped layout, ``L = sum_f(len(ts_f) + 2) + K``);
-* converters between ``PlaceholderRange`` and ``qeff_evs.runtime.window.Placeholder``, and
-  ``MediaItem`` s for ``qeff_evs.runtime.scheduler``.
+* converters between ``PlaceholderRange`` and ``qeff_evs.runtime.engine.window.Placeholder``, and
+  ``MediaItem`` s for ``qeff_evs.runtime.engine.scheduler``.
 
 vLLM objects are only read through their attributes; vLLM is imported only to build a
 ``PlaceholderRange``. Difference from vLLM's own Qwen3-VL EVS processor: vLLM marks every position
@@ -28,8 +28,8 @@ from typing import Any
 import numpy as np
 
 from qeff_evs import evs
-from qeff_evs.runtime.scheduler import MediaItem
-from qeff_evs.runtime.window import Placeholder, WindowSlice, window_slices
+from qeff_evs.runtime.engine.scheduler import MediaItem
+from qeff_evs.runtime.engine.window import Placeholder, WindowSlice, window_slices
 
 # --- placeholder conversion -------------------------------------------------------------------
 

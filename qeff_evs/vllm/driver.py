@@ -20,19 +20,19 @@ from typing import Any
 
 import numpy as np
 
-from qeff_evs.models.protocol import ModelFamily, VideoInput
-from qeff_evs.runtime.chunks import PAD_POSITION, LanguageStep
-from qeff_evs.runtime.engine import EngineConfig, encode_media, retained_count
-from qeff_evs.runtime.request import EncodedVideo, PromptPiece, PromptPlan, plan_prompt
-from qeff_evs.runtime.serving import media_hash
-from qeff_evs.runtime.sessions import BatchedLanguageSession, DecodeRow, VisionSession
+from qeff_evs.models.protocol import ModelFamily, MediaInput
+from qeff_evs.models.graph_io import PAD_POSITION
+from qeff_evs.runtime.engine.single_request import EngineConfig, encode_media, retained_count
+from qeff_evs.runtime.engine.request import EncodedMedia, PromptPiece, PromptPlan, plan_prompt
+from qeff_evs.runtime.engine.serving import media_hash
+from qeff_evs.runtime.backends.base import BatchedLanguageSession, DecodeRow, LanguageInputs, VisionSession
 from qeff_evs.vllm.adapters import gather_feature_window, to_placeholder_range
 
 
 @dataclass
 class _Live:
     plan: PromptPlan
-    media: Sequence[VideoInput]
+    media: Sequence[MediaInput]
     request: Any  # vllm.v1.request.Request
     cache_row: int | None = None
     tokens: list[int] = field(default_factory=list)
@@ -48,11 +48,11 @@ class VllmDriver:
         self.language = language
         self.config = config
         self.live: dict[str, _Live] = {}
-        self.encoded: dict[str, EncodedVideo] = {}  # vLLM's encoder cache, by feature identifier
+        self.encoded: dict[str, EncodedMedia] = {}  # vLLM's encoder cache, by feature identifier
         self.language.reset()
 
     # -- requests ---------------------------------------------------------------------------------
-    def make_request(self, request_id: str, pieces: Sequence[PromptPiece], media: Sequence[VideoInput],
+    def make_request(self, request_id: str, pieces: Sequence[PromptPiece], media: Sequence[MediaInput],
                      max_new_tokens: int):
         """A vLLM ``Request`` (greedy, EOS ignored) whose features carry our EVS placeholders."""
         from vllm.multimodal.inputs import MultiModalFeatureSpec
@@ -142,7 +142,7 @@ class VllmDriver:
         position_ids = np.full((4, 1, cfg.prefill_seq_len), PAD_POSITION, dtype=np.int64)
         position_ids[0, 0, :scheduled] = np.arange(computed, computed + scheduled)
         position_ids[1:, 0, :scheduled] = live.plan.positions[:, computed:computed + scheduled]
-        step = LanguageStep(ids, position_ids, window.vision_embeds, window.deepstack, window.image_idx,
+        step = LanguageInputs(ids, position_ids, window.vision_embeds, window.deepstack, window.image_idx,
                             window.num_rows)
         logits = self.language.prefill(live.cache_row, step)
         # Only the chunk that completes the prompt yields a token.

@@ -15,11 +15,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from qeff_evs.models.protocol import ModelFamily, VideoInput
-from qeff_evs.runtime.chunks import prefill_step
-from qeff_evs.runtime.engine import EngineConfig, encode_media, retained_count
-from qeff_evs.runtime.request import EncodedVideo, PromptPiece, PromptPlan, plan_prompt
-from qeff_evs.runtime.scheduler import (
+from qeff_evs.models.protocol import ModelFamily, MediaInput
+from qeff_evs.runtime.engine.steps import prefill_step
+from qeff_evs.runtime.engine.single_request import EngineConfig, encode_media, retained_count
+from qeff_evs.runtime.engine.request import EncodedMedia, PromptPiece, PromptPlan, plan_prompt
+from qeff_evs.runtime.engine.scheduler import (
     FinishReason,
     MediaItem,
     RequestSpec,
@@ -27,14 +27,14 @@ from qeff_evs.runtime.scheduler import (
     SchedulerConfig,
     SchedulerOutput,
 )
-from qeff_evs.runtime.sessions import BatchedLanguageSession, DecodeRow, VisionSession
+from qeff_evs.runtime.backends.base import BatchedLanguageSession, DecodeRow, VisionSession
 
 
 @dataclass(frozen=True)
 class ServeRequest:
     request_id: str
     pieces: Sequence[PromptPiece]
-    media: Sequence[VideoInput] = ()
+    media: Sequence[MediaInput] = ()
     max_new_tokens: int = 16
     stop_token_ids: frozenset[int] = frozenset()
 
@@ -54,7 +54,7 @@ class _Live:
     tokens: list[int] = field(default_factory=list)
 
 
-def media_hash(media: VideoInput, q: float) -> str:
+def media_hash(media: MediaInput, q: float) -> str:
     """Content hash of one media item as the encoder sees it (pixels, grid, kind, pruning rate)."""
     digest = hashlib.sha256()
     digest.update(np.ascontiguousarray(media.pixel_values.numpy()).tobytes())
@@ -82,12 +82,12 @@ class ServingEngine:
         self.scheduler = Scheduler(scheduler)
         self.eos_ids = frozenset(int(t) for t in eos_ids)
         self.progress = progress or (lambda message: None)
-        self.encoder_outputs: dict[str, EncodedVideo] = {}
+        self.encoder_outputs: dict[str, EncodedMedia] = {}
         self.live: dict[str, _Live] = {}
         self.language.reset()
 
     # -- requests ---------------------------------------------------------------------------------
-    def retained_count(self, media: VideoInput) -> int:
+    def retained_count(self, media: MediaInput) -> int:
         return retained_count(self.family, media, self.config.video_pruning_rate)
 
     def add_request(self, request: ServeRequest) -> None:

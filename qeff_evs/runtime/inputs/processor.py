@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from qeff_evs.runtime.video_io import validate_frames
+from qeff_evs.runtime.inputs.video_io import validate_frames
 
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)

@@ -7,24 +7,13 @@ are a slice of the request's int64 positions, so any chunking sees the same numb
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
-from qeff_evs.runtime.request import PreparedPrompt
-from qeff_evs.runtime.window import window_slices
+from qeff_evs.models.graph_io import PAD_POSITION
+from qeff_evs.runtime.backends.base import LanguageInputs
+from qeff_evs.runtime.engine.request import PreparedPrompt
+from qeff_evs.runtime.engine.window import window_slices
 
-PAD_POSITION = -1
-
-
-@dataclass(frozen=True)
-class LanguageStep:
-    input_ids: np.ndarray  # (1, S) int64
-    position_ids: np.ndarray  # (4, 1, S) int64: KV slot, then M-RoPE t/h/w; padding -1
-    vision_embeds: np.ndarray | None  # (1, U, hidden) or None (decode: keep the retained buffer)
-    deepstack: np.ndarray | None  # (levels, 1, U, hidden)
-    image_idx: np.ndarray  # (1, 1) int64
-    vision_rows: int  # how many real rows the window carries
 
 
 def gather_window(prompt: PreparedPrompt, computed: int, scheduled: int, user_vision_size: int,
@@ -51,7 +40,7 @@ def gather_window(prompt: PreparedPrompt, computed: int, scheduled: int, user_vi
 
 
 def prefill_step(prompt: PreparedPrompt, computed: int, scheduled: int, seq_len: int,
-                 user_vision_size: int, hidden: int, levels: int, pad_token_id: int = 0) -> LanguageStep:
+                 user_vision_size: int, hidden: int, levels: int, pad_token_id: int = 0) -> LanguageInputs:
     """The padded chunk ``[computed, computed+scheduled)`` as the prefill specialization wants it."""
     if scheduled > seq_len:
         raise ValueError(f"chunk of {scheduled} tokens exceeds the prefill length {seq_len}")
@@ -61,11 +50,11 @@ def prefill_step(prompt: PreparedPrompt, computed: int, scheduled: int, seq_len:
     position_ids[0, 0, :scheduled] = np.arange(computed, computed + scheduled)
     position_ids[1:, 0, :scheduled] = prompt.positions[:, computed:computed + scheduled]
     window, deepstack, rows = gather_window(prompt, computed, scheduled, user_vision_size, hidden, levels)
-    return LanguageStep(ids, position_ids, window, deepstack, np.zeros((1, 1), dtype=np.int64), rows)
+    return LanguageInputs(ids, position_ids, window, deepstack, np.zeros((1, 1), dtype=np.int64), rows)
 
 
-def decode_step(token_id: int, kv_slot: int, mrope_position: int) -> LanguageStep:
+def decode_step(token_id: int, kv_slot: int, mrope_position: int) -> LanguageInputs:
     """One generated token: KV slot in row 0, the same M-RoPE position in rows 1..3."""
     position_ids = np.array([kv_slot] + [mrope_position] * 3, dtype=np.int64).reshape(4, 1, 1)
-    return LanguageStep(np.array([[token_id]], dtype=np.int64), position_ids, None, None,
+    return LanguageInputs(np.array([[token_id]], dtype=np.int64), position_ids, None, None,
                         np.zeros((1, 1), dtype=np.int64), 0)

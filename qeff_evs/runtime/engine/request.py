@@ -13,20 +13,13 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from qeff_evs import positions as pos
-from qeff_evs.models.protocol import ModelFamily, VideoInput, VideoLayout
-from qeff_evs.runtime.window import Placeholder
-
-
-@dataclass(frozen=True)
-class PromptPiece:
-    """Either literal token ids or one video (by index into the request's videos)."""
-
-    ids: tuple[int, ...] = ()
-    video: int | None = None
+from qeff_evs.models.protocol import ModelFamily, MediaInput, MediaLayout
+from qeff_evs.runtime.engine.window import Placeholder
+from qeff_evs.runtime.inputs.prompt import PromptPiece
 
 
 @dataclass
-class EncodedVideo:
+class EncodedMedia:
     rows: np.ndarray  # (K, hidden)
     retained_indices: np.ndarray  # (K,) int64, ascending flat indices on the merged grid
     deepstack: np.ndarray | None = None  # (levels, K, hidden)
@@ -41,10 +34,10 @@ class PreparedPrompt:
     positions: np.ndarray  # (3, N) int64
     decode_start: int  # M-RoPE position of the first generated token
     placeholders: list[Placeholder]
-    encoded: list[EncodedVideo] = field(default_factory=list)
+    encoded: list[EncodedMedia] = field(default_factory=list)
 
 
-def provisional_ids(pieces: list[PromptPiece], videos: list[VideoInput], retained: list[int],
+def provisional_ids(pieces: list[PromptPiece], videos: list[MediaInput], retained: list[int],
                     family: ModelFamily) -> np.ndarray:
     """The prompt as it can be built before encoding (placeholders sized by K)."""
     parts = [np.asarray(p.ids, dtype=np.int64) if p.video is None
@@ -65,7 +58,7 @@ class PromptPlan:
     positions: np.ndarray  # (3, N) int64; -1 inside placeholders until completed
     decode_start: int
     placeholders: list[Placeholder]  # one per media item, in media order
-    encoded: list[EncodedVideo | None]
+    encoded: list[EncodedMedia | None]
     unpruned_positions: list[np.ndarray]  # per media item: (3, unpruned length) positions of its segment
 
     @property
@@ -83,9 +76,9 @@ class PromptPlan:
         return [i for i, ph in enumerate(self.placeholders) if self.encoded[i] is None
                 and ph.offset + self.leading_text(i) < end and ph.offset + ph.length > computed]
 
-    def fill(self, item: int, video: VideoInput, encoded: EncodedVideo, family: ModelFamily) -> None:
+    def fill(self, item: int, video: MediaInput, encoded: EncodedMedia, family: ModelFamily) -> None:
         """Rewrite item ``item``'s placeholder to its real layout and write its positions."""
-        layout: VideoLayout = family.video_layout(video, encoded.retained_indices)
+        layout: MediaLayout = family.video_layout(video, encoded.retained_indices)
         ph = self.placeholders[item]
         if len(layout.ids) != ph.length:
             raise ValueError(f"media item {item}: real layout has {len(layout.ids)} tokens, "
@@ -103,7 +96,7 @@ class PromptPlan:
         return PreparedPrompt(self.ids, self.positions, self.decode_start, self.placeholders, list(self.encoded))
 
 
-def plan_prompt(pieces: list[PromptPiece], media: list[VideoInput], retained: list[int],
+def plan_prompt(pieces: list[PromptPiece], media: list[MediaInput], retained: list[int],
                 family: ModelFamily) -> PromptPlan:
     """Provisional ids, final text positions and placeholders, from grids and retained counts alone."""
     pads = family.special_tokens().media_pads
@@ -152,7 +145,7 @@ def plan_prompt(pieces: list[PromptPiece], media: list[VideoInput], retained: li
                       [None] * len(media), unpruned_segments)
 
 
-def prepare_prompt(pieces: list[PromptPiece], videos: list[VideoInput], encoded: list[EncodedVideo],
+def prepare_prompt(pieces: list[PromptPiece], videos: list[MediaInput], encoded: list[EncodedMedia],
                    family: ModelFamily) -> PreparedPrompt:
     """Final ids (real per-frame layouts), int64 positions and placeholders for the language graph."""
     plan = plan_prompt(pieces, videos, [len(e.retained_indices) for e in encoded], family)

@@ -7,7 +7,16 @@ template the plain layout ``<|vision_start|><|video_pad|><|vision_end|>question`
 
 from __future__ import annotations
 
-from qeff_evs.runtime.request import PromptPiece
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class PromptPiece:
+    """Either literal token ids or one video (by index into the request's videos)."""
+
+    ids: tuple[int, ...] = ()
+    video: int | None = None
+
 
 VIDEO_PAD = "<|video_pad|>"
 PLAIN_VIDEO = "<|vision_start|><|video_pad|><|vision_end|>"

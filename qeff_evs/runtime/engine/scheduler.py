@@ -33,8 +33,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 
-from qeff_evs.runtime.encoder_cache import EncoderCache
-from qeff_evs.runtime.window import Placeholder, overlaps_window
+from qeff_evs.runtime.engine.encoder_cache import EncoderCache
+from qeff_evs.runtime.engine.window import Placeholder, overlaps_window
 
 
 @dataclass(frozen=True)

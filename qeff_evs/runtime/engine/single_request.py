@@ -8,11 +8,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from qeff_evs import evs
-from qeff_evs.models.protocol import ModelFamily, VideoInput
-from qeff_evs.runtime.chunks import decode_step, prefill_step
-from qeff_evs.runtime.request import EncodedVideo, PreparedPrompt, PromptPiece, plan_prompt
-from qeff_evs.runtime.sessions import LanguageSession, VisionSession
-from qeff_evs.runtime.window import prefill_chunks
+from qeff_evs.models.protocol import ModelFamily, MediaInput
+from qeff_evs.runtime.engine.steps import decode_step, prefill_step
+from qeff_evs.runtime.engine.request import EncodedMedia, PreparedPrompt, PromptPiece, plan_prompt
+from qeff_evs.runtime.backends.base import LanguageSession, VisionSession
+from qeff_evs.runtime.engine.window import prefill_chunks
 
 TOP_LOGITS = 10
 
@@ -55,20 +55,20 @@ def top_logits(logits: np.ndarray, k: int = TOP_LOGITS) -> list[list[float]]:
     return [[int(i), float(flat[i])] for i in order]
 
 
-def retained_count(family: ModelFamily, media: VideoInput, q: float) -> int:
+def retained_count(family: ModelFamily, media: MediaInput, q: float) -> int:
     """K for one media item (an image, T = 1, keeps all its tokens by the same rule)."""
     t, h, w = family.merged_grid(media.grid_thw)
     return evs.retained_token_count(h * w, t, q)
 
 
-def encode_media(family: ModelFamily, vision: VisionSession, media: VideoInput, q: float) -> EncodedVideo:
+def encode_media(family: ModelFamily, vision: VisionSession, media: MediaInput, q: float) -> EncodedMedia:
     """Run the vision graph once for one item: its K retained rows, their indices and per-frame counts."""
     k = retained_count(family, media, q)
     result = vision.run(media.pixel_values.numpy(), family.vision_host_inputs(media.grid_thw, k))
     t, h, w = family.merged_grid(media.grid_thw)
     retained = result.retained_indices.astype(np.int64)
     kept = evs.tokens_per_frame_kept(retained, t, h * w)
-    return EncodedVideo(result.rows, retained, result.deepstack, tuple(kept))
+    return EncodedMedia(result.rows, retained, result.deepstack, tuple(kept))
 
 
 class Engine:
@@ -80,10 +80,10 @@ class Engine:
         self.config = config
         self.progress = progress or (lambda message: None)
 
-    def encode(self, video: VideoInput) -> EncodedVideo:
+    def encode(self, video: MediaInput) -> EncodedMedia:
         return encode_media(self.family, self.vision, video, self.config.video_pruning_rate)
 
-    def prepare(self, pieces: list[PromptPiece], videos: list[VideoInput]) -> PreparedPrompt:
+    def prepare(self, pieces: list[PromptPiece], videos: list[MediaInput]) -> PreparedPrompt:
         """Encode every media item of one request and return its final ids and positions."""
         retained = [retained_count(self.family, v, self.config.video_pruning_rate) for v in videos]
         plan = plan_prompt(pieces, videos, retained, self.family)

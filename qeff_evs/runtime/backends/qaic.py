@@ -30,15 +30,9 @@ from types import ModuleType
 
 import numpy as np
 
-from qeff_evs.runtime.chunks import LanguageStep
-from qeff_evs.runtime.sessions import (
-    BATCH_INDEX,
-    PAD_POSITION,
-    RETAINED_SUFFIX,
-    LanguageShape,
-    OrtLanguageSession,
-    VisionResult,
-)
+from qeff_evs.models.graph_io import BATCH_INDEX, PAD_POSITION, RETAINED_SUFFIX
+from qeff_evs.manifest import LanguageShape
+from qeff_evs.runtime.backends.base import LanguageInputs, RetainedStateSession, VisionResult
 from qeff_evs.specializations import QPC_DIR
 
 DEFAULT_SDK_ROOT = Path("/opt/qti-aic")
@@ -311,10 +305,10 @@ def decode_width(program: QaicProgram) -> int | None:
     return max(widths) if widths else None
 
 
-class QaicLanguageSession(OrtLanguageSession):
+class QaicLanguageSession(RetainedStateSession):
     """The language QPC with device-side retained state (KV cache, last vision window).
 
-    Same interface as ``OrtLanguageSession`` (``reset``, ``run``, and with a ``batch_index`` graph
+    Same interface as the other ``RetainedStateSession`` s (``reset``, ``run``, and with a ``batch_index`` graph
     ``prefill``/``decode``/``run_rows``), but no state lives on the host: retained outputs are
     always skipped, retained inputs are sent only when they change (see the module docstring).
     """
@@ -326,8 +320,7 @@ class QaicLanguageSession(OrtLanguageSession):
         width = decode_width(program)
         if BATCH_INDEX in program.input_names and width is not None and width != shape.decode_rows:
             shape = replace(shape, decode_batch_size=width)  # the compiled decode batch decides
-        self._stale: set[str] = set()
-        self._bind(shape, program.input_names, program.output_names)
+        super().__init__(shape, program.input_names, program.output_names)
 
     def _check_state_shapes(self, shape: LanguageShape) -> None:
         expected = state_shapes(shape)
@@ -342,10 +335,9 @@ class QaicLanguageSession(OrtLanguageSession):
 
     def reset(self) -> None:
         """Forget the device state: the next call uploads zeros for every retained input."""
-        self.state = {}
         self._stale = set(self.retained)
 
-    def run(self, step: LanguageStep) -> np.ndarray:
+    def run(self, step: LanguageInputs) -> np.ndarray:
         """A single-request step; under continuous batching a decode step is padded to the compiled width."""
         rows = step.input_ids.shape[0]
         if self.continuous_batching and step.input_ids.shape[1] == 1 and rows < self.shape.decode_rows:
@@ -353,17 +345,13 @@ class QaicLanguageSession(OrtLanguageSession):
             return self.run_rows(padded, batch_index)[:rows]
         return super().run(step)
 
-    def _run(self, step: LanguageStep, batch_index: np.ndarray | None) -> np.ndarray:
-        inputs = {"input_ids": step.input_ids, "position_ids": step.position_ids, "image_idx": step.image_idx}
-        if batch_index is not None:
-            inputs[BATCH_INDEX] = batch_index
-        new_content = {"vision_embeds": step.vision_embeds, "deepstack_features": step.deepstack}
+    def _call(self, inputs: dict[str, np.ndarray]) -> np.ndarray:
+        inputs = dict(inputs)
         expected = state_shapes(self.shape)
         for name in self.retained:
             dtype = self.program.dtype(name)
-            if new_content.get(name) is not None:
-                inputs[name] = new_content[name]
-            elif name in self._stale and dtype is not None:  # a type the host cannot write (mxint8 KV) stays as is
+            if name not in inputs and name in self._stale and dtype is not None:
+                # a type the host cannot write (mxint8 KV) stays as the device has it
                 inputs[name] = np.zeros(expected[name], dtype=dtype)
         inputs = {name: value for name, value in inputs.items() if name in self.program.by_name}
         skip = [n for n in self.retained if n not in inputs] + [n + RETAINED_SUFFIX for n in self.retained]
@@ -372,7 +360,7 @@ class QaicLanguageSession(OrtLanguageSession):
         return outputs["logits"].astype(np.float32)
 
 
-def pad_decode_step(step: LanguageStep, width: int) -> tuple[LanguageStep, list[int]]:
+def pad_decode_step(step: LanguageInputs, width: int) -> tuple[LanguageInputs, list[int]]:
     """Rows ``0..B-1`` of a decode step, then padding rows (positions -1) pointed at cache row ``B``.
 
     A padding row writes only slot ``ctx_len - 1`` of a row the call's requests do not use.

@@ -15,18 +15,28 @@ of that row, which no request reads before writing it itself (the host keeps pro
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Protocol
 
 import numpy as np
 
-from qeff_evs.runtime.chunks import LanguageStep
+from qeff_evs.manifest import LanguageShape
+from qeff_evs.models.graph_io import BATCH_INDEX, PAD_POSITION, RETAINED_SUFFIX
 
-RETAINED_SUFFIX = "_RetainedState"
-BATCH_INDEX = "batch_index"
-PAD_POSITION = -1
+
+
+@dataclass(frozen=True)
+class LanguageInputs:
+    """Per-call inputs of one language-graph call; the retained state (KV, last window) stays in the session."""
+
+    input_ids: np.ndarray  # (1, S) int64
+    position_ids: np.ndarray  # (4, 1, S) int64: KV slot, then M-RoPE t/h/w; padding -1
+    vision_embeds: np.ndarray | None  # (1, U, hidden) or None (decode: keep the retained buffer)
+    deepstack: np.ndarray | None  # (levels, 1, U, hidden)
+    image_idx: np.ndarray  # (1, 1) int64
+    vision_rows: int  # how many real rows the window carries
 
 
 @dataclass(frozen=True)
@@ -34,35 +44,6 @@ class VisionResult:
     rows: np.ndarray  # (K, hidden)
     retained_indices: np.ndarray  # (K,) int64
     deepstack: np.ndarray | None = None  # (levels, K, hidden)
-
-
-@dataclass(frozen=True)
-class LanguageShape:
-    """Static facts of a compiled/exported language graph the host must honour."""
-
-    num_layers: int
-    kv_heads: int
-    head_dim: int
-    hidden: int
-    ctx_len: int
-    vision_size: int  # user_vision_size
-    deepstack_levels: int = 0
-    full_batch_size: int = 1  # KV cache rows; > 1 needs a graph exported with continuous batching
-    decode_batch_size: int | None = None  # rows per decode call (the Decode specialization); None: full_batch_size
-
-    def __post_init__(self) -> None:
-        if self.full_batch_size < 1:
-            raise ValueError(f"full_batch_size must be >= 1, got {self.full_batch_size}")
-        decode = self.decode_rows
-        if not 1 <= decode <= self.full_batch_size:
-            raise ValueError(
-                f"decode_batch_size={decode} must lie in [1, full_batch_size={self.full_batch_size}]: "
-                "a decode call's rows need distinct KV cache rows"
-            )
-
-    @property
-    def decode_rows(self) -> int:
-        return self.full_batch_size if self.decode_batch_size is None else self.decode_batch_size
 
 
 @dataclass(frozen=True)
@@ -84,60 +65,31 @@ class LanguageSession(Protocol):
 
     def reset(self) -> None: ...
 
-    def run(self, step: LanguageStep) -> np.ndarray:
+    def run(self, step: LanguageInputs) -> np.ndarray:
         """Logits ``(1, 1, vocab)`` of the step's last valid position."""
 
 
 class BatchedLanguageSession(LanguageSession, Protocol):
     """A language session over ``shape.full_batch_size`` KV cache rows (continuous batching)."""
 
-    def prefill(self, cache_row: int, step: LanguageStep) -> np.ndarray:
+    def prefill(self, cache_row: int, step: LanguageInputs) -> np.ndarray:
         """Logits ``(1, 1, vocab)`` of one request's prefill chunk, run into its cache row."""
 
     def decode(self, rows: Sequence[DecodeRow], pad_token_id: int = 0) -> np.ndarray:
         """Next-token logits ``(len(rows), vocab)`` of several running requests."""
 
 
-def _ort_session(path: Path):
-    import onnxruntime as ort
+class RetainedStateSession(abc.ABC):
+    """A language graph whose ``*_RetainedState`` outputs come back as the next call's inputs.
 
-    if not Path(path).is_file():
-        raise ValueError(f"graph {path} not found; re-run `qeff-evs export` for this folder")
-
-    options = ort.SessionOptions()
-    options.log_severity_level = 3
-    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
-
-
-class OrtVisionSession:
-    def __init__(self, path: Path):
-        self.session = _ort_session(path)
-        self.input_names = {i.name for i in self.session.get_inputs()}
-        self.output_names = [o.name for o in self.session.get_outputs()]
-
-    def run(self, pixel_values: np.ndarray, host_inputs: dict[str, np.ndarray]) -> VisionResult:
-        feeds = {"pixel_values": np.asarray(pixel_values, dtype=np.float32), **host_inputs}
-        missing = self.input_names - feeds.keys()
-        if missing:
-            raise ValueError(f"vision graph inputs {sorted(missing)} were not provided")
-        out = dict(zip(self.output_names, self.session.run(None, {k: feeds[k] for k in self.input_names})))
-        return VisionResult(out["vision_embeds"], out["retained_indices"].astype(np.int64),
-                            out.get("deepstack_features"))
-
-
-class OrtLanguageSession:
-    """ONNX Runtime language graph; KV and the vision window are kept as retained state.
-
-    With a continuous-batching graph (input ``batch_index``) the KV state has
-    ``shape.full_batch_size`` rows and ``prefill``/``decode``/``run_rows`` address them explicitly.
+    The session owns the KV cache and the last vision window, as a QAIC program compiled with
+    ``-retained-state`` does; the engine sends only per-call inputs (``LanguageInputs``). With a
+    continuous-batching graph (input ``batch_index``) the KV state has ``shape.full_batch_size`` rows
+    and ``prefill``/``decode``/``run_rows`` address them explicitly. A backend says where the state
+    lives (``reset``) and how one call runs (``_call``).
     """
 
-    def __init__(self, path: Path, shape: LanguageShape):
-        self.session = _ort_session(path)
-        self._bind(shape, [i.name for i in self.session.get_inputs()],
-                   [o.name for o in self.session.get_outputs()])
-
-    def _bind(self, shape: LanguageShape, input_names: list[str], output_names: list[str]) -> None:
+    def __init__(self, shape: LanguageShape, input_names: list[str], output_names: list[str]) -> None:
         self.shape = shape
         self.input_names = input_names
         self.output_names = output_names
@@ -147,32 +99,31 @@ class OrtLanguageSession:
                 f"full_batch_size={shape.full_batch_size} needs a language graph with a batch_index input; "
                 "export it with continuous batching, or use full_batch_size=1"
             )
-        self.state: dict[str, np.ndarray] = {}
         self.reset()
 
     @property
     def cache_rows(self) -> int:
         return self.shape.full_batch_size
 
-    def reset(self) -> None:
-        s = self.shape
-        kv = (self.cache_rows, s.kv_heads, s.ctx_len, s.head_dim)
-        self.state = {}
-        for i in range(s.num_layers):
-            self.state[f"past_key.{i}"] = np.zeros(kv, dtype=np.float32)
-            self.state[f"past_value.{i}"] = np.zeros(kv, dtype=np.float32)
-        self.state["vision_embeds"] = np.zeros((1, s.vision_size, s.hidden), dtype=np.float32)
-        if s.deepstack_levels:
-            self.state["deepstack_features"] = np.zeros(
-                (s.deepstack_levels, 1, s.vision_size, s.hidden), dtype=np.float32)
+    @property
+    def cache_rows(self) -> int:
+        return self.shape.full_batch_size
 
-    def run(self, step: LanguageStep) -> np.ndarray:
+    @abc.abstractmethod
+    def reset(self) -> None:
+        """Forget every request: zero KV cache and vision window."""
+
+    @abc.abstractmethod
+    def _call(self, inputs: dict[str, np.ndarray]) -> np.ndarray:
+        """Run the graph once with these per-call inputs (the retained ones only when they changed); logits."""
+
+    def run(self, step: LanguageInputs) -> np.ndarray:
         """Logits ``(B, 1, vocab)`` of a single-request step (cache rows ``0..B-1`` under CB)."""
         if self.continuous_batching:
             return self.run_rows(step, range(step.input_ids.shape[0]))
         return self._run(step, None)
 
-    def prefill(self, cache_row: int, step: LanguageStep) -> np.ndarray:
+    def prefill(self, cache_row: int, step: LanguageInputs) -> np.ndarray:
         """One request's prefill chunk (batch 1) into its KV cache row; logits ``(1, 1, vocab)``."""
         if step.input_ids.shape[0] != 1:
             raise ValueError(f"a prefill call carries one request, got a step of {step.input_ids.shape[0]} rows")
@@ -194,7 +145,7 @@ class OrtLanguageSession:
             logits.append(self.run_rows(step, batch_index)[: len(group), 0])
         return np.concatenate(logits, axis=0)
 
-    def run_rows(self, step: LanguageStep, batch_index: Sequence[int]) -> np.ndarray:
+    def run_rows(self, step: LanguageInputs, batch_index: Sequence[int]) -> np.ndarray:
         """One call whose batch row ``b`` reads and writes KV cache row ``batch_index[b]``."""
         if not self.continuous_batching:
             raise ValueError(
@@ -205,23 +156,46 @@ class OrtLanguageSession:
         check_batch_index(index, step.position_ids, self.cache_rows)
         return self._run(step, index)
 
-    def _run(self, step: LanguageStep, batch_index: np.ndarray | None) -> np.ndarray:
-        feeds = dict(self.state)
-        feeds.update(input_ids=step.input_ids, position_ids=step.position_ids, image_idx=step.image_idx)
+    def _run(self, step: LanguageInputs, batch_index: np.ndarray | None) -> np.ndarray:
+        inputs = {"input_ids": step.input_ids, "position_ids": step.position_ids, "image_idx": step.image_idx}
         if batch_index is not None:
-            feeds[BATCH_INDEX] = batch_index
+            inputs[BATCH_INDEX] = batch_index
         if step.vision_embeds is not None:
-            feeds["vision_embeds"] = step.vision_embeds.astype(np.float32)
+            inputs["vision_embeds"] = step.vision_embeds
         if step.deepstack is not None:
-            feeds["deepstack_features"] = step.deepstack.astype(np.float32)
+            inputs["deepstack_features"] = step.deepstack
+        return self._call(inputs)
+
+
+class HostStateSession(RetainedStateSession):
+    """Retained state kept in host memory (ONNX Runtime, PyTorch): fed in whole, read back every call."""
+
+    def reset(self) -> None:
+        s = self.shape
+        kv = (self.cache_rows, s.kv_heads, s.ctx_len, s.head_dim)
+        self.state: dict[str, np.ndarray] = {}
+        for i in range(s.num_layers):
+            self.state[f"past_key.{i}"] = np.zeros(kv, dtype=np.float32)
+            self.state[f"past_value.{i}"] = np.zeros(kv, dtype=np.float32)
+        self.state["vision_embeds"] = np.zeros((1, s.vision_size, s.hidden), dtype=np.float32)
+        if s.deepstack_levels:
+            self.state["deepstack_features"] = np.zeros(
+                (s.deepstack_levels, 1, s.vision_size, s.hidden), dtype=np.float32)
+
+    def _call(self, inputs: dict[str, np.ndarray]) -> np.ndarray:
+        feeds = {**self.state, **inputs}
+        for name in ("vision_embeds", "deepstack_features"):
+            if name in inputs:
+                feeds[name] = np.asarray(inputs[name], dtype=np.float32)
         outputs = dict(zip(self.output_names, self._execute(feeds)))
         for name, value in outputs.items():
             if name.endswith(RETAINED_SUFFIX):
                 self.state[name[: -len(RETAINED_SUFFIX)]] = value
         return outputs["logits"]
 
+    @abc.abstractmethod
     def _execute(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
-        return self.session.run(None, {name: feeds[name] for name in self.input_names})
+        """Run the graph once on ``feeds`` (every input name); outputs in ``output_names`` order."""
 
 
 def check_batch_index(batch_index: np.ndarray, position_ids: np.ndarray, cache_rows: int) -> None:
@@ -247,7 +221,7 @@ def check_batch_index(batch_index: np.ndarray, position_ids: np.ndarray, cache_r
 
 
 def decode_batch(rows: Sequence[DecodeRow], width: int, cache_rows: int,
-                 pad_token_id: int = 0) -> tuple[LanguageStep, list[int]]:
+                 pad_token_id: int = 0) -> tuple[LanguageInputs, list[int]]:
     """A decode call of exactly ``width`` rows: the requests, then padding rows (positions -1).
 
     Padding rows point at the lowest cache row no request of this call uses (one exists: the call has
@@ -267,49 +241,5 @@ def decode_batch(rows: Sequence[DecodeRow], width: int, cache_rows: int,
         position_ids[0, b, 0] = r.kv_slot
         position_ids[1:, b, 0] = r.mrope_position
         batch_index[b] = r.cache_row
-    step = LanguageStep(input_ids, position_ids, None, None, np.zeros((1, 1), dtype=np.int64), 0)
+    step = LanguageInputs(input_ids, position_ids, None, None, np.zeros((1, 1), dtype=np.int64), 0)
     return step, batch_index
-
-
-def torch_device(prefer: str | None = None):
-    """CUDA when present (the reference path's accelerator), else CPU."""
-    import torch
-
-    if prefer:
-        return torch.device(prefer)
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-class TorchVisionSession:
-    """The exportable vision wrapper run eagerly: same inputs as the graph, stable-sort EVS."""
-
-    def __init__(self, wrapper, device=None):
-        self.device = torch_device(device)
-        self.wrapper = wrapper.to(self.device).eval()
-
-    def run(self, pixel_values: np.ndarray, host_inputs: dict[str, np.ndarray]) -> VisionResult:
-        import torch
-
-        feeds = [torch.as_tensor(np.asarray(pixel_values, dtype=np.float32)).to(self.device)]
-        feeds += [torch.from_numpy(np.asarray(a)).to(self.device) for a in host_inputs.values()]
-        with torch.no_grad():
-            outputs = [o.cpu().numpy() for o in self.wrapper(*feeds)]
-        if len(outputs) == 3:  # embeds, deepstack, indices
-            return VisionResult(outputs[0], outputs[2].astype(np.int64), outputs[1])
-        return VisionResult(outputs[0], outputs[1].astype(np.int64))
-
-
-class TorchLanguageSession(OrtLanguageSession):
-    """The language step module run eagerly in PyTorch, with the same retained-state handling."""
-
-    def __init__(self, module, shape: LanguageShape, device=None):
-        self.device = torch_device(device)
-        self.module = module.to(self.device).eval()
-        self._bind(shape, list(module.io.input_names), list(module.io.output_names))
-
-    def _execute(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
-        import torch
-
-        with torch.no_grad():
-            outputs = self.module.run({name: torch.as_tensor(feeds[name]).to(self.device) for name in self.input_names})
-        return [outputs[name].cpu().numpy() for name in self.output_names]

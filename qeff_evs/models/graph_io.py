@@ -1,0 +1,105 @@
+"""Names, order and dynamic axes of every graph's inputs and outputs, and the constants hosts share.
+
+The language graph follows QEfficient's dual-QPC contract (DESIGN §6):
+
+Inputs, in order: ``input_ids (batch_size, seq_len)``, ``vision_embeds (1, vision_size, hidden)``,
+[``deepstack_features (levels, 1, vision_size, hidden)``], ``position_ids (4, batch_size, seq_len)``,
+``image_idx (1, 1)``, then ``past_key.{i}``, ``past_value.{i}`` per layer ``(batch_size, kv_heads,
+ctx_len, head_dim)``, and with continuous batching ``batch_index (batch_size, 1)``, the caches then
+having ``full_batch_size`` rows. Outputs: ``logits (batch_size, 1, vocab)``,
+``vision_embeds_RetainedState``, [``deepstack_features_RetainedState``], ``image_idx_output (1, 1)``,
+``past_key.{i}_RetainedState``, ``past_value.{i}_RetainedState``.
+
+A vision graph declares its interface as a ``VisionGraphSpec`` (each family module has one).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from qeff_evs.specializations import RETAINED_SUFFIX
+
+BATCH, SEQ, VISION, CTX = "batch_size", "seq_len", "vision_size", "ctx_len"
+FULL_BATCH = "full_batch_size"  # KV cache rows under continuous batching (QEfficient's symbol)
+BATCH_INDEX = "batch_index"
+PAD_POSITION = -1  # position (and KV slot) of a padding token: every row of position_ids
+
+Axes = Mapping[int, str]
+
+
+@dataclass(frozen=True)
+class VisionGraphSpec:
+    """Graph interface: ``inputs``/``outputs`` map each name (in order) to its dynamic axes."""
+
+    inputs: Mapping[str, Axes]
+    outputs: Mapping[str, Axes]
+
+    @property
+    def input_names(self) -> list[str]:
+        return list(self.inputs)
+
+    @property
+    def output_names(self) -> list[str]:
+        return list(self.outputs)
+
+    @property
+    def dynamic_axes(self) -> dict[str, dict[int, str]]:
+        return {name: dict(axes) for name, axes in {**self.inputs, **self.outputs}.items() if axes}
+
+    @property
+    def symbols(self) -> set[str]:
+        return {symbol for axes in {**self.inputs, **self.outputs}.values() for symbol in axes.values()}
+
+
+@dataclass(frozen=True)
+class LanguageGraphIO:
+    """Names (in graph order) and dynamic axes of the language graph's inputs and outputs."""
+
+    num_layers: int
+    deepstack: bool
+    continuous_batching: bool = False
+
+    def _kv(self, suffix: str = "") -> list[str]:
+        return [f"past_{kind}.{i}{suffix}" for i in range(self.num_layers) for kind in ("key", "value")]
+
+    @property
+    def input_names(self) -> list[str]:
+        vision = ["vision_embeds"] + (["deepstack_features"] if self.deepstack else [])
+        # batch_index follows the caches, as in QEfficient's forward signature.
+        cb = [BATCH_INDEX] if self.continuous_batching else []
+        return ["input_ids", *vision, "position_ids", "image_idx", *self._kv(), *cb]
+
+    @property
+    def output_names(self) -> list[str]:
+        retained = [f"vision_embeds{RETAINED_SUFFIX}"]
+        if self.deepstack:
+            retained.append(f"deepstack_features{RETAINED_SUFFIX}")
+        return ["logits", *retained, "image_idx_output", *self._kv(RETAINED_SUFFIX)]
+
+    @property
+    def dynamic_axes(self) -> dict[str, dict[int, str]]:
+        kv_axes = {0: FULL_BATCH if self.continuous_batching else BATCH, 2: CTX}
+        axes = {
+            "input_ids": {0: BATCH, 1: SEQ},
+            "vision_embeds": {1: VISION},
+            "position_ids": {1: BATCH, 2: SEQ},
+            "logits": {0: BATCH},
+            f"vision_embeds{RETAINED_SUFFIX}": {1: VISION},
+        }
+        if self.deepstack:
+            axes["deepstack_features"] = {2: VISION}
+            axes[f"deepstack_features{RETAINED_SUFFIX}"] = {2: VISION}
+        if self.continuous_batching:
+            axes[BATCH_INDEX] = {0: BATCH}
+        for name in self._kv() + self._kv(RETAINED_SUFFIX):
+            axes[name] = dict(kv_axes)
+        return axes
+
+
+def language_io_names(
+    num_layers: int, deepstack: bool, continuous_batching: bool = False
+) -> tuple[list[str], list[str]]:
+    """``(input_names, output_names)`` of the language graph, in graph order."""
+    io = LanguageGraphIO(num_layers, deepstack, continuous_batching)
+    return io.input_names, io.output_names

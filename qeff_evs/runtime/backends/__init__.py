@@ -1,0 +1,1 @@
+"""Sessions behind one interface: ``base`` (protocols, the retained-state session base), ``ort``, ``torch_reference``, ``qaic``."""

@@ -1,0 +1,58 @@
+"""ONNX Runtime backend (the embedded default): the export's graphs on the CPU."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from qeff_evs.manifest import LanguageShape
+from qeff_evs.runtime.backends.base import HostStateSession, VisionResult
+
+
+def open_ort_session(path: Path):
+    import onnxruntime as ort
+
+    if not Path(path).is_file():
+        raise ValueError(f"graph {path} not found; re-run `qeff-evs export` for this folder")
+
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+
+
+def _session(graph):
+    """An ``InferenceSession`` as given, or one opened on the graph file at ``graph``."""
+    return open_ort_session(graph) if isinstance(graph, (str, Path)) else graph
+
+
+class OrtVisionSession:
+    """The vision graph in ONNX Runtime; ``graph`` is its path or an opened ``InferenceSession``."""
+
+    def __init__(self, graph):
+        self.session = _session(graph)
+        self.input_names = {i.name for i in self.session.get_inputs()}
+        self.output_names = [o.name for o in self.session.get_outputs()]
+
+    def run(self, pixel_values: np.ndarray, host_inputs: dict[str, np.ndarray]) -> VisionResult:
+        feeds = {"pixel_values": np.asarray(pixel_values, dtype=np.float32), **host_inputs}
+        missing = self.input_names - feeds.keys()
+        if missing:
+            raise ValueError(f"vision graph inputs {sorted(missing)} were not provided")
+        out = dict(zip(self.output_names, self.session.run(None, {k: feeds[k] for k in self.input_names})))
+        return VisionResult(out["vision_embeds"], out["retained_indices"].astype(np.int64),
+                            out.get("deepstack_features"))
+
+
+class OrtLanguageSession(HostStateSession):
+    """The language graph in ONNX Runtime; ``graph`` is its path or an opened ``InferenceSession``."""
+
+    def __init__(self, graph, shape: LanguageShape):
+        self.session = _session(graph)
+        super().__init__(shape, [i.name for i in self.session.get_inputs()],
+                         [o.name for o in self.session.get_outputs()])
+
+    def _execute(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+        return self.session.run(None, {name: feeds[name] for name in self.input_names})
+
+

@@ -1,0 +1,1 @@
+"""Inputs: video files and arrays, preprocessing to patches, synthetic clips, prompt pieces."""
