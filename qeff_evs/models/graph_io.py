@@ -18,6 +18,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+import numpy as np
+
 from qeff_evs.specializations import RETAINED_SUFFIX
 
 BATCH, SEQ, VISION, CTX = "batch_size", "seq_len", "vision_size", "ctx_len"
@@ -103,3 +105,44 @@ def language_io_names(
     """``(input_names, output_names)`` of the language graph, in graph order."""
     io = LanguageGraphIO(num_layers, deepstack, continuous_batching)
     return io.input_names, io.output_names
+
+
+def check_batch_index(batch_index, position_ids, cache_rows: int) -> None:
+    """Checks of a continuous-batching call's ``batch_index`` (numpy or CPU/GPU torch), host or eager graph.
+
+    It must be ``(batch, 1)`` int64 rows in ``[0, full_batch_size)``; two real rows (any slot >= 0)
+    may not share a cache row, and a padding row (all slots -1) may not name a real row's cache row
+    (its write to slot ``ctx_len - 1`` could race a real write there).
+    """
+    batch_index, position_ids = _host(batch_index), _host(position_ids)
+    batch = position_ids.shape[1]
+    if batch_index.ndim != 2 or batch_index.shape != (batch, 1):
+        raise ValueError(
+            f"batch_index must be (batch_size, 1) = ({batch}, 1), one cache row per batch row, got "
+            f"{tuple(batch_index.shape)}"
+        )
+    if batch_index.dtype != np.int64:
+        raise ValueError(f"batch_index must be int64, got {batch_index.dtype}; cast it on the host")
+    rows = batch_index.reshape(-1).tolist()
+    if min(rows) < 0 or max(rows) >= cache_rows:
+        raise ValueError(
+            f"batch_index values must lie in [0, full_batch_size={cache_rows}), got {rows}; "
+            "point every row (padding rows too) at a row the KV cache has"
+        )
+    real = (position_ids[0] >= 0).any(axis=1).tolist()
+    real_rows = [row for row, is_real in zip(rows, real) if is_real]
+    if len(set(real_rows)) != len(real_rows):
+        raise ValueError(
+            f"batch_index {rows} names one cache row for two requests; give each request of a call its own row"
+        )
+    shared = sorted({row for row, is_real in zip(rows, real) if not is_real} & set(real_rows))
+    if shared:
+        raise ValueError(
+            f"padding rows of batch_index {rows} point at cache rows {shared} that real rows of the same call "
+            "write; point padding rows at a row the call does not use"
+        )
+
+
+def _host(array) -> np.ndarray:
+    """A numpy view of a numpy array or a torch tensor (any device)."""
+    return array.detach().cpu().numpy() if hasattr(array, "detach") else np.asarray(array)

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from qeff_evs.models.graph_io import BATCH_INDEX, LanguageGraphIO
+from qeff_evs.models.graph_io import BATCH_INDEX, LanguageGraphIO, check_batch_index
 from qeff_evs.models.kv_cache import (
     BatchedSlotKVCache,
     SlotKVCache,
@@ -235,42 +235,7 @@ class LanguageGraph(nn.Module):
                 f"{self.spec.deepstack_levels}; pass the vision graph's deepstack output unchanged"
             )
         if batch_index is not None:
-            _check_batch_index(batch_index, position_ids, cache_rows=past_keys[0].shape[0])
-
-
-def _check_batch_index(batch_index: torch.Tensor, position_ids: torch.Tensor, cache_rows: int) -> None:
-    """Eager-only checks of a continuous-batching call's ``batch_index``.
-
-    It must be ``(batch, 1)`` int64 rows in ``[0, full_batch_size)``; two real rows (any slot >= 0)
-    may not share a cache row, and a padding row (all slots -1) may not name a real row's cache row
-    (its write to slot ``ctx_len - 1`` could race a real write there).
-    """
-    batch = position_ids.shape[1]
-    if batch_index.dim() != 2 or tuple(batch_index.shape) != (batch, 1):
-        raise ValueError(
-            f"batch_index must be (batch_size, 1) = ({batch}, 1), one cache row per batch row, got "
-            f"{tuple(batch_index.shape)}"
-        )
-    if batch_index.dtype != torch.int64:
-        raise ValueError(f"batch_index must be int64, got {batch_index.dtype}; cast it on the host")
-    rows = batch_index.reshape(-1).tolist()
-    if min(rows) < 0 or max(rows) >= cache_rows:
-        raise ValueError(
-            f"batch_index values must lie in [0, full_batch_size={cache_rows}), got {rows}; "
-            "point every row (padding rows too) at a row the KV cache has"
-        )
-    real = (position_ids[0] >= 0).any(dim=1).tolist()
-    real_rows = [row for row, is_real in zip(rows, real) if is_real]
-    if len(set(real_rows)) != len(real_rows):
-        raise ValueError(
-            f"batch_index {rows} names one cache row for two requests; give each request of a call its own row"
-        )
-    shared = sorted({row for row, is_real in zip(rows, real) if not is_real} & set(real_rows))
-    if shared:
-        raise ValueError(
-            f"padding rows of batch_index {rows} point at cache rows {shared} that real rows of the same call "
-            "write; point padding rows at a row the call does not use"
-        )
+            check_batch_index(batch_index, position_ids, cache_rows=past_keys[0].shape[0])
 
 
 class ExportableLanguageGraph(nn.Module):

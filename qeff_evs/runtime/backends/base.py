@@ -23,8 +23,7 @@ from typing import Protocol
 import numpy as np
 
 from qeff_evs.manifest import LanguageShape
-from qeff_evs.models.graph_io import BATCH_INDEX, PAD_POSITION, RETAINED_SUFFIX
-
+from qeff_evs.models.graph_io import BATCH_INDEX, PAD_POSITION, RETAINED_SUFFIX, check_batch_index
 
 
 @dataclass(frozen=True)
@@ -100,10 +99,6 @@ class RetainedStateSession(abc.ABC):
                 "export it with continuous batching, or use full_batch_size=1"
             )
         self.reset()
-
-    @property
-    def cache_rows(self) -> int:
-        return self.shape.full_batch_size
 
     @property
     def cache_rows(self) -> int:
@@ -196,28 +191,6 @@ class HostStateSession(RetainedStateSession):
     @abc.abstractmethod
     def _execute(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
         """Run the graph once on ``feeds`` (every input name); outputs in ``output_names`` order."""
-
-
-def check_batch_index(batch_index: np.ndarray, position_ids: np.ndarray, cache_rows: int) -> None:
-    """Host-side check of a call's ``batch_index (B, 1)`` before it reaches a backend.
-
-    Rows must lie in ``[0, cache_rows)``; real rows (any slot >= 0) need distinct cache rows, and a
-    padding row may not name a real row's cache row (both could write slot ``ctx_len - 1``).
-    """
-    batch = position_ids.shape[1]
-    if batch_index.shape != (batch, 1):
-        raise ValueError(f"batch_index has {batch_index.shape[0]} rows for a step of {batch}; give one per row")
-    rows = batch_index[:, 0].tolist()
-    if min(rows) < 0 or max(rows) >= cache_rows:
-        raise ValueError(f"batch_index {rows} leaves [0, full_batch_size={cache_rows}); use rows the KV cache has")
-    real = (np.asarray(position_ids)[0] >= 0).any(axis=1).tolist()
-    real_rows = [row for row, is_real in zip(rows, real) if is_real]
-    pad_rows = {row for row, is_real in zip(rows, real) if not is_real}
-    if len(set(real_rows)) != len(real_rows) or pad_rows & set(real_rows):
-        raise ValueError(
-            f"batch_index {rows} (real rows {real}) names one KV cache row twice; give each request its own row "
-            "and point padding rows at a row no request of the call uses"
-        )
 
 
 def decode_batch(rows: Sequence[DecodeRow], width: int, cache_rows: int,
