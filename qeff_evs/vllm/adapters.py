@@ -29,6 +29,7 @@ import numpy as np
 
 from qeff_evs import evs
 from qeff_evs.runtime.engine.scheduler import MediaItem
+from qeff_evs.runtime.engine.steps import VisionWindow, gather_window
 from qeff_evs.runtime.engine.window import Placeholder, WindowSlice, window_slices
 
 # --- placeholder conversion -------------------------------------------------------------------
@@ -67,16 +68,6 @@ def media_items(features: Sequence[Any]) -> tuple[MediaItem, ...]:
 # --- the window of one prefill chunk ---------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class VisionWindow:
-    """Language-graph vision inputs of one prefill chunk."""
-
-    vision_embeds: np.ndarray  # (1, user_vision_size, hidden), real rows first, zeros after
-    deepstack: np.ndarray | None  # (levels, 1, user_vision_size, hidden)
-    image_idx: np.ndarray  # (1, 1) int64, always 0: the chunk's k-th media token takes row k
-    num_rows: int
-
-
 def feature_window_slices(features: Sequence[Any], computed: int, scheduled: int) -> list[WindowSlice]:
     """Rows of each feature's cached encoder output that chunk ``[computed, computed+scheduled)`` uses.
 
@@ -85,34 +76,27 @@ def feature_window_slices(features: Sequence[Any], computed: int, scheduled: int
     return window_slices(feature_placeholders(features), computed, scheduled)
 
 
+@dataclass(frozen=True)
+class FeatureRows:
+    """One cached vLLM encoder output as host arrays."""
+
+    rows: np.ndarray  # (rows, hidden)
+    deepstack: np.ndarray | None  # (levels, rows, hidden)
+
+
 def gather_feature_window(features: Sequence[Any], encoder_outputs: Mapping[str, Any], computed: int,
                           scheduled: int, user_vision_size: int, hidden: int, deepstack_levels: int = 0,
                           deepstack_outputs: Mapping[str, Any] | None = None) -> VisionWindow:
-    """The chunk's vision rows, concatenated in prompt order and zero-padded to ``user_vision_size``.
+    """The chunk's vision rows (``gather_window``) from vLLM features and encoder outputs by identifier.
 
     ``encoder_outputs[identifier]`` is an item's ``(rows, hidden)`` output; with ``deepstack_levels``
     (Qwen3-VL), ``deepstack_outputs[identifier]`` holds its ``(levels, rows, hidden)`` deepstack rows.
     """
-    slices = feature_window_slices(features, computed, scheduled)
-    num_rows = sum(s.num_rows for s in slices)
-    if num_rows > user_vision_size:
-        raise ValueError(
-            f"chunk [{computed}, {computed + scheduled}) needs {num_rows} vision rows but user_vision_size is "
-            f"{user_vision_size}; export with --user-vision-size >= --prefill-seq-len")
-    keys = [str(features[s.item].identifier) for s in slices]
-    missing = [k for k in keys if k not in encoder_outputs or (deepstack_levels and k not in (deepstack_outputs or {}))]
-    if missing:
-        raise ValueError(f"encoder outputs missing for {missing}; encode those items before the chunk that uses them")
-    dtype = _as_array(encoder_outputs[keys[0]]).dtype if keys else np.float32
-    window = np.zeros((1, user_vision_size, hidden), dtype=dtype)
-    deepstack = np.zeros((deepstack_levels, 1, user_vision_size, hidden), dtype=dtype) if deepstack_levels else None
-    at = 0
-    for s, key in zip(slices, keys):
-        window[0, at:at + s.num_rows] = _as_array(encoder_outputs[key])[s.row_start:s.row_end]
-        if deepstack is not None:
-            deepstack[:, 0, at:at + s.num_rows] = _as_array(deepstack_outputs[key])[:, s.row_start:s.row_end]
-        at += s.num_rows
-    return VisionWindow(window, deepstack, np.zeros((1, 1), dtype=np.int64), num_rows)
+    deep = deepstack_outputs or {}
+    outputs = {key: FeatureRows(_as_array(value), _as_array(deep[key]) if key in deep else None)
+               for key, value in encoder_outputs.items()}
+    return gather_window(feature_placeholders(features), [str(f.identifier) for f in features], outputs,
+                         computed, scheduled, user_vision_size, hidden, deepstack_levels)
 
 
 def _as_array(value: Any) -> np.ndarray:

@@ -1,45 +1,82 @@
-"""Inputs of one language-graph call: a prefill chunk with its window of vision rows, or a decode step.
+"""Inputs of one prefill-chunk call of the language graph: the chunk's ids, positions and window of vision rows.
 
 Each prefill chunk receives only the retained vision rows its own window covers, zero-padded to
 ``user_vision_size``, with ``image_idx = 0``: the graph's k-th media token takes row k. Positions
-are a slice of the request's int64 positions, so any chunking sees the same numbers.
+are a slice of the request's int64 positions, so any chunking sees the same numbers. Every caller
+(single-request and serving engines through the executor, the vLLM adapters, the bench) builds its
+chunks here; decode calls are assembled by the backends (``decode_batch``).
 """
 
 from __future__ import annotations
+
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
 from qeff_evs.models.graph_io import PAD_POSITION
 from qeff_evs.runtime.backends.base import LanguageInputs
-from qeff_evs.runtime.engine.request import PreparedPrompt
-from qeff_evs.runtime.engine.window import window_slices
+from qeff_evs.runtime.engine.window import Placeholder, window_slices
 
 
+class EncodedRows(Protocol):
+    """An encoded media item as the window reads it (``EncodedMedia`` is one)."""
 
-def gather_window(prompt: PreparedPrompt, computed: int, scheduled: int, user_vision_size: int,
-                  hidden: int, levels: int) -> tuple[np.ndarray, np.ndarray | None, int]:
-    """Rows of every media item overlapping ``[computed, computed+scheduled)``, zero-padded to U."""
-    slices = window_slices(prompt.placeholders, computed, scheduled)
-    rows = sum(s.num_rows for s in slices)
-    if rows > user_vision_size:
+    rows: np.ndarray  # (K, hidden)
+    deepstack: np.ndarray | None  # (levels, K, hidden)
+
+
+class ChunkPrompt(Protocol):
+    """A request's prompt as a chunk reads it (``PromptPlan`` and ``PreparedPrompt`` are ones)."""
+
+    ids: np.ndarray  # (N,) int64
+    positions: np.ndarray  # (3, N) int64
+    placeholders: list[Placeholder]
+    encoded: Sequence[EncodedRows | None]  # per media item; None until encoded
+
+
+@dataclass(frozen=True)
+class VisionWindow:
+    """Language-graph vision inputs of one prefill chunk."""
+
+    vision_embeds: np.ndarray  # (1, user_vision_size, hidden), real rows first, zeros after
+    deepstack: np.ndarray | None  # (levels, 1, user_vision_size, hidden)
+    image_idx: np.ndarray  # (1, 1) int64, always 0: the chunk's k-th media token takes row k
+    num_rows: int
+
+
+def gather_window(placeholders: Sequence[Placeholder], keys: Sequence[Hashable],
+                  outputs: Mapping[Hashable, EncodedRows], computed: int, scheduled: int,
+                  user_vision_size: int, hidden: int, levels: int = 0) -> VisionWindow:
+    """Rows of every media item overlapping ``[computed, computed+scheduled)``, in prompt order, zero-padded to U.
+
+    Item ``i`` sits at ``placeholders[i]`` and its encoder output is ``outputs[keys[i]]``.
+    """
+    slices = window_slices(list(placeholders), computed, scheduled)
+    num_rows = sum(s.num_rows for s in slices)
+    if num_rows > user_vision_size:
         raise ValueError(
-            f"a chunk needs {rows} vision rows but user_vision_size is {user_vision_size}; "
-            "export with --user-vision-size >= --prefill-seq-len"
-        )
-    dtype = prompt.encoded[slices[0].item].rows.dtype if slices else np.float32
+            f"chunk [{computed}, {computed + scheduled}) needs {num_rows} vision rows but user_vision_size is "
+            f"{user_vision_size}; export with --user-vision-size >= --prefill-seq-len")
+    used = [keys[s.item] for s in slices]
+    missing = [k for k in used if k not in outputs or (levels and outputs[k].deepstack is None)]
+    if missing:
+        raise ValueError(f"encoder outputs missing for {missing}; encode those items before the chunk that uses them")
+    dtype = outputs[used[0]].rows.dtype if used else np.float32
     window = np.zeros((1, user_vision_size, hidden), dtype=dtype)
     deepstack = np.zeros((levels, 1, user_vision_size, hidden), dtype=dtype) if levels else None
     at = 0
-    for s in slices:
-        enc = prompt.encoded[s.item]
-        window[0, at:at + s.num_rows] = enc.rows[s.row_start:s.row_end]
+    for s, key in zip(slices, used):
+        encoded = outputs[key]
+        window[0, at:at + s.num_rows] = encoded.rows[s.row_start:s.row_end]
         if deepstack is not None:
-            deepstack[:, 0, at:at + s.num_rows] = enc.deepstack[:, s.row_start:s.row_end]
+            deepstack[:, 0, at:at + s.num_rows] = encoded.deepstack[:, s.row_start:s.row_end]
         at += s.num_rows
-    return window, deepstack, rows
+    return VisionWindow(window, deepstack, np.zeros((1, 1), dtype=np.int64), num_rows)
 
 
-def prefill_step(prompt: PreparedPrompt, computed: int, scheduled: int, seq_len: int,
+def prefill_step(prompt: ChunkPrompt, computed: int, scheduled: int, seq_len: int,
                  user_vision_size: int, hidden: int, levels: int, pad_token_id: int = 0) -> LanguageInputs:
     """The padded chunk ``[computed, computed+scheduled)`` as the prefill specialization wants it."""
     if scheduled > seq_len:
@@ -49,12 +86,15 @@ def prefill_step(prompt: PreparedPrompt, computed: int, scheduled: int, seq_len:
     position_ids = np.full((4, 1, seq_len), PAD_POSITION, dtype=np.int64)
     position_ids[0, 0, :scheduled] = np.arange(computed, computed + scheduled)
     position_ids[1:, 0, :scheduled] = prompt.positions[:, computed:computed + scheduled]
-    window, deepstack, rows = gather_window(prompt, computed, scheduled, user_vision_size, hidden, levels)
-    return LanguageInputs(ids, position_ids, window, deepstack, np.zeros((1, 1), dtype=np.int64), rows)
+    encoded = {item: e for item, e in enumerate(prompt.encoded) if e is not None}
+    window = gather_window(prompt.placeholders, range(len(prompt.placeholders)), encoded, computed, scheduled,
+                           user_vision_size, hidden, levels)
+    return LanguageInputs(ids, position_ids, window.vision_embeds, window.deepstack, window.image_idx,
+                          window.num_rows)
 
 
 def decode_step(token_id: int, kv_slot: int, mrope_position: int) -> LanguageInputs:
     """One generated token: KV slot in row 0, the same M-RoPE position in rows 1..3."""
     position_ids = np.array([kv_slot] + [mrope_position] * 3, dtype=np.int64).reshape(4, 1, 1)
     return LanguageInputs(np.array([[token_id]], dtype=np.int64), position_ids, None, None,
-                        np.zeros((1, 1), dtype=np.int64), 0)
+                          np.zeros((1, 1), dtype=np.int64), 0)
