@@ -177,6 +177,20 @@ def test_update_checks_which_requests_sample():
         s.update_from_output(out, {})
 
 
+def test_chunk_ends_are_never_crossed_and_other_cuts_still_apply():
+    s = Scheduler(cfg())
+    s.add_request(RequestSpec("A", 10, chunk_ends=(3, 5, 10), max_new_tokens=1))
+    assert [chunks(step(s)[0]) for _ in range(4)] == [
+        [("A", 0, 3, False)], [("A", 3, 2, False)], [("A", 5, 4, False)], [("A", 9, 1, True)]]  # 5..10 > seq_len
+    assert not s.has_unfinished_requests()
+
+    # A budget cut inside a requested chunk resumes up to the same end.
+    s = Scheduler(cfg(max_num_batched_tokens=3, max_num_seqs=1))
+    s.add_request(RequestSpec("B", 10, chunk_ends=(4, 10), max_new_tokens=1))
+    assert [chunks(step(s)[0]) for _ in range(4)] == [
+        [("B", 0, 3, False)], [("B", 3, 1, False)], [("B", 4, 3, False)], [("B", 7, 3, True)]]
+
+
 # --- rejections --------------------------------------------------------------------------------
 
 
@@ -188,6 +202,9 @@ def test_update_checks_which_requests_sample():
     (RequestSpec("empty", 0), "needs >= 1 token"),
     (RequestSpec("zero-new", 5, max_new_tokens=0), "max_new_tokens must be >= 1"),
     (RequestSpec("mismatch", 20, (video("same", 1, 3), video("same", 10, 4))), "has 4 rows here but 3"),
+    (RequestSpec("ends-order", 10, chunk_ends=(5, 3, 10)), r"chunk_ends \[5, 3, 10\] must increase strictly"),
+    (RequestSpec("ends-past", 10, chunk_ends=(4, 11)), r"within \(0, 10\]"),
+    (RequestSpec("ends-zero", 10, chunk_ends=(0, 4)), "chunk_ends"),
 ])
 def test_requests_that_can_never_run_are_rejected_while_others_proceed(spec, message):
     s = Scheduler(cfg())

@@ -5,7 +5,8 @@ Each ``schedule()`` hands out one step:
 1. every decoding request gets its one token (decode first, so generation never stalls behind a
    long prompt);
 2. requests still prefilling get their next chunk, in admission order, cut at the remaining
-   token budget and at ``prefill_seq_len`` (one language-graph call per request per step);
+   token budget, at ``prefill_seq_len`` and at the request's ``chunk_ends`` (one language-graph
+   call per request per step);
 3. waiting requests are admitted first-come-first-served while fewer than ``max_num_seqs`` run
    and budget remains; the queue stops at the first request that cannot start.
 
@@ -93,6 +94,9 @@ class RequestSpec:
     max_new_tokens: int = 16
     eos_token_ids: frozenset[int] = frozenset()
     stop_token_ids: frozenset[int] = frozenset()
+    # Prompt positions no prefill chunk crosses (increasing, in (0, num_prompt_tokens]); () = cut anywhere.
+    # The single-request engine's explicit chunks are its ends; budget and encoder limits may cut more.
+    chunk_ends: tuple[int, ...] = ()
 
 
 class FinishReason(str, Enum):
@@ -333,7 +337,8 @@ class Scheduler:
                     encoder_inputs: list[EncoderInput]) -> tuple[int, int]:
         """Length of the request's next chunk and the encoder budget left; schedules needed encodes."""
         start = state.num_computed
-        scheduled = min(state.spec.num_prompt_tokens - start, budget, self.config.prefill_seq_len)
+        end = next((e for e in state.spec.chunk_ends if e > start), state.spec.num_prompt_tokens)
+        scheduled = min(end - start, budget, self.config.prefill_seq_len)
         rid = state.spec.request_id
         for item in state.items_by_offset:
             media = state.spec.media[item]
@@ -410,6 +415,11 @@ class Scheduler:
                 f"request {rid!r}: the prompt ({spec.num_prompt_tokens} tokens) plus max_new_tokens "
                 f"({spec.max_new_tokens}) needs {need} KV slots but ctx_len is {cfg.ctx_len}; shorten the prompt "
                 "(fewer frames, higher --video-pruning-rate), lower max_new_tokens, or export a larger --ctx-len")
+        ends = list(spec.chunk_ends)
+        if ends and (ends != sorted(set(ends)) or ends[0] < 1 or ends[-1] > spec.num_prompt_tokens):
+            raise ValueError(
+                f"request {rid!r}: chunk_ends {ends} must increase strictly within (0, {spec.num_prompt_tokens}] "
+                "(positions of the prompt where a prefill chunk ends)")
         ordered = sorted(spec.media, key=lambda m: m.placeholder.offset)
         previous_end = 0
         limit = min(cfg.encoder_cache_rows, cfg.encoder_budget_rows)
