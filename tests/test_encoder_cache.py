@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from qeff_evs.runtime.engine.encoder_cache import EncoderCache
-from qeff_evs.runtime.engine.scheduler import MediaItem, RequestSpec, Scheduler, SchedulerConfig
+from qeff_evs.runtime.engine.scheduler import MediaPlacement, RequestSpec, Scheduler, SchedulerConfig
 from qeff_evs.runtime.engine.window import Placeholder
 
 # --- the cache alone -------------------------------------------------------------------------------
@@ -83,8 +83,8 @@ def config(**overrides) -> SchedulerConfig:
     return SchedulerConfig(**values)
 
 
-def item(content_hash: str, offset: int, length: int) -> MediaItem:
-    return MediaItem(content_hash, Placeholder(offset, length))
+def item(content_hash: str, offset: int, length: int) -> MediaPlacement:
+    return MediaPlacement(content_hash, Placeholder(offset, length))
 
 
 def advance(s: Scheduler, token: int = 3):
@@ -141,7 +141,7 @@ def test_cache_is_empty_after_every_request_finishes_or_aborts(seed):
                 mask = np.r_[np.zeros(2, bool), np.ones(pool[name], bool), np.zeros(1, bool)]
             length = pool[name] if mask is None else len(mask)
             if at + length <= prompt:
-                media.append(MediaItem(name, Placeholder(at, length, mask)))
+                media.append(MediaPlacement(name, Placeholder(at, length, mask)))
                 at += length + rng.randint(0, 2)
         s.add_request(RequestSpec(f"r{n}", prompt, tuple(media), max_new_tokens=rng.randint(1, 4)))
     runner: dict[str, int] = {}

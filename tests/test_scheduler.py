@@ -15,7 +15,7 @@ import pytest
 
 from qeff_evs.runtime.engine.scheduler import (
     FinishReason,
-    MediaItem,
+    MediaPlacement,
     RequestSpec,
     Scheduler,
     SchedulerConfig,
@@ -33,8 +33,8 @@ def cfg(**overrides) -> SchedulerConfig:
     return SchedulerConfig(**values)
 
 
-def video(content_hash: str, offset: int, length: int, is_embed=None) -> MediaItem:
-    return MediaItem(content_hash, Placeholder(offset, length, None if is_embed is None else np.asarray(is_embed)))
+def video(content_hash: str, offset: int, length: int, is_embed=None) -> MediaPlacement:
+    return MediaPlacement(content_hash, Placeholder(offset, length, None if is_embed is None else np.asarray(is_embed)))
 
 
 def chunks(out: SchedulerOutput) -> list[tuple[str, int, int, bool]]:
@@ -283,7 +283,7 @@ class Track:
 
 
 def random_media(rng: random.Random, prompt: int, videos: dict[str, tuple[int, np.ndarray | None]],
-                 max_rows: int) -> tuple[MediaItem, ...]:
+                 max_rows: int) -> tuple[MediaPlacement, ...]:
     items, at = [], rng.randint(0, 3)
     for _ in range(rng.randint(0, 3)):
         if rng.random() < 0.4 and videos:
@@ -303,12 +303,12 @@ def random_media(rng: random.Random, prompt: int, videos: dict[str, tuple[int, n
         length, mask = videos[name]
         if at + length > prompt:
             break
-        items.append(MediaItem(name, Placeholder(at, length, mask)))
+        items.append(MediaPlacement(name, Placeholder(at, length, mask)))
         at += length + rng.randint(0, 3)
     return tuple(items)
 
 
-def embed_positions(item: MediaItem) -> np.ndarray:
+def embed_positions(item: MediaPlacement) -> np.ndarray:
     ph = item.placeholder
     mask = np.ones(ph.length, bool) if ph.is_embed is None else ph.is_embed
     return ph.offset + np.flatnonzero(mask)

@@ -40,7 +40,8 @@ from qeff_evs.runtime.runner import (
     video_from_file,
 )
 from qeff_evs.runtime.engine.scheduler import FinishReason, SchedulerConfig
-from qeff_evs.runtime.engine.serving import ServeRequest, ServingEngine, media_hash
+from qeff_evs.runtime.engine.executor import media_hash
+from qeff_evs.runtime.engine.serving import ServeRequest, ServingEngine
 from qeff_evs.runtime.inputs.synthetic import moving_square_video
 
 FULL_BATCH = 4

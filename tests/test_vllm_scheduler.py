@@ -34,7 +34,8 @@ from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
 from qeff_evs.export.pipeline import ExportOptions, export_checkpoint  # noqa: E402
 from qeff_evs.models.tiny import save_tiny_checkpoint  # noqa: E402
-from qeff_evs.runtime.engine.single_request import Engine, EngineConfig, retained_count  # noqa: E402
+from qeff_evs.runtime.engine.executor import retained_count  # noqa: E402
+from qeff_evs.runtime.engine.single_request import Engine, EngineConfig  # noqa: E402
 from qeff_evs.runtime.engine.request import PromptPiece  # noqa: E402
 from qeff_evs.runtime.runner import open_export, sessions_for, video_from_file  # noqa: E402
 from qeff_evs.runtime.inputs.synthetic import moving_square_video  # noqa: E402

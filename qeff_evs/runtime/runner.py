@@ -13,7 +13,8 @@ from transformers import AutoConfig, AutoTokenizer
 from qeff_evs.manifest import MODEL_CONFIG_DIR, LanguageShape, Manifest, read_manifest
 from qeff_evs.models.protocol import ModelFamily, MediaInput
 from qeff_evs.models.registry import family_for_config
-from qeff_evs.runtime.engine.single_request import Engine, EngineConfig, GenerationResult
+from qeff_evs.runtime.engine.executor import EngineConfig
+from qeff_evs.runtime.engine.single_request import Engine, GenerationResult
 from qeff_evs.runtime.inputs.processor import (
     VisionPreprocessSpec,
     choose_resolution,

@@ -10,7 +10,7 @@ this module gives:
 * the placeholder a vLLM processor must reserve for an EVS video before the encoder runs
   (Qwen2.5-VL: K pads; Qwen3-VL: the lumped layout, ``L = sum_f(len(ts_f) + 2) + K``);
 * converters between ``PlaceholderRange`` and ``qeff_evs.runtime.engine.window.Placeholder``, and
-  ``MediaItem`` s for ``qeff_evs.runtime.engine.scheduler``.
+  ``MediaPlacement`` s for ``qeff_evs.runtime.engine.scheduler``.
 
 vLLM objects are only read through their attributes; vLLM is imported only to build a
 ``PlaceholderRange``. Difference from vLLM's own Qwen3-VL EVS processor: vLLM marks every position
@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from qeff_evs import evs
-from qeff_evs.runtime.engine.scheduler import MediaItem
+from qeff_evs.runtime.engine.scheduler import MediaPlacement
 from qeff_evs.runtime.engine.steps import VisionWindow, gather_window
 from qeff_evs.runtime.engine.window import Placeholder, WindowSlice, window_slices
 
@@ -60,9 +60,9 @@ def feature_placeholders(features: Sequence[Any]) -> list[Placeholder]:
     return [to_placeholder(f.mm_position) for f in features]
 
 
-def media_items(features: Sequence[Any]) -> tuple[MediaItem, ...]:
+def media_items(features: Sequence[Any]) -> tuple[MediaPlacement, ...]:
     """Scheduler media items (keyed by the feature's encoder-cache ``identifier``)."""
-    return tuple(MediaItem(str(f.identifier), to_placeholder(f.mm_position)) for f in features)
+    return tuple(MediaPlacement(str(f.identifier), to_placeholder(f.mm_position)) for f in features)
 
 
 # --- the window of one prefill chunk ---------------------------------------------------------------

@@ -30,9 +30,9 @@ from types import ModuleType
 
 import numpy as np
 
-from qeff_evs.models.graph_io import BATCH_INDEX, PAD_POSITION, RETAINED_SUFFIX
+from qeff_evs.models.graph_io import BATCH_INDEX, RETAINED_SUFFIX
 from qeff_evs.manifest import LanguageShape
-from qeff_evs.runtime.backends.base import LanguageInputs, RetainedStateSession, VisionResult
+from qeff_evs.runtime.backends.base import RetainedStateSession, VisionResult
 from qeff_evs.specializations import QPC_DIR
 
 DEFAULT_SDK_ROOT = Path("/opt/qti-aic")
@@ -337,14 +337,6 @@ class QaicLanguageSession(RetainedStateSession):
         """Forget the device state: the next call uploads zeros for every retained input."""
         self._stale = set(self.retained)
 
-    def run(self, step: LanguageInputs) -> np.ndarray:
-        """A single-request step; under continuous batching a decode step is padded to the compiled width."""
-        rows = step.input_ids.shape[0]
-        if self.continuous_batching and step.input_ids.shape[1] == 1 and rows < self.shape.decode_rows:
-            padded, batch_index = pad_decode_step(step, self.shape.decode_rows)
-            return self.run_rows(padded, batch_index)[:rows]
-        return super().run(step)
-
     def _call(self, inputs: dict[str, np.ndarray]) -> np.ndarray:
         inputs = dict(inputs)
         expected = state_shapes(self.shape)
@@ -358,20 +350,6 @@ class QaicLanguageSession(RetainedStateSession):
         outputs = self.program.run(inputs, skip=skip)
         self._stale.clear()
         return outputs["logits"].astype(np.float32)
-
-
-def pad_decode_step(step: LanguageInputs, width: int) -> tuple[LanguageInputs, list[int]]:
-    """Rows ``0..B-1`` of a decode step, then padding rows (positions -1) pointed at cache row ``B``.
-
-    A padding row writes only slot ``ctx_len - 1`` of a row the call's requests do not use.
-    """
-    rows = step.input_ids.shape[0]
-    input_ids = np.zeros((width, 1), dtype=np.int64)
-    input_ids[:rows] = step.input_ids
-    position_ids = np.full((4, width, 1), PAD_POSITION, dtype=np.int64)
-    position_ids[:, :rows] = step.position_ids
-    batch_index = list(range(rows)) + [rows] * (width - rows)
-    return replace(step, input_ids=input_ids, position_ids=position_ids), batch_index
 
 
 # --------------------------------------------------------------------------------------------------

@@ -59,7 +59,7 @@ class PromptPlan:
     decode_start: int
     placeholders: list[Placeholder]  # one per media item, in media order
     encoded: list[EncodedMedia | None]
-    unpruned_positions: list[np.ndarray]  # per media item: (3, unpruned length) positions of its segment
+    unpruned_positions: list[np.ndarray]  # per media item to fill: (3, unpruned length) positions of its segment
 
     @property
     def complete(self) -> bool:
@@ -88,6 +88,12 @@ class PromptPlan:
         is_embed = np.isin(layout.ids, family.special_tokens().media_pads)
         self.placeholders[item] = Placeholder(ph.offset, ph.length, None if is_embed.all() else is_embed)
         self.encoded[item] = encoded
+
+    @classmethod
+    def of_prepared(cls, prompt: PreparedPrompt) -> PromptPlan:
+        """The complete plan of a prompt whose items are all encoded (nothing left to fill)."""
+        return cls(prompt.ids, prompt.positions, prompt.decode_start, list(prompt.placeholders),
+                   list(prompt.encoded), unpruned_positions=[])
 
     def prepared(self) -> PreparedPrompt:
         if not self.complete:

@@ -71,7 +71,7 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
-class MediaItem:
+class MediaPlacement:
     """One media item of a request: its content hash and where its rows go in the prompt."""
 
     content_hash: str
@@ -90,7 +90,7 @@ class MediaItem:
 class RequestSpec:
     request_id: str
     num_prompt_tokens: int
-    media: tuple[MediaItem, ...] = ()
+    media: tuple[MediaPlacement, ...] = ()
     max_new_tokens: int = 16
     eos_token_ids: frozenset[int] = frozenset()
     stop_token_ids: frozenset[int] = frozenset()

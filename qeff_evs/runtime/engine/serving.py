@@ -4,30 +4,27 @@ Per step the scheduler hands out decode tokens first, then prefill chunks (one l
 per chunk, batch 1, into the request's KV cache row), plus the media items to encode. Encoder outputs
 are cached by content hash and dropped when every holder has passed them; each prefill chunk gets
 only its own window of retained rows. All running requests decode together in one call
-(continuous batching). Greedy sampling.
+(continuous batching). Greedy sampling. Our ``Scheduler`` decides; the shared ``Executor`` runs.
 """
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-
-import numpy as np
+from dataclasses import dataclass
+from typing import Any
 
 from qeff_evs.models.protocol import ModelFamily, MediaInput
-from qeff_evs.runtime.engine.steps import prefill_step
-from qeff_evs.runtime.engine.single_request import EngineConfig, encode_media, retained_count
-from qeff_evs.runtime.engine.request import EncodedMedia, PromptPiece, PromptPlan, plan_prompt
+from qeff_evs.runtime.backends.base import LanguageSession, VisionSession
+from qeff_evs.runtime.engine.executor import EngineConfig, Executor, ExecutorRequest
+from qeff_evs.runtime.engine.request import EncodedMedia, PromptPiece, PromptPlan
 from qeff_evs.runtime.engine.scheduler import (
     FinishReason,
-    MediaItem,
+    MediaPlacement,
     RequestSpec,
     Scheduler,
     SchedulerConfig,
     SchedulerOutput,
 )
-from qeff_evs.runtime.backends.base import BatchedLanguageSession, DecodeRow, VisionSession
 
 
 @dataclass(frozen=True)
@@ -46,26 +43,10 @@ class TokenEvent:
     finish_reason: FinishReason | None = None
 
 
-@dataclass
-class _Live:
-    request: ServeRequest
-    plan: PromptPlan
-    hashes: tuple[str, ...]
-    tokens: list[int] = field(default_factory=list)
-
-
-def media_hash(media: MediaInput, q: float) -> str:
-    """Content hash of one media item as the encoder sees it (pixels, grid, kind, pruning rate)."""
-    digest = hashlib.sha256()
-    digest.update(np.ascontiguousarray(media.pixel_values.numpy()).tobytes())
-    digest.update(repr((tuple(int(v) for v in media.grid_thw), media.kind, float(q))).encode())
-    return digest.hexdigest()
-
-
 class ServingEngine:
-    """Add requests, step, stream tokens, abort: the API a server embeds."""
+    """Add requests, step, stream tokens, abort: the API a server embeds. Our ``Scheduler`` + the executor."""
 
-    def __init__(self, family: ModelFamily, vision: VisionSession, language: BatchedLanguageSession,
+    def __init__(self, family: ModelFamily, vision: VisionSession, language: LanguageSession,
                  config: EngineConfig, scheduler: SchedulerConfig, eos_ids: Sequence[int] = (),
                  progress: Callable[[str], None] | None = None):
         shape = language.shape
@@ -75,37 +56,46 @@ class ServingEngine:
                 f"{shape.full_batch_size}; export with --full-batch-size >= {scheduler.max_num_seqs}")
         if scheduler.prefill_seq_len != config.prefill_seq_len or scheduler.ctx_len != config.ctx_len:
             raise ValueError("scheduler and engine disagree on prefill_seq_len / ctx_len")
-        self.family = family
-        self.vision = vision
-        self.language = language
         self.config = config
         self.scheduler = Scheduler(scheduler)
+        self.executor = Executor(family, vision, language, config, progress)
         self.eos_ids = frozenset(int(t) for t in eos_ids)
-        self.progress = progress or (lambda message: None)
-        self.encoder_outputs: dict[str, EncodedMedia] = {}
-        self.live: dict[str, _Live] = {}
-        self.language.reset()
+
+    @property
+    def live(self) -> dict[str, ExecutorRequest]:
+        """Queued and running requests, by id (``.request`` is the ``ServeRequest``)."""
+        return self.executor.requests
+
+    @property
+    def encoder_outputs(self) -> dict[str, EncodedMedia]:
+        """Encoder outputs kept now, by content hash."""
+        return self.executor.encoder_outputs
 
     # -- requests ---------------------------------------------------------------------------------
     def retained_count(self, media: MediaInput) -> int:
-        return retained_count(self.family, media, self.config.video_pruning_rate)
+        return self.executor.retained_count(media)
 
     def add_request(self, request: ServeRequest) -> None:
         """Queue a request; a request that can never run raises ValueError and leaves the others alone."""
-        if request.request_id in self.live:
-            raise ValueError(f"request id {request.request_id!r} is already in use")
-        plan = plan_prompt(list(request.pieces), list(request.media),
-                           [self.retained_count(m) for m in request.media], self.family)
-        hashes = tuple(media_hash(m, self.config.video_pruning_rate) for m in request.media)
-        items = tuple(MediaItem(h, ph) for h, ph in zip(hashes, plan.placeholders))
+        self.executor.check_new(request.request_id)
+        plan = self.executor.plan(request.pieces, request.media)
+        self.add_planned(request.request_id, plan, request.media, self.executor.media_hashes(request.media),
+                         request.max_new_tokens, frozenset(request.stop_token_ids), request=request)
+
+    def add_planned(self, request_id: str, plan: PromptPlan, media: Sequence[MediaInput], hashes: Sequence[str],
+                    max_new_tokens: int, stop_token_ids: frozenset[int] = frozenset(),
+                    chunk_ends: tuple[int, ...] = (), request: Any = None) -> ExecutorRequest:
+        """Queue a request whose prompt is planned (items may be encoded already); its executor record."""
+        self.executor.check_new(request_id)
+        items = tuple(MediaPlacement(h, ph) for h, ph in zip(hashes, plan.placeholders))
         self.scheduler.add_request(RequestSpec(
-            request.request_id, len(plan.ids), items, request.max_new_tokens,
-            eos_token_ids=self.eos_ids, stop_token_ids=frozenset(request.stop_token_ids)))
-        self.live[request.request_id] = _Live(request, plan, hashes)
+            request_id, len(plan.ids), items, max_new_tokens, eos_token_ids=self.eos_ids,
+            stop_token_ids=stop_token_ids, chunk_ends=chunk_ends))
+        return self.executor.add(request_id, plan, media, hashes, request)
 
     def abort(self, request_id: str) -> None:
         self.scheduler.abort_request(request_id)
-        self.live.pop(request_id, None)
+        self.executor.drop(request_id)
         self._free_when_idle()
 
     def has_unfinished(self) -> bool:
@@ -114,14 +104,14 @@ class ServingEngine:
     # -- one step ---------------------------------------------------------------------------------
     def step(self) -> list[TokenEvent]:
         out = self.scheduler.schedule()
-        for content_hash in out.free_encoder_hashes:
-            self.encoder_outputs.pop(content_hash, None)
-        self._encode(out)
+        self.executor.free(out.free_encoder_hashes)
+        for item in out.encoder_inputs:
+            self.executor.encode(item.request_id, item.item)
         sampled = self._prefill(out)
-        sampled.update(self._decode(out))
+        sampled.update(self.executor.decode([(d.request_id, d.computed) for d in out.decodes]))
         finished = {f.request_id: f.reason for f in self.scheduler.update_from_output(out, sampled)}
         for request_id in finished:
-            self.live.pop(request_id, None)
+            self.executor.drop(request_id)
         self._free_when_idle()
         return [TokenEvent(rid, token, finished.get(rid)) for rid, token in sampled.items()]
 
@@ -129,47 +119,15 @@ class ServingEngine:
         # Released encoder outputs are freed by the next step's schedule(); with no request left
         # there is no next step, so take an empty one now rather than keep the rows.
         if not self.has_unfinished():
-            for content_hash in self.scheduler.schedule().free_encoder_hashes:
-                self.encoder_outputs.pop(content_hash, None)
-
-    def _encode(self, out: SchedulerOutput) -> None:
-        for item in out.encoder_inputs:
-            if item.content_hash in self.encoder_outputs:
-                continue
-            media = self.live[item.request_id].request.media[item.item]
-            self.encoder_outputs[item.content_hash] = encode_media(
-                self.family, self.vision, media, self.config.video_pruning_rate)
-            self.progress(f"encoded {item.request_id} item {item.item}: grid {tuple(media.grid_thw)}")
-
-    def _fill(self, live: _Live, computed: int, scheduled: int) -> None:
-        for item in live.plan.items_needing_fill(computed, scheduled):
-            encoded = self.encoder_outputs.get(live.hashes[item])
-            if encoded is None:
-                raise RuntimeError(f"{live.request.request_id}: media item {item} reached before it was encoded")
-            live.plan.fill(item, live.request.media[item], encoded, self.family)
+            self.executor.free(self.scheduler.schedule().free_encoder_hashes)
 
     def _prefill(self, out: SchedulerOutput) -> dict[str, int]:
-        cfg, shape = self.config, self.language.shape
         sampled = {}
         for chunk in out.prefills:
-            live = self.live[chunk.request_id]
-            self._fill(live, chunk.computed, chunk.scheduled)
-            step = prefill_step(live.plan, chunk.computed, chunk.scheduled, cfg.prefill_seq_len,
-                                cfg.user_vision_size, shape.hidden, shape.deepstack_levels, cfg.pad_token_id)
-            logits = self.language.prefill(chunk.slot, step)
+            token = self.executor.prefill(chunk.request_id, chunk.computed, chunk.scheduled, chunk.slot)
             if chunk.samples:
-                sampled[chunk.request_id] = int(np.argmax(logits.reshape(-1)))
+                sampled[chunk.request_id] = token
         return sampled
-
-    def _decode(self, out: SchedulerOutput) -> dict[str, int]:
-        if not out.decodes:
-            return {}
-        rows = []
-        for d in out.decodes:
-            plan = self.live[d.request_id].plan
-            rows.append(DecodeRow(d.slot, d.token_id, d.computed, plan.decode_start + d.computed - len(plan.ids)))
-        logits = self.language.decode(rows, self.config.pad_token_id)
-        return {d.request_id: int(np.argmax(row)) for d, row in zip(out.decodes, logits)}
 
     # -- convenience ------------------------------------------------------------------------------
     def run_to_completion(self, max_steps: int = 1_000_000) -> dict[str, list[int]]:

@@ -1,4 +1,10 @@
-"""Runs one request through the vision and language sessions: encode, windowed chunked prefill, greedy decode."""
+"""One request through the serving engine: encode, windowed chunked prefill at chosen boundaries, greedy decode.
+
+``prepare`` encodes every media item up front and returns the final prompt; ``generate`` queues it
+as the serving engine's only request, with the prefill cut at ``chunks`` (default: every
+``prefill_seq_len`` tokens), and reports what the chunks saw. Works on exports with and without
+continuous batching.
+"""
 
 from __future__ import annotations
 
@@ -7,33 +13,16 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from qeff_evs import evs
 from qeff_evs.models.protocol import ModelFamily, MediaInput
-from qeff_evs.runtime.engine.steps import decode_step, prefill_step
-from qeff_evs.runtime.engine.request import EncodedMedia, PreparedPrompt, PromptPiece, plan_prompt
 from qeff_evs.runtime.backends.base import LanguageSession, VisionSession
+from qeff_evs.runtime.engine.executor import EngineConfig, encode_media, retained_count
+from qeff_evs.runtime.engine.request import EncodedMedia, PreparedPrompt, PromptPiece, PromptPlan, plan_prompt
+from qeff_evs.runtime.engine.scheduler import SchedulerConfig
+from qeff_evs.runtime.engine.serving import ServingEngine
 from qeff_evs.runtime.engine.window import prefill_chunks
 
 TOP_LOGITS = 10
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    prefill_seq_len: int
-    ctx_len: int
-    user_vision_size: int
-    video_pruning_rate: float
-    max_new_tokens: int = 16
-    pad_token_id: int = 0
-
-    def __post_init__(self) -> None:
-        evs.validate_pruning_rate(self.video_pruning_rate)
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.user_vision_size < self.prefill_seq_len:
-            raise ValueError(
-                f"user_vision_size {self.user_vision_size} is below prefill_seq_len {self.prefill_seq_len}: a "
-                "chunk can hold that many media tokens; use --user-vision-size >= --prefill-seq-len")
+REQUEST_ID = "request"
 
 
 @dataclass
@@ -55,30 +44,16 @@ def top_logits(logits: np.ndarray, k: int = TOP_LOGITS) -> list[list[float]]:
     return [[int(i), float(flat[i])] for i in order]
 
 
-def retained_count(family: ModelFamily, media: MediaInput, q: float) -> int:
-    """K for one media item (an image, T = 1, keeps all its tokens by the same rule)."""
-    t, h, w = family.merged_grid(media.grid_thw)
-    return evs.retained_token_count(h * w, t, q)
-
-
-def encode_media(family: ModelFamily, vision: VisionSession, media: MediaInput, q: float) -> EncodedMedia:
-    """Run the vision graph once for one item: its K retained rows, their indices and per-frame counts."""
-    k = retained_count(family, media, q)
-    result = vision.run(media.pixel_values.numpy(), family.vision_host_inputs(media.grid_thw, k))
-    t, h, w = family.merged_grid(media.grid_thw)
-    retained = result.retained_indices.astype(np.int64)
-    kept = evs.tokens_per_frame_kept(retained, t, h * w)
-    return EncodedMedia(result.rows, retained, result.deepstack, tuple(kept))
-
-
+@dataclass(eq=False)
 class Engine:
-    def __init__(self, family: ModelFamily, vision: VisionSession, language: LanguageSession,
-                 config: EngineConfig, progress: Callable[[str], None] | None = None):
-        self.family = family
-        self.vision = vision
-        self.language = language
-        self.config = config
-        self.progress = progress or (lambda message: None)
+    family: ModelFamily
+    vision: VisionSession
+    language: LanguageSession
+    config: EngineConfig
+    progress: Callable[[str], None] | None = None
+
+    def __post_init__(self) -> None:
+        self.progress = self.progress or (lambda message: None)
 
     def encode(self, video: MediaInput) -> EncodedMedia:
         return encode_media(self.family, self.vision, video, self.config.video_pruning_rate)
@@ -102,39 +77,45 @@ class Engine:
                 f"needs {need} KV slots but ctx_len is {self.config.ctx_len}; use fewer frames, a higher "
                 "--video-pruning-rate, fewer new tokens, or export with a larger --ctx-len")
 
+    def _check_chunks(self, chunks: list[tuple[int, int]], num_prompt_tokens: int) -> None:
+        covered = [c for c, _ in chunks] + [num_prompt_tokens]
+        if covered[0] != 0 or any(c + n != nxt for (c, n), nxt in zip(chunks, covered[1:])):
+            raise ValueError(f"prefill chunks {chunks} do not cover the prompt's {num_prompt_tokens} tokens in order")
+        for computed, scheduled in chunks:
+            if scheduled < 1:
+                raise ValueError(f"prefill chunk at {computed} is empty; give every chunk >= 1 token")
+            if scheduled > self.config.prefill_seq_len:
+                raise ValueError(
+                    f"chunk of {scheduled} tokens exceeds the prefill length {self.config.prefill_seq_len}")
+
+    def _scheduler(self, prompt: PreparedPrompt) -> SchedulerConfig:
+        # One request, one chunk per step; the encoder cache holds every item (they arrive encoded).
+        rows = max(1, sum(ph.num_embeds for ph in prompt.placeholders))
+        cfg = self.config
+        return SchedulerConfig(max_num_batched_tokens=cfg.prefill_seq_len, max_num_seqs=1,
+                               prefill_seq_len=cfg.prefill_seq_len, ctx_len=cfg.ctx_len,
+                               encoder_compute_budget=rows, encoder_cache_size=rows)
+
     def generate(self, prompt: PreparedPrompt, eos_ids: tuple[int, ...] = (),
                  chunks: list[tuple[int, int]] | None = None) -> GenerationResult:
         """Prefill in ``chunks`` (``(computed, scheduled)``; default: cut every prefill_seq_len), then decode."""
         cfg = self.config
-        shape = self.language.shape
         self._check_fits(len(prompt.ids))
-        self.language.reset()
         chunks = chunks or prefill_chunks(len(prompt.ids), cfg.prefill_seq_len)
-        covered = [c for c, _ in chunks] + [len(prompt.ids)]
-        if covered[0] != 0 or any(c + n != nxt for (c, n), nxt in zip(chunks, covered[1:])):
-            raise ValueError(f"prefill chunks {chunks} do not cover the prompt's {len(prompt.ids)} tokens in order")
-        rows_per_chunk = []
-        logits = None
-        for number, (computed, scheduled) in enumerate(chunks, 1):
-            step = prefill_step(prompt, computed, scheduled, cfg.prefill_seq_len, cfg.user_vision_size,
-                                shape.hidden, shape.deepstack_levels, cfg.pad_token_id)
-            rows_per_chunk.append(step.vision_rows)
-            self.progress(f"prefill chunk {number}/{len(chunks)}: {scheduled} tokens, {step.vision_rows} vision rows")
-            logits = self.language.run(step)
-        generated = [int(np.argmax(logits.reshape(-1)))]
-        prefill_top = top_logits(logits)
-        for j in range(1, cfg.max_new_tokens):
-            if generated[-1] in eos_ids:
-                break
-            step = decode_step(generated[-1], len(prompt.ids) + j - 1, prompt.decode_start + j - 1)
-            logits = self.language.run(step)
-            generated.append(int(np.argmax(logits.reshape(-1))))
-        self.progress(f"decoded {len(generated)} tokens")
+        self._check_chunks(chunks, len(prompt.ids))
+        serving = ServingEngine(self.family, self.vision, self.language, cfg, self._scheduler(prompt), eos_ids,
+                                self.progress)
+        # Items arrive encoded: their keys only name them for the scheduler's encoder cache.
+        keys = [f"{REQUEST_ID}/item-{i}" for i in range(len(prompt.placeholders))]
+        request = serving.add_planned(REQUEST_ID, PromptPlan.of_prepared(prompt), (), keys, cfg.max_new_tokens,
+                                      chunk_ends=tuple(c + n for c, n in chunks))
+        serving.run_to_completion()
+        self.progress(f"decoded {len(request.tokens)} tokens")
         return GenerationResult(
             prompt_token_ids=prompt.ids.tolist(),
-            generated_token_ids=generated,
-            prefill_top_logits=prefill_top,
+            generated_token_ids=list(request.tokens),
+            prefill_top_logits=top_logits(request.prompt_logits),
             retained_tokens_per_frame=[list(e.kept_per_frame) for e in prompt.encoded],
-            num_prefill_chunks=len(chunks),
-            vision_rows_per_chunk=rows_per_chunk,
+            num_prefill_chunks=len(request.vision_rows_per_chunk),
+            vision_rows_per_chunk=list(request.vision_rows_per_chunk),
         )

@@ -91,10 +91,3 @@ def prefill_step(prompt: ChunkPrompt, computed: int, scheduled: int, seq_len: in
                            user_vision_size, hidden, levels)
     return LanguageInputs(ids, position_ids, window.vision_embeds, window.deepstack, window.image_idx,
                           window.num_rows)
-
-
-def decode_step(token_id: int, kv_slot: int, mrope_position: int) -> LanguageInputs:
-    """One generated token: KV slot in row 0, the same M-RoPE position in rows 1..3."""
-    position_ids = np.array([kv_slot] + [mrope_position] * 3, dtype=np.int64).reshape(4, 1, 1)
-    return LanguageInputs(np.array([[token_id]], dtype=np.int64), position_ids, None, None,
-                          np.zeros((1, 1), dtype=np.int64), 0)

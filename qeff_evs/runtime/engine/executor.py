@@ -1,0 +1,209 @@
+"""Runs what a scheduler decided, on the vision and language sessions: the one executor every engine shares.
+
+A scheduler (ours in ``serving.py``, vLLM's through ``qeff_evs.vllm.driver``) decides per step which
+media items to encode, which prefill chunks and which decodes to run. The executor keeps each
+request's prompt plan, media, content hashes, KV cache row and sampled tokens; encodes an item
+once per content hash; fills an item's placeholder when the first chunk reaches it; runs each
+prefill chunk (``steps.prefill_step``: its own window of vision rows) into the request's cache row
+and every decode of a step in one batch (the sessions' ``decode``); frees encoder outputs when told.
+Sampling is greedy.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from qeff_evs import evs
+from qeff_evs.models.protocol import MediaInput, ModelFamily
+from qeff_evs.runtime.backends.base import DecodeRow, LanguageSession, VisionSession, decode_batch
+from qeff_evs.runtime.engine.request import EncodedMedia, PromptPiece, PromptPlan, plan_prompt
+from qeff_evs.runtime.engine.steps import prefill_step
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    prefill_seq_len: int
+    ctx_len: int
+    user_vision_size: int
+    video_pruning_rate: float
+    max_new_tokens: int = 16
+    pad_token_id: int = 0
+
+    def __post_init__(self) -> None:
+        evs.validate_pruning_rate(self.video_pruning_rate)
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.user_vision_size < self.prefill_seq_len:
+            raise ValueError(
+                f"user_vision_size {self.user_vision_size} is below prefill_seq_len {self.prefill_seq_len}: a "
+                "chunk can hold that many media tokens; use --user-vision-size >= --prefill-seq-len")
+
+
+def retained_count(family: ModelFamily, media: MediaInput, q: float) -> int:
+    """K for one media item (an image, T = 1, keeps all its tokens by the same rule)."""
+    t, h, w = family.merged_grid(media.grid_thw)
+    return evs.retained_token_count(h * w, t, q)
+
+
+def encode_media(family: ModelFamily, vision: VisionSession, media: MediaInput, q: float) -> EncodedMedia:
+    """Run the vision graph once for one item: its K retained rows, their indices and per-frame counts."""
+    k = retained_count(family, media, q)
+    result = vision.run(media.pixel_values.numpy(), family.vision_host_inputs(media.grid_thw, k))
+    t, h, w = family.merged_grid(media.grid_thw)
+    retained = result.retained_indices.astype(np.int64)
+    kept = evs.tokens_per_frame_kept(retained, t, h * w)
+    return EncodedMedia(result.rows, retained, result.deepstack, tuple(kept))
+
+
+def media_hash(media: MediaInput, q: float) -> str:
+    """Content hash of one media item as the encoder sees it (pixels, grid, kind, pruning rate)."""
+    digest = hashlib.sha256()
+    digest.update(np.ascontiguousarray(media.pixel_values.numpy()).tobytes())
+    digest.update(repr((tuple(int(v) for v in media.grid_thw), media.kind, float(q))).encode())
+    return digest.hexdigest()
+
+
+@dataclass
+class ExecutorRequest:
+    """What the executor keeps of one request between steps."""
+
+    request_id: str
+    plan: PromptPlan
+    media: Sequence[MediaInput]  # may be empty when every item arrived encoded (``PromptPlan.complete``)
+    hashes: tuple[str, ...]  # encoder-output key of each media item
+    request: Any = None  # the request as its caller submitted it (a ``ServeRequest``, a vLLM ``Request``)
+    cache_row: int | None = None  # KV cache row, fixed by the first prefill chunk
+    tokens: list[int] = field(default_factory=list)  # sampled so far
+    vision_rows_per_chunk: list[int] = field(default_factory=list)
+    prompt_logits: np.ndarray | None = None  # of the chunk that completed the prompt
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.plan.ids)
+
+    def decode_row(self, computed: int) -> DecodeRow:
+        """The token at KV slot ``computed`` (the latest sampled one); generated text has t = h = w."""
+        generated = computed - self.num_prompt_tokens
+        return DecodeRow(self.cache_row, self.tokens[generated], computed, self.plan.decode_start + generated)
+
+
+class Executor:
+    def __init__(self, family: ModelFamily, vision: VisionSession, language: LanguageSession,
+                 config: EngineConfig, progress: Callable[[str], None] | None = None):
+        self.family = family
+        self.vision = vision
+        self.language = language
+        self.config = config
+        self.progress = progress or (lambda message: None)
+        self.requests: dict[str, ExecutorRequest] = {}
+        self.encoder_outputs: dict[str, EncodedMedia] = {}  # by content hash
+        self.language.reset()
+
+    # -- requests ---------------------------------------------------------------------------------
+    def retained_count(self, media: MediaInput) -> int:
+        return retained_count(self.family, media, self.config.video_pruning_rate)
+
+    def plan(self, pieces: Sequence[PromptPiece], media: Sequence[MediaInput]) -> PromptPlan:
+        """The request's prompt before encoding: provisional placeholders sized by K."""
+        return plan_prompt(list(pieces), list(media), [self.retained_count(m) for m in media], self.family)
+
+    def media_hashes(self, media: Sequence[MediaInput]) -> tuple[str, ...]:
+        return tuple(media_hash(m, self.config.video_pruning_rate) for m in media)
+
+    def check_new(self, request_id: str) -> None:
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+
+    def add(self, request_id: str, plan: PromptPlan, media: Sequence[MediaInput], hashes: Sequence[str],
+            request: Any = None) -> ExecutorRequest:
+        self.check_new(request_id)
+        if len(hashes) != len(plan.placeholders):
+            raise ValueError(f"{len(hashes)} content hashes for {len(plan.placeholders)} media items; give one each")
+        state = ExecutorRequest(request_id, plan, list(media), tuple(hashes), request)
+        self.requests[request_id] = state
+        return state
+
+    def drop(self, request_id: str) -> ExecutorRequest | None:
+        """Forget a finished or aborted request (its KV cache row becomes free)."""
+        return self.requests.pop(request_id, None)
+
+    def free(self, content_hashes: Iterable[str]) -> None:
+        for content_hash in content_hashes:
+            self.encoder_outputs.pop(content_hash, None)
+
+    def free_cache_row(self) -> int:
+        """The lowest KV cache row no request holds."""
+        used = {r.cache_row for r in self.requests.values()}
+        rows = self.language.shape.full_batch_size
+        row = next((r for r in range(rows) if r not in used), None)
+        if row is None:
+            raise ValueError(f"more running requests than full_batch_size {rows}; give vLLM max_num_seqs <= "
+                             "the export's --full-batch-size")
+        return row
+
+    # -- one step ---------------------------------------------------------------------------------
+    def encode(self, request_id: str, item: int) -> None:
+        """Encode media item ``item`` unless its content hash is cached or the plan already holds it."""
+        request = self.requests[request_id]
+        content_hash = request.hashes[item]
+        if content_hash in self.encoder_outputs or request.plan.encoded[item] is not None:
+            return
+        media = request.media[item]
+        self.encoder_outputs[content_hash] = encode_media(self.family, self.vision, media,
+                                                          self.config.video_pruning_rate)
+        self.progress(f"encoded {request_id} item {item}: grid {tuple(media.grid_thw)}")
+
+    def prefill(self, request_id: str, computed: int, scheduled: int, cache_row: int | None = None) -> int | None:
+        """Run chunk ``[computed, computed+scheduled)`` into the request's cache row (``cache_row``, or the one
+        its first chunk took, or the lowest free one); the first token when the chunk completes the prompt."""
+        cfg, shape = self.config, self.language.shape
+        request = self.requests[request_id]
+        if cache_row is not None:
+            request.cache_row = cache_row
+        elif request.cache_row is None:
+            request.cache_row = self.free_cache_row()
+        self._fill(request, computed, scheduled)
+        inputs = prefill_step(request.plan, computed, scheduled, cfg.prefill_seq_len, cfg.user_vision_size,
+                              shape.hidden, shape.deepstack_levels, cfg.pad_token_id)
+        request.vision_rows_per_chunk.append(inputs.vision_rows)
+        self.progress(f"prefill {request_id} [{computed}, {computed + scheduled}): {inputs.vision_rows} vision rows")
+        if shape.full_batch_size == 1:  # one KV cache row: graphs without batch_index address it implicitly
+            logits = self.language.run(inputs)
+        else:
+            logits = self.language.prefill(request.cache_row, inputs)
+        if computed + scheduled != request.num_prompt_tokens:
+            return None  # only the chunk that completes the prompt yields a token
+        request.prompt_logits = logits
+        return self._sample(request, logits.reshape(-1))
+
+    def decode(self, batch: Sequence[tuple[str, int]]) -> dict[str, int]:
+        """The next token of each ``(request_id, computed)``, all in one decode batch."""
+        if not batch:
+            return {}
+        rows = [self.requests[request_id].decode_row(computed) for request_id, computed in batch]
+        pad = self.config.pad_token_id
+        if self.language.shape.full_batch_size == 1:
+            inputs, _ = decode_batch(rows, 1, 1, pad)
+            logits = self.language.run(inputs)[:, 0]
+        else:
+            logits = self.language.decode(rows, pad)
+        return {request_id: self._sample(self.requests[request_id], row)
+                for (request_id, _), row in zip(batch, logits)}
+
+    def _fill(self, request: ExecutorRequest, computed: int, scheduled: int) -> None:
+        for item in request.plan.items_needing_fill(computed, scheduled):
+            encoded = self.encoder_outputs.get(request.hashes[item])
+            if encoded is None:
+                raise RuntimeError(f"{request.request_id}: media item {item} reached before it was encoded")
+            request.plan.fill(item, request.media[item], encoded, self.family)
+
+    @staticmethod
+    def _sample(request: ExecutorRequest, logits: np.ndarray) -> int:
+        token = int(np.argmax(logits))
+        request.tokens.append(token)
+        return token
