@@ -38,6 +38,16 @@ from qeff_evs.runtime.engine.encoder_cache import EncoderCache
 from qeff_evs.runtime.engine.window import Placeholder, overlaps_window
 
 
+def check_fits_context(num_prompt_tokens: int, max_new_tokens: int, ctx_len: int, where: str = "") -> None:
+    """A request needs a KV slot per prompt and new token (pad writes of a partial chunk use slot ctx_len - 1)."""
+    need = num_prompt_tokens + max_new_tokens
+    if need > ctx_len:
+        raise ValueError(
+            f"{where}the prompt ({num_prompt_tokens} tokens) plus max_new_tokens ({max_new_tokens}) needs {need} "
+            f"KV slots but ctx_len is {ctx_len}; shorten the prompt (fewer frames, a higher --video-pruning-rate), "
+            "lower max_new_tokens, or export a larger --ctx-len")
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_batched_tokens: int  # tokens per step, all requests together
@@ -409,12 +419,7 @@ class Scheduler:
             raise ValueError(f"request {rid!r}: the prompt needs >= 1 token, got {spec.num_prompt_tokens}")
         if spec.max_new_tokens < 1:
             raise ValueError(f"request {rid!r}: max_new_tokens must be >= 1, got {spec.max_new_tokens}")
-        need = spec.num_prompt_tokens + spec.max_new_tokens
-        if need > cfg.ctx_len:
-            raise ValueError(
-                f"request {rid!r}: the prompt ({spec.num_prompt_tokens} tokens) plus max_new_tokens "
-                f"({spec.max_new_tokens}) needs {need} KV slots but ctx_len is {cfg.ctx_len}; shorten the prompt "
-                "(fewer frames, higher --video-pruning-rate), lower max_new_tokens, or export a larger --ctx-len")
+        check_fits_context(spec.num_prompt_tokens, spec.max_new_tokens, cfg.ctx_len, f"request {rid!r}: ")
         ends = list(spec.chunk_ends)
         if ends and (ends != sorted(set(ends)) or ends[0] < 1 or ends[-1] > spec.num_prompt_tokens):
             raise ValueError(

@@ -17,7 +17,7 @@ from qeff_evs.models.protocol import ModelFamily, MediaInput
 from qeff_evs.runtime.backends.base import LanguageSession, VisionSession
 from qeff_evs.runtime.engine.executor import EngineConfig, encode_media, retained_count
 from qeff_evs.runtime.engine.request import EncodedMedia, PreparedPrompt, PromptPiece, PromptPlan, plan_prompt
-from qeff_evs.runtime.engine.scheduler import SchedulerConfig
+from qeff_evs.runtime.engine.scheduler import SchedulerConfig, check_fits_context
 from qeff_evs.runtime.engine.serving import ServingEngine
 from qeff_evs.runtime.engine.window import prefill_chunks
 
@@ -69,13 +69,7 @@ class Engine:
         return plan.prepared()
 
     def _check_fits(self, num_prompt_tokens: int) -> None:
-        # Pad writes of a partial chunk land in KV slot ctx_len-1, so that slot must stay free during prefill.
-        need = num_prompt_tokens + self.config.max_new_tokens
-        if need > self.config.ctx_len:
-            raise ValueError(
-                f"the prompt ({num_prompt_tokens} tokens) plus max_new_tokens ({self.config.max_new_tokens}) "
-                f"needs {need} KV slots but ctx_len is {self.config.ctx_len}; use fewer frames, a higher "
-                "--video-pruning-rate, fewer new tokens, or export with a larger --ctx-len")
+        check_fits_context(num_prompt_tokens, self.config.max_new_tokens, self.config.ctx_len)
 
     def _check_chunks(self, chunks: list[tuple[int, int]], num_prompt_tokens: int) -> None:
         covered = [c for c, _ in chunks] + [num_prompt_tokens]
