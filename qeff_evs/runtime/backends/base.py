@@ -78,6 +78,18 @@ class BatchedLanguageSession(LanguageSession, Protocol):
         """Next-token logits ``(len(rows), vocab)`` of several running requests."""
 
 
+def state_shapes(shape: LanguageShape) -> dict[str, tuple[int, ...]]:
+    """Dims of every retained input of the language graph (KV cache rows = ``full_batch_size``)."""
+    kv = (shape.full_batch_size, shape.kv_heads, shape.ctx_len, shape.head_dim)
+    dims = {"vision_embeds": (1, shape.vision_size, shape.hidden)}
+    if shape.deepstack_levels:
+        dims["deepstack_features"] = (shape.deepstack_levels, 1, shape.vision_size, shape.hidden)
+    for i in range(shape.num_layers):
+        dims[f"past_key.{i}"] = kv
+        dims[f"past_value.{i}"] = kv
+    return dims
+
+
 class RetainedStateSession(abc.ABC):
     """A language graph whose ``*_RetainedState`` outputs come back as the next call's inputs.
 
@@ -166,16 +178,7 @@ class HostStateSession(RetainedStateSession):
     """Retained state kept in host memory (ONNX Runtime, PyTorch): fed in whole, read back every call."""
 
     def reset(self) -> None:
-        s = self.shape
-        kv = (self.cache_rows, s.kv_heads, s.ctx_len, s.head_dim)
-        self.state: dict[str, np.ndarray] = {}
-        for i in range(s.num_layers):
-            self.state[f"past_key.{i}"] = np.zeros(kv, dtype=np.float32)
-            self.state[f"past_value.{i}"] = np.zeros(kv, dtype=np.float32)
-        self.state["vision_embeds"] = np.zeros((1, s.vision_size, s.hidden), dtype=np.float32)
-        if s.deepstack_levels:
-            self.state["deepstack_features"] = np.zeros(
-                (s.deepstack_levels, 1, s.vision_size, s.hidden), dtype=np.float32)
+        self.state = {name: np.zeros(dims, dtype=np.float32) for name, dims in state_shapes(self.shape).items()}
 
     def _call(self, inputs: dict[str, np.ndarray]) -> np.ndarray:
         feeds = {**self.state, **inputs}

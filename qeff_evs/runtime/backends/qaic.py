@@ -32,7 +32,7 @@ import numpy as np
 
 from qeff_evs.models.graph_io import BATCH_INDEX, RETAINED_SUFFIX
 from qeff_evs.manifest import LanguageShape
-from qeff_evs.runtime.backends.base import RetainedStateSession, VisionResult
+from qeff_evs.runtime.backends.base import RetainedStateSession, VisionResult, state_shapes
 from qeff_evs.specializations import QPC_DIR
 
 DEFAULT_SDK_ROOT = Path("/opt/qti-aic")
@@ -284,18 +284,6 @@ def retained_inputs(program: QaicProgram) -> list[str]:
     """Inputs ``X`` whose output ``X_RetainedState`` aliases them on the device."""
     outputs = set(program.output_names)
     return [name for name in program.input_names if name + RETAINED_SUFFIX in outputs]
-
-
-def state_shapes(shape: LanguageShape) -> dict[str, tuple[int, ...]]:
-    """Dims of every retained input the language graph has, from the export's manifest."""
-    kv = (shape.full_batch_size, shape.kv_heads, shape.ctx_len, shape.head_dim)
-    dims = {"vision_embeds": (1, shape.vision_size, shape.hidden)}
-    if shape.deepstack_levels:
-        dims["deepstack_features"] = (shape.deepstack_levels, 1, shape.vision_size, shape.hidden)
-    for i in range(shape.num_layers):
-        dims[f"past_key.{i}"] = kv
-        dims[f"past_value.{i}"] = kv
-    return dims
 
 
 def decode_width(program: QaicProgram) -> int | None:
