@@ -6,7 +6,8 @@ request's prompt plan, media, content hashes, KV cache row and sampled tokens; e
 once per content hash; fills an item's placeholder when the first chunk reaches it; runs each
 prefill chunk (``steps.prefill_step``: its own window of vision rows) into the request's cache row
 and every decode of a step in one batch (the sessions' ``decode``); frees encoder outputs when told.
-Sampling is greedy.
+Sampling is greedy. A language graph with one KV cache row (``full_batch_size`` 1, with or without
+``batch_index``) is called through ``run``; more rows need a continuous-batching session.
 """
 
 from __future__ import annotations
