@@ -77,7 +77,6 @@ class ServingEngine:
 
     def add_request(self, request: ServeRequest) -> None:
         """Queue a request; a request that can never run raises ValueError and leaves the others alone."""
-        self.executor.check_new(request.request_id)
         plan = self.executor.plan(request.pieces, request.media)
         self.add_planned(request.request_id, plan, request.media, self.executor.media_hashes(request.media),
                          request.max_new_tokens, frozenset(request.stop_token_ids), request=request)
