@@ -79,8 +79,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     else:
         if args.video_grid_thw is None:
             raise ValueError("--pixel-values-videos needs --video-grid-thw T,H,W")
-        video = video_from_patches(args.pixel_values_videos, args.video_grid_thw,
-                                   2.0 if args.fps is None else args.fps, bundle)
+        video = video_from_patches(args.pixel_values_videos, args.video_grid_thw, args.fps, bundle)
     if args.prompt is None:
         raise ValueError("--prompt is required with --video / --pixel-values-videos")
     engine = build_engine(bundle, args.backend, args.max_new_tokens, progress=_progress)

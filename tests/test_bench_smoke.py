@@ -157,7 +157,7 @@ def test_qefficient_steps_image_idx_counts_media_tokens():
     from qeff_evs.models.registry import family_for_config
 
     family = family_for_config(model_config(SMOKE))
-    clip = synthetic_clip(VisionPreprocessSpec.qwen2_5_vl(), 8, 112, seed=0)
+    clip = synthetic_clip(VisionPreprocessSpec.for_family("qwen2_5_vl"), 8, 112, seed=0)
     prompt = language_prompt(family, clip, 0.5, tuple(range(10, 18)), TINY_HIDDEN, 0, TINY_MERGE, seed=0)
     video_pad = family.special_tokens().video_pad
     steps = qefficient_steps(prompt, SMOKE, TINY_HIDDEN, 0, family.special_tokens().media_pads)
@@ -171,7 +171,7 @@ def test_qefficient_steps_image_idx_counts_media_tokens():
 
 
 def test_pixel_selection_equals_vllm_on_merged_pixels():
-    clip = synthetic_clip(VisionPreprocessSpec.qwen2_5_vl(), 8, 112, seed=1)
+    clip = synthetic_clip(VisionPreprocessSpec.for_family("qwen2_5_vl"), 8, 112, seed=1)
     pixels = clip.video.pixel_values
     group = TINY_MERGE * TINY_MERGE
     # One merged token = its merge x merge patches, consecutive rows in the processor's order.

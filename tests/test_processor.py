@@ -31,9 +31,8 @@ from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoP
 from transformers.models.qwen3_vl.video_processing_qwen3_vl import smart_resize as hf_smart_resize_video
 from transformers.video_utils import VideoMetadata
 
+from qeff_evs.models.qwen2_5_vl import CLIP_MEAN, CLIP_STD
 from qeff_evs.runtime.inputs.processor import (
-    CLIP_MEAN,
-    CLIP_STD,
     VisionPreprocessSpec,
     choose_resolution,
     preprocess_image,
@@ -44,7 +43,7 @@ from qeff_evs.runtime.inputs.processor import (
 )
 from qeff_evs.runtime.inputs.synthetic import moving_square_video
 
-SPECS = {"qwen2_5_vl": VisionPreprocessSpec.qwen2_5_vl(), "qwen3_vl": VisionPreprocessSpec.qwen3_vl()}
+SPECS = {family: VisionPreprocessSpec.for_family(family) for family in ("qwen2_5_vl", "qwen3_vl")}
 
 
 def hf_image_processor(spec: VisionPreprocessSpec, min_pixels: int, max_pixels: int) -> Qwen2VLImageProcessorPil:
@@ -378,7 +377,7 @@ def test_from_pretrained_dir_falls_back_to_vision_config_and_config_json(tmp_pat
                                         num_attention_heads=2, num_key_value_heads=1, head_dim=16))
     spec = VisionPreprocessSpec.from_pretrained_dir(tmp_path, q3)  # no processor files at all
     assert (spec.family, spec.patch_size, spec.temporal_patch_size, spec.merge_size) == ("qwen3_vl", 8, 3, 2)
-    assert spec == VisionPreprocessSpec.qwen3_vl(patch_size=8, temporal_patch_size=3)
+    assert spec == VisionPreprocessSpec.for_family("qwen3_vl", patch_size=8, temporal_patch_size=3)
     q3.save_pretrained(tmp_path)  # config.json only: read when no model config is passed
     assert VisionPreprocessSpec.from_pretrained_dir(tmp_path) == spec
 
@@ -412,11 +411,11 @@ def test_disabled_rescale_and_normalize_become_identity(tmp_path):
 )
 def test_spec_validation(overrides, message):
     with pytest.raises(ValueError, match=message):
-        VisionPreprocessSpec.qwen2_5_vl(**overrides)
+        VisionPreprocessSpec.for_family("qwen2_5_vl", **overrides)
 
 
 def test_resample_setting_is_used():
-    spec = VisionPreprocessSpec.qwen2_5_vl(resample=int(Image.Resampling.NEAREST))
+    spec = VisionPreprocessSpec.for_family("qwen2_5_vl", resample=int(Image.Resampling.NEAREST))
     frame = random_frames(1, 56, 56, seed=9)[0]
     nearest = preprocess_image(frame, (28, 28), spec).pixel_values
     bicubic = preprocess_image(frame, (28, 28), SPECS["qwen2_5_vl"]).pixel_values

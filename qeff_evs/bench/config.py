@@ -11,8 +11,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from qeff_evs import evs
-
-FAMILIES = ("qwen2_5_vl", "qwen3_vl")
+from qeff_evs.models.registry import FAMILIES, preprocess_defaults
 WIDTHS = ("realistic", "tiny")  # realistic: released-checkpoint widths; tiny: the test checkpoints' widths
 
 # Prompt text around the video: <|vision_start|> and <|vision_end|> besides the question.
@@ -75,7 +74,6 @@ PRESETS = {
 # Frame sides above are for Qwen2.5-VL (28 px per merged token). Qwen3-VL merges 32 px, so its
 # presets scale every side by 32/28: the same merged-token grids, hence the same token counts.
 _PRESET_TOKEN_PIXELS = 28
-_FAMILY_TOKEN_PIXELS = {"qwen2_5_vl": 28, "qwen3_vl": 32}
 
 
 def preset(name: str, family: str = "qwen2_5_vl") -> BenchConfig:
@@ -85,7 +83,8 @@ def preset(name: str, family: str = "qwen2_5_vl") -> BenchConfig:
     if family not in FAMILIES:
         raise ValueError(f"--family {family!r} is not one of {', '.join(FAMILIES)}")
     base = PRESETS[name]
-    pixels = _FAMILY_TOKEN_PIXELS[family]
+    defaults = preprocess_defaults(family)
+    pixels = defaults.patch_size * defaults.merge_size
     return base.replace(family=family, frame_size=base.frame_size // _PRESET_TOKEN_PIXELS * pixels,
                         vision_frame_size=base.vision_frame_size // _PRESET_TOKEN_PIXELS * pixels)
 

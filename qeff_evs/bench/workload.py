@@ -15,12 +15,10 @@ import numpy as np
 import torch
 
 from qeff_evs import evs
-from qeff_evs.models.protocol import ModelFamily, MediaInput
+from qeff_evs.models.protocol import SAMPLING_FPS, ModelFamily, MediaInput
 from qeff_evs.runtime.inputs.processor import VisionPreprocessSpec, preprocess_video
 from qeff_evs.runtime.engine.request import EncodedMedia, PreparedPrompt, PromptPiece, prepare_prompt
 from qeff_evs.runtime.inputs.synthetic import moving_square_video
-
-CLIP_FPS = 2.0  # Qwen-VL's default sampling rate; the clip is taken as already sampled
 
 
 @dataclass(frozen=True)
@@ -39,8 +37,8 @@ def synthetic_clip(spec: VisionPreprocessSpec, num_frames: int, size: int, seed:
     """The moving-square clip at ``size`` x ``size``, preprocessed for the family's encoder."""
     frames = moving_square_video(num_frames, size, size, seed=seed)
     processed = preprocess_video(frames, (size, size), spec)
-    times = tuple(i / CLIP_FPS for i in range(num_frames))
-    return Clip(frames, MediaInput(processed.pixel_values, tuple(processed.grid_thw), CLIP_FPS, times))
+    times = tuple(i / SAMPLING_FPS for i in range(num_frames))  # the clip is taken as already sampled
+    return Clip(frames, MediaInput(processed.pixel_values, tuple(processed.grid_thw), SAMPLING_FPS, times))
 
 
 def merged_pixel_tokens(pixel_values: torch.Tensor, merge_size: int) -> torch.Tensor:

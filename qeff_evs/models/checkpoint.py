@@ -14,8 +14,7 @@ from typing import Any
 import torch
 from transformers import AutoConfig, AutoModelForImageTextToText, AutoTokenizer, PretrainedConfig, PreTrainedModel
 
-# config.model_type -> family name used across qeff_evs.
-SUPPORTED_MODEL_TYPES = ("qwen2_5_vl", "qwen3_vl")
+from qeff_evs.models.registry import FAMILIES
 
 # Any one of these means the folder carries a tokenizer AutoTokenizer can read.
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json")
@@ -46,10 +45,10 @@ def detect_family(model_dir: str | Path) -> str:
     """The family of the checkpoint in `model_dir`, from config.json's model_type."""
     model_dir = Path(model_dir)
     model_type = json.loads(_config_path(model_dir).read_text()).get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
+    if model_type not in FAMILIES:
         raise ValueError(
             f"{model_dir} holds a model_type={model_type!r} checkpoint; qeff-evs supports "
-            f"{', '.join(SUPPORTED_MODEL_TYPES)} (Qwen2.5-VL / Qwen3-VL)"
+            f"{', '.join(FAMILIES)} (Qwen2.5-VL / Qwen3-VL)"
         )
     return model_type
 

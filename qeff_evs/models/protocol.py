@@ -1,9 +1,10 @@
 """The small protocol a model family implements to plug into export and runtime.
 
-A family knows three things the shared pipeline does not: how to build its exportable
+A family knows four things the shared pipeline does not: how to build its exportable
 vision(+EVS) and language wrappers from a transformers model, which host-side index tensors
-its vision graph takes for a grid, and how a video is laid out in the prompt (before the
-encoder, where only the retained count K is known, and after it, where the per-frame split is).
+its vision graph takes for a grid, how a video is laid out in the prompt (before the
+encoder, where only the retained count K is known, and after it, where the per-frame split is),
+and how its released checkpoints preprocess video (``PreprocessDefaults``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,26 @@ import torch
 
 from qeff_evs.manifest import SpecialTokens
 from qeff_evs.positions import MediaBlock
+
+SAMPLING_FPS = 2.0  # both Qwen-VL families sample videos at 2 frames per second
+
+
+@dataclass(frozen=True)
+class PreprocessDefaults:
+    """A family's video preprocessing as its released checkpoints ship it (a checkpoint's own
+    processor config overrides any of it). ``pixel_limits_per_video``: the pixel limits bound
+    frames x area (Qwen3-VL) instead of each frame (Qwen2.5-VL)."""
+
+    patch_size: int
+    temporal_patch_size: int
+    merge_size: int
+    image_mean: tuple[float, float, float]
+    image_std: tuple[float, float, float]
+    min_pixels: int
+    max_pixels: int
+    pixel_limits_per_video: bool
+    processor_class: str  # how transformers spells the family in its processor class names
+    target_fps: float = SAMPLING_FPS
 
 
 @dataclass(frozen=True)

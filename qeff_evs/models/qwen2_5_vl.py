@@ -37,7 +37,7 @@ from transformers.vision_utils import get_vision_window_index
 from qeff_evs import evs
 from qeff_evs.models.family import QwenVLFamily
 from qeff_evs.models.graph_io import VisionGraphSpec
-from qeff_evs.models.protocol import MediaInput, MediaLayout
+from qeff_evs.models.protocol import MediaInput, MediaLayout, PreprocessDefaults
 from qeff_evs.models.vision_common import (
     VisionEVSWrapper,
     check_retained,
@@ -48,6 +48,15 @@ from qeff_evs.models.vision_common import (
     retained_carrier,
 )
 from qeff_evs.positions import MediaBlock
+
+# The released checkpoints' video preprocessing: 14-px patches, CLIP mean/std, HF's video-processor
+# pixel limits per frame.
+CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+PREPROCESS_DEFAULTS = PreprocessDefaults(
+    patch_size=14, temporal_patch_size=2, merge_size=2, image_mean=CLIP_MEAN, image_std=CLIP_STD,
+    min_pixels=128 * 28 * 28, max_pixels=768 * 28 * 28, pixel_limits_per_video=False, processor_class="Qwen2_5_VL",
+)
 
 # ---------------------------------------------------------------------------------------------
 # Vision(+EVS) graph
@@ -182,3 +191,6 @@ class Qwen2_5_VLFamily(QwenVLFamily):
         unpruned = np.full(t * h * w, self.config.video_token_id, dtype=np.int64)
         return MediaLayout(unpruned, self.kept_mask(video, retained_indices),
                            (MediaBlock(t, h, w, self.time_factor(video.fps)),))
+
+
+Family = Qwen2_5_VLFamily

@@ -44,7 +44,7 @@ from transformers.vision_utils import get_vision_interpolation_indices_and_weigh
 from qeff_evs import evs
 from qeff_evs.models.family import QwenVLFamily
 from qeff_evs.models.graph_io import VisionGraphSpec
-from qeff_evs.models.protocol import MediaInput, MediaLayout
+from qeff_evs.models.protocol import MediaInput, MediaLayout, PreprocessDefaults
 from qeff_evs.models.vision_common import (
     VisionEVSWrapper,
     check_retained,
@@ -55,6 +55,13 @@ from qeff_evs.models.vision_common import (
     retained_carrier,
 )
 from qeff_evs.positions import MediaBlock
+
+# The released checkpoints' video preprocessing: 16-px patches, mean/std 0.5, pixel limits over the
+# whole clip.
+PREPROCESS_DEFAULTS = PreprocessDefaults(
+    patch_size=16, temporal_patch_size=2, merge_size=2, image_mean=(0.5, 0.5, 0.5), image_std=(0.5, 0.5, 0.5),
+    min_pixels=128 * 32 * 32, max_pixels=768 * 32 * 32, pixel_limits_per_video=True, processor_class="Qwen3VL",
+)
 
 # ---------------------------------------------------------------------------------------------
 # Vision(+EVS) graph
@@ -289,3 +296,6 @@ class Qwen3_VLFamily(QwenVLFamily):
         keep = np.ones(len(unpruned), dtype=bool)
         keep[unpruned == self.config.video_token_id] = self.kept_mask(video, retained_indices)  # raster order
         return MediaLayout(unpruned, keep, tuple(MediaBlock(1, h, w) for _ in range(t)))
+
+
+Family = Qwen3_VLFamily

@@ -23,7 +23,7 @@ from transformers import (
     Qwen3VLForConditionalGeneration,
 )
 
-FAMILIES = ("qwen2_5_vl", "qwen3_vl")
+from qeff_evs.models.registry import FAMILIES, preprocess_defaults
 
 # Qwen's added special tokens, in Qwen's relative order; they take the ids after the BPE vocabulary.
 ENDOFTEXT = "<|endoftext|>"
@@ -101,11 +101,6 @@ CHAT_TEMPLATE = (
     "{{- '<|im_start|>assistant\\n' -}}"
     "{%- endif -%}"
 )
-
-# The preprocessor settings of the released checkpoints (pixel normalisation and patching).
-_CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
-_CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
-
 
 def _check_family(family: str) -> None:
     if family not in FAMILIES:
@@ -282,6 +277,7 @@ def preprocessor_config(family: str, config) -> dict[str, Any]:
     """`preprocessor_config.json` contents shaped like the released checkpoints' files."""
     _check_family(family)
     vision = config.vision_config
+    defaults = preprocess_defaults(family)
     common = {
         "patch_size": vision.patch_size,
         "temporal_patch_size": vision.temporal_patch_size,
@@ -291,20 +287,18 @@ def preprocessor_config(family: str, config) -> dict[str, Any]:
         "rescale_factor": 1 / 255,
         "do_normalize": True,
         "do_convert_rgb": True,
+        "image_mean": list(defaults.image_mean),
+        "image_std": list(defaults.image_std),
     }
     if family == "qwen2_5_vl":
         return {
             **common,
-            "image_mean": _CLIP_MEAN,
-            "image_std": _CLIP_STD,
             "min_pixels": 3136,
             "max_pixels": 12845056,
             "image_processor_type": "Qwen2VLImageProcessor",
         }
     return {
         **common,
-        "image_mean": [0.5, 0.5, 0.5],
-        "image_std": [0.5, 0.5, 0.5],
         "size": {"shortest_edge": 65536, "longest_edge": 16777216},
         "image_processor_type": "Qwen2VLImageProcessor",
     }

@@ -11,7 +11,7 @@ import torch
 from transformers import AutoConfig, AutoTokenizer
 
 from qeff_evs.manifest import MODEL_CONFIG_DIR, LanguageShape, Manifest, read_manifest
-from qeff_evs.models.protocol import ModelFamily, MediaInput
+from qeff_evs.models.protocol import SAMPLING_FPS, ModelFamily, MediaInput
 from qeff_evs.models.registry import family_for_config
 from qeff_evs.runtime.engine.executor import EngineConfig
 from qeff_evs.runtime.engine.single_request import Engine, GenerationResult
@@ -93,13 +93,17 @@ def image_from_array(image: np.ndarray, bundle: ExportBundle) -> MediaInput:
     return MediaInput(processed.pixel_values, tuple(processed.grid_thw), 1.0, (), kind="image")
 
 
-def video_from_patches(pixel_values_path: str | Path, grid_thw: tuple[int, int, int], fps: float,
+def video_from_patches(pixel_values_path: str | Path, grid_thw: tuple[int, int, int], fps: float | None,
                        bundle: ExportBundle | None = None) -> MediaInput:
-    """Already-patchified pixels (``pixel_values_videos`` as transformers' processor returns them)."""
+    """Already-patchified pixels (``pixel_values_videos`` as transformers' processor returns them).
+
+    ``fps``: the rate the frames were sampled at; ``None`` means Qwen-VL's default rate.
+    """
     path = Path(pixel_values_path)
     if not path.is_file():
         raise ValueError(f"pixel values file {path} not found")
-    if fps is None or not fps > 0:
+    fps = SAMPLING_FPS if fps is None else fps
+    if not fps > 0:
         raise ValueError(f"--fps must be positive for pre-patchified pixels, got {fps!r}")
     pixels = torch.from_numpy(np.load(path)).to(torch.float32)
     t, h, w = (int(v) for v in grid_thw)
@@ -216,8 +220,7 @@ def requests_from_jsonl(path: str | Path, bundle: ExportBundle):
                 grid = entry.get("video_grid_thw")
                 if not isinstance(grid, list) or len(grid) != 3:
                     raise ValueError(f"'video_grid_thw' must be [T, H, W] with 'pixel_values_videos', got {grid!r}")
-                video = video_from_patches(entry["pixel_values_videos"], tuple(int(v) for v in grid),
-                                           2.0 if fps is None else fps, bundle)
+                video = video_from_patches(entry["pixel_values_videos"], tuple(int(v) for v in grid), fps, bundle)
             bundle.manifest.vision_entry(video.grid_thw)
         except (ValueError, TypeError) as error:
             raise ValueError(f"{where}: {error}") from None

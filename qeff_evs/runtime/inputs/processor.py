@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from fractions import Fraction
 from pathlib import Path
 from typing import Any
@@ -31,24 +31,17 @@ import numpy as np
 import torch
 from PIL import Image
 
+from qeff_evs.models.protocol import SAMPLING_FPS
+from qeff_evs.models.registry import FAMILIES, preprocess_defaults
 from qeff_evs.runtime.inputs.video_io import validate_frames
 
-CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
-CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
-HALF_MEAN = (0.5, 0.5, 0.5)
-HALF_STD = (0.5, 0.5, 0.5)
 PIL_BICUBIC = int(Image.Resampling.BICUBIC)  # 3, what every Qwen-VL checkpoint asks for
-DEFAULT_TARGET_FPS = 2.0  # Qwen-VL samples videos at 2 frames per second
 MAX_ASPECT_RATIO = 200  # HF refuses frames more elongated than this
 RGB_CHANNELS = 3
 
 VIDEO_CONFIG_FILE = "video_preprocessor_config.json"
 IMAGE_CONFIG_FILE = "preprocessor_config.json"
 MODEL_CONFIG_FILE = "config.json"
-
-QWEN2_5_VL = "qwen2_5_vl"
-QWEN3_VL = "qwen3_vl"
-FAMILIES = (QWEN2_5_VL, QWEN3_VL)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -75,7 +68,7 @@ class VisionPreprocessSpec:
     pixel_limits_per_video: bool = False
     resample: int = PIL_BICUBIC
     rescale_factor: float = 1 / 255
-    target_fps: float = DEFAULT_TARGET_FPS
+    target_fps: float = SAMPLING_FPS
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
@@ -117,44 +110,13 @@ class VisionPreprocessSpec:
         return self.in_channels * self.temporal_patch_size * self.patch_size * self.patch_size
 
     @classmethod
-    def qwen2_5_vl(cls, **overrides: Any) -> VisionPreprocessSpec:
-        """Qwen2.5-VL: 14-px patches, CLIP mean/std, HF video-processor pixel limits per frame."""
-        base = cls(
-            family=QWEN2_5_VL,
-            patch_size=14,
-            temporal_patch_size=2,
-            merge_size=2,
-            image_mean=CLIP_MEAN,
-            image_std=CLIP_STD,
-            min_pixels=128 * 28 * 28,
-            max_pixels=768 * 28 * 28,
-            pixel_limits_per_video=False,
-        )
-        return replace(base, **overrides)
-
-    @classmethod
-    def qwen3_vl(cls, **overrides: Any) -> VisionPreprocessSpec:
-        """Qwen3-VL: 16-px patches, mean/std 0.5, pixel limits over the whole clip."""
-        base = cls(
-            family=QWEN3_VL,
-            patch_size=16,
-            temporal_patch_size=2,
-            merge_size=2,
-            image_mean=HALF_MEAN,
-            image_std=HALF_STD,
-            min_pixels=128 * 32 * 32,
-            max_pixels=768 * 32 * 32,
-            pixel_limits_per_video=True,
-        )
-        return replace(base, **overrides)
-
-    @classmethod
-    def for_family(cls, family: str, **overrides: Any) -> VisionPreprocessSpec:
-        if family == QWEN2_5_VL:
-            return cls.qwen2_5_vl(**overrides)
-        if family == QWEN3_VL:
-            return cls.qwen3_vl(**overrides)
-        raise ValueError(f"unknown model family {family!r}; expected one of {FAMILIES}")
+    def for_family(cls, family: str, /, **overrides: Any) -> VisionPreprocessSpec:
+        """The family's released-checkpoint preprocessing (its ``PREPROCESS_DEFAULTS``), with ``overrides``."""
+        if family not in FAMILIES:
+            raise ValueError(f"unknown model family {family!r}; expected one of {FAMILIES}")
+        defaults = asdict(preprocess_defaults(family))
+        del defaults["processor_class"]
+        return replace(cls(family=family, **defaults), **overrides)
 
     @classmethod
     def from_pretrained_dir(cls, path: str | Path, model_config: Any = None) -> VisionPreprocessSpec:
@@ -206,18 +168,16 @@ def _field(obj: Any, key: str) -> Any:
 
 def _family_from(model_config: Any, processor_config: Mapping[str, Any]) -> str:
     model_type = str(_field(model_config, "model_type") or "")
-    if model_type.startswith("qwen3_vl"):  # qwen3_vl, qwen3_vl_moe
-        return QWEN3_VL
-    if model_type == QWEN2_5_VL:
-        return QWEN2_5_VL
+    for family in FAMILIES:
+        if model_type.startswith(family):  # qwen3_vl_moe preprocesses as qwen3_vl
+            return family
     names = " ".join(
         str(processor_config.get(key, ""))
         for key in ("processor_class", "video_processor_type", "image_processor_type")
     )
-    if "Qwen3VL" in names:
-        return QWEN3_VL
-    if "Qwen2_5_VL" in names:
-        return QWEN2_5_VL
+    for family in FAMILIES:
+        if preprocess_defaults(family).processor_class in names:
+            return family
     raise ValueError(
         f"cannot tell the model family from model_type {model_type!r} or processor classes {names.strip()!r}; "
         f"pass a model config whose model_type is one of {FAMILIES}"

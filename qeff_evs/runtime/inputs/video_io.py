@@ -7,7 +7,7 @@ Two steps, so a long clip never has to sit in memory at full frame rate:
    sampler picked), converting just those to RGB.
 
 A ``.npy`` file holds frames only, no frame rate: the caller passes ``fps``, and it defaults to
-:data:`DEFAULT_ARRAY_FPS` = 2.0, the rate Qwen-VL samples videos at, so an array of frames that were
+:data:`DEFAULT_ARRAY_FPS`, the rate Qwen-VL samples videos at (2), so an array of frames that were
 already sampled at 2 fps passes through the sampler unchanged. For a container ``fps`` overrides
 the rate the container reports (useful when it is missing or wrong).
 
@@ -22,7 +22,9 @@ from pathlib import Path
 
 import numpy as np
 
-DEFAULT_ARRAY_FPS = 2.0
+from qeff_evs.models.protocol import SAMPLING_FPS
+
+DEFAULT_ARRAY_FPS = SAMPLING_FPS  # an array taken as already sampled passes the sampler unchanged
 ARRAY_SUFFIX = ".npy"
 
 
