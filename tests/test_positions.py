@@ -15,21 +15,23 @@ import numpy as np
 import pytest
 import torch
 
-from qeff_evs.evs import retention_mask
-from qeff_evs.positions import (
-    MediaBlock,
+from helpers.pruned_prompts import (
     MediaItem,
-    block_positions,
-    decode_start,
     keep_mask,
-    media_runs,
     mrope_delta,
     prune_prompt,
-    pruned_positions,
     qwen2_5_vl_blocks,
     qwen3_vl_blocks,
     qwen3_vl_retained_per_block,
     split_retained_by_frame,
+)
+from qeff_evs.evs import retention_mask
+from qeff_evs.positions import (
+    MediaBlock,
+    block_positions,
+    decode_start,
+    media_runs,
+    pruned_positions,
     unpruned_positions,
 )
 

@@ -14,7 +14,11 @@ import random
 import numpy as np
 import pytest
 import torch
+from transformers import AutoTokenizer, Qwen2_5_VLConfig
 
+from qeff_evs.models.protocol import MediaInput
+from qeff_evs.models.registry import family_for_config
+from qeff_evs.models.tiny import tiny_config
 from qeff_evs.runtime.engine.scheduler import RequestSpec, Scheduler, SchedulerConfig
 from qeff_evs.runtime.engine.window import Placeholder, window_slices
 from qeff_evs.vllm import adapters
@@ -187,51 +191,67 @@ def test_scheduler_driven_from_vllm_features_gathers_what_vllm_would():
 # --- placeholder reservations ---------------------------------------------------------------------
 
 
+def media_item(grid: tuple[int, int, int], frame_times: tuple[float, ...] = ()) -> MediaInput:
+    """A video as a vLLM processor knows it when it reserves the placeholder (no pixel is read)."""
+    return MediaInput(torch.zeros(0), grid, fps=2.0, frame_times=frame_times)
+
+
+@pytest.fixture(scope="module")
+def qwen3_family(tiny_checkpoint):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_checkpoint, local_files_only=True)
+    return family_for_config(tiny_config("qwen3_vl", tokenizer), tokenizer)
+
+
 @pytest.mark.parametrize("grid, merge, q", [((8, 8, 12), 2, 0.5), ((1, 4, 4), 2, 0.9), ((16, 14, 10), 2, 0.75),
                                             ((5, 6, 6), 1, 0.0), ((32, 4, 8), 2, 0.99)])
 def test_qwen2_5_reservation_is_vllm_retained_count(grid, merge, q):
     t, h, w = grid[0], grid[1] // merge, grid[2] // merge
     k = vllm_evs.compute_retained_tokens_count(h * w, t, q)
-    reservation = adapters.qwen2_5_vl_reservation(grid, merge, q)
+    family = family_for_config(Qwen2_5_VLConfig(vision_config={"spatial_merge_size": merge}))
+    reservation = adapters.evs_reservation(family, media_item(grid), q)
     assert (reservation.length, reservation.num_video_rows, reservation.is_embed) == (k, k, None)
     assert reservation.placeholder_range(5) == PlaceholderRange(offset=5, length=k)
 
 
-VS, VE, VID = 90, 91, 92
-
-
-def token_layout(timestamps: list[list[int]], pads_per_frame: list[int]) -> list[int]:
+def token_layout(timestamps: list[list[int]], pads_per_frame: list[int], vs: int, ve: int, vid: int) -> list[int]:
     """Qwen3-VL's video segment spelled out token by token."""
     tokens = []
     for ts, pads in zip(timestamps, pads_per_frame):
-        tokens += ts + [VS] + [VID] * pads + [VE]
+        tokens += ts + [vs] + [vid] * pads + [ve]
     return tokens
 
 
 @pytest.mark.parametrize("seed", range(12))
-def test_qwen3_reservation_is_the_lumped_layout_and_fits_every_real_split(seed):
+def test_qwen3_reservation_is_the_lumped_layout_and_fits_every_real_split(seed, qwen3_family):
     rng = random.Random(seed)
     t, h, w, merge = rng.randint(1, 9), 2 * rng.randint(1, 5), 2 * rng.randint(1, 5), 2
     q = rng.choice([0.0, 0.3, 0.5, 0.75, 0.9])
-    timestamps = [[rng.randint(0, 80) for _ in range(rng.randint(4, 7))] for _ in range(t)]
+    # Two frames per temporal patch; start and rate vary the timestamps' token counts.
+    start, fps = rng.choice([0.0, 7.3, 95.0]), rng.choice([0.5, 2.0, 3.7, 30.0])
+    frame_times = tuple(start + i / fps for i in range(2 * t))
+    tokenizer, config = qwen3_family.tokenizer, qwen3_family.config
+    timestamps = [tokenizer.encode(f"<{(frame_times[2 * f] + frame_times[2 * f + 1]) / 2:.1f} seconds>",
+                                   add_special_tokens=False) for f in range(t)]
+    vs, ve, vid = config.vision_start_token_id, config.vision_end_token_id, config.video_token_id
     hw = (h // merge) * (w // merge)
     k = vllm_evs.compute_retained_tokens_count(hw, t, q)
-    reservation = adapters.qwen3_vl_reservation((t, h, w), merge, q, [len(ts) for ts in timestamps])
-    lumped = token_layout(timestamps, [k] + [0] * (t - 1))
+    video = media_item((t, h, w), frame_times)
+    reservation = adapters.evs_reservation(qwen3_family, video, q)
+    lumped = token_layout(timestamps, [k] + [0] * (t - 1), vs, ve, vid)
     assert reservation.length == len(lumped) == sum(len(ts) + 2 for ts in timestamps) + k
-    np.testing.assert_array_equal(reservation.is_embed, np.asarray(lumped) == VID)
+    np.testing.assert_array_equal(reservation.is_embed, np.asarray(lumped) == vid)
     assert reservation.num_video_rows == k == reservation.placeholder(0).num_embeds
     assert reservation.placeholder_range(3).get_num_embeds() == k
     # Any split EVS can produce (frame 0 kept whole) has the same length and first pad position.
-    rest = [0] * (t - 1)
-    for _ in range(k - hw):
-        rest[rng.randrange(t - 1)] += 1
-    real = token_layout(timestamps, [hw] + rest)
-    real_mask = adapters.qwen3_vl_embed_mask([len(ts) for ts in timestamps], [hw] + rest)
-    np.testing.assert_array_equal(real_mask, np.asarray(real) == VID)
-    assert len(real) == reservation.length and real.index(VID) == lumped.index(VID)
+    later = sorted(rng.sample(range(hw, t * hw), k - hw))
+    rest = [sum(1 for i in later if i // hw == f) for f in range(1, t)]
+    real = token_layout(timestamps, [hw] + rest, vs, ve, vid)
+    real_ids = qwen3_family.video_layout(video, np.asarray([*range(hw), *later], dtype=np.int64)).ids
+    real_mask = np.isin(real_ids, qwen3_family.special_tokens().media_pads)
+    np.testing.assert_array_equal(real_mask, np.asarray(real) == vid)
+    assert len(real) == reservation.length and real.index(vid) == lumped.index(vid)
 
 
-def test_qwen3_reservation_needs_one_timestamp_per_temporal_patch():
-    with pytest.raises(ValueError, match="3 timestamp token counts for 4 temporal patches"):
-        adapters.qwen3_vl_reservation((4, 8, 8), 2, 0.5, [5, 5, 5])
+def test_qwen3_reservation_needs_one_timestamp_per_temporal_patch(qwen3_family):
+    with pytest.raises(ValueError, match="4 temporal patches but 6 frame times"):
+        adapters.evs_reservation(qwen3_family, media_item((4, 8, 8), tuple(range(6))), 0.5)

@@ -7,8 +7,9 @@ this module gives:
 * the window of a prefill chunk: which rows of which cached encoder output it consumes, and the
   ``(1, user_vision_size, hidden)`` zero-padded window with ``image_idx = 0`` the language graph
   takes (DESIGN §6, §8);
-* the placeholder a vLLM processor must reserve for an EVS video before the encoder runs
-  (Qwen2.5-VL: K pads; Qwen3-VL: the lumped layout, ``L = sum_f(len(ts_f) + 2) + K``);
+* the placeholder a vLLM processor must reserve for an EVS video before the encoder runs: the
+  family's own provisional layout (Qwen2.5-VL: K pads; Qwen3-VL: the lumped layout,
+  ``L = sum_f(len(ts_f) + 2) + K``);
 * converters between ``PlaceholderRange`` and ``qeff_evs.runtime.engine.window.Placeholder``, and
   ``MediaPlacement`` s for ``qeff_evs.runtime.engine.scheduler``.
 
@@ -27,7 +28,8 @@ from typing import Any
 
 import numpy as np
 
-from qeff_evs import evs
+from qeff_evs.models.protocol import MediaInput, ModelFamily
+from qeff_evs.runtime.engine.executor import retained_count
 from qeff_evs.runtime.engine.scheduler import MediaPlacement
 from qeff_evs.runtime.engine.steps import VisionWindow, gather_window
 from qeff_evs.runtime.engine.window import Placeholder, WindowSlice, window_slices
@@ -123,39 +125,13 @@ class EvsReservation:
         return to_placeholder_range(self.placeholder(offset))
 
 
-def qwen2_5_vl_reservation(grid_thw: Sequence[int], spatial_merge_size: int, q: float) -> EvsReservation:
-    """Qwen2.5-VL: K video pads, all of them embedding rows (the vision markers sit outside)."""
-    t, h, w = evs.merged_grid(grid_thw, spatial_merge_size)
-    k = evs.retained_token_count(h * w, t, q)
-    return EvsReservation(k, k, None)
+def evs_reservation(family: ModelFamily, media: MediaInput, q: float) -> EvsReservation:
+    """The family's own provisional placeholder (the one our engine puts in the prompt), sized by K.
 
-
-def qwen3_vl_embed_mask(timestamp_token_counts: Sequence[int], pads_per_frame: Sequence[int]) -> np.ndarray:
-    """Video-pad positions of ``ts_f <|vision_start|> pads_f <|vision_end|>`` over the frames."""
-    if len(timestamp_token_counts) != len(pads_per_frame):
-        raise ValueError(
-            f"{len(timestamp_token_counts)} timestamp counts for {len(pads_per_frame)} frames; give one per "
-            "temporal patch")
-    parts = []
-    for ts, pads in zip(timestamp_token_counts, pads_per_frame):
-        if ts < 0 or pads < 0:
-            raise ValueError(f"token counts must be >= 0, got timestamp {ts} and pads {pads}")
-        parts.append(np.r_[np.zeros(ts + 1, dtype=bool), np.ones(pads, dtype=bool), np.zeros(1, dtype=bool)])
-    return np.concatenate(parts) if parts else np.zeros(0, dtype=bool)
-
-
-def qwen3_vl_reservation(grid_thw: Sequence[int], spatial_merge_size: int, q: float,
-                         timestamp_token_counts: Sequence[int]) -> EvsReservation:
-    """Qwen3-VL: the lumped layout ``[K, 0, ..., 0]``, ``L = sum_f(len(ts_f) + 2) + K``.
-
-    ``timestamp_token_counts[f]`` is the token count of frame f's ``<t seconds>`` text (one per
-    temporal patch). The length is the real layout's too, whatever split EVS picks.
+    Qwen2.5-VL: K video pads. Qwen3-VL: the lumped layout ``[K, 0, ..., 0]``, ``L = sum_f(len(ts_f) + 2) + K``,
+    whose length is the real layout's too, whatever split EVS picks; only its pads are embedding rows.
     """
-    t, h, w = evs.merged_grid(grid_thw, spatial_merge_size)
-    if len(timestamp_token_counts) != t:
-        raise ValueError(
-            f"{len(timestamp_token_counts)} timestamp token counts for {t} temporal patches "
-            f"(grid {tuple(grid_thw)}); give one count per temporal patch")
-    k = evs.retained_token_count(h * w, t, q)
-    mask = qwen3_vl_embed_mask(timestamp_token_counts, [k] + [0] * (t - 1))
-    return EvsReservation(len(mask), k, mask)
+    k = retained_count(family, media, q)
+    ids = family.placeholder_ids(media, k)
+    is_embed = np.isin(ids, family.special_tokens().media_pads)
+    return EvsReservation(len(ids), k, None if is_embed.all() else is_embed)

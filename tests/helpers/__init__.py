@@ -1,0 +1,1 @@
+"""Code only tests use: reference builders and test-side APIs (not part of the package)."""
