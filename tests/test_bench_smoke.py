@@ -255,6 +255,7 @@ def test_config_errors_name_the_flag(change, flag):
 
 def test_evs_free_vision_wrapper_returns_the_first_rows():
     """The overhead baseline graph: stock HF vision forward, first K merged rows, indices 0..K-1."""
+    from qeff_evs.bench.baseline import FirstRowsVision
     from qeff_evs.bench.graphs import model_config, random_model
     from qeff_evs.models.qwen2_5_vl import Qwen2_5_VLVisionEVS, vision_host_inputs
 
@@ -265,7 +266,7 @@ def test_evs_free_vision_wrapper_returns_the_first_rows():
     pixels = torch.randn(4 * 8 * 8, 1176, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         expected = visual(pixels, grid_thw=torch.tensor([grid])).pooler_output[:k]
-    baseline = Qwen2_5_VLVisionEVS(visual, evs_selection=False)
+    baseline = FirstRowsVision(Qwen2_5_VLVisionEVS(visual))
     host = [torch.from_numpy(a) for a in vision_host_inputs(visual.config, grid, k).values()]
     with torch.no_grad():
         rows, indices = baseline(pixels, *host)

@@ -12,13 +12,13 @@ import pytest
 import torch
 from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2Config, Qwen3VLForConditionalGeneration
 
+from qeff_evs.bench.realistic import realistic_config
 from qeff_evs.models.checkpoint import LoadedCheckpoint, detect_family, load_checkpoint
+from qeff_evs.models.registry import FAMILIES
 from qeff_evs.models.tiny import (
-    FAMILIES,
     SPECIAL_TOKENS,
     build_tiny_model,
     build_tokenizer,
-    realistic_config,
     save_tiny_checkpoint,
     special_token_ids,
     tiny_config,

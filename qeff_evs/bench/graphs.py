@@ -3,7 +3,7 @@
 The model is built in memory (no checkpoint folder): the benchmark measures speed, not words, so
 weights only need to be finite and of the right shapes. Three graphs come out of it: the
 vision(+EVS) graph, the same vision graph with the EVS selection replaced by "the first K rows"
-(the overhead baseline) and the language graph, whose ``vision_size`` symbol lets one file serve
+(the overhead baseline, ``baseline.FirstRowsVision``) and the language graph, whose ``vision_size`` symbol lets one file serve
 both the ``user_vision_size`` way and the QEfficient way.
 """
 
@@ -19,7 +19,9 @@ from pathlib import Path
 import torch
 
 from qeff_evs import evs
+from qeff_evs.bench.baseline import FirstRowsVision
 from qeff_evs.bench.config import BenchConfig
+from qeff_evs.bench.realistic import realistic_config
 from qeff_evs.bench.sessions import open_inference_session
 from qeff_evs.export.language import export_language_graph
 from qeff_evs.export.vision import export_vision_graph
@@ -40,7 +42,7 @@ EXAMPLE_GRID = (2, 8, 8)
 
 def model_config(config: BenchConfig):
     """The transformers config of the benchmarked model: realistic or tiny widths, the requested depths."""
-    from qeff_evs.models.tiny import build_tokenizer, realistic_config, tiny_config
+    from qeff_evs.models.tiny import build_tokenizer, tiny_config
 
     if config.widths == "realistic":
         return realistic_config(config.family, text_layers=config.text_layers, vision_layers=config.vision_layers)
@@ -77,18 +79,6 @@ def random_model(hf_config, family: str, seed: int) -> torch.nn.Module:
     return model.to(torch.float32).eval()
 
 
-def evs_free_wrapper(wrapper: torch.nn.Module, model: torch.nn.Module) -> torch.nn.Module | None:
-    """The family's vision wrapper with the EVS selection swapped for the first K rows.
-
-    ``None`` when the family's wrapper has no ``evs_selection`` flag (the A/B overhead
-    measurement is then skipped; the profiled share is still reported).
-    """
-    try:
-        return type(wrapper)(model.model.visual, evs_selection=False)
-    except TypeError:
-        return None
-
-
 @dataclass
 class BenchGraphs:
     """Exported graphs, open in ORT, with what the host needs to feed them."""
@@ -98,7 +88,7 @@ class BenchGraphs:
     preprocess: VisionPreprocessSpec
     language_shape: LanguageShape  # vision_size is per way; see with_vision_size
     vision: object  # ort.InferenceSession of the vision(+EVS) graph
-    vision_without_evs: object | None  # None: the family's wrapper cannot drop the selection
+    vision_without_evs: object  # the same graph with the first K rows instead of the EVS selection
     language: object
     files: dict[str, str]
 
@@ -130,12 +120,8 @@ def build_graphs(config: BenchConfig, workdir: Path, progress: Progress) -> Benc
     wrapper = family.vision_wrapper(model)
     progress("exporting the vision(+EVS) graph and its EVS-free twin")
     export_vision_graph(wrapper, EXAMPLE_GRID, example_k, files["vision"], progress=lambda m: None)
-    twin = evs_free_wrapper(wrapper, model)
-    if twin is None:
-        progress(f"{type(wrapper).__name__} has no evs_selection flag: the A/B EVS overhead is skipped")
-        del files["vision_without_evs"]
-    else:
-        export_vision_graph(twin, EXAMPLE_GRID, example_k, files["vision_without_evs"], progress=lambda m: None)
+    twin = FirstRowsVision(wrapper)
+    export_vision_graph(twin, EXAMPLE_GRID, example_k, files["vision_without_evs"], progress=lambda m: None)
     progress("exporting the language graph")
     export_language_graph(model, files["language"], media_token_ids=family.special_tokens().media_pads)
     del wrapper, twin, model
@@ -153,8 +139,7 @@ def build_graphs(config: BenchConfig, workdir: Path, progress: Progress) -> Benc
         preprocess=preprocess,
         language_shape=shape,
         vision=open_inference_session(files["vision"]),
-        vision_without_evs=(open_inference_session(files["vision_without_evs"])
-                            if "vision_without_evs" in files else None),
+        vision_without_evs=open_inference_session(files["vision_without_evs"]),
         language=open_inference_session(files["language"]),
         files={name: str(path) for name, path in files.items()},
     )

@@ -79,9 +79,7 @@ def run_evs_overhead(config: BenchConfig, graphs: BenchGraphs, progress: Progres
     k = evs.retained_token_count(h * w, t, config.window_rate)
     host = graphs.family.vision_host_inputs(clip.grid_thw, k)
     pixels = clip.video.pixel_values.numpy()
-    sessions = {WITH_EVS: OrtVisionSession(graphs.vision)}
-    if graphs.vision_without_evs is not None:
-        sessions[WITHOUT_EVS] = OrtVisionSession(graphs.vision_without_evs)
+    sessions = {WITH_EVS: OrtVisionSession(graphs.vision), WITHOUT_EVS: OrtVisionSession(graphs.vision_without_evs)}
     result = OverheadResult(config.vision_frames, config.vision_frame_size, config.window_rate, t * h * w, k)
     progress("EVS overhead: warm-up run")
     for session in sessions.values():

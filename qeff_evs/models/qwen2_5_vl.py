@@ -41,7 +41,6 @@ from qeff_evs.models.protocol import MediaInput, MediaLayout, PreprocessDefaults
 from qeff_evs.models.vision_common import (
     VisionEVSWrapper,
     check_retained,
-    first_rows,
     grid_symbols,
     grid_tensor,
     leading_host_inputs,
@@ -114,10 +113,27 @@ class Qwen2_5_VLVisionEVS(VisionEVSWrapper):
     host_inputs_fn = staticmethod(vision_host_inputs)
     symbols_fn = staticmethod(vision_symbols)
 
-    def __init__(self, visual: nn.Module, evs_selection: bool = True) -> None:
-        super().__init__(visual)
-        # False only for benchmarks: the first K rows stand in for the EVS selection (same output shapes).
-        self.evs_selection = evs_selection
+    def encode(
+        self,
+        pixel_values: torch.Tensor,
+        video_grid_thw: torch.Tensor,
+        rotary_position_ids: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        window_index: torch.Tensor,
+        cu_window_seqlens: torch.Tensor,
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The tower alone: every merged row ``(T*h*w, D)`` and the deepstack levels (none in Qwen2.5-VL)."""
+        merged = self.visual(
+            pixel_values,
+            grid_thw=None,  # every grid-derived tensor is precomputed; None makes any fallback fail loudly
+            position_ids=rotary_position_ids,
+            cu_seqlens=cu_seqlens,
+            window_index=window_index,
+            cu_window_seqlens=cu_window_seqlens,
+            max_seqlen=0,  # only flash kernels read these; 0 avoids a .item() on cu_seqlens
+            max_window_seqlen=0,
+        ).pooler_output
+        return merged, []
 
     def forward(
         self,
@@ -129,20 +145,10 @@ class Qwen2_5_VLVisionEVS(VisionEVSWrapper):
         cu_window_seqlens: torch.Tensor,
         retained_carrier: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        merged = self.visual(
-            pixel_values,
-            grid_thw=None,  # every grid-derived tensor is precomputed; None makes any fallback fail loudly
-            position_ids=rotary_position_ids,
-            cu_seqlens=cu_seqlens,
-            window_index=window_index,
-            cu_window_seqlens=cu_window_seqlens,
-            max_seqlen=0,  # only flash kernels read these; 0 avoids a .item() on cu_seqlens
-            max_window_seqlen=0,
-        ).pooler_output
+        merged, _ = self.encode(pixel_values, video_grid_thw, rotary_position_ids, cu_seqlens, window_index,
+                                cu_window_seqlens)
         # T from a shape, so the EVS reshape stays symbolic in the graph.
         frames = video_grid_thw.shape[0]
-        if not self.evs_selection:
-            return first_rows(merged, frames, retained_carrier)
         return evs.select_retained(merged, frames, retained_carrier)
 
 

@@ -48,7 +48,6 @@ from qeff_evs.models.protocol import MediaInput, MediaLayout, PreprocessDefaults
 from qeff_evs.models.vision_common import (
     VisionEVSWrapper,
     check_retained,
-    first_rows,
     grid_symbols,
     grid_tensor,
     leading_host_inputs,
@@ -163,15 +162,34 @@ class Qwen3_VLVisionEVS(VisionEVSWrapper):
     host_inputs_fn = staticmethod(vision_host_inputs)
     symbols_fn = staticmethod(vision_symbols)
 
-    def __init__(self, visual: nn.Module, evs_selection: bool = True) -> None:
+    def __init__(self, visual: nn.Module) -> None:
         _check_tower(visual)
         super().__init__(visual)
-        # False only for benchmarks: the first K rows stand in for the EVS selection (same output shapes).
-        self.evs_selection = evs_selection
 
     @property
     def deepstack_levels(self) -> int:
         return len(self.visual.deepstack_merger_list)
+
+    def encode(
+        self,
+        pixel_values: torch.Tensor,
+        video_grid_thw: torch.Tensor,
+        rotary_position_ids: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        interp_indices: torch.Tensor,
+        interp_weights: torch.Tensor,
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The tower alone: every merged row ``(T*h*w, D)`` and each deepstack level's rows (same shape)."""
+        output = self.visual(
+            pixel_values,
+            grid_thw=None,  # every grid-derived tensor is precomputed; None makes any fallback fail loudly
+            position_ids=rotary_position_ids,
+            cu_seqlens=cu_seqlens,
+            interp_indices=interp_indices,
+            interp_weights=interp_weights,
+            max_seqlen=0,  # only flash kernels read it; 0 avoids a .item() on cu_seqlens
+        )
+        return output.pooler_output, list(output.deepstack_features)
 
     def forward(
         self,
@@ -184,25 +202,12 @@ class Qwen3_VLVisionEVS(VisionEVSWrapper):
         retained_carrier: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Returns ``(vision_embeds (K, D), deepstack_features (levels, K, D), retained_indices (K,))``."""
-        output = self.visual(
-            pixel_values,
-            grid_thw=None,  # every grid-derived tensor is precomputed; None makes any fallback fail loudly
-            position_ids=rotary_position_ids,
-            cu_seqlens=cu_seqlens,
-            interp_indices=interp_indices,
-            interp_weights=interp_weights,
-            max_seqlen=0,  # only flash kernels read it; 0 avoids a .item() on cu_seqlens
-        )
-        levels = list(output.deepstack_features)
+        merged, levels = self.encode(pixel_values, video_grid_thw, rotary_position_ids, cu_seqlens, interp_indices,
+                                     interp_weights)
         # T from a shape, so the EVS reshape stays symbolic in the graph.
         frames = video_grid_thw.shape[0]
         # vLLM scores the concatenation [merger | level 0 | level 1 | ...] and prunes every part alike.
-        if self.evs_selection:
-            rows, indices = evs.select_retained(
-                output.pooler_output, frames, retained_carrier, extra=torch.cat(levels, dim=-1)
-            )
-        else:
-            rows, indices = first_rows(output.pooler_output, frames, retained_carrier)
+        rows, indices = evs.select_retained(merged, frames, retained_carrier, extra=torch.cat(levels, dim=-1))
         deepstack = torch.stack(levels, dim=0).index_select(1, indices)
         return rows, deepstack, indices
 

@@ -68,17 +68,6 @@ def grid_symbols(vision_config, grid_thw: Sequence[int], retained: int) -> dict[
     }
 
 
-def first_rows(merged: torch.Tensor, frames: int, retained_carrier: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Benchmark baseline for the EVS selection: the same final Gather, of the first K rows.
-
-    The raster index is computed through ``frames`` so T stays a graph input as in the real graph.
-    """
-    per_frame = merged.shape[0] // frames
-    first = torch.arange(retained_carrier.shape[0], device=merged.device)
-    indices = (first // per_frame) * per_frame + first % per_frame
-    return merged.index_select(0, indices), indices
-
-
 def share_weights_copy(module: nn.Module) -> nn.Module:
     """A structural copy of ``module`` (own config objects) that shares every parameter and buffer."""
     shared = {id(t): t for t in itertools.chain(module.parameters(), module.buffers())}
