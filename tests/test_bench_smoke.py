@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import warnings
 
 import numpy as np
@@ -146,6 +147,16 @@ def test_qwen3_smoke_sends_deepstack_rows_too(tmp_path):
         assert r[USER_VISION_SIZE]["bytes_per_chunk"] == SMOKE.prefill_seq_len * TINY_HIDDEN * 4 * (1 + levels)
         assert r[QEFFICIENT]["bytes_per_chunk"] == k * TINY_HIDDEN * 4 * (1 + levels)
         assert r["logits_max_abs_diff"] <= 1e-4
+
+
+def test_bench_without_matplotlib_names_the_extra(monkeypatch, tmp_path, capsys):
+    """matplotlib is the optional bench extra: without it the bench stops first, exit 2, with the install line."""
+    for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
+    assert cli.main(["bench", "--smoke", "-o", str(tmp_path / "out")]) == 2
+    assert "pip install 'qeff-evs[bench]'" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
 
 
 # ---------------------------------------------------------------------------------------------

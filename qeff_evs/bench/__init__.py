@@ -79,7 +79,19 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     return preset(name, changes.get("family", PRESETS[name].family)).replace(**changes)
 
 
+BENCH_EXTRA = "pip install 'qeff-evs[bench]'"
+
+
+def require_plotting() -> None:
+    """The bench's plots need matplotlib, an optional extra: say how to install it before any work."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise ValueError(f"the bench draws its plots with matplotlib, which is not installed; {BENCH_EXTRA}") from None
+
+
 def run_bench(args: argparse.Namespace, progress) -> int:
+    require_plotting()
     from qeff_evs.bench.report import markdown
     from qeff_evs.bench.suite import render_saved, run_suite
 
