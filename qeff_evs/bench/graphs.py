@@ -27,7 +27,7 @@ from qeff_evs.export.language import export_language_graph
 from qeff_evs.export.vision import export_vision_graph
 from qeff_evs.models.language import language_spec
 from qeff_evs.models.protocol import ModelFamily
-from qeff_evs.models.registry import family_for_config
+from qeff_evs.models.registry import family_for_config, family_module
 from qeff_evs.runtime.inputs.processor import VisionPreprocessSpec
 from qeff_evs.manifest import LanguageShape
 
@@ -53,19 +53,13 @@ def model_config(config: BenchConfig):
                        vision_config=vision)
 
 
-def _model_class(family: str):
-    from transformers import Qwen2_5_VLForConditionalGeneration, Qwen3VLForConditionalGeneration
-
-    return Qwen2_5_VLForConditionalGeneration if family == "qwen2_5_vl" else Qwen3VLForConditionalGeneration
-
-
 def random_model(hf_config, family: str, seed: int) -> torch.nn.Module:
     """Real transformers model class with seeded uniform random weights (matrices), zero biases, unit norms."""
     from transformers.initialization import no_init_weights
 
     # transformers' own switch for skipping its (slow, normal_) init; we fill the weights below.
     with no_init_weights():
-        model = _model_class(family)(hf_config)
+        model = family_module(family).MODEL_CLASS(hf_config)
     model.tie_weights()  # tying lives in the skipped init
     generator = torch.Generator().manual_seed(seed)
     bound = WEIGHT_STD * math.sqrt(3.0)

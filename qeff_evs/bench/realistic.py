@@ -5,9 +5,7 @@ qwen2_5_vl: Qwen2.5-VL-3B widths. qwen3_vl: Qwen3-VL-2B widths. Special ids are 
 
 from __future__ import annotations
 
-from transformers import Qwen2_5_VLConfig, Qwen3VLConfig
-
-from qeff_evs.models.registry import FAMILIES
+from qeff_evs.models.registry import FAMILIES, family_module
 
 
 def _realistic_fullatt_blocks(vision_layers: int) -> list[int]:
@@ -44,18 +42,19 @@ def realistic_config(family: str, text_layers: int = 2, vision_layers: int = 2):
             patch_size=14, temporal_patch_size=2, spatial_merge_size=2, window_size=112,
             fullatt_block_indexes=_realistic_fullatt_blocks(vision_layers), tokens_per_second=2, in_channels=3,
         )
-        return Qwen2_5_VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=True, **media_ids)
-    text = dict(
-        vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=text_layers,
-        num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=262144,
-        rms_norm_eps=1e-6,
-        rope_parameters={"rope_type": "default", "rope_theta": 5000000.0, "mrope_section": [24, 20, 20],
-                         "mrope_interleaved": True},
-        **text_ids,
-    )
-    vision = dict(
-        depth=vision_layers, hidden_size=1024, intermediate_size=4096, num_heads=16, out_hidden_size=2048,
-        patch_size=16, temporal_patch_size=2, spatial_merge_size=2, num_position_embeddings=2304,
-        deepstack_visual_indexes=_realistic_deepstack_levels(vision_layers), in_channels=3,
-    )
-    return Qwen3VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=True, **media_ids)
+    else:
+        text = dict(
+            vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=text_layers,
+            num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=262144,
+            rms_norm_eps=1e-6,
+            rope_parameters={"rope_type": "default", "rope_theta": 5000000.0, "mrope_section": [24, 20, 20],
+                             "mrope_interleaved": True},
+            **text_ids,
+        )
+        vision = dict(
+            depth=vision_layers, hidden_size=1024, intermediate_size=4096, num_heads=16, out_hidden_size=2048,
+            patch_size=16, temporal_patch_size=2, spatial_merge_size=2, num_position_embeddings=2304,
+            deepstack_visual_indexes=_realistic_deepstack_levels(vision_layers), in_channels=3,
+        )
+    config_class = family_module(family).CONFIG_CLASS
+    return config_class(text_config=text, vision_config=vision, tie_word_embeddings=True, **media_ids)

@@ -32,6 +32,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 import torch.nn as nn
+from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 from transformers.vision_utils import get_vision_window_index
 
 from qeff_evs import evs
@@ -200,3 +201,6 @@ class Qwen2_5_VLFamily(QwenVLFamily):
 
 
 Family = Qwen2_5_VLFamily
+# The transformers classes of this family's checkpoints.
+CONFIG_CLASS = Qwen2_5_VLConfig
+MODEL_CLASS = Qwen2_5_VLForConditionalGeneration

@@ -39,6 +39,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 import torch.nn as nn
+from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 from transformers.vision_utils import get_vision_interpolation_indices_and_weights
 
 from qeff_evs import evs
@@ -304,3 +305,6 @@ class Qwen3_VLFamily(QwenVLFamily):
 
 
 Family = Qwen3_VLFamily
+# The transformers classes of this family's checkpoints.
+CONFIG_CLASS = Qwen3VLConfig
+MODEL_CLASS = Qwen3VLForConditionalGeneration

@@ -14,16 +14,9 @@ from typing import Any
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import (
-    GenerationConfig,
-    PreTrainedTokenizerFast,
-    Qwen2_5_VLConfig,
-    Qwen2_5_VLForConditionalGeneration,
-    Qwen3VLConfig,
-    Qwen3VLForConditionalGeneration,
-)
+from transformers import GenerationConfig, PreTrainedTokenizerFast
 
-from qeff_evs.models.registry import FAMILIES, preprocess_defaults
+from qeff_evs.models.registry import FAMILIES, family_module, preprocess_defaults
 
 # Qwen's added special tokens, in Qwen's relative order; they take the ids after the BPE vocabulary.
 ENDOFTEXT = "<|endoftext|>"
@@ -225,12 +218,7 @@ def tiny_config(family: str, tokenizer: PreTrainedTokenizerFast, **overrides: An
     """
     _check_family(family)
     kwargs = _merge(_tiny_config_kwargs(family, special_token_ids(tokenizer), len(tokenizer)), overrides)
-    config_class = Qwen2_5_VLConfig if family == "qwen2_5_vl" else Qwen3VLConfig
-    return config_class(**kwargs)
-
-
-def _model_class(family: str):
-    return Qwen2_5_VLForConditionalGeneration if family == "qwen2_5_vl" else Qwen3VLForConditionalGeneration
+    return family_module(family).CONFIG_CLASS(**kwargs)
 
 
 def build_tiny_model(family: str, tokenizer: PreTrainedTokenizerFast, *, seed: int = 0, **overrides: Any):
@@ -239,7 +227,7 @@ def build_tiny_model(family: str, tokenizer: PreTrainedTokenizerFast, *, seed: i
     # Fork the RNG so building a model does not disturb the caller's random stream.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = _model_class(family)(config)
+        model = family_module(family).MODEL_CLASS(config)
     _never_emit_media_tokens(model, tokenizer)
     if family == "qwen3_vl":
         _sharpen_qk_norm(model)
