@@ -1,7 +1,7 @@
 """The EVS overhead's baseline graph, built around the production vision wrapper.
 
-``FirstRowsVision`` runs the wrapper's tower (its ``encode``) and, where the wrapper runs the EVS
-selection, the same final Gather of the first K rows. Both graphs take the same inputs and return the
+``FirstRowsVision`` runs the wrapper's tower (``tower_outputs``) and, where the wrapper runs the EVS
+selection (``select``), the same final Gather of the first K rows. Both graphs take the same inputs and return the
 same shapes (deepstack rows gathered alike), so their time difference is the selection's work.
 """
 
@@ -36,10 +36,8 @@ class FirstRowsVision(nn.Module):
         return self.wrapper.dummy_inputs(grid_thw, retained)
 
     def forward(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        named = dict(zip(self.graph_spec.input_names, inputs))
-        retained_carrier = named.pop("retained_carrier")
-        merged, levels = self.wrapper.encode(**named)
-        rows, indices = first_rows(merged, named["video_grid_thw"].shape[0], retained_carrier)
+        merged, levels, frames, retained_carrier = self.wrapper.tower_outputs(*inputs)
+        rows, indices = first_rows(merged, frames, retained_carrier)
         if not levels:
             return rows, indices
         return rows, torch.stack(levels, dim=0).index_select(1, indices), indices

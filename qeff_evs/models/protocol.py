@@ -4,7 +4,7 @@ A family knows four things the shared pipeline does not: how to build its export
 vision(+EVS) and language wrappers from a transformers model, which host-side index tensors
 its vision graph takes for a grid, how a video is laid out in the prompt (before the
 encoder, where only the retained count K is known, and after it, where the per-frame split is),
-and how its released checkpoints preprocess video (``PreprocessDefaults``).
+and how its released checkpoints preprocess video (``VideoPreprocessing``).
 """
 
 from __future__ import annotations
@@ -22,10 +22,13 @@ SAMPLING_FPS = 2.0  # both Qwen-VL families sample videos at 2 frames per second
 
 
 @dataclass(frozen=True)
-class PreprocessDefaults:
-    """A family's video preprocessing as its released checkpoints ship it (a checkpoint's own
-    processor config overrides any of it). ``pixel_limits_per_video``: the pixel limits bound
-    frames x area (Qwen3-VL) instead of each frame (Qwen2.5-VL)."""
+class VideoPreprocessing:
+    """What differs by family in turning frames into patches; a family's ``PREPROCESS_DEFAULTS`` are its
+    released checkpoints' values (a checkpoint's own processor config overrides them).
+
+    ``min_pixels``/``max_pixels`` bound the resized frame: per frame (Qwen2.5-VL), or over the whole
+    clip, frames x height x width, with ``pixel_limits_per_video`` (Qwen3-VL), as HF's video processors do.
+    """
 
     patch_size: int
     temporal_patch_size: int
@@ -34,9 +37,7 @@ class PreprocessDefaults:
     image_std: tuple[float, float, float]
     min_pixels: int
     max_pixels: int
-    pixel_limits_per_video: bool
-    processor_class: str  # how transformers spells the family in its processor class names
-    target_fps: float = SAMPLING_FPS
+    pixel_limits_per_video: bool = False
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,7 @@ from transformers.vision_utils import get_vision_window_index
 from qeff_evs import evs
 from qeff_evs.models.family import QwenVLFamily
 from qeff_evs.models.graph_io import VisionGraphSpec
-from qeff_evs.models.protocol import MediaInput, MediaLayout, PreprocessDefaults
+from qeff_evs.models.protocol import MediaInput, MediaLayout, VideoPreprocessing
 from qeff_evs.models.vision_common import (
     VisionEVSWrapper,
     check_retained,
@@ -53,10 +53,11 @@ from qeff_evs.positions import MediaBlock
 # pixel limits per frame.
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
-PREPROCESS_DEFAULTS = PreprocessDefaults(
+PREPROCESS_DEFAULTS = VideoPreprocessing(
     patch_size=14, temporal_patch_size=2, merge_size=2, image_mean=CLIP_MEAN, image_std=CLIP_STD,
-    min_pixels=128 * 28 * 28, max_pixels=768 * 28 * 28, pixel_limits_per_video=False, processor_class="Qwen2_5_VL",
+    min_pixels=128 * 28 * 28, max_pixels=768 * 28 * 28, pixel_limits_per_video=False,
 )
+PROCESSOR_CLASS = "Qwen2_5_VL"  # how transformers spells the family in its processor class names
 
 # ---------------------------------------------------------------------------------------------
 # Vision(+EVS) graph
@@ -123,7 +124,7 @@ class Qwen2_5_VLVisionEVS(VisionEVSWrapper):
         window_index: torch.Tensor,
         cu_window_seqlens: torch.Tensor,
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """The tower alone: every merged row ``(T*h*w, D)`` and the deepstack levels (none in Qwen2.5-VL)."""
+        """Every merged row ``(T*h*w, D)``; Qwen2.5-VL has no deepstack levels."""
         merged = self.visual(
             pixel_values,
             grid_thw=None,  # every grid-derived tensor is precomputed; None makes any fallback fail loudly
@@ -136,20 +137,9 @@ class Qwen2_5_VLVisionEVS(VisionEVSWrapper):
         ).pooler_output
         return merged, []
 
-    def forward(
-        self,
-        pixel_values: torch.Tensor,
-        video_grid_thw: torch.Tensor,
-        rotary_position_ids: torch.Tensor,
-        cu_seqlens: torch.Tensor,
-        window_index: torch.Tensor,
-        cu_window_seqlens: torch.Tensor,
-        retained_carrier: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        merged, _ = self.encode(pixel_values, video_grid_thw, rotary_position_ids, cu_seqlens, window_index,
-                                cu_window_seqlens)
-        # T from a shape, so the EVS reshape stays symbolic in the graph.
-        frames = video_grid_thw.shape[0]
+    def select(self, merged: torch.Tensor, levels: list[torch.Tensor], frames: int,
+               retained_carrier: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(vision_embeds (K, D), retained_indices (K,))``."""
         return evs.select_retained(merged, frames, retained_carrier)
 
 

@@ -45,7 +45,7 @@ from transformers.vision_utils import get_vision_interpolation_indices_and_weigh
 from qeff_evs import evs
 from qeff_evs.models.family import QwenVLFamily
 from qeff_evs.models.graph_io import VisionGraphSpec
-from qeff_evs.models.protocol import MediaInput, MediaLayout, PreprocessDefaults
+from qeff_evs.models.protocol import MediaInput, MediaLayout, VideoPreprocessing
 from qeff_evs.models.vision_common import (
     VisionEVSWrapper,
     check_retained,
@@ -58,10 +58,11 @@ from qeff_evs.positions import MediaBlock
 
 # The released checkpoints' video preprocessing: 16-px patches, mean/std 0.5, pixel limits over the
 # whole clip.
-PREPROCESS_DEFAULTS = PreprocessDefaults(
+PREPROCESS_DEFAULTS = VideoPreprocessing(
     patch_size=16, temporal_patch_size=2, merge_size=2, image_mean=(0.5, 0.5, 0.5), image_std=(0.5, 0.5, 0.5),
-    min_pixels=128 * 32 * 32, max_pixels=768 * 32 * 32, pixel_limits_per_video=True, processor_class="Qwen3VL",
+    min_pixels=128 * 32 * 32, max_pixels=768 * 32 * 32, pixel_limits_per_video=True,
 )
+PROCESSOR_CLASS = "Qwen3VL"  # how transformers spells the family in its processor class names
 
 # ---------------------------------------------------------------------------------------------
 # Vision(+EVS) graph
@@ -180,7 +181,7 @@ class Qwen3_VLVisionEVS(VisionEVSWrapper):
         interp_indices: torch.Tensor,
         interp_weights: torch.Tensor,
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """The tower alone: every merged row ``(T*h*w, D)`` and each deepstack level's rows (same shape)."""
+        """Every merged row ``(T*h*w, D)`` and each deepstack level's rows (same shape)."""
         output = self.visual(
             pixel_values,
             grid_thw=None,  # every grid-derived tensor is precomputed; None makes any fallback fail loudly
@@ -192,21 +193,9 @@ class Qwen3_VLVisionEVS(VisionEVSWrapper):
         )
         return output.pooler_output, list(output.deepstack_features)
 
-    def forward(
-        self,
-        pixel_values: torch.Tensor,
-        video_grid_thw: torch.Tensor,
-        rotary_position_ids: torch.Tensor,
-        cu_seqlens: torch.Tensor,
-        interp_indices: torch.Tensor,
-        interp_weights: torch.Tensor,
-        retained_carrier: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Returns ``(vision_embeds (K, D), deepstack_features (levels, K, D), retained_indices (K,))``."""
-        merged, levels = self.encode(pixel_values, video_grid_thw, rotary_position_ids, cu_seqlens, interp_indices,
-                                     interp_weights)
-        # T from a shape, so the EVS reshape stays symbolic in the graph.
-        frames = video_grid_thw.shape[0]
+    def select(self, merged: torch.Tensor, levels: list[torch.Tensor], frames: int,
+               retained_carrier: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(vision_embeds (K, D), deepstack_features (levels, K, D), retained_indices (K,))``."""
         # vLLM scores the concatenation [merger | level 0 | level 1 | ...] and prunes every part alike.
         rows, indices = evs.select_retained(merged, frames, retained_carrier, extra=torch.cat(levels, dim=-1))
         deepstack = torch.stack(levels, dim=0).index_select(1, indices)

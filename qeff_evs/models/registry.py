@@ -2,14 +2,14 @@
 
 A family's name is the transformers ``model_type`` of its checkpoints. Its module (imported on
 first use: it pulls in transformers' vision code) owns everything family-specific: the adapter
-class ``Family``, the vision wrapper and ``PREPROCESS_DEFAULTS``.
+class ``Family``, its transformers classes, the vision wrapper and ``PREPROCESS_DEFAULTS``.
 """
 
 from __future__ import annotations
 
 from types import ModuleType
 
-from qeff_evs.models.protocol import ModelFamily, PreprocessDefaults
+from qeff_evs.models.protocol import ModelFamily, VideoPreprocessing
 
 FAMILIES = ("qwen2_5_vl", "qwen3_vl")
 
@@ -35,5 +35,5 @@ def family_for_config(config, tokenizer=None) -> ModelFamily:
     return family_module(model_type).Family(config, tokenizer)
 
 
-def preprocess_defaults(name: str) -> PreprocessDefaults:
+def preprocess_defaults(name: str) -> VideoPreprocessing:
     return family_module(name).PREPROCESS_DEFAULTS

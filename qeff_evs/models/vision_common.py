@@ -75,7 +75,11 @@ def share_weights_copy(module: nn.Module) -> nn.Module:
 
 
 class VisionEVSWrapper(nn.Module):
-    """Shared plumbing of the exportable towers; subclasses define ``forward`` and the host inputs."""
+    """Shared plumbing of the exportable towers: the graph is the tower (``encode``), then the selection.
+
+    Subclasses declare ``graph_spec`` and define ``encode`` (every graph input but the K carrier, by name)
+    and ``select`` (the EVS selection of the tower's rows), plus the host inputs.
+    """
 
     family_label = "Qwen-VL"
     # The family's module-level functions (grid, K) -> graph inputs / symbol values.
@@ -100,6 +104,26 @@ class VisionEVSWrapper(nn.Module):
     @property
     def vision_config(self):
         return self.visual.config
+
+    def encode(self, **inputs: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The tower alone: every merged row ``(T*h*w, D)`` and each deepstack level's rows (same shape)."""
+        raise NotImplementedError
+
+    def select(self, merged: torch.Tensor, levels: list[torch.Tensor], frames: int,
+               retained_carrier: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The K kept rows [, the same rows of every deepstack level] and their flat indices."""
+        raise NotImplementedError
+
+    def tower_outputs(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor], int, torch.Tensor]:
+        """Graph inputs in ``graph_spec`` order -> ``(merged rows, deepstack levels, T, the K carrier)``."""
+        named = dict(zip(self.graph_spec.input_names, inputs))
+        retained_carrier = named.pop("retained_carrier")
+        merged, levels = self.encode(**named)
+        # T from a shape, so the EVS reshape stays symbolic in the graph.
+        return merged, levels, named["video_grid_thw"].shape[0], retained_carrier
+
+    def forward(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return self.select(*self.tower_outputs(*inputs))
 
     def host_inputs(self, grid_thw: Sequence[int], retained: int) -> dict[str, np.ndarray]:
         return self.host_inputs_fn(self.vision_config, grid_thw, retained)

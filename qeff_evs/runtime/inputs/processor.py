@@ -31,8 +31,8 @@ import numpy as np
 import torch
 from PIL import Image
 
-from qeff_evs.models.protocol import SAMPLING_FPS
-from qeff_evs.models.registry import FAMILIES, preprocess_defaults
+from qeff_evs.models.protocol import SAMPLING_FPS, VideoPreprocessing
+from qeff_evs.models.registry import FAMILIES, family_module, preprocess_defaults
 from qeff_evs.runtime.inputs.video_io import validate_frames
 
 PIL_BICUBIC = int(Image.Resampling.BICUBIC)  # 3, what every Qwen-VL checkpoint asks for
@@ -48,24 +48,14 @@ MODEL_CONFIG_FILE = "config.json"
 # spec
 
 
-@dataclass(frozen=True)
-class VisionPreprocessSpec:
-    """Everything that turns RGB frames into one model family's vision-encoder input.
-
-    ``min_pixels``/``max_pixels`` bound :meth:`natural_size`: per frame for Qwen2.5-VL, over the whole
-    clip (``frames x height x width``) for Qwen3-VL (``pixel_limits_per_video``), as HF's video
-    processors do. ``target_fps`` is the default sampling rate.
+@dataclass(frozen=True, kw_only=True)
+class VisionPreprocessSpec(VideoPreprocessing):
+    """Everything that turns RGB frames into one model family's vision-encoder input: the family's
+    ``VideoPreprocessing`` (which :meth:`natural_size` applies) plus what every family shares.
+    ``target_fps`` is the default sampling rate.
     """
 
     family: str
-    patch_size: int
-    temporal_patch_size: int
-    merge_size: int
-    image_mean: tuple[float, float, float]
-    image_std: tuple[float, float, float]
-    min_pixels: int
-    max_pixels: int
-    pixel_limits_per_video: bool = False
     resample: int = PIL_BICUBIC
     rescale_factor: float = 1 / 255
     target_fps: float = SAMPLING_FPS
@@ -114,9 +104,7 @@ class VisionPreprocessSpec:
         """The family's released-checkpoint preprocessing (its ``PREPROCESS_DEFAULTS``), with ``overrides``."""
         if family not in FAMILIES:
             raise ValueError(f"unknown model family {family!r}; expected one of {FAMILIES}")
-        defaults = asdict(preprocess_defaults(family))
-        del defaults["processor_class"]
-        return replace(cls(family=family, **defaults), **overrides)
+        return replace(cls(family=family, **asdict(preprocess_defaults(family))), **overrides)
 
     @classmethod
     def from_pretrained_dir(cls, path: str | Path, model_config: Any = None) -> VisionPreprocessSpec:
@@ -176,7 +164,7 @@ def _family_from(model_config: Any, processor_config: Mapping[str, Any]) -> str:
         for key in ("processor_class", "video_processor_type", "image_processor_type")
     )
     for family in FAMILIES:
-        if preprocess_defaults(family).processor_class in names:
+        if family_module(family).PROCESSOR_CLASS in names:
             return family
     raise ValueError(
         f"cannot tell the model family from model_type {model_type!r} or processor classes {names.strip()!r}; "
