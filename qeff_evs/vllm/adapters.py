@@ -133,5 +133,5 @@ def evs_reservation(family: ModelFamily, media: MediaInput, q: float) -> EvsRese
     """
     k = retained_count(family, media, q)
     ids = family.placeholder_ids(media, k)
-    is_embed = np.isin(ids, family.special_tokens().media_pads)
-    return EvsReservation(len(ids), k, None if is_embed.all() else is_embed)
+    placeholder = Placeholder.of_ids(0, ids, family.special_tokens().media_pads)
+    return EvsReservation(placeholder.length, k, placeholder.is_embed)

@@ -65,16 +65,11 @@ class PromptPlan:
     def complete(self) -> bool:
         return all(e is not None for e in self.encoded)
 
-    def leading_text(self, item: int) -> int:
-        """How many tokens of item ``item``'s placeholder precede its first embedding row."""
-        ph = self.placeholders[item]
-        return ph.length if ph.num_embeds == 0 else int(np.argmax(ph.is_embed)) if ph.is_embed is not None else 0
-
     def items_needing_fill(self, computed: int, scheduled: int) -> list[int]:
         """Unfilled items whose placeholder, past its leading text, overlaps ``[computed, computed+scheduled)``."""
         end = computed + scheduled
         return [i for i, ph in enumerate(self.placeholders) if self.encoded[i] is None
-                and ph.offset + self.leading_text(i) < end and ph.offset + ph.length > computed]
+                and ph.offset + ph.leading_text < end and ph.offset + ph.length > computed]
 
     def fill(self, item: int, video: MediaInput, encoded: EncodedMedia, family: ModelFamily) -> None:
         """Rewrite item ``item``'s placeholder to its real layout and write its positions."""
@@ -85,8 +80,7 @@ class PromptPlan:
                              f"its placeholder {ph.length}")
         self.ids[ph.offset:ph.offset + ph.length] = layout.ids
         self.positions[:, ph.offset:ph.offset + ph.length] = self.unpruned_positions[item][:, layout.keep]
-        is_embed = np.isin(layout.ids, family.special_tokens().media_pads)
-        self.placeholders[item] = Placeholder(ph.offset, ph.length, None if is_embed.all() else is_embed)
+        self.placeholders[item] = Placeholder.of_ids(ph.offset, layout.ids, family.special_tokens().media_pads)
         self.encoded[item] = encoded
 
     @classmethod
@@ -136,12 +130,11 @@ def plan_prompt(pieces: list[PromptPiece], media: list[MediaInput], retained: li
         if item is None:
             positions[:, at:at + len(part)] = unpruned[:, unpruned_at:unpruned_at + len(part)]
         else:
-            is_embed = np.isin(part, pads)
-            placeholders[item] = Placeholder(at, len(part), None if is_embed.all() else is_embed)
+            placeholders[item] = Placeholder.of_ids(at, part, pads)
             unpruned_segments[item] = unpruned[:, unpruned_at:unpruned_at + len(unpruned_part)]
             # Text before the first pad (Qwen3's frame-0 timestamp and marker) reads the same in the
             # provisional and the real layout, so its positions are final already.
-            lead = int(np.argmax(is_embed)) if is_embed.any() else len(part)
+            lead = placeholders[item].leading_text
             positions[:, at:at + lead] = unpruned[:, unpruned_at:unpruned_at + lead]
         at += len(part)
         unpruned_at += len(unpruned_part)

@@ -32,11 +32,24 @@ class Placeholder:
             object.__setattr__(self, "is_embed", mask)
             object.__setattr__(self, "_cumsum", np.cumsum(mask, dtype=np.int64))
 
+    @classmethod
+    def of_ids(cls, offset: int, ids: np.ndarray, media_pads: tuple[int, ...]) -> Placeholder:
+        """The placeholder of a media segment ``ids`` at ``offset``: its media pads are its embedding rows."""
+        is_embed = np.isin(ids, media_pads)
+        return cls(offset, len(ids), None if is_embed.all() else is_embed)
+
     @property
     def num_embeds(self) -> int:
         if self._cumsum is None:
             return self.length
         return int(self._cumsum[-1]) if self.length else 0
+
+    @property
+    def leading_text(self) -> int:
+        """Positions before the first embedding row (all of them when the placeholder has none)."""
+        if self.num_embeds == 0:
+            return self.length
+        return int(np.argmax(self.is_embed)) if self.is_embed is not None else 0
 
     def embed_rows_in_range(self, start: int, end: int) -> tuple[int, int]:
         """Embedding rows ``[first, last)`` behind placeholder positions ``[start, end)``."""
