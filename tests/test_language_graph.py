@@ -329,7 +329,10 @@ def test_io_names_and_symbols_follow_the_contract(q25_onnx):
 def test_graph_has_no_data_dependent_ops(q25_onnx):
     ops = collections.Counter(node.op_type for node in onnx.load(str(q25_onnx)).graph.node)
     assert not {"NonZero", "Compress", "Unique", "Loop", "If"} & set(ops)
-    assert ops["ScatterElements"] == 2 * LAYERS  # one KV write per key and value cache
+    kv_ops = collections.Counter(node.op_type for node in onnx.load(str(q25_onnx)).graph.node
+                                 if node.domain == "com.qualcomm.cloud")
+    assert kv_ops == {"CtxScatter": 2 * LAYERS, "CtxGather": 2 * LAYERS}  # one write, one read per cache
+    assert ops["ScatterElements"] == 0
 
 
 # --------------------------------------------------------------------------------------------------

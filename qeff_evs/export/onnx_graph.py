@@ -14,6 +14,8 @@ from pathlib import Path
 import onnx
 import torch
 
+from qeff_evs.export.onnx_functions import attach_functions, rewrite_rms_norms
+
 ONNX_OPSET = 17  # what QEfficient's legacy export path uses
 DATA_DEPENDENT_OPS = frozenset({"NonZero", "Unique", "Compress"})
 
@@ -35,6 +37,18 @@ def legacy_export(module: torch.nn.Module, inputs: Sequence[torch.Tensor], path:
                               opset_version=ONNX_OPSET, dynamo=False)
     finally:
         module.train(was_training)
+    add_compiler_functions(path)
+
+
+def add_compiler_functions(path: Path) -> None:
+    """Rewrite RMSNorms to ``CustomRMSNorm`` and attach every compiler-known function body, in place.
+
+    Only nodes and functions change, so weights stored as external data stay where they are.
+    """
+    model = onnx.load(str(path), load_external_data=False)
+    rewrite_rms_norms(model)
+    attach_functions(model)
+    onnx.save(model, str(path))
 
 
 def check_named_axes(model: onnx.ModelProto, dynamic_axes: Mapping[str, Mapping[int, str]], label: str,

@@ -5,27 +5,27 @@ scatters the chunk's new keys/values into it and attends over all ``ctx_len`` sl
 built from the slots alone: a query at slot ``p`` sees key slot ``j`` iff ``j <= p``. Nothing here
 has a data-dependent shape, so the graph exports with ``ctx_len`` as a plain symbol.
 
-Padding tokens carry slot ``-1``. They are redirected to the last slot, ``ctx_len - 1``, and their
-queries see no key at all. This is safe under one host invariant:
+Writes and reads go through QEfficient's compiler-known ops (``qeff_evs.models.ctx_ops``): each step
+writes its keys/values with CtxScatter and reads the cache back with CtxGather, in QEfficient's form.
 
-    prompt_len + max_new_tokens <= ctx_len
+Padding tokens carry slot ``-1``; their writes get the index ``SKIP_INDEX`` (INT32_MAX), which the
+card skips and our ONNX bodies and eager code skip too, so a padding write never touches the cache.
+Their queries see no key at all. A row reads only the slots up to its last position; later slots are
+``SKIP_INDEX`` reads (the card does not fetch them) and come back as zeros, which the mask hides.
 
-so while a padded prefill chunk runs, slot ``ctx_len - 1`` never holds a real token; a real decode
-token written there later simply overwrites the padding's leftovers (it is written before it is read).
-
-Continuous batching (QEfficient's ``full_batch_size`` mode, :class:`BatchedSlotKVCache`): the cache
-holds ``full_batch_size`` request rows and a call of ``batch_size`` rows names the cache row of each of
-its rows in ``batch_index``. The chunk's keys/values are scattered only at ``(batch_index[b], head,
-slot)`` (one ScatterND), attention reads the gathered rows ``cache[batch_index]``, and every cache row
-the call does not name is returned bit for bit unchanged. A padding row of a decode call (all
-positions -1) writes only slot ``ctx_len - 1`` of the row it names, which by the same invariant no
-request reads before writing it itself; it must not name a row another row of the same call writes,
-or two writes to one slot would race (the host picks a row the call does not use).
+Continuous batching (QEfficient's ``full_batch_size`` mode): the cache holds ``full_batch_size``
+request rows and a call of ``batch_size`` rows names the cache row of each of its rows in
+``batch_index``. The chunk's keys/values are scattered only at ``(batch_index[b], head, slot)`` (one
+ScatterND), attention reads rows ``cache[batch_index]``, and every cache row the call does not name is
+returned bit for bit unchanged. A padding row of a decode call (all positions -1) writes nothing,
+whatever row it names: vllm-qaic's ``batch_index = -1`` as well as a row another request uses.
 """
 
 from __future__ import annotations
 
 import torch
+
+from qeff_evs.models.ctx_ops import SKIP_INDEX, ctx_gather, ctx_gather_cb, ctx_scatter, ctx_scatter_cb
 
 # Added to the scores of hidden key slots. Finite on purpose: a padding query sees no key at all,
 # and an all -inf row would turn its softmax into NaN (which would then leak into the cache).
@@ -42,16 +42,21 @@ def cache_slots(cache: torch.Tensor) -> torch.Tensor:
     return torch.arange(cache.shape[2], device=cache.device)
 
 
-def write_slots(position_slots: torch.Tensor, key_slots: torch.Tensor) -> torch.Tensor:
-    """Cache slot each token writes to: its own slot, or the last slot for padding (slot < 0)."""
-    # max() rather than [-1]: a negative Gather index is legal ONNX but not every backend takes it.
-    return torch.where(position_slots < 0, key_slots.max(), position_slots)
+def scatter_slots(position_slots: torch.Tensor) -> torch.Tensor:
+    """Slot each token writes: its own, or ``SKIP_INDEX`` for padding (slot < 0), which no backend writes."""
+    return torch.where(position_slots < 0, torch.full_like(position_slots, SKIP_INDEX), position_slots)
 
 
-def scatter_at_slots(cache: torch.Tensor, new: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """Write ``new (B, H, S, D)`` into ``cache (B, H, ctx_len, D)`` at ``slots (B, S)``; returns a new tensor."""
-    index = slots[:, None, :, None].expand(-1, new.shape[1], -1, new.shape[3])
-    return cache.scatter(2, index, new.to(cache.dtype))
+def read_slots(position_slots: torch.Tensor, key_slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(ctx_indices (B, 1, ctx_len), skipped (B, 1, ctx_len))`` of a step's cache reads.
+
+    A row reads the slots up to its last position; later slots (every slot, for a padding row) are
+    ``SKIP_INDEX``: the card does not read them, and their keys and values are zeroed after the read.
+    """
+    last = position_slots.max(dim=1).values[:, None, None]  # (B, 1, 1)
+    slots = key_slots[None, None, :]
+    skipped = slots > last
+    return torch.where(skipped, torch.full_like(slots, SKIP_INDEX), slots), skipped
 
 
 def slot_attention_mask(
@@ -70,12 +75,14 @@ def slot_attention_mask(
 class SlotKVCache:
     """The ``past_key_values`` handed to a transformers text model for one graph step.
 
-    Decoder attention calls ``update(key, value, layer_idx)``; this scatters the chunk's keys and
-    values at their slots and returns the full ``ctx_len`` cache, which attention then reads whole.
-    The updated per-layer caches are what the graph returns as ``*_RetainedState``.
+    Decoder attention calls ``update(key, value, layer_idx)``; this writes the chunk's keys and values
+    at their slots (CtxScatter) and returns the cache read back over ``ctx_len`` (CtxGather), with
+    skipped reads zeroed. The written per-layer caches are what the graph returns as ``*_RetainedState``.
+    With ``batch_index`` (continuous batching) the caches hold ``full_batch_size`` rows, batch row
+    ``b`` writes and reads row ``batch_index[b, 0]`` and every other row passes through unchanged.
     """
 
-    def __init__(self, past_keys, past_values, slots: torch.Tensor):
+    def __init__(self, past_keys, past_values, position_slots: torch.Tensor, batch_index: torch.Tensor | None = None):
         if len(past_keys) != len(past_values):
             raise ValueError(
                 f"got {len(past_keys)} past keys but {len(past_values)} past values; "
@@ -83,44 +90,31 @@ class SlotKVCache:
             )
         self.keys = list(past_keys)
         self.values = list(past_values)
-        self.slots = slots
+        self.batch_index = batch_index
+        self.write_slots = scatter_slots(position_slots)
+        key_slots = cache_slots(past_keys[0])
+        self.read_indices, skipped = read_slots(position_slots, key_slots)
+        self.ctx_len = key_slots.max() + 1  # QEfficient's comp_ctx_len operand; from the shape, so a symbol
+        self.skipped = skipped[..., None]  # (B, 1, ctx_len, 1)
+
+    def _write(self, cache: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+        new = new.to(cache.dtype)
+        if self.batch_index is None:
+            return ctx_scatter(cache, self.write_slots, new)
+        return ctx_scatter_cb(cache, self.batch_index, self.write_slots, new)
+
+    def _read(self, cache: torch.Tensor) -> torch.Tensor:
+        length = self.ctx_len
+        if self.batch_index is None:
+            read = ctx_gather(cache, self.read_indices, length)
+        else:
+            read = ctx_gather_cb(cache, self.batch_index, self.read_indices, length)
+        return torch.where(self.skipped, torch.zeros((), dtype=read.dtype, device=read.device), read)
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        self.keys[layer_idx] = scatter_at_slots(self.keys[layer_idx], key_states, self.slots)
-        self.values[layer_idx] = scatter_at_slots(self.values[layer_idx], value_states, self.slots)
-        return self.keys[layer_idx], self.values[layer_idx]
+        self.keys[layer_idx] = self._write(self.keys[layer_idx], key_states)
+        self.values[layer_idx] = self._write(self.values[layer_idx], value_states)
+        return self._read(self.keys[layer_idx]), self._read(self.values[layer_idx])
 
     def __len__(self) -> int:
         return len(self.keys)
-
-
-def scatter_at_rows_and_slots(
-    cache: torch.Tensor, new: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor
-) -> torch.Tensor:
-    """Write ``new (B, H, S, D)`` into ``cache (F, H, ctx_len, D)`` at ``(rows[b], h, slots[b, s])``.
-
-    ``rows (B,)`` picks the cache row of each batch row. Exports as one ScatterND whose indices are
-    ``(B, H, S, 3)``: only the ``B*H*S`` new vectors move, never a whole ``ctx_len`` row, and rows
-    not named in ``rows`` keep their values exactly.
-    """
-    heads = torch.arange(new.shape[1], device=new.device)
-    index = (rows[:, None, None], heads[None, :, None], slots[:, None, :])  # broadcast to (B, H, S)
-    return cache.index_put(index, new.to(cache.dtype))
-
-
-class BatchedSlotKVCache(SlotKVCache):
-    """``past_key_values`` of a continuous-batching step: full_batch_size cache rows, batch_index per call.
-
-    ``update`` scatters the call's keys/values into the full caches (kept as the retained state) and
-    returns only the call's rows, ``cache[batch_index]`` ``(B, H, ctx_len, D)``, for attention.
-    """
-
-    def __init__(self, past_keys, past_values, slots: torch.Tensor, batch_rows: torch.Tensor):
-        super().__init__(past_keys, past_values, slots)
-        self.batch_rows = batch_rows  # (B,) int64 cache row of each batch row
-
-    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        rows, slots = self.batch_rows, self.slots
-        self.keys[layer_idx] = scatter_at_rows_and_slots(self.keys[layer_idx], key_states, rows, slots)
-        self.values[layer_idx] = scatter_at_rows_and_slots(self.values[layer_idx], value_states, rows, slots)
-        return self.keys[layer_idx].index_select(0, rows), self.values[layer_idx].index_select(0, rows)

@@ -2,20 +2,22 @@
 
 One step takes a chunk of ``seq_len`` tokens (a prefill chunk, or one decode token per row) and:
 
-1. embeds ``input_ids`` and replaces every media token (image pad or video pad) with a row of
-   ``vision_embeds``: the k-th media token of the chunk takes row ``image_idx + k``;
-2. runs the transformers decoder layers with rows 1..3 of ``position_ids`` as M-RoPE positions and
-   row 0 as KV-cache slots (``qeff_evs.models.kv_cache``); Qwen3-VL deepstack rows, gathered with the
-   same indices, are added after the first ``levels`` layers;
+1. embeds ``input_ids`` and, in a prefill chunk, replaces every media token (image pad or video pad)
+   with a row of ``vision_embeds``: the k-th media token of the chunk takes row ``image_idx + k``. A
+   decode step (seq_len 1) embeds every token as text, as QEfficient and Hugging Face do;
+2. runs the transformers decoder layers with rows 1..3 of ``position_ids`` as M-RoPE positions (cos/sin
+   looked up in fp32 tables, ``qeff_evs.models.rope``) and row 0 as KV-cache slots
+   (``qeff_evs.models.kv_cache``); Qwen3-VL deepstack rows, gathered with the same indices, are added
+   after the first ``levels`` layers;
 3. returns the logits of each row's last valid token, ``image_idx`` advanced by the chunk's media
    tokens, and the updated caches.
 
 With ``batch_index`` (continuous batching, QEfficient's ``full_batch_size`` mode) the caches hold
 ``full_batch_size`` requests and batch row ``b`` reads and writes cache row ``batch_index[b, 0]``;
-the rows no batch row names come back unchanged (``qeff_evs.models.kv_cache.BatchedSlotKVCache``).
+the rows no batch row names come back unchanged (``qeff_evs.models.kv_cache.SlotKVCache``).
 
-The module drives the family's own transformers submodules (embedding, rotary embedding, decoder
-layers, norm, lm_head) directly, so Qwen2.5-VL and Qwen3-VL share it, no class is swapped, and no
+The module drives the family's own transformers submodules (embedding, decoder layers, norm,
+lm_head; the rotary embedding only to fill the tables) directly, so Qwen2.5-VL and Qwen3-VL share it, no class is swapped, and no
 boolean indexing (which would export as NonZero) is involved.
 """
 
@@ -32,13 +34,8 @@ import torch
 from torch import nn
 
 from qeff_evs.models.graph_io import BATCH_INDEX, LanguageGraphIO, check_batch_index
-from qeff_evs.models.kv_cache import (
-    BatchedSlotKVCache,
-    SlotKVCache,
-    cache_slots,
-    slot_attention_mask,
-    write_slots,
-)
+from qeff_evs.models.kv_cache import SlotKVCache, cache_slots, slot_attention_mask
+from qeff_evs.models.rope import RopeTable
 
 
 @dataclass(frozen=True)
@@ -52,6 +49,7 @@ class LanguageSpec:
     head_dim: int
     media_token_ids: tuple[int, ...]  # image pad, video pad
     deepstack_levels: int  # 0 for Qwen2.5-VL
+    max_positions: int  # config.max_position_embeddings: the default RoPE table length
 
     @property
     def has_deepstack(self) -> bool:
@@ -88,6 +86,7 @@ def language_spec(hf_model: nn.Module) -> LanguageSpec:
         head_dim=int(head_dim),
         media_token_ids=media,
         deepstack_levels=deepstack,
+        max_positions=int(text.max_position_embeddings),
     )
 
 
@@ -117,12 +116,14 @@ def media_rows(
     image_idx: torch.Tensor,
     media_token_ids: torch.Tensor,
     last_vision_row: torch.Tensor,
+    is_prefill: torch.Tensor,
 ) -> MediaMerge:
     """The k-th media token of each row reads vision row ``image_idx + k`` (cumsum, no NonZero).
 
-    Padding positions never count as media, whatever id the host padded with.
+    Padding positions never count as media, whatever id the host padded with, and nothing does in a
+    decode step (``is_prefill`` False).
     """
-    is_media = (input_ids[..., None] == media_token_ids).any(-1) & (position_slots >= 0)
+    is_media = (input_ids[..., None] == media_token_ids).any(-1) & (position_slots >= 0) & is_prefill
     running = torch.cumsum(is_media.to(torch.int64), dim=1)
     # Clamped into [0, vision_size - 1] so every gather stays in the buffer: non-media tokens before
     # the chunk's first media token point at image_idx - 1, and torch.where discards their rows.
@@ -146,12 +147,14 @@ class LanguageGraph(nn.Module):
     config's image and video pad ids.
     """
 
-    def __init__(self, hf_model: nn.Module, media_token_ids: Sequence[int] | None = None):
+    def __init__(self, hf_model: nn.Module, media_token_ids: Sequence[int] | None = None,
+                 rope_positions: int | None = None):
         super().__init__()
         self.spec = language_spec(hf_model)
         if media_token_ids is not None:
             self.spec = dataclasses.replace(self.spec, media_token_ids=tuple(int(i) for i in media_token_ids))
         self.text_model, self.lm_head = _text_model_and_head(hf_model)
+        self.rope = RopeTable(self.text_model.rotary_emb, rope_positions or self.spec.max_positions)
         self.register_buffer(
             "media_token_ids", torch.tensor(self.spec.media_token_ids, dtype=torch.int64), persistent=False
         )
@@ -174,19 +177,17 @@ class LanguageGraph(nn.Module):
 
         # Taken from a Range over the shape so vision_size stays a graph symbol under tracing.
         last_vision_row = torch.arange(vision_embeds.shape[1], device=input_ids.device).max()
-        merge = media_rows(input_ids, slots, image_idx, self.media_token_ids, last_vision_row)
+        # Decode (one token per row) embeds every token as text, as QEfficient and HF do: a generated
+        # media pad has no vision row of its own. A Range over the shape keeps seq_len a graph symbol.
+        is_prefill = torch.arange(input_ids.shape[1], device=input_ids.device).max() > 0
+        merge = media_rows(input_ids, slots, image_idx, self.media_token_ids, last_vision_row, is_prefill)
         media_mask = merge.is_media[..., None]
         vision_rows = vision_embeds[0][merge.rows].to(hidden.dtype)  # (B, S, hidden)
         hidden = torch.where(media_mask, vision_rows, hidden)
 
-        key_slots = cache_slots(past_keys[0])
-        if batch_index is None:
-            cache = SlotKVCache(past_keys, past_values, write_slots(slots, key_slots))
-        else:
-            cache_rows = batch_index.reshape(-1)
-            cache = BatchedSlotKVCache(past_keys, past_values, write_slots(slots, key_slots), cache_rows)
-        attention_mask = slot_attention_mask(slots, key_slots, hidden.dtype)
-        rotary = text.rotary_emb(hidden, position_ids[1:])
+        cache = SlotKVCache(past_keys, past_values, slots, batch_index)
+        attention_mask = slot_attention_mask(slots, cache_slots(past_keys[0]), hidden.dtype)
+        rotary = self.rope(position_ids[1:], hidden.dtype)
 
         for layer_idx, layer in enumerate(text.layers):
             hidden = layer(
