@@ -55,6 +55,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         num_cores=args.num_cores,
         mxfp6_matmul=args.mxfp6,
         full_batch_size=args.full_batch_size,
+        rope_positions=args.rope_positions,
     )
     manifest = export_checkpoint(args.model_dir, args.output, options, progress=_progress)
     print(json.dumps({"export_dir": str(args.output), "family": manifest.family,
@@ -146,6 +147,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mxfp6", action="store_true", help="-mxfp6-matmul for the language graph")
     p.add_argument("--full-batch-size", type=int, default=None,
                    help="continuous batching: KV cache rows (requests served at once) and a batch_index input")
+    p.add_argument("--rope-positions", type=int, default=None,
+                   help="M-RoPE positions the language graph's cos/sin tables cover (default: ctx_len / (1 - q), "
+                        "rounded up to 64: EVS keeps the unpruned positions)")
     p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("compile", help="run qaic-compile where the SDK is installed, else print the commands")

@@ -56,6 +56,7 @@ class LanguageShape:
     decode_batch_size: int | None = None  # rows per decode call (the Decode specialization); None: full_batch_size
     vocab: int | None = None
     continuous_batching: bool = False  # the graph has a batch_index input (export --full-batch-size)
+    rope_positions: int | None = None  # rows of the RoPE cos/sin tables: positions [0, rope_positions)
 
     def __post_init__(self) -> None:
         if self.full_batch_size < 1:

@@ -167,3 +167,36 @@ def decode_start(unpruned: torch.Tensor) -> int:
     if unpruned.numel() == 0:
         raise ValueError("positions are empty; a prompt needs at least one token")
     return int(unpruned.max()) + 1
+
+
+def rope_table_length(ctx_len: int, q: float, multiple: int = 64) -> int:
+    """Default number of positions the language graph's RoPE tables cover (``qeff-evs export``).
+
+    A request holds at most ``ctx_len`` tokens, but under EVS its positions are the *unpruned* ones:
+    the retained ``(1 - q)`` share of a video keeps the positions of the whole. So the table covers
+    ``ctx_len / (1 - q)`` positions, rounded up to a multiple of ``multiple``. (Qwen2.5-VL's temporal
+    positions can outrun even that for sparse frame rates; ``--rope-positions`` sets it explicitly, and
+    the host refuses any request that would pass the table.)
+    """
+    if ctx_len < 1:
+        raise ValueError(f"ctx_len must be >= 1, got {ctx_len}")
+    if not 0 <= q < 1:
+        raise ValueError(f"video pruning rate must lie in [0, 1), got {q}")
+    needed = math.ceil(round(ctx_len / (1.0 - q), 6))  # round: 8192 / (1 - 0.9) is 81920.00000000001
+    return -(-needed // multiple) * multiple
+
+
+def check_rope_range(decode_start: int, max_new_tokens: int, table_positions: int | None) -> None:
+    """Refuse a request whose M-RoPE positions would pass the export's RoPE tables (before any graph call).
+
+    The prompt's positions all lie below ``decode_start``; generated token ``j`` (from 0) is fed at
+    ``decode_start + j``, so the request needs positions up to ``decode_start + max_new_tokens - 1``.
+    """
+    if table_positions is None:
+        return
+    last = decode_start + max_new_tokens - 1
+    if last >= table_positions:
+        raise ValueError(
+            f"this request needs M-RoPE positions up to {last} (its prompt's positions end at {decode_start - 1}, "
+            f"plus {max_new_tokens} new tokens) but the export's RoPE tables cover positions [0, {table_positions}); "
+            f"re-export with --rope-positions >= {last + 1}, or use fewer frames / fewer new tokens")

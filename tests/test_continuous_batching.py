@@ -10,6 +10,7 @@ text model run over the whole, unpadded sequence. Tiny real checkpoints from ``q
 from __future__ import annotations
 
 import collections
+import dataclasses
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -386,7 +387,7 @@ def test_prefill_into_one_row_leaves_the_others_untouched(q25, q25_requests):
         assert not np.array_equal(after[name][1], before[name][1])
 
 
-def test_padded_decode_writes_only_its_rows_and_the_spare_last_slot(q25, q25_requests):
+def test_padded_decode_writes_only_its_rows(q25, q25_requests):
     session = OrtLanguageSession(q25.cb_onnx, q25.shape(FULL_BATCH))
     a, c = Running(q25_requests["A"], 0), Running(q25_requests["C"], 2)
     prefill_into(session, q25, a)
@@ -402,16 +403,89 @@ def test_padded_decode_writes_only_its_rows_and_the_spare_last_slot(q25, q25_req
         # Row 2: only the new token's slot changed.
         changed = np.flatnonzero((after[name][2] != before[name][2]).any(axis=(0, 2)))
         assert changed.tolist() == [slot], name
-        # Row 0 (the padding rows' target): at most slot ctx_len - 1, which request A reaches last.
-        # (A's own padded last prefill chunk wrote the same pad id at position -1 there already.)
-        changed = np.flatnonzero((after[name][0] != before[name][0]).any(axis=(0, 2)))
-        assert set(changed.tolist()) <= {CTX_LEN - 1}, name
-        np.testing.assert_array_equal(after[name][1], before[name][1])
-    # A still decodes exactly as alone after the padding wrote into its row.
+        # Row 0 (the padding rows' target) and row 1: untouched, padding writes are skipped.
+        np.testing.assert_array_equal(after[name][[0, 1]], before[name][[0, 1]])
+    # A still decodes exactly as alone after the padding named its row.
     decode_together(session, [a, c])
     alone = OrtLanguageSession(q25.single_onnx, q25.shape())
     _, ref = run_alone(alone, q25, q25_requests["A"], 1)
     np.testing.assert_allclose(a.decode_logits[0], ref[0], atol=ATOL, rtol=0)
+
+
+def vllm_qaic_padded(session, rows: list[DecodeRow]) -> np.ndarray:
+    """One decode call padded the way vllm-qaic pads: unused rows get batch_index, ids and positions -1."""
+    width = session.shape.decode_rows
+    step, batch_index = decode_batch(rows, width, session.cache_rows)
+    ids = step.input_ids.copy()
+    ids[len(rows):] = -1
+    batch_index = batch_index[: len(rows)] + [-1] * (width - len(rows))
+    return session.run_rows(dataclasses.replace(step, input_ids=ids), batch_index)[: len(rows), 0]
+
+
+@pytest.mark.parametrize("backend", ["ort", "torch"])
+def test_vllm_qaic_padding_rows_equal_our_padding(q25, q25_requests, backend):
+    """batch_index = -1, ids -1, positions -1 on unused rows: same logits and tokens, no cache row touched."""
+    def session():
+        if backend == "ort":
+            return OrtLanguageSession(q25.cb_onnx, q25.shape(FULL_BATCH))
+        return TorchLanguageSession(ExportableLanguageGraph(LanguageGraph(q25.model), continuous_batching=True),
+                                    q25.shape(FULL_BATCH))
+
+    ours, theirs = session(), session()
+    runs = {}
+    for label, target in (("ours", ours), ("theirs", theirs)):
+        a, c = Running(q25_requests["A"], 2), Running(q25_requests["C"], 0)
+        prefill_into(target, q25, a)
+        prefill_into(target, q25, c)
+        runs[label] = (a, c)
+    for _ in range(4):
+        a, c = runs["ours"]
+        decode_together(ours, [a, c])
+        a, c = runs["theirs"]
+        before = _kv(theirs)
+        logits = vllm_qaic_padded(theirs, [a.next_row(), c.next_row()])
+        after = _kv(theirs)
+        for name in before:  # row 1 (no request) and everything but the two new slots stay as they were
+            np.testing.assert_array_equal(after[name][1], before[name][1])
+        for r, row_logits in zip((a, c), logits):
+            r.decode_logits.append(row_logits)
+            r.tokens.append(int(np.argmax(row_logits)))
+    for mine, vllm in zip(runs["ours"], runs["theirs"]):
+        assert mine.tokens == vllm.tokens
+        np.testing.assert_array_equal(np.stack(mine.decode_logits), np.stack(vllm.decode_logits))
+    for name, value in _kv(ours).items():
+        np.testing.assert_array_equal(value, _kv(theirs)[name])
+
+
+@torch.no_grad()
+def hf_logits_after(model, request: Request, video_id: int, generated: int) -> np.ndarray:
+    """transformers' logits after the prompt plus one generated token, that token embedded as text."""
+    text_model = model.model.language_model
+    prompt = torch.from_numpy(request.ids)[None]
+    input_ids = torch.cat([prompt, torch.tensor([[generated]])], dim=1)
+    embeds = text_model.embed_tokens(input_ids).clone()
+    media = torch.cat([prompt == video_id, torch.zeros(1, 1, dtype=torch.bool)], dim=1)
+    embeds[media] = torch.from_numpy(request.rows)
+    mrope = np.concatenate([request.mrope, np.full((3, 1), request.decode_start)], axis=1)
+    hidden = text_model(inputs_embeds=embeds, position_ids=torch.from_numpy(mrope)[:, None])
+    return model.lm_head(hidden.last_hidden_state[0, -1]).numpy()
+
+
+@pytest.mark.parametrize("backend", ["ort", "torch"])
+def test_generated_media_pad_in_decode_is_text(q25, q25_requests, backend):
+    """A decode step whose token is a video (or image) pad embeds it as text, as HF does; no vision row."""
+    request = q25_requests["A"]
+    if backend == "ort":
+        session = OrtLanguageSession(q25.single_onnx, q25.shape())
+    else:
+        session = TorchLanguageSession(ExportableLanguageGraph(LanguageGraph(q25.model)), q25.shape())
+    image_id = int(q25.model.config.image_token_id)
+    for pad in (q25.video_id, image_id):
+        session.reset()
+        for step in q25.chunks(request):
+            session.run(step)
+        logits = session.run(single_decode_step(decode_row(request, 0, pad, 0)))[0, 0]
+        np.testing.assert_allclose(logits, hf_logits_after(q25.model, request, q25.video_id, pad), atol=ATOL, rtol=0)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -427,13 +501,19 @@ def test_bad_batch_index_is_rejected(q25, q25_requests):
     with pytest.raises(ValueError, match="share KV cache rows"):
         session.decode([two, two])
     bad_step, _ = decode_batch([two], FULL_BATCH, FULL_BATCH)
-    with pytest.raises(ValueError, match="padding rows"):
-        session.run_rows(bad_step, [1, 1, 0])
+    for pads in ([1, -2, 0], [1, 0, FULL_BATCH]):
+        with pytest.raises(ValueError, match="padding rows"):
+            session.run_rows(bad_step, pads)
+    with pytest.raises(ValueError, match=r"outside \[0, full_batch_size=3\)"):
+        session.run_rows(bad_step, [-1, 0, 2])  # -1 is for padding rows only
     single = OrtLanguageSession(q25.single_onnx, q25.shape())
-    with pytest.raises(ValueError, match="no batch_index input"):
+    with pytest.raises(ValueError, match="no batch_index input.*--full-batch-size"):
         single.prefill(0, step)
-    with pytest.raises(ValueError, match="continuous batching"):
+    with pytest.raises(ValueError, match="--full-batch-size 3"):
         OrtLanguageSession(q25.single_onnx, q25.shape(FULL_BATCH))
+    two_rows = decode_batch([two, DecodeRow(0, 31, 5, 5)], 2, FULL_BATCH)[0]
+    with pytest.raises(ValueError, match="2 sequences.*--full-batch-size"):
+        single.run(two_rows)
     with pytest.raises(ValueError, match="decode_batch_size=4"):
         q25.shape(FULL_BATCH, decode_batch_size=4)
 
@@ -446,10 +526,12 @@ def test_eager_graph_rejects_bad_batch_index(q25):
     positions = torch.tensor([[[3], [-1]]] * 4, dtype=torch.int64)  # row 1 is padding
     args = (ids, torch.zeros(1, 4, spec.hidden_size), positions, torch.zeros(1, 1, dtype=torch.int64), cache, cache)
     graph(*args, batch_index=torch.tensor([[1], [0]]))  # fine
+    graph(*args, batch_index=torch.tensor([[1], [1]]))  # padding may name a live row: it writes nothing
+    graph(*args, batch_index=torch.tensor([[1], [-1]]))  # vllm-qaic's padding row
     for batch_index, message in (
         (torch.tensor([[2], [0]]), r"\[0, full_batch_size=2\)"),
         (torch.tensor([[1]]), r"\(batch_size, 1\) = \(2, 1\)"),
-        (torch.tensor([[1], [1]]), "padding rows"),
+        (torch.tensor([[1], [-2]]), "padding rows"),
         (torch.tensor([[1], [0]], dtype=torch.int32), "int64"),
     ):
         with pytest.raises(ValueError, match=message):

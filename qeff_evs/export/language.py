@@ -74,14 +74,16 @@ def export_language_graph(
     media_token_ids: Sequence[int] | None = None,
     continuous_batching: bool = False,
     full_batch_size_example: int = 4,
+    rope_positions: int | None = None,
 ) -> Path:
     """Trace the language step of ``hf_model`` (legacy exporter, opset 17) and write it to ``path``.
 
     The example sizes only have to be valid: every one of them is a named symbol in the graph.
     ``continuous_batching`` adds ``batch_index`` and the ``full_batch_size`` cache rows (the example
-    value is only traced with; the specializations choose the real one).
+    value is only traced with; the specializations choose the real one). ``rope_positions`` is the
+    length of the RoPE cos/sin tables (default: the config's ``max_position_embeddings``).
     """
-    module = ExportableLanguageGraph(LanguageGraph(hf_model, media_token_ids), continuous_batching)
+    module = ExportableLanguageGraph(LanguageGraph(hf_model, media_token_ids, rope_positions), continuous_batching)
     io = module.io
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from qeff_evs import evs
+from qeff_evs.positions import rope_table_length
 from qeff_evs.export.language import export_language_graph
 from qeff_evs.export.vision import export_vision_graph
 from qeff_evs.manifest import EXPORT_FILES, MODEL_CONFIG_DIR, LanguageShape, Manifest, VisionEntry
@@ -73,6 +74,7 @@ class ExportOptions:
     kv_precision: str = FLOAT16
     num_cores: int = 16
     mxfp6_matmul: bool = False
+    rope_positions: int | None = None  # RoPE table rows; None: positions.rope_table_length(ctx_len, q)
     full_batch_size: int | None = None  # continuous batching: KV rows + batch_index input (QEfficient CB)
 
     @property
@@ -115,6 +117,10 @@ def export_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, 
     q = evs.validate_pruning_rate(options.video_pruning_rate)
     lang_specs = language_specializations(options.prefill_seq_len, options.ctx_len, options.user_vision_size,
                                           full_batch_size=options.full_batch_size)
+    rope_positions = options.rope_positions or rope_table_length(options.ctx_len, q)
+    if rope_positions < options.ctx_len:
+        raise ValueError(f"--rope-positions {rope_positions} is below --ctx-len {options.ctx_len}; the RoPE tables "
+                         "must cover at least every KV slot's position")
     out = Path(out_dir)
     progress(f"loading checkpoint {model_dir}")
     checkpoint = load_checkpoint(model_dir)
@@ -141,7 +147,7 @@ def export_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, 
     progress("exporting language graph")
     export_language_graph(checkpoint.model, out / "language" / "language.onnx",
                           media_token_ids=family.special_tokens().media_pads,
-                          continuous_batching=options.full_batch_size is not None)
+                          continuous_batching=options.full_batch_size is not None, rope_positions=rope_positions)
 
     progress("checking specializations against the graphs and writing compile inputs")
     commands = compile_commands(out, options.num_cores, options.mxfp6_matmul, options.kv_precision,
@@ -164,7 +170,7 @@ def export_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, 
             num_layers=spec.num_layers, kv_heads=spec.kv_heads, head_dim=spec.head_dim, hidden=spec.hidden_size,
             ctx_len=options.ctx_len, vision_size=options.vision_size, deepstack_levels=spec.deepstack_levels,
             full_batch_size=options.full_batch_size or 1, vocab=spec.vocab_size,
-            continuous_batching=options.full_batch_size is not None),
+            continuous_batching=options.full_batch_size is not None, rope_positions=rope_positions),
         files=dict(EXPORT_FILES),
         vision_entries=tuple(
             VisionEntry(target.height, target.width, target.frames, tuple(grid), k, family.vision_symbols(grid, k))

@@ -26,6 +26,7 @@ BATCH, SEQ, VISION, CTX = "batch_size", "seq_len", "vision_size", "ctx_len"
 FULL_BATCH = "full_batch_size"  # KV cache rows under continuous batching (QEfficient's symbol)
 BATCH_INDEX = "batch_index"
 PAD_POSITION = -1  # position (and KV slot) of a padding token: every row of position_ids
+PAD_BATCH_INDEX = -1  # batch_index of an unused decode row (vllm-qaic); its writes are skipped
 
 Axes = Mapping[int, str]
 
@@ -110,9 +111,9 @@ def language_io_names(
 def check_batch_index(batch_index, position_ids, cache_rows: int) -> None:
     """Checks of a continuous-batching call's ``batch_index`` (numpy or CPU/GPU torch), host or eager graph.
 
-    It must be ``(batch, 1)`` int64 rows in ``[0, full_batch_size)``; two real rows (any slot >= 0)
-    may not share a cache row, and a padding row (all slots -1) may not name a real row's cache row
-    (its write to slot ``ctx_len - 1`` could race a real write there).
+    It must be ``(batch, 1)`` int64. Real rows (any slot >= 0) need distinct cache rows in
+    ``[0, full_batch_size)``. A padding row (all slots -1) writes nothing (its KV writes are skipped), so
+    it may name any cache row or ``PAD_BATCH_INDEX`` (-1, vllm-qaic's convention for unused decode rows).
     """
     batch_index, position_ids = _host(batch_index), _host(position_ids)
     batch = position_ids.shape[1]
@@ -124,23 +125,22 @@ def check_batch_index(batch_index, position_ids, cache_rows: int) -> None:
     if batch_index.dtype != np.int64:
         raise ValueError(f"batch_index must be int64, got {batch_index.dtype}; cast it on the host")
     rows = batch_index.reshape(-1).tolist()
-    if min(rows) < 0 or max(rows) >= cache_rows:
-        raise ValueError(
-            f"batch_index values must lie in [0, full_batch_size={cache_rows}), got {rows}; "
-            "point every row (padding rows too) at a row the KV cache has"
-        )
     real = (position_ids[0] >= 0).any(axis=1).tolist()
     real_rows = [row for row, is_real in zip(rows, real) if is_real]
+    outside = [row for row in real_rows if not 0 <= row < cache_rows]
+    if outside:
+        raise ValueError(
+            f"batch_index {rows} sends requests to cache rows {outside} outside [0, full_batch_size={cache_rows}); "
+            "give each request a row the KV cache has")
     if len(set(real_rows)) != len(real_rows):
         raise ValueError(
             f"batch_index {rows} names one cache row for two requests; give each request of a call its own row"
         )
-    shared = sorted({row for row, is_real in zip(rows, real) if not is_real} & set(real_rows))
-    if shared:
+    pads = [row for row, is_real in zip(rows, real) if not is_real and not PAD_BATCH_INDEX <= row < cache_rows]
+    if pads:
         raise ValueError(
-            f"padding rows of batch_index {rows} point at cache rows {shared} that real rows of the same call "
-            "write; point padding rows at a row the call does not use"
-        )
+            f"batch_index {rows} gives padding rows {pads}; use {PAD_BATCH_INDEX} (vllm-qaic's padding) or any "
+            f"row in [0, {cache_rows})")
 
 
 def _host(array) -> np.ndarray:

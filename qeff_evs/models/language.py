@@ -172,7 +172,8 @@ class LanguageGraph(nn.Module):
     ) -> LanguageGraphOutput:
         self._check_inputs(position_ids, past_keys, past_values, deepstack_features, batch_index)
         text = self.text_model
-        hidden = text.embed_tokens(input_ids)
+        # Padding rows may carry id -1 (vllm-qaic); their embedding is never used, it only has to exist.
+        hidden = text.embed_tokens(torch.where(input_ids < 0, 0, input_ids))
         slots = position_ids[0]
 
         # Taken from a Range over the shape so vision_size stays a graph symbol under tracing.

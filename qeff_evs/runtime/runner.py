@@ -133,7 +133,8 @@ def sessions_for(bundle: ExportBundle, backend: str, device: str | None = None):
 
         checkpoint = load_checkpoint(bundle.manifest.model_dir)
         language = ExportableLanguageGraph(
-            LanguageGraph(checkpoint.model, bundle.family.special_tokens().media_pads),
+            LanguageGraph(checkpoint.model, bundle.family.special_tokens().media_pads,
+                          bundle.manifest.language_shape.rope_positions),
             continuous_batching=bundle.manifest.language_shape.continuous_batching)
         return (TorchVisionSession(bundle.family.vision_wrapper(checkpoint.model), device),
                 TorchLanguageSession(language, bundle.language_shape, device))

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from qeff_evs.models.protocol import ModelFamily, MediaInput
+from qeff_evs.positions import check_rope_range
 from qeff_evs.runtime.backends.base import LanguageSession, VisionSession
 from qeff_evs.runtime.engine.executor import EngineConfig, Executor, ExecutorRequest
 from qeff_evs.runtime.engine.request import PromptPiece
@@ -48,6 +49,7 @@ class VllmDriver:
 
         self.executor.check_new(request_id)
         plan = self.executor.plan(pieces, media)
+        check_rope_range(plan.decode_start, max_new_tokens, self.executor.language.shape.rope_positions)
         features = [MultiModalFeatureSpec(data=None, modality="video", identifier=content_hash,
                                           mm_position=to_placeholder_range(ph))
                     for content_hash, ph in zip(self.executor.media_hashes(media), plan.placeholders)]

@@ -8,9 +8,9 @@ Continuous batching: when the language graph was exported with ``batch_index``, 
 ``full_batch_size`` KV cache rows, one per running request. ``prefill(row, step)`` runs one
 request's chunk into its row; ``decode(rows)`` runs the next token of several requests in calls of
 ``decode_batch_size`` rows. A call with fewer requests than that is padded with rows whose positions
-are all -1, pointed at a cache row the call does not use: such a row writes only slot ``ctx_len - 1``
-of that row, which no request reads before writing it itself (the host keeps prompt + new tokens
-<= ctx_len), and its logits are dropped. ``run(step)`` is the single-request case (cache row 0).
+are all -1: the graph skips their KV writes (QEfficient's INT32_MAX index), so they change no cache
+row, whatever ``batch_index`` they carry (-1, vllm-qaic's convention, included), and their logits are
+dropped. ``run(step)`` is the single-request case (cache row 0).
 """
 
 from __future__ import annotations
@@ -108,7 +108,8 @@ class RetainedStateSession(abc.ABC):
         if shape.full_batch_size > 1 and not self.continuous_batching:
             raise ValueError(
                 f"full_batch_size={shape.full_batch_size} needs a language graph with a batch_index input; "
-                "export it with continuous batching, or use full_batch_size=1"
+                f"re-export with --full-batch-size {shape.full_batch_size} (continuous batching), or serve one "
+                "sequence at a time"
             )
         self.reset()
 
@@ -156,14 +157,19 @@ class RetainedStateSession(abc.ABC):
         """One call whose batch row ``b`` reads and writes KV cache row ``batch_index[b]``."""
         if not self.continuous_batching:
             raise ValueError(
-                "this language graph has no batch_index input; export it with continuous batching "
-                "to address KV cache rows"
+                "this language graph has no batch_index input and serves one sequence at a time; re-export "
+                "with --full-batch-size N (continuous batching) to serve N sequences together"
             )
         index = np.asarray(list(batch_index), dtype=np.int64).reshape(-1, 1)
         check_batch_index(index, step.position_ids, self.cache_rows)
         return self._run(step, index)
 
     def _run(self, step: LanguageInputs, batch_index: np.ndarray | None) -> np.ndarray:
+        rows = step.input_ids.shape[0]
+        if batch_index is None and rows != self.cache_rows:
+            raise ValueError(
+                f"a call of {rows} sequences on a language graph exported for {self.cache_rows} (no "
+                "--full-batch-size); re-export with --full-batch-size N to serve N sequences together")
         inputs = {"input_ids": step.input_ids, "position_ids": step.position_ids, "image_idx": step.image_idx}
         if batch_index is not None:
             inputs[BATCH_INDEX] = batch_index
@@ -201,7 +207,8 @@ def decode_batch(rows: Sequence[DecodeRow], width: int, cache_rows: int,
     """A decode call of exactly ``width`` rows: the requests, then padding rows (positions -1).
 
     Padding rows point at the lowest cache row no request of this call uses (one exists: the call has
-    fewer requests than ``width <= cache_rows``); they write only that row's slot ``ctx_len - 1``.
+    fewer requests than ``width <= cache_rows``); their writes are skipped, so they change nothing.
+    (vllm-qaic pads with ``batch_index = -1``, ids and positions -1 instead; the graph accepts both.)
     """
     if not 1 <= len(rows) <= width:
         raise ValueError(f"a decode call of width {width} takes 1..{width} rows, got {len(rows)}")

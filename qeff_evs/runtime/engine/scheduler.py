@@ -39,7 +39,7 @@ from qeff_evs.runtime.engine.window import Placeholder, overlaps_window
 
 
 def check_fits_context(num_prompt_tokens: int, max_new_tokens: int, ctx_len: int, where: str = "") -> None:
-    """A request needs a KV slot per prompt and new token (pad writes of a partial chunk use slot ctx_len - 1)."""
+    """A request needs a KV slot per prompt and fed generated token."""
     need = num_prompt_tokens + max_new_tokens
     if need > ctx_len:
         raise ValueError(

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from qeff_evs.models.protocol import ModelFamily, MediaInput
+from qeff_evs.positions import check_rope_range
 from qeff_evs.runtime.backends.base import LanguageSession, VisionSession
 from qeff_evs.runtime.engine.executor import EngineConfig, encode_media, retained_count
 from qeff_evs.runtime.engine.request import EncodedMedia, PreparedPrompt, PromptPiece, PromptPlan, plan_prompt
@@ -63,6 +64,7 @@ class Engine:
         retained = [retained_count(self.family, v, self.config.video_pruning_rate) for v in videos]
         plan = plan_prompt(pieces, videos, retained, self.family)
         self._check_fits(len(plan.ids))
+        check_rope_range(plan.decode_start, self.config.max_new_tokens, self.language.shape.rope_positions)
         for i, video in enumerate(videos):
             self.progress(f"vision graph: {video.kind} {i} grid {tuple(video.grid_thw)}, keeping {retained[i]} tokens")
             plan.fill(i, video, self.encode(video), self.family)
