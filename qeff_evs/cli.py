@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -63,10 +64,28 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_verify(args: argparse.Namespace) -> int:
+    from qeff_evs.export.verify import format_report, verify_export
+
+    report = verify_export(Path(args.export_dir), fp16=args.fp16, progress=_progress)
+    print(json.dumps(report.to_json(), indent=2) if args.json else format_report(report))
+    return 1 if report.problems else 0
+
+
 def cmd_compile(args: argparse.Namespace) -> int:
     from qeff_evs.export.compile import compile_export
+    from qeff_evs.specializations import CompileOptions, detect_aic_hw_version
 
-    return compile_export(Path(args.export_dir), args.num_cores, args.mxfp6, progress=_progress)
+    try:
+        extra = tuple(shlex.split(args.extra_flags or ""))
+    except ValueError as error:
+        raise ValueError(f"--extra-flags {args.extra_flags!r} is not a valid shell word list ({error})") from None
+    hw = detect_aic_hw_version() if args.aic_hw_version == "auto" else args.aic_hw_version
+    options = CompileOptions(num_cores=args.num_cores, mxfp6_matmul=args.mxfp6, aic_hw_version=hw,
+                             num_devices=args.num_devices, extra_flags=extra,
+                             specializations_layout=args.specializations_layout)
+    _progress(f"compiling for {hw} on {args.num_devices} device(s), {args.num_cores} cores each")
+    return compile_export(Path(args.export_dir), options, progress=_progress)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -156,7 +175,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("export_dir", type=Path)
     p.add_argument("--num-cores", type=int, default=16)
     p.add_argument("--mxfp6", action="store_true")
+    p.add_argument("--aic-hw-version", choices=("auto", "ai100", "ai200"), default="auto",
+                   help="-aic-hw-version (auto: what qaic-util -q reports, else ai100)")
+    p.add_argument("--num-devices", type=int, default=1,
+                   help="cards per program: > 1 writes QEfficient's MDP partition config and passes it")
+    p.add_argument("--extra-flags", default="",
+                   help='more qaic-compile flags, e.g. "-mos=1 -aic-enable-depth-first -node-precision-info=x.yaml" '
+                        "(a node-precision file goes to the language graph only)")
+    p.add_argument("--specializations-layout", choices=("named", "flat"), default="named",
+                   help="specializations.json layout: named (QEfficient >= 1.22) or flat (older SDKs)")
     p.set_defaults(func=cmd_compile)
+
+    p = sub.add_parser("verify", help="run every exported graph on sample inputs in fp32 and (--fp16) in an "
+                                      "emulation of qaic-compile -convert-to-fp16; exit 1 on inf/NaN")
+    p.add_argument("export_dir", type=Path)
+    p.add_argument("--fp16", action="store_true", help="also run the fp16 twin that follows compile.sh")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=cmd_verify)
 
     p = sub.add_parser("run", help="answer a question about a video with the exported graphs")
     p.add_argument("export_dir", type=Path)

@@ -110,12 +110,13 @@ def test_manifest_reads_back(tiny_export, manifest_json):
 
 
 @pytest.mark.parametrize("graph", ["vision", "language"])
-def test_flat_and_named_layouts_hold_the_same_entries(tiny_export, graph):
-    flat = load_json(tiny_export / graph / "specializations.json")["specializations"]
+def test_specializations_json_is_named_by_default(tiny_export, graph):
+    """QEfficient >= 1.22's named layout (``qeff-evs compile --specializations-layout flat`` writes the old one)."""
+    main = load_json(tiny_export / graph / "specializations.json")["specializations"]
     named = load_json(tiny_export / graph / "specializations.named.json")["specializations"]
-    assert [entry["symbols"] for entry in named] == flat
-    for entry in flat:
-        assert all(isinstance(v, str) and v.isdigit() for v in entry.values()), entry  # QEfficient stringifies
+    assert main == named and all(set(entry) == {"name", "symbols"} for entry in main)
+    for entry in main:
+        assert all(isinstance(v, str) and v.isdigit() for v in entry["symbols"].values()), entry  # stringified
     assert read_specializations_json(tiny_export / graph / "specializations.json") == \
         read_specializations_json(tiny_export / graph / "specializations.named.json")
 
@@ -151,7 +152,7 @@ def expected_vision_symbols(height: int, width: int, frames: int, q: float) -> d
 
 
 def test_vision_specializations_one_per_resolution_and_frame_count(tiny_export, export_options, manifest_json):
-    flat = load_json(tiny_export / "vision" / "specializations.json")["specializations"]
+    flat = [e["symbols"] for e in load_json(tiny_export / "vision" / "specializations.json")["specializations"]]
     q = export_options.video_pruning_rate
     targets = [(h, w, f) for h, w in export_options.resolutions for f in export_options.frames]
     assert len(flat) == len(targets)
@@ -174,13 +175,13 @@ def test_every_graph_symbol_is_bound_in_every_specialization(tiny_export, graph)
     symbols = symbols_of(dims)
     assert symbols, "the graph has no dynamic symbols at all"
     for entry in load_json(tiny_export / graph / "specializations.json")["specializations"]:
-        assert symbols <= set(entry), symbols - set(entry)
+        assert symbols <= set(entry["symbols"]), symbols - set(entry["symbols"])
 
 
 @pytest.mark.parametrize("graph, symbol", [("language", "vision_size"), ("language", "ctx_len"),
                                            ("vision", "retained_size"), ("vision", "grid_height")])
 def test_symbol_check_fails_loudly_on_the_real_graph(tiny_export, graph, symbol):
-    specs = load_json(tiny_export / graph / "specializations.json")["specializations"]
+    specs = [e["symbols"] for e in load_json(tiny_export / graph / "specializations.json")["specializations"]]
     broken = [dict(entry) for entry in specs]
     del broken[-1][symbol]
     check_specializations(tiny_export / graph / f"{graph}.onnx", [{k: int(v) for k, v in e.items()} for e in specs])

@@ -7,21 +7,21 @@ from pathlib import Path
 
 from qeff_evs.export.pipeline import compile_commands
 from qeff_evs.manifest import read_manifest
-from qeff_evs.specializations import read_specializations_json, run_compile, write_compile_script
+from qeff_evs.specializations import CompileOptions, read_specializations_json, run_compile, write_compile_script
 
 
-def compile_export(export_dir: Path, num_cores: int = 16, mxfp6_matmul: bool = False,
+def compile_export(export_dir: Path, options: CompileOptions = CompileOptions(),
                    progress: Callable[[str], None] = lambda message: None) -> int:
     """Re-check and rewrite the compile inputs, refresh compile.sh, run it where the SDK is installed.
 
-    Without ``qaic-compile`` the commands are printed and 0 is returned: the folder can be copied to a
+    Each compile first removes the graph's existing qpc folder. Without ``qaic-compile`` the commands
+    are printed (nothing is removed) and 0 is returned: the folder can be copied to a
     machine with the Apps SDK and compiled there with ``./compile.sh``.
     """
     manifest = read_manifest(export_dir)
     vision_specs = read_specializations_json(manifest.path(export_dir, "vision_specializations"))
     language_specs = read_specializations_json(manifest.path(export_dir, "language_specializations"))
-    commands = compile_commands(export_dir, num_cores, mxfp6_matmul, manifest.kv_precision,
-                                vision_specs, language_specs)
+    commands = compile_commands(export_dir, options, manifest.kv_precision, vision_specs, language_specs)
     script = write_compile_script(manifest.path(export_dir, "compile_script"), commands)
     progress(f"compile script written: {script}")
     return run_compile(commands, cwd=export_dir)

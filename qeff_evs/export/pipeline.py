@@ -33,6 +33,7 @@ from qeff_evs.models.registry import family_for_config
 from qeff_evs.specializations import (
     FLOAT16,
     CompileCommand,
+    CompileOptions,
     VisionTarget,
     language_specializations,
     prepare_graph_compile,
@@ -99,7 +100,7 @@ def vision_grid(height: int, width: int, frames: int, patch_size: int, temporal_
     return frames // temporal_patch_size, height // patch_size, width // patch_size
 
 
-def compile_commands(export_dir: Path, num_cores: int, mxfp6_matmul: bool, kv_precision: str,
+def compile_commands(export_dir: Path, options: CompileOptions, kv_precision: str,
                      vision_specs, language_specs) -> list[CompileCommand]:
     """Check both graphs against their specializations, write their compile inputs, return the commands."""
     commands = []
@@ -107,7 +108,9 @@ def compile_commands(export_dir: Path, num_cores: int, mxfp6_matmul: bool, kv_pr
         graph_dir = export_dir / graph
         commands.append(prepare_graph_compile(
             graph_dir / f"{graph}.onnx", graph_dir, specs, graph=graph, kv_precision=kv_precision,
-            num_cores=num_cores, mxfp6_matmul=mxfp6_matmul, relative_to=export_dir))
+            style=options.specializations_layout, num_cores=options.num_cores,
+            mxfp6_matmul=options.mxfp6_matmul, extra_flags=options.flags_for(graph), relative_to=export_dir,
+            aic_hw_version=options.aic_hw_version, num_devices=options.num_devices))
         write_specializations_json(graph_dir / "specializations.named.json", specs, "named")
     return commands
 
@@ -150,8 +153,8 @@ def export_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, 
                           continuous_batching=options.full_batch_size is not None, rope_positions=rope_positions)
 
     progress("checking specializations against the graphs and writing compile inputs")
-    commands = compile_commands(out, options.num_cores, options.mxfp6_matmul, options.kv_precision,
-                                vision_specs, lang_specs)
+    commands = compile_commands(out, CompileOptions(num_cores=options.num_cores, mxfp6_matmul=options.mxfp6_matmul),
+                                options.kv_precision, vision_specs, lang_specs)
     write_compile_script(out / "compile.sh", commands)
     checkpoint.tokenizer.save_pretrained(out / "tokenizer")
     save_model_config(checkpoint, out / MODEL_CONFIG_DIR)

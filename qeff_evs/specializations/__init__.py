@@ -10,7 +10,10 @@
 
 from .artifacts import CUSTOM_IO_FILE, QPC_DIR, SPECIALIZATIONS_FILE, prepare_graph_compile
 from .compile_command import (
+    HW_VERSIONS,
     CompileCommand,
+    CompileOptions,
+    detect_aic_hw_version,
     find_qaic_compile,
     qaic_compile_command,
     run_compile,
@@ -45,6 +48,9 @@ __all__ = [
     "RETAINED_SUFFIX",
     "SPECIALIZATIONS_FILE",
     "CompileCommand",
+    "CompileOptions",
+    "HW_VERSIONS",
+    "detect_aic_hw_version",
     "Specialization",
     "VisionTarget",
     "check_specializations",

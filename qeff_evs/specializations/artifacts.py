@@ -10,8 +10,15 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from .compile_command import DEFAULT_NUM_CORES, CompileCommand, GraphKind, qaic_compile_command
-from .custom_io import FLOAT16, check_retained_pairs, custom_io_precisions, write_custom_io_yaml
+from .compile_command import (
+    DEFAULT_HW_VERSION,
+    DEFAULT_NUM_CORES,
+    CompileCommand,
+    GraphKind,
+    qaic_compile_command,
+    write_mdp_partition_config,
+)
+from .custom_io import FLOAT16, MXINT8, check_retained_pairs, custom_io_precisions, write_custom_io_yaml
 from .files import DEFAULT_STYLE, SpecializationStyle, write_specializations_json
 from .sets import Specialization
 from .symbols import check_specializations, graph_symbols, load_graph
@@ -34,12 +41,15 @@ def prepare_graph_compile(
     mxfp6_matmul: bool = False,
     extra_flags: Sequence[str] = (),
     relative_to: str | Path | None = None,
+    aic_hw_version: str = DEFAULT_HW_VERSION,
+    num_devices: int = 1,
 ) -> CompileCommand:
     """Check ``specs`` against the graph, write its compile inputs into ``graph_dir``, return the command.
 
     Files: ``graph_dir/specializations.json``, ``graph_dir/custom_io.yaml``; the QPC goes to
     ``graph_dir/qpc``. With ``relative_to`` (the folder ``compile.sh`` lives in) the command's
     paths are relative to it, so the build folder can be copied to a machine with the SDK.
+    ``num_devices > 1`` also writes ``graph_dir/mdp_ts_<N>.json`` (multi-device partitioning).
     """
     proto, label = load_graph(onnx_path)
     check_specializations(proto, specs, label=label)  # before writing anything
@@ -50,6 +60,7 @@ def prepare_graph_compile(
     graph_dir = Path(graph_dir)
     json_path = write_specializations_json(graph_dir / SPECIALIZATIONS_FILE, specs, style)
     yaml_path = write_custom_io_yaml(graph_dir / CUSTOM_IO_FILE, precisions) if precisions else None
+    mdp_path = write_mdp_partition_config(graph_dir, num_devices, num_cores) if num_devices > 1 else None
 
     def shown(path: Path | str | None) -> str | None:
         if path is None or relative_to is None:
@@ -65,4 +76,7 @@ def prepare_graph_compile(
         num_cores=num_cores,
         mxfp6_matmul=mxfp6_matmul,
         extra_flags=extra_flags,
+        aic_hw_version=aic_hw_version,
+        mdp_partition_config=shown(mdp_path),
+        allow_mxint8_mdp_io=graph == "language" and kv_precision == MXINT8,
     )

@@ -16,6 +16,14 @@ Choices made here:
 * ``-compile-only`` is not passed: QEfficient 1.21 did, later versions dropped it as
   deprecated. ``-aic-perf-metrics`` is not passed either (QEfficient never does). Anything
   else (``-mos=1``, ``-aic-enable-depth-first``, ...) goes through ``extra_flags``.
+* ``--num-devices N > 1`` (multi-device partitioning, QEfficient's ``mdp_ts_num_devices``): a
+  ``mdp_ts_<N>.json`` next to the graph (one ``Partition0`` over devices ``0..N-1``, p2p, every device
+  with ``num_cores`` cores) passed as ``-mdp-load-partition-config``, and ``-allow-mxint8-mdp-io``
+  for a language graph whose KV cache is mxint8 (QEfficient's compile helper does the same).
+* ``-aic-hw-version``: ``ai100`` or ``ai200``; by default what ``qaic-util -q`` reports for the first
+  card (``FW IMAGE_VARIANT`` containing AIC200 means ai200, as QEfficient detects it), else ai100.
+* A compile first removes the graph's existing qpc folder (a stale or half-written one can make the
+  compiler fail); ``compile.sh`` does the same with ``rm -rf`` before each command.
 * Commands store their arguments without the executable: the compiler is resolved when the
   command runs (``qaic-compile`` on ``PATH``, then the SDK's ``/opt/qti-aic/exec``), so
   the artifacts written on a machine without the SDK still run on one with it.
@@ -23,7 +31,9 @@ Choices made here:
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import shlex
 import shutil
 import stat
@@ -39,7 +49,63 @@ GRAPH_KINDS: tuple[str, ...] = ("vision", "language")
 COMPILER_NAME = "qaic-compile"
 SDK_COMPILER_PATH = Path("/opt/qti-aic/exec/qaic-compile")
 DEFAULT_HW_VERSION = "ai100"
+HW_VERSIONS: tuple[str, ...] = ("ai100", "ai200")
 DEFAULT_NUM_CORES = 16
+QAIC_UTIL_PATH = Path("/opt/qti-aic/tools/qaic-util")
+NODE_PRECISION_FLAG = "-node-precision-info="  # names nodes of one graph: passed to the language graph only
+
+
+def detect_aic_hw_version(qaic_util: Path = QAIC_UTIL_PATH, timeout_s: float = 10.0) -> str:
+    """``ai200`` if ``qaic-util -q`` reports an AIC200 firmware variant on the first card, else ``ai100``."""
+    if not (qaic_util.is_file() and os.access(qaic_util, os.X_OK)):
+        return DEFAULT_HW_VERSION
+    try:
+        report = subprocess.run([str(qaic_util), "-q"], capture_output=True, text=True, timeout=timeout_s).stdout
+    except (OSError, subprocess.SubprocessError):
+        return DEFAULT_HW_VERSION
+    match = re.search(r"FW IMAGE_VARIANT\s*:\s*(\S+)", report)
+    return "ai200" if match and "AIC200" in match.group(1).upper() else DEFAULT_HW_VERSION
+
+
+def mdp_partition_config(num_devices: int, num_cores: int) -> dict:
+    """QEfficient's tensor-slicing partition config: one partition over devices ``0..num_devices-1``."""
+    devices = list(range(num_devices))
+    return {"connections": [{"devices": devices, "type": "p2p"}],
+            "partitions": [{"name": "Partition0",
+                            "devices": [{"deviceId": d, "numCores": num_cores} for d in devices]}]}
+
+
+def write_mdp_partition_config(folder: str | Path, num_devices: int, num_cores: int) -> Path:
+    path = Path(folder) / f"mdp_ts_{num_devices}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(mdp_partition_config(num_devices, num_cores), indent=4) + "\n")
+    return path
+
+
+@dataclass(frozen=True)
+class CompileOptions:
+    """What ``qeff-evs compile`` (and ``compile.sh``) choose for every graph of an export."""
+
+    num_cores: int = DEFAULT_NUM_CORES
+    mxfp6_matmul: bool = False
+    aic_hw_version: str = DEFAULT_HW_VERSION
+    num_devices: int = 1
+    extra_flags: tuple[str, ...] = ()
+    specializations_layout: str = "named"  # QEfficient >= 1.22; "flat" for older SDKs
+
+    def __post_init__(self) -> None:
+        if self.aic_hw_version not in HW_VERSIONS:
+            raise ValueError(f"aic_hw_version must be one of {HW_VERSIONS}, got {self.aic_hw_version!r}")
+        if isinstance(self.num_devices, bool) or not isinstance(self.num_devices, int) or self.num_devices < 1:
+            raise ValueError(f"num_devices must be a positive integer, got {self.num_devices!r}")
+        if self.specializations_layout not in ("named", "flat"):
+            raise ValueError(f"specializations layout must be 'named' or 'flat', got {self.specializations_layout!r}")
+
+    def flags_for(self, graph: str) -> tuple[str, ...]:
+        """``extra_flags`` for one graph: a node-precision file names language-graph nodes only."""
+        if graph == "language":
+            return self.extra_flags
+        return tuple(flag for flag in self.extra_flags if not flag.startswith(NODE_PRECISION_FLAG))
 
 
 @dataclass(frozen=True)
@@ -48,6 +114,7 @@ class CompileCommand:
 
     graph: str
     arguments: tuple[str, ...]
+    qpc_dir: str | None = None  # removed before compiling (a stale folder can fail the compile)
 
     def argv(self, executable: str | Path) -> list[str]:
         return [str(executable), *self.arguments]
@@ -67,6 +134,8 @@ def qaic_compile_command(
     mxfp6_matmul: bool = False,
     aic_hw_version: str = DEFAULT_HW_VERSION,
     extra_flags: Sequence[str] = (),
+    mdp_partition_config: str | Path | None = None,
+    allow_mxint8_mdp_io: bool = False,
 ) -> CompileCommand:
     """The ``qaic-compile`` arguments that build ``onnx_path`` into ``qpc_dir`` for ``graph``."""
     if graph not in GRAPH_KINDS:
@@ -77,8 +146,14 @@ def qaic_compile_command(
     if bad_flags:
         raise ValueError(f"extra compiler flags must start with '-', got {bad_flags}; e.g. '-mos=1'")
 
-    arguments = ["-aic-hw", f"-aic-hw-version={aic_hw_version}", f"-m={onnx_path}",
-                 f"-aic-num-cores={num_cores}", "-convert-to-fp16"]
+    if aic_hw_version not in HW_VERSIONS:
+        raise ValueError(f"aic_hw_version must be one of {HW_VERSIONS}, got {aic_hw_version!r}")
+    arguments = ["-aic-hw", f"-aic-hw-version={aic_hw_version}", f"-m={onnx_path}"]
+    if mdp_partition_config is not None:
+        arguments.append(f"-mdp-load-partition-config={mdp_partition_config}")
+        if allow_mxint8_mdp_io:
+            arguments.append("-allow-mxint8-mdp-io")
+    arguments += [f"-aic-num-cores={num_cores}", "-convert-to-fp16"]
     if graph == "language":
         arguments.append("-retained-state")
         if mxfp6_matmul:
@@ -88,7 +163,7 @@ def qaic_compile_command(
     if custom_io_yaml is not None:
         arguments.append(f"-custom-IO-list-file={custom_io_yaml}")
     arguments.append(f"-aic-binary-dir={qpc_dir}")
-    return CompileCommand(graph, tuple(arguments))
+    return CompileCommand(graph, tuple(arguments), str(qpc_dir))
 
 
 def find_qaic_compile(search_path: str | None = None, sdk_path: Path = SDK_COMPILER_PATH) -> str | None:
@@ -117,7 +192,10 @@ def write_compile_script(path: str | Path, commands: Sequence[CompileCommand]) -
         f'QAIC_COMPILE="${{QAIC_COMPILE:-$(command -v {COMPILER_NAME} || echo {SDK_COMPILER_PATH})}}"',
     ]
     for command in commands:
-        lines += [f"echo 'qeff-evs: compiling the {command.graph} graph'", command.shell_line('"$QAIC_COMPILE"')]
+        lines.append(f"echo 'qeff-evs: compiling the {command.graph} graph'")
+        if command.qpc_dir:
+            lines.append(f"rm -rf {shlex.quote(command.qpc_dir)}  # a stale qpc folder can fail the compile")
+        lines.append(command.shell_line('"$QAIC_COMPILE"'))
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines) + "\n")
@@ -149,6 +227,11 @@ def run_compile(
             print(command.shell_line(), file=out)
         return 0
     for command in commands:
+        if command.qpc_dir:
+            stale = Path(cwd or ".") / command.qpc_dir
+            if stale.exists():
+                print(f"qeff-evs: removing the existing {stale}", file=out)
+                shutil.rmtree(stale)
         print(f"qeff-evs: compiling the {command.graph} graph: {command.shell_line(executable)}", file=out)
         out.flush()
         result = subprocess.run(command.argv(executable), cwd=cwd, check=False)

@@ -32,7 +32,7 @@ from .sets import DECODE_NAME, PREFILL_NAME, VISION_NAME, Specialization
 
 SpecializationStyle = Literal["flat", "named"]
 STYLES: tuple[str, ...] = ("flat", "named")
-DEFAULT_STYLE: SpecializationStyle = "flat"
+DEFAULT_STYLE: SpecializationStyle = "named"  # QEfficient >= 1.22 (asked for by the compiler team)
 
 
 def _stringified(symbols: Mapping[str, int]) -> dict[str, str]:

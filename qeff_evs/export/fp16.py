@@ -1,0 +1,80 @@
+"""An emulation of ``qaic-compile -convert-to-fp16`` on ONNX Runtime (for ``qeff-evs verify --fp16``).
+
+On the card every float tensor of a converted graph is fp16: weights and constants (values beyond the
+fp16 range saturate), inputs, and the output of every op. The copy made here keeps fp32 types, so every
+op has an ONNX Runtime kernel, but rounds exactly those tensors through fp16: constants and
+initializers are stored fp16-rounded, and every float input and every float op output passes through
+``Cast(fp16) -> Cast(fp32)``. An op therefore computes from fp16 values and its result is rounded to
+fp16 (an overflow becomes inf), as on a device with fp32 accumulators. (Converting the graph's types
+to fp16 instead is not faithful: ONNX Runtime runs ops without an fp16 CPU kernel as fp32 islands and
+drops the casts between them, so e.g. an fp16 overflow between two such ops never happens.)
+
+Compiler-known functions are single ops here: their outputs are rounded, their bodies are not. That
+models ``CustomRMSNorm`` as the compiler's kernel, which squares in fp32 (QEfficient adds it against
+exactly this overflow); the Ctx* bodies only move data.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper, shape_inference
+
+FP16_MAX = float(np.finfo(np.float16).max)
+
+
+def round_to_fp16(values: np.ndarray) -> np.ndarray:
+    """fp32 values rounded to fp16, finite values beyond the fp16 range saturated (infinities stay)."""
+    values = np.asarray(values, dtype=np.float32)
+    saturated = np.where(np.isfinite(values), np.clip(values, -FP16_MAX, FP16_MAX), values)
+    return saturated.astype(np.float16).astype(np.float32)
+
+
+def _round_tensor(tensor: onnx.TensorProto) -> onnx.TensorProto:
+    if tensor.data_type != TensorProto.FLOAT:
+        return tensor
+    return numpy_helper.from_array(round_to_fp16(numpy_helper.to_array(tensor)), tensor.name)
+
+
+def _float_names(model: onnx.ModelProto) -> set[str]:
+    inferred = shape_inference.infer_shapes(model)
+    graph = inferred.graph
+    return {value.name for value in [*graph.value_info, *graph.input, *graph.output]
+            if value.type.tensor_type.elem_type == TensorProto.FLOAT}
+
+
+def convert_to_fp16(model: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy of ``model`` whose every float tensor is rounded through fp16 (see the module docstring)."""
+    floats = _float_names(model)
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    graph = copy.graph
+    initializers = [_round_tensor(tensor) for tensor in graph.initializer]
+    del graph.initializer[:]
+    graph.initializer.extend(initializers)
+
+    def rounded(source: str, target: str) -> list[onnx.NodeProto]:
+        return [helper.make_node("Cast", [source], [f"{target}__half"], to=TensorProto.FLOAT16),
+                helper.make_node("Cast", [f"{target}__half"], [target], to=TensorProto.FLOAT)]
+
+    renamed: dict[str, str] = {}
+    nodes: list[onnx.NodeProto] = []
+    for value in graph.input:
+        if value.name in floats:
+            renamed[value.name] = f"{value.name}__fp16"
+            nodes += rounded(value.name, renamed[value.name])
+    for node in graph.node:
+        for attribute in node.attribute:
+            if attribute.type == onnx.AttributeProto.TENSOR:
+                attribute.t.CopyFrom(_round_tensor(attribute.t))
+        for index, name in enumerate(node.input):
+            node.input[index] = renamed.get(name, name)
+        nodes.append(node)
+        for index, name in enumerate(node.output):
+            if name in floats and node.op_type != "Constant":
+                node.output[index] = f"{name}__raw"
+                nodes += rounded(f"{name}__raw", name)
+    del graph.node[:]
+    graph.node.extend(nodes)
+    del graph.value_info[:]
+    return copy

@@ -1,0 +1,404 @@
+"""``qeff-evs verify EXPORT [--fp16]``: run the exported graphs on sample inputs before anyone compiles them.
+
+Without ``--fp16`` every graph listed in the manifest is checked (``onnx.checker`` with its functions)
+and run through the ORT runtime in fp32 (no inf/NaN). With ``--fp16`` the same workloads also run on
+an fp16 twin of the export that follows ``compile.sh``: a graph whose compile line converts
+(``-convert-to-fp16``) is replaced by its fp16 copy (``qeff_evs.export.fp16``), a graph compiled in
+fp32 keeps fp32 arithmetic and only sees fp16-rounded float inputs (its custom I/O). The report,
+per workload, compares the twin with fp32:
+
+* each vision-side graph on video-like inputs (the ``vision`` graph with its family's host inputs;
+  another with random floats at its first specialization): output error, inf/NaN, and EVS kept-token
+  agreement where the graph returns ``retained_indices``;
+* ``positions``: one text chunk whose M-RoPE positions start at increasing offsets (KV slots unchanged),
+  then a few decode steps: max logit error and greedy agreement per offset. With table RoPE the error
+  does not grow with the position; with ``Cos(position * inv_freq)`` in fp16 it does;
+* ``magnitude``: a prefill chunk whose media rows have magnitude 1e3 (hidden states through the first
+  RMSNorm at that size): inf/NaN and logit error;
+* ``evs``: the EVS selection alone on video-like embeddings with realistic norms (20..100) at widths
+  2048 and 3584, computed the way the compile line of the graph holding EVS says: kept-token agreement.
+"""
+
+from __future__ import annotations
+
+import shlex
+import shutil
+import tempfile
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import onnx
+import torch
+
+from qeff_evs import evs
+from qeff_evs.export.fp16 import convert_to_fp16
+from qeff_evs.export.onnx_graph import legacy_export
+from qeff_evs.manifest import MODEL_CONFIG_DIR, read_manifest
+from qeff_evs.models.graph_io import BATCH_INDEX, RETAINED_SUFFIX, LanguageGraphIO
+from qeff_evs.specializations import read_specializations_json
+
+Progress = Callable[[str], None]
+CONVERT_FLAG = "-convert-to-fp16"
+POSITION_OFFSETS = (10, 1000, 2000, 4000, 8000)
+EVS_WIDTHS = (2048, 3584)
+EVS_NORMS = (20.0, 100.0)
+MAGNITUDE = 1e3
+DECODE_STEPS = 4
+
+
+def compile_lines(export_dir: Path) -> dict[str, bool]:
+    """``{onnx path relative to the export: compiled with -convert-to-fp16}`` from ``compile.sh``."""
+    script = Path(export_dir) / "compile.sh"
+    if not script.is_file():
+        raise ValueError(f"{script} not found; run `qeff-evs export` (or `qeff-evs compile`) first")
+    lines = {}
+    for line in script.read_text().splitlines():
+        words = shlex.split(line, comments=True) if "-m=" in line else []
+        models = [word[len("-m="):] for word in words if word.startswith("-m=")]
+        if models:
+            lines[models[0]] = CONVERT_FLAG in words
+    return lines
+
+
+def graph_files(export_dir: Path) -> dict[str, str]:
+    """``{role: relative path}`` of every ONNX graph the manifest lists."""
+    manifest = read_manifest(export_dir)
+    return {role: file for role, file in manifest.files.items() if file.endswith(".onnx")}
+
+
+def fp16_twin(export_dir: Path, twin_dir: Path) -> dict[str, bool]:
+    """Copy the export to ``twin_dir``, converting the graphs whose compile line converts; returns that map."""
+    converts = compile_lines(export_dir)
+    shutil.copytree(export_dir, twin_dir, dirs_exist_ok=True)
+    for role, file in graph_files(export_dir).items():
+        if file not in converts:
+            raise ValueError(f"compile.sh has no line for the {role} graph {file}; rerun `qeff-evs compile`")
+        if converts[file]:
+            onnx.save(convert_to_fp16(onnx.load(str(export_dir / file))), str(twin_dir / file))
+    return converts
+
+
+# --------------------------------------------------------------------------------------------------
+# Comparisons
+
+
+def nonfinite(values: np.ndarray) -> int:
+    return int(np.size(values) - np.isfinite(values).sum())
+
+
+def agreement(a, b) -> float:
+    """Share of positions where two equally long sequences agree."""
+    a, b = list(a), list(b)
+    return 1.0 if not a else sum(x == y for x, y in zip(a, b)) / len(a)
+
+
+def kept_agreement(fp32_indices, fp16_indices) -> float:
+    """Share of fp32's kept tokens that the fp16 run keeps too."""
+    fp32_indices = set(np.asarray(fp32_indices).tolist())
+    return 1.0 if not fp32_indices else len(fp32_indices & set(np.asarray(fp16_indices).tolist())) / len(fp32_indices)
+
+
+@dataclass
+class Comparison:
+    name: str
+    max_abs_error: float = 0.0
+    greedy_agreement: float = 1.0
+    kept_token_agreement: float | None = None
+    nonfinite_fp32: int = 0
+    nonfinite_fp16: int = 0
+    detail: dict = field(default_factory=dict)
+
+
+@dataclass
+class VerifyReport:
+    export_dir: str
+    graphs: dict[str, dict]  # role -> {"file", "convert_to_fp16", "checked"}
+    fp16: bool
+    comparisons: list[Comparison] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @property
+    def problems(self) -> list[str]:
+        found = []
+        for c in self.comparisons:
+            if c.nonfinite_fp32:
+                found.append(f"{c.name}: {c.nonfinite_fp32} inf/NaN values in fp32")
+            if self.fp16 and c.nonfinite_fp16:
+                found.append(f"{c.name}: {c.nonfinite_fp16} inf/NaN values in fp16")
+        return found
+
+
+# --------------------------------------------------------------------------------------------------
+# Runs (plain ONNX Runtime sessions: the export side never imports the runtime)
+
+
+def _session(path: Path):
+    import onnxruntime as ort
+
+    return ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+
+
+class _LanguageRun:
+    """One language graph with its retained state fed back, as a ``-retained-state`` program keeps it."""
+
+    def __init__(self, export_dir: Path):
+        manifest = read_manifest(export_dir)
+        self.shape = manifest.language_shape
+        self.tokens = manifest.special_tokens
+        self.session = _session(manifest.path(export_dir, "language"))
+        self.io = LanguageGraphIO(self.shape.num_layers, self.shape.deepstack_levels > 0,
+                                  self.shape.continuous_batching)
+        self.reset()
+
+    def reset(self) -> None:
+        s = self.shape
+        kv = np.zeros((s.full_batch_size, s.kv_heads, s.ctx_len, s.head_dim), np.float32)
+        self.state = {name: kv for name in self.io.input_names if name.startswith("past_")}
+        self.state["vision_embeds"] = np.zeros((1, s.vision_size, s.hidden), np.float32)
+        if s.deepstack_levels:
+            self.state["deepstack_features"] = np.zeros((s.deepstack_levels, 1, s.vision_size, s.hidden), np.float32)
+
+    def run(self, input_ids: np.ndarray, positions: np.ndarray, **vision: np.ndarray) -> np.ndarray:
+        feeds = {**self.state, **vision, "input_ids": input_ids, "position_ids": positions,
+                 "image_idx": np.zeros((1, 1), np.int64)}
+        if BATCH_INDEX in self.io.input_names:
+            feeds[BATCH_INDEX] = np.zeros((input_ids.shape[0], 1), np.int64)
+        outputs = dict(zip(self.io.output_names, self.session.run(self.io.output_names, feeds)))
+        for name, value in outputs.items():
+            if name.endswith(RETAINED_SUFFIX):
+                self.state[name[: -len(RETAINED_SUFFIX)]] = value
+        return outputs["logits"][0, 0]
+
+
+def _chunk(run: _LanguageRun, seq_len: int, offset: int, seed: int, media_rows: np.ndarray | None = None):
+    """Feeds of a prefill chunk of ``seq_len`` tokens at KV slots 0.. and M-RoPE positions ``offset``.."""
+    shape = run.shape
+    rng = np.random.default_rng(seed)
+    special = set(run.tokens.media_pads) | set(run.tokens.eos) | {run.tokens.vision_start, run.tokens.vision_end}
+    vocab = [i for i in range(min(shape.vocab or 256, 4096)) if i not in special]
+    ids = rng.choice(vocab, size=(1, seq_len)).astype(np.int64)
+    window = np.zeros((1, shape.vision_size, shape.hidden), np.float32)
+    if media_rows is not None:
+        ids[0, 1:1 + len(media_rows)] = run.tokens.video_pad
+        window[0, : len(media_rows)] = media_rows
+    positions = np.empty((4, 1, seq_len), np.int64)
+    positions[0, 0] = np.arange(seq_len)
+    positions[1:, 0] = offset + np.arange(seq_len)
+    vision = {"vision_embeds": window}
+    if shape.deepstack_levels:
+        deep = np.zeros((shape.deepstack_levels, 1, shape.vision_size, shape.hidden), np.float32)
+        deep[:, 0] = window[0]
+        vision["deepstack_features"] = deep
+    return ids, positions, vision
+
+
+def _generate(run: _LanguageRun, chunk, offset: int, steps: int) -> tuple[np.ndarray, list[int]]:
+    """Prefill ``chunk`` then greedy-decode ``steps`` tokens; (every logits row, greedy tokens)."""
+    ids, positions, vision = chunk
+    run.reset()
+    logits = [run.run(ids, positions, **vision)]
+    tokens = [int(np.argmax(logits[-1]))]
+    seq_len = ids.shape[1]
+    for j in range(steps):
+        slot, position = seq_len + j, offset + seq_len + j
+        step_positions = np.array([slot, position, position, position], np.int64).reshape(4, 1, 1)
+        logits.append(run.run(np.array([[tokens[-1]]], np.int64), step_positions))
+        tokens.append(int(np.argmax(logits[-1])))
+    return np.stack(logits), tokens
+
+
+def _compare_runs(name: str, fp32: tuple[np.ndarray, list[int]], fp16: tuple[np.ndarray, list[int]] | None,
+                  **detail) -> Comparison:
+    result = Comparison(name, nonfinite_fp32=nonfinite(fp32[0]), detail=detail)
+    if fp16 is not None:
+        result.nonfinite_fp16 = nonfinite(fp16[0])
+        result.max_abs_error = float(np.nan_to_num(np.abs(fp16[0] - fp32[0]), nan=np.inf).max())
+        result.greedy_agreement = agreement(fp32[1], fp16[1])
+    return result
+
+
+def position_comparisons(fp32_dir: Path, fp16_dir: Path | None, seq_len: int = 16) -> list[Comparison]:
+    fp32 = _LanguageRun(fp32_dir)
+    fp16 = _LanguageRun(fp16_dir) if fp16_dir else None
+    table = fp32.shape.rope_positions or fp32.shape.ctx_len
+    last = table - seq_len - DECODE_STEPS - 1
+    offsets = sorted({offset for offset in POSITION_OFFSETS if offset <= last} | {max(0, last)})
+    results = []
+    for offset in offsets:
+        chunk = _chunk(fp32, seq_len, offset, seed=7)
+        results.append(_compare_runs(f"positions@{offset}", _generate(fp32, chunk, offset, DECODE_STEPS),
+                                     _generate(fp16, chunk, offset, DECODE_STEPS) if fp16 else None,
+                                     first_position=offset, last_position=offset + seq_len + DECODE_STEPS - 1))
+    return results
+
+
+def magnitude_comparison(fp32_dir: Path, fp16_dir: Path | None, seq_len: int = 16) -> Comparison:
+    fp32 = _LanguageRun(fp32_dir)
+    fp16 = _LanguageRun(fp16_dir) if fp16_dir else None
+    rng = np.random.default_rng(3)
+    rows = (rng.choice([-1.0, 1.0], size=(seq_len // 2, fp32.shape.hidden)) * MAGNITUDE).astype(np.float32)
+    chunk = _chunk(fp32, seq_len, 0, seed=11, media_rows=rows)
+    return _compare_runs("magnitude_1e3", _generate(fp32, chunk, 0, DECODE_STEPS),
+                         _generate(fp16, chunk, 0, DECODE_STEPS) if fp16 else None, magnitude=MAGNITUDE)
+
+
+def _vision_feeds(export_dir: Path, role: str, session, seed: int) -> dict[str, np.ndarray]:
+    """Sample inputs of a vision-side graph at its first specialization.
+
+    The ``vision`` graph gets its family's host inputs and video-like pixels (frames that drift a
+    little, so EVS has something to rank); another graph gets random floats and zero integers
+    (shape carriers and indices stay in range).
+    """
+    manifest = read_manifest(export_dir)
+    rng = np.random.default_rng(seed)
+    if role == "vision" and manifest.vision_entries:
+        from transformers import AutoConfig
+
+        from qeff_evs.models.registry import family_for_config
+
+        entry = manifest.vision_entries[0]
+        family = family_for_config(AutoConfig.from_pretrained(export_dir / MODEL_CONFIG_DIR, local_files_only=True))
+        host = family.vision_host_inputs(entry.grid_thw, entry.retained)
+        pixels = next(i for i in session.get_inputs() if i.name not in host)
+        t = entry.grid_thw[0]
+        per_frame = int(np.prod(entry.grid_thw[1:]))
+        width = pixels.shape[1] if isinstance(pixels.shape[1], int) else entry.symbols[pixels.shape[1]]
+        return {pixels.name: video_like_rows(t, per_frame, width, (0.5 * width ** 0.5, 2 * width ** 0.5), seed),
+                **host}
+    symbols = read_specializations_json(manifest.path(export_dir, f"{role}_specializations"))[0].symbols
+    feeds = {}
+    for value in session.get_inputs():
+        dims = [d if isinstance(d, int) else symbols[d] for d in value.shape]
+        if "float" in value.type:
+            feeds[value.name] = rng.standard_normal(dims).astype(np.float32)
+        else:
+            feeds[value.name] = np.zeros(dims, np.int64 if "int64" in value.type else np.int32)
+    return feeds
+
+
+def vision_comparisons(fp32_dir: Path, fp16_dir: Path | None) -> list[Comparison]:
+    results = []
+    for role, file in graph_files(fp32_dir).items():
+        if role == "language":
+            continue
+        fp32 = _session(fp32_dir / file)
+        feeds = _vision_feeds(fp32_dir, role, fp32, seed=1)
+        names = [o.name for o in fp32.get_outputs()]
+        reference = dict(zip(names, fp32.run(names, feeds)))
+        floats = [n for n in names if reference[n].dtype.kind == "f"]
+        result = Comparison(role, nonfinite_fp32=sum(nonfinite(reference[n]) for n in floats))
+        if fp16_dir is not None:
+            card = dict(zip(names, _session(fp16_dir / file).run(names, feeds)))
+            result.nonfinite_fp16 = sum(nonfinite(card[n]) for n in floats)
+            errors = [np.abs(card[n] - reference[n]) for n in floats if card[n].shape == reference[n].shape]
+            result.max_abs_error = float(max((np.nan_to_num(e, nan=np.inf).max() for e in errors), default=0.0))
+            if "retained_indices" in names:
+                result.kept_token_agreement = kept_agreement(reference["retained_indices"], card["retained_indices"])
+        results.append(result)
+    return results
+
+
+class _Selection(torch.nn.Module):
+    """The EVS selection alone (``qeff_evs.evs.select_retained``) as a graph: rows -> kept indices."""
+
+    def forward(self, embeds: torch.Tensor, frames: torch.Tensor, retained: torch.Tensor) -> torch.Tensor:
+        return evs.select_retained(embeds, frames.shape[0], retained)[1]
+
+
+def video_like_rows(frames: int, tokens: int, width: int, norms: tuple[float, float], seed: int) -> np.ndarray:
+    """``(frames*tokens, width)`` rows with norms in ``norms`` whose tokens drift a little frame to frame."""
+    rng = np.random.default_rng(seed)
+    base = rng.standard_normal((tokens, width))
+    rows = []
+    for _ in range(frames):
+        base = base + rng.standard_normal((tokens, width)) * rng.uniform(0.05, 0.5, size=(tokens, 1))
+        scale = rng.uniform(*norms, size=(tokens, 1)) / np.linalg.norm(base, axis=1, keepdims=True)
+        rows.append(base * scale)
+    return np.concatenate(rows).astype(np.float32)
+
+
+def evs_comparisons(export_dir: Path, converts_evs: bool, frames: int = 8, tokens: int = 256,
+                    q: float = 0.5) -> list[Comparison]:
+    """Kept-token agreement of the EVS arithmetic in the precision its compile line gives it."""
+    import onnxruntime as ort
+
+    k = evs.retained_token_count(tokens, frames, q)
+    results = []
+    with tempfile.TemporaryDirectory() as scratch:
+        path = Path(scratch) / "evs.onnx"
+        example = torch.zeros(frames * tokens, 8)
+        legacy_export(_Selection(), [example, torch.zeros(frames), torch.zeros(k)], path,
+                      input_names=["embeds", "frames", "retained"], output_names=["indices"],
+                      dynamic_axes={"embeds": {0: "rows", 1: "width"}, "frames": {0: "T"}, "retained": {0: "K"},
+                                    "indices": {0: "K"}})
+        model = onnx.load(str(path))
+        fp32 = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+        card = convert_to_fp16(model) if converts_evs else model
+        fp16 = ort.InferenceSession(card.SerializeToString(), providers=["CPUExecutionProvider"])
+        for width in EVS_WIDTHS:
+            rows = video_like_rows(frames, tokens, width, EVS_NORMS, seed=width)
+            feeds = {"embeds": rows, "frames": np.zeros(frames, np.float32), "retained": np.zeros(k, np.float32)}
+            reference = fp32.run(None, feeds)[0]
+            # The card's I/O is fp16 either way (custom IO): the rows arrive rounded.
+            card_rows = dict(feeds, embeds=rows.astype(np.float16).astype(np.float32))
+            kept = fp16.run(None, card_rows)[0]
+            results.append(Comparison(f"evs@width{width}", kept_token_agreement=kept_agreement(reference, kept),
+                                      detail={"frames": frames, "tokens_per_frame": tokens, "kept": k,
+                                              "norms": list(EVS_NORMS), "fp32_arithmetic": not converts_evs}))
+    return results
+
+
+def _evs_graph_converts(export_dir: Path, converts: dict[str, bool]) -> bool:
+    """Whether the graph that computes EVS is compiled with fp16 arithmetic (the ``evs`` graph, else ``vision``)."""
+    files = graph_files(export_dir)
+    role = "evs" if "evs" in files else "vision"
+    return converts.get(files.get(role, ""), True)
+
+
+def verify_export(export_dir: str | Path, fp16: bool = False, progress: Progress = lambda message: None) -> VerifyReport:
+    export_dir = Path(export_dir)
+    converts = compile_lines(export_dir)
+    graphs = {}
+    for role, file in graph_files(export_dir).items():
+        progress(f"checking the {role} graph {file}")
+        onnx.checker.check_model(str(export_dir / file), full_check=True)
+        graphs[role] = {"file": file, "convert_to_fp16": converts.get(file), "checked": True}
+    report = VerifyReport(str(export_dir), graphs, fp16)
+    with tempfile.TemporaryDirectory() as scratch:
+        twin = None
+        if fp16:
+            progress("writing the fp16 twin of the export (graphs converted as compile.sh converts them)")
+            twin = Path(scratch) / "fp16"
+            fp16_twin(export_dir, twin)
+        progress("vision graph(s) on video-like inputs")
+        report.comparisons += vision_comparisons(export_dir, twin)
+        progress("language graph at increasing M-RoPE positions")
+        report.comparisons += position_comparisons(export_dir, twin)
+        progress(f"language graph with hidden states of magnitude {MAGNITUDE:g}")
+        report.comparisons.append(magnitude_comparison(export_dir, twin))
+        if fp16:
+            progress(f"EVS arithmetic at widths {EVS_WIDTHS}, norms {EVS_NORMS}")
+            report.comparisons += evs_comparisons(export_dir, _evs_graph_converts(export_dir, converts))
+    return report
+
+
+def format_report(report: VerifyReport) -> str:
+    lines = [f"qeff-evs verify {report.export_dir} ({'fp32 and fp16 emulation' if report.fp16 else 'fp32'})"]
+    for role, graph in report.graphs.items():
+        precision = "fp16 (-convert-to-fp16)" if graph["convert_to_fp16"] else "fp32"
+        lines.append(f"  graph {role}: {graph['file']} checked, compiled in {precision}")
+    for c in report.comparisons:
+        parts = [f"{c.name:<18}"]
+        if report.fp16:
+            parts.append(f"max |fp16 - fp32| {c.max_abs_error:.3g}")
+            parts.append(f"greedy agreement {c.greedy_agreement:.0%}")
+        if c.kept_token_agreement is not None:
+            parts.append(f"kept-token agreement {c.kept_token_agreement:.2%}")
+        parts.append(f"inf/NaN fp32 {c.nonfinite_fp32}" + (f" fp16 {c.nonfinite_fp16}" if report.fp16 else ""))
+        lines.append("  " + "  ".join(parts))
+    lines += [f"  problem: {p}" for p in report.problems] or ["  no inf/NaN"]
+    return "\n".join(lines)

@@ -1,0 +1,92 @@
+"""``qeff-evs verify``: the fp16 emulation is faithful (overflow and rounding happen where fp16 has them)
+and, on the session export, the card-ready graphs meet DESIGN §11's targets in it."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper
+
+from qeff_evs.cli import main
+from qeff_evs.export.fp16 import convert_to_fp16, round_to_fp16
+from qeff_evs.export.verify import compile_lines, evs_comparisons, verify_export
+
+
+def run(model: onnx.ModelProto, **feeds: np.ndarray) -> np.ndarray:
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return session.run(None, feeds)[0]
+
+
+def test_emulation_rounds_every_op_output_through_fp16():
+    """sqrt(sum(x^2) * sum(y^2)) overflows in fp16 once the product passes 65504, even between two
+    ops that have no fp16 kernel in ONNX Runtime; a small value is rounded to fp16's precision."""
+    nodes = [helper.make_node("ReduceSumSquare", ["x"], ["a"], keepdims=0),
+             helper.make_node("ReduceSumSquare", ["y"], ["b"], keepdims=0),
+             helper.make_node("Mul", ["a", "b"], ["ab"]), helper.make_node("Sqrt", ["ab"], ["out"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info(n, TensorProto.FLOAT, [4]) for n in "xy"],
+                              [helper.make_tensor_value_info("out", TensorProto.FLOAT, [])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    x = np.full(4, 9.0, np.float32)  # sum x^2 = 324, product 104976 > 65504
+    assert run(model, x=x, y=x) == pytest.approx(324.0)
+    assert np.isinf(run(convert_to_fp16(model), x=x, y=x))
+    small = np.full(4, 0.1, np.float32)
+    squares = round_to_fp16(np.sum(round_to_fp16(small) ** 2))  # inputs, then each op's output, in fp16
+    expected = round_to_fp16(np.sqrt(round_to_fp16(squares * squares)))
+    assert run(convert_to_fp16(model), x=small, y=small) == expected != np.sqrt(np.float32(0.04) ** 2)
+
+
+def test_round_to_fp16_saturates_finite_values_and_keeps_infinities():
+    values = np.array([1e6, -1e6, np.inf, -np.inf, 1.0 / 3], np.float32)
+    np.testing.assert_array_equal(round_to_fp16(values)[:4], [65504, -65504, np.inf, -np.inf])
+    assert round_to_fp16(values)[4] == np.float32(np.float16(1.0 / 3))
+
+
+def test_compile_lines_follow_compile_sh(tiny_export):
+    assert compile_lines(tiny_export) == {"vision/vision.onnx": True, "language/language.onnx": True}
+
+
+def test_evs_arithmetic_collapses_in_fp16_and_agrees_in_fp32(tiny_export):
+    """Realistic vision norms (20..100) at widths 2048/3584: fp16 arithmetic loses the ranking."""
+    in_fp16 = evs_comparisons(tiny_export, converts_evs=True)
+    in_fp32 = evs_comparisons(tiny_export, converts_evs=False)  # fp16 rows, fp32 arithmetic
+    assert [c.name for c in in_fp32] == ["evs@width2048", "evs@width3584"]
+    assert all(c.kept_token_agreement < 0.9 for c in in_fp16)
+    assert all(c.kept_token_agreement >= 0.99 for c in in_fp32)
+
+
+@pytest.fixture(scope="module")
+def report(tiny_export):
+    return verify_export(tiny_export, fp16=True)
+
+
+def test_position_error_does_not_grow(report):
+    positions = [c for c in report.comparisons if c.name.startswith("positions@")]
+    assert len(positions) >= 2 and positions[0].detail["first_position"] == 10
+    near_start, far = positions[0], positions[-1]
+    assert far.detail["first_position"] > 400  # the table's end (ctx_len 256 at q = 0.5)
+    assert far.max_abs_error <= 1.5 * near_start.max_abs_error
+    assert all(c.greedy_agreement == 1.0 for c in positions)
+
+
+def test_hidden_states_of_magnitude_1e3_stay_finite(report):
+    magnitude = next(c for c in report.comparisons if c.name == "magnitude_1e3")
+    assert magnitude.nonfinite_fp16 == magnitude.nonfinite_fp32 == 0
+    assert magnitude.greedy_agreement == 1.0 and magnitude.max_abs_error < 0.5
+
+
+def test_every_graph_is_reported_without_inf_or_nan(report, tiny_export):
+    assert set(report.graphs) == {"vision", "language"}
+    vision = next(c for c in report.comparisons if c.name == "vision")
+    assert vision.kept_token_agreement is not None and vision.kept_token_agreement >= 0.9
+    assert report.problems == []
+
+
+def test_cli_verify_json(tiny_export, capsys):
+    assert main(["verify", str(tiny_export), "--json"]) == 0
+    document = json.loads(capsys.readouterr().out)
+    assert document["fp16"] is False and set(document["graphs"]) == {"vision", "language"}
+    assert {c["name"] for c in document["comparisons"]} >= {"vision", "positions@10", "magnitude_1e3"}
