@@ -171,7 +171,7 @@ def test_export_then_run(tiny_checkpoint, video_npy, question, tokenizer, tmp_pa
     assert manifest["user_vision_size"] == 16  # defaults to the prefill length
     assert manifest["video_pruning_rate"] == 0.25
     language_specs = json.loads((out_dir / "language" / "specializations.json").read_text())["specializations"]
-    assert {entry["vision_size"] for entry in language_specs} == {"16"}
+    assert {entry["symbols"]["vision_size"] for entry in language_specs} == {"16"}
     custom_io = (out_dir / "language" / "custom_io.yaml").read_text()
     assert "IOName: past_key.0\n  Precision: mxint8" in custom_io
     script = (out_dir / "compile.sh").read_text()

@@ -38,7 +38,7 @@ from qeff_evs.runtime.backends.qaic import QPC_FILE, QaicLanguageSession, QaicPr
 from qeff_evs.runtime.runner import build_serving_engine, open_export, sessions_for, stop_ids, video_from_file
 from qeff_evs.runtime.engine.serving import ServeRequest
 from qeff_evs.runtime.inputs.synthetic import moving_square_video
-from qeff_evs.specializations import read_custom_io_yaml
+from qeff_evs.specializations import read_custom_io_yaml, read_specializations_json
 
 DECODE_STEPS = 8
 QUESTION = "What happens in this video?"
@@ -65,7 +65,7 @@ def fake_compile(graph_dir: Path) -> Path:
     graph = graph_dir.name
     qpc = graph_dir / "qpc"
     qpc.mkdir(exist_ok=True)
-    specs = json.loads((graph_dir / "specializations.json").read_text())["specializations"]
+    specs = [spec.symbols for spec in read_specializations_json(graph_dir / "specializations.json")]
     program = {"onnx": str(graph_dir / f"{graph}.onnx"), "specializations": specs,
                "custom_io": read_custom_io_yaml(graph_dir / "custom_io.yaml")}
     (qpc / QPC_FILE).write_text(json.dumps(program))

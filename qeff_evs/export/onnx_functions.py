@@ -46,11 +46,10 @@ import numpy as np
 import onnx
 from onnx import AttributeProto, TensorProto, helper, numpy_helper
 
+from qeff_evs.models.ctx_ops import CTX_GATHER, CTX_GATHER_CB, CTX_SCATTER, CTX_SCATTER_CB, KV_DOMAIN
+
 RMS_NORM_DOMAIN = "com.qti.aisw.onnx"
-KV_DOMAIN = "com.qualcomm.cloud"
 CUSTOM_RMS_NORM = "CustomRMSNorm"
-CTX_SCATTER, CTX_SCATTER_CB = "CtxScatter", "CtxScatterCB"
-CTX_GATHER, CTX_GATHER_CB = "CtxGather", "CtxGatherCB"
 FUNCTION_OPSET = 17  # the default-domain opset of the bodies (our exports' opset)
 
 

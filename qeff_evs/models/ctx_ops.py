@@ -17,6 +17,8 @@ from __future__ import annotations
 import torch
 
 KV_DOMAIN = "com.qualcomm.cloud"
+CTX_SCATTER, CTX_SCATTER_CB = "CtxScatter", "CtxScatterCB"
+CTX_GATHER, CTX_GATHER_CB = "CtxGather", "CtxGatherCB"
 SKIP_INDEX = torch.iinfo(torch.int32).max  # QEfficient's "skip this slot" index
 
 
@@ -48,7 +50,7 @@ class _CtxScatter(torch.autograd.Function):
 
     @staticmethod
     def symbolic(g, data, position_ids, updates):
-        return g.op(f"{KV_DOMAIN}::CtxScatter", data, position_ids, updates).setType(data.type())
+        return g.op(f"{KV_DOMAIN}::{CTX_SCATTER}", data, position_ids, updates).setType(data.type())
 
 
 class _CtxScatterCB(torch.autograd.Function):
@@ -59,7 +61,7 @@ class _CtxScatterCB(torch.autograd.Function):
 
     @staticmethod
     def symbolic(g, data, batch_index, position_ids, updates):
-        return g.op(f"{KV_DOMAIN}::CtxScatterCB", data, batch_index, position_ids, updates).setType(data.type())
+        return g.op(f"{KV_DOMAIN}::{CTX_SCATTER_CB}", data, batch_index, position_ids, updates).setType(data.type())
 
 
 def _gather(data: torch.Tensor, rows: torch.Tensor, ctx_indices: torch.Tensor) -> torch.Tensor:
@@ -77,7 +79,7 @@ class _CtxGather(torch.autograd.Function):
 
     @staticmethod
     def symbolic(g, data, ctx_indices, comp_ctx_len):
-        return g.op(f"{KV_DOMAIN}::CtxGather", data, ctx_indices, comp_ctx_len).setType(data.type())
+        return g.op(f"{KV_DOMAIN}::{CTX_GATHER}", data, ctx_indices, comp_ctx_len).setType(data.type())
 
 
 class _CtxGatherCB(torch.autograd.Function):
@@ -87,7 +89,7 @@ class _CtxGatherCB(torch.autograd.Function):
 
     @staticmethod
     def symbolic(g, data, batch_index, ctx_indices, comp_ctx_len):
-        return g.op(f"{KV_DOMAIN}::CtxGatherCB", data, batch_index, ctx_indices, comp_ctx_len).setType(data.type())
+        return g.op(f"{KV_DOMAIN}::{CTX_GATHER_CB}", data, batch_index, ctx_indices, comp_ctx_len).setType(data.type())
 
 
 def ctx_scatter(data: torch.Tensor, position_ids: torch.Tensor, updates: torch.Tensor) -> torch.Tensor:
