@@ -12,6 +12,10 @@ from pathlib import Path
 
 MANIFEST_NAME = "manifest.json"
 MODEL_CONFIG_DIR = "model_config"  # the checkpoint's config and preprocessor files, without weights
+# The folder is also a vLLM model folder: config.json at its top names qeff-evs's interface class for the
+# family (qeff_evs/vllm/model.py), never Hugging Face's architecture, so vLLM builds nothing of its own.
+SERVING_ARCHITECTURES = {"qwen2_5_vl": "QeffEvsQwen2_5_VLForConditionalGeneration",
+                         "qwen3_vl": "QeffEvsQwen3_VLForConditionalGeneration"}
 
 # role -> path relative to the export folder
 EXPORT_FILES = dict(
@@ -23,6 +27,7 @@ EXPORT_FILES = dict(
     model_config=MODEL_CONFIG_DIR,
     vision_custom_io="vision/custom_io.yaml", language_custom_io="language/custom_io.yaml",
     compile_script="compile.sh",
+    serving_config="config.json", generation_config="generation_config.json",
 )
 
 

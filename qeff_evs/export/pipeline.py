@@ -15,6 +15,7 @@ Layout of the export folder::
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 import shutil
@@ -26,7 +27,14 @@ from qeff_evs import evs
 from qeff_evs.positions import rope_table_length
 from qeff_evs.export.language import export_language_graph
 from qeff_evs.export.vision import export_vision_graph
-from qeff_evs.manifest import EXPORT_FILES, MODEL_CONFIG_DIR, LanguageShape, Manifest, VisionEntry
+from qeff_evs.manifest import (
+    EXPORT_FILES,
+    MODEL_CONFIG_DIR,
+    SERVING_ARCHITECTURES,
+    LanguageShape,
+    Manifest,
+    VisionEntry,
+)
 from qeff_evs.models.checkpoint import load_checkpoint
 from qeff_evs.models.language import language_spec
 from qeff_evs.models.registry import family_for_config
@@ -53,6 +61,23 @@ def stop_token_ids(checkpoint, config_eos: tuple[int, ...]) -> list[int]:
     extra = [] if extra is None else [extra] if isinstance(extra, int) else list(extra)
     ids = [int(i) for i in config_eos]
     return ids + [int(i) for i in extra if int(i) not in ids]
+
+
+def save_serving_config(checkpoint, family: str, eos: list[int], folder: Path) -> None:
+    """The export as a vLLM model folder: ``config.json`` and ``generation_config.json`` at its top.
+
+    The config names qeff-evs's interface class for the family (``SERVING_ARCHITECTURES``) instead of
+    Hugging Face's, and the generation config stops on the same ids as ``qeff-evs run``. A copy of the
+    config sits beside the tokenizer too: vLLM reads a model config next to the tokenizer it loads
+    (the plugin points it at ``tokenizer/``).
+    """
+    from transformers import GenerationConfig
+
+    config = copy.deepcopy(checkpoint.config)
+    config.architectures = [SERVING_ARCHITECTURES[family]]
+    config.save_pretrained(folder)  # EXPORT_FILES["serving_config"]
+    config.save_pretrained(folder / EXPORT_FILES["tokenizer"])
+    GenerationConfig(eos_token_id=list(eos)).save_pretrained(folder)
 
 
 def save_model_config(checkpoint, folder: Path) -> None:
@@ -158,6 +183,7 @@ def export_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, 
     write_compile_script(out / "compile.sh", commands)
     checkpoint.tokenizer.save_pretrained(out / "tokenizer")
     save_model_config(checkpoint, out / MODEL_CONFIG_DIR)
+    save_serving_config(checkpoint, family.name, stop_token_ids(checkpoint, family.special_tokens().eos), out)
 
     spec = language_spec(checkpoint.model)
     specials = family.special_tokens()
