@@ -31,6 +31,7 @@ from qeff_evs.models.protocol import MediaInput
 from qeff_evs.models.tiny import save_tiny_checkpoint
 from qeff_evs.runtime.engine.single_request import Engine, EngineConfig
 from qeff_evs.runtime.engine.request import PromptPiece
+from qeff_evs.runtime.inputs.prompt import chat_pieces as user_turn_pieces
 from qeff_evs.runtime.runner import (
     ExportBundle,
     image_from_array,
@@ -168,15 +169,7 @@ def q3(tmp_path_factory) -> Served:
 
 def chat_pieces(tokenizer, kinds: Sequence[str], question: str) -> list[PromptPiece]:
     """The chat template for ``kinds`` media then ``question``, split at its media pads."""
-    content = [{"type": kind} for kind in kinds] + [{"type": "text", "text": question}]
-    text = tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
-                                         add_generation_prompt=True)
-    pieces = []
-    for item, part in enumerate(text.replace("<|image_pad|>", "<|video_pad|>").split("<|video_pad|>")):
-        if item:
-            pieces.append(PromptPiece(video=item - 1))
-        pieces.append(PromptPiece(ids=tuple(tokenizer.encode(part, add_special_tokens=False))))
-    return pieces
+    return user_turn_pieces(tokenizer, [{"type": kind} for kind in kinds] + [{"type": "text", "text": question}])
 
 
 def random_video(served: Served, rng: np.random.Generator, seed: int) -> MediaInput:

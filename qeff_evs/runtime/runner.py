@@ -16,6 +16,7 @@ from qeff_evs.models.registry import family_for_config
 from qeff_evs.runtime.engine.executor import EngineConfig
 from qeff_evs.runtime.engine.single_request import Engine, GenerationResult
 from qeff_evs.runtime.inputs.processor import (
+    SampledFrames,
     VisionPreprocessSpec,
     choose_resolution,
     preprocess_image,
@@ -25,7 +26,7 @@ from qeff_evs.runtime.inputs.processor import (
 from qeff_evs.runtime.inputs.prompt import video_question_pieces
 from qeff_evs.runtime.backends.ort import OrtLanguageSession, OrtVisionSession
 from qeff_evs.runtime.backends.torch_reference import TorchLanguageSession, TorchVisionSession
-from qeff_evs.runtime.inputs.video_io import load_video, probe_video
+from qeff_evs.runtime.inputs.video_io import load_video, probe_video, validate_frames
 
 BACKENDS = ("ort", "torch", "qaic")
 
@@ -79,7 +80,22 @@ def video_from_file(path: str | Path, bundle: ExportBundle, target_fps: float | 
     target = spec.target_fps if target_fps is None else target_fps
     sampled = sample_frame_indices(info.num_frames, info.fps, target, bundle.manifest.frames)
     frames = load_video(path, fps=source_fps, frame_indices=sampled.indices).frames
-    size = choose_resolution(info.height, info.width, bundle.manifest.resolutions, spec.factor)
+    return _sampled_video(frames, sampled, bundle)
+
+
+def video_from_frames(frames: np.ndarray, fps: float, bundle: ExportBundle,
+                      target_fps: float | None = None) -> MediaInput:
+    """:func:`video_from_file` for frames already decoded: ``(T, H, W, 3)`` uint8 at ``fps`` (a server's input)."""
+    frames = validate_frames(frames)
+    spec = bundle.preprocess
+    target = spec.target_fps if target_fps is None else target_fps
+    sampled = sample_frame_indices(len(frames), fps, target, bundle.manifest.frames)
+    return _sampled_video(frames[sampled.indices], sampled, bundle)
+
+
+def _sampled_video(frames: np.ndarray, sampled: SampledFrames, bundle: ExportBundle) -> MediaInput:
+    spec = bundle.preprocess
+    size = choose_resolution(frames.shape[1], frames.shape[2], bundle.manifest.resolutions, spec.factor)
     processed = preprocess_video(frames, size, spec)
     return MediaInput(processed.pixel_values, tuple(processed.grid_thw), float(sampled.fps),
                       tuple(float(t) for t in sampled.timestamps))

@@ -41,3 +41,20 @@ def video_question_pieces(tokenizer, question: str) -> list[PromptPiece]:
         return tuple(tokenizer.encode(text, add_special_tokens=False)) if text else ()
 
     return [PromptPiece(ids=encode(before)), PromptPiece(video=0), PromptPiece(ids=encode(after))]
+
+
+def chat_pieces(tokenizer, content: list[dict]) -> list[PromptPiece]:
+    """One user turn (OpenAI-style ``content``: text, ``{"type": "video"}``, ``{"type": "image"}``) as pieces.
+
+    The chat template renders the turn, which is then split at every image or video pad it emits;
+    media slots are numbered in prompt order (the order of the request's media list).
+    """
+    text = tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
+                                         add_generation_prompt=True)
+    pieces = []
+    for item, part in enumerate(text.replace("<|image_pad|>", VIDEO_PAD).split(VIDEO_PAD)):
+        if item:
+            pieces.append(PromptPiece(video=item - 1))
+        if part:
+            pieces.append(PromptPiece(ids=tuple(tokenizer.encode(part, add_special_tokens=False))))
+    return pieces
