@@ -74,3 +74,28 @@ def video_npy(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("video") / "moving_square.npy"
     np.save(path, moving_square_video(VIDEO_FRAMES, VIDEO_HEIGHT, VIDEO_WIDTH, seed=VIDEO_SEED))
     return path
+
+
+# Exports for serving (vLLM plugin and scheduler tests): 4 KV rows, 16-token prefill chunks, so a step's
+# budget ends inside video placeholders and requests outnumber rows.
+SERVED_FULL_BATCH, SERVED_PREFILL, SERVED_CTX_LEN = 4, 16, 256
+SERVED_RESOLUTIONS = {"qwen2_5_vl": ((112, 112), (112, 168)), "qwen3_vl": ((128, 128), (128, 192))}
+
+
+@pytest.fixture(scope="session")
+def served_export(tmp_path_factory):
+    """``served_export(family)``: (checkpoint folder, export folder) of one family, made once per session."""
+    made: dict[str, tuple[Path, Path]] = {}
+
+    def get(family: str) -> tuple[Path, Path]:
+        if family not in made:
+            folder = tmp_path_factory.mktemp(f"served_{family}")
+            checkpoint = save_tiny_checkpoint(family, folder / "checkpoint", seed=1)
+            options = ExportOptions(0.5, (2, 4, 8), SERVED_RESOLUTIONS[family], SERVED_PREFILL, SERVED_CTX_LEN,
+                                    full_batch_size=SERVED_FULL_BATCH)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", DeprecationWarning)
+                export_checkpoint(checkpoint, folder / "export", options)
+            made[family] = (checkpoint, folder / "export")
+        return made[family]
+    return get

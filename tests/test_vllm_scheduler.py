@@ -14,7 +14,6 @@ greedy tokens must be equal.
 
 from __future__ import annotations
 
-import warnings
 from types import SimpleNamespace
 
 import numpy as np
@@ -32,8 +31,6 @@ from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
-from qeff_evs.export.pipeline import ExportOptions, export_checkpoint  # noqa: E402
-from qeff_evs.models.tiny import save_tiny_checkpoint  # noqa: E402
 from qeff_evs.runtime.engine.executor import retained_count  # noqa: E402
 from qeff_evs.runtime.engine.single_request import Engine, EngineConfig  # noqa: E402
 from qeff_evs.runtime.engine.request import PromptPiece  # noqa: E402
@@ -107,14 +104,10 @@ def vllm_scheduler(checkpoint, architecture: str) -> Scheduler:
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("vllm_sched")
-    checkpoint = save_tiny_checkpoint("qwen2_5_vl", folder / "checkpoint", seed=1)
-    options = ExportOptions(0.5, (2, 4, 8), ((112, 112), (112, 168)), PREFILL, CTX_LEN, full_batch_size=FULL_BATCH)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        export_checkpoint(checkpoint, folder / "export", options)
-    return SimpleNamespace(checkpoint=checkpoint, folder=folder, bundle=open_export(folder / "export"))
+def served(served_export, tmp_path_factory):
+    checkpoint, export = served_export("qwen2_5_vl")
+    return SimpleNamespace(checkpoint=checkpoint, folder=tmp_path_factory.mktemp("vllm_sched"),
+                           bundle=open_export(export))
 
 
 def pieces_for(tokenizer, question: str) -> list[PromptPiece]:
@@ -190,3 +183,46 @@ def test_vllm_scheduler_drives_engine_like_each_request_alone(served, stand_in_a
     assert generated == alone
     assert all(len(tokens) == NEW_TOKENS for tokens in generated.values())
 
+
+
+def test_an_aborted_request_frees_its_row_and_encoder_entries_follow_vllms_cache(served, stand_in_architecture):
+    """A client gone mid-generation: vLLM aborts the request; its KV row serves the next request, and the
+    driver holds encoder outputs exactly while vLLM's encoder cache does (freed from vLLM's free list)."""
+    from vllm.v1.request import RequestStatus
+
+    bundle, m = served.bundle, served.bundle.manifest
+    config = EngineConfig(m.prefill_seq_len, m.ctx_len, m.user_vision_size, m.video_pruning_rate)
+    scheduler = vllm_scheduler(served.checkpoint, stand_in_architecture)
+    driver = VllmDriver(bundle.family, *sessions_for(bundle, "ort"), config)
+    # r0..r3 fill every KV row with long generations; r4 can only start in the row r0's abort frees.
+    tokens = {f"r{n}": 40 if n < FULL_BATCH else NEW_TOKENS for n in range(FULL_BATCH + 1)}
+    for n, request_id in enumerate(tokens):
+        path = served.folder / f"abort_{n}.npy"
+        np.save(path, moving_square_video(8 if n % 2 else 4, 112, 112, seed=10 + n))
+        request = driver.make_request(request_id, pieces_for(bundle.tokenizer, f"clip {n}"),
+                                      [video_from_file(path, bundle)], tokens[request_id])
+        scheduler.add_request(request)
+
+    generated: dict[str, list[int]] = {}
+    aborted = False
+    others_when_r4_done = None
+    for _ in range(500):
+        if not scheduler.has_unfinished_requests():
+            break
+        out = scheduler.schedule()
+        runner_output = driver.execute(out)
+        assert set(driver.executor.encoder_outputs) <= set(scheduler.encoder_cache_manager.cached)
+        assert sum(lv.cache_row is not None for lv in driver.live.values()) <= FULL_BATCH
+        for engine_outputs in scheduler.update_from_output(out, runner_output).values():
+            for o in engine_outputs.outputs:
+                generated.setdefault(o.request_id, []).extend(o.new_token_ids)
+        if others_when_r4_done is None and len(generated.get("r4", [])) == NEW_TOKENS:
+            others_when_r4_done = [len(generated.get(f"r{n}", [])) for n in range(1, FULL_BATCH)]
+        if not aborted and len(generated.get("r0", [])) >= 2:
+            scheduler.finish_requests("r0", RequestStatus.FINISHED_ABORTED)
+            aborted = True
+    assert aborted and not scheduler.has_unfinished_requests()
+    driver.execute(scheduler.schedule())  # the step that reports the last finishes
+    assert "r0" not in driver.live and 2 <= len(generated["r0"]) < tokens["r0"]
+    assert all(len(generated[r]) == tokens[r] for r in tokens if r != "r0")
+    assert all(n < tokens["r1"] for n in others_when_r4_done)  # r4 ran while r1..r3 still held their rows

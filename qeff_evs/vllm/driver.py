@@ -5,10 +5,14 @@ items to encode; a model runner executes that and reports the sampled tokens bac
 that model runner for qeff-evs: it translates each ``SchedulerOutput`` onto the executor every engine
 shares (``qeff_evs.runtime.engine.executor``): encode the scheduled media items (keyed by the
 feature's ``identifier``, freed on ``free_encoder_mm_hashes``), run each prefill chunk
-``[num_computed_tokens, +num_scheduled_tokens)`` as one language call into the request's KV cache
-row with the window of its placeholders (the features' ``mm_position`` s), run all decodes in one
-continuous-batching call, and return a ``ModelRunnerOutput`` (greedy). A chunk that does not
-finish the prompt samples nothing, as in vLLM's GPU runner.
+``[num_computed_tokens, +num_scheduled_tokens)`` into the request's KV cache row, in calls of at most
+``prefill_seq_len`` tokens each with the window of its placeholders, and run all decodes in one
+continuous-batching call. :meth:`VllmDriver.step` returns the logits of each request whose step
+yields a token (a chunk that does not finish the prompt yields none, as in vLLM's GPU runner); the
+caller samples and reports back with :meth:`VllmDriver.accept` (the plugin's worker, with vLLM's
+sampler), or :meth:`VllmDriver.execute` picks greedily and returns the ``ModelRunnerOutput``.
+Requests come in through :meth:`VllmDriver.make_request` (our prompts) or :meth:`VllmDriver.admit`
+(a plan for a request vLLM's frontend made).
 
 vLLM is imported lazily; only attributes of its objects are read.
 """
@@ -18,11 +22,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from qeff_evs.models.protocol import ModelFamily, MediaInput
 from qeff_evs.positions import check_rope_range
 from qeff_evs.runtime.backends.base import LanguageSession, VisionSession
 from qeff_evs.runtime.engine.executor import EngineConfig, Executor, ExecutorRequest
-from qeff_evs.runtime.engine.request import PromptPiece
+from qeff_evs.runtime.engine.request import PromptPiece, PromptPlan
 from qeff_evs.vllm.adapters import to_placeholder_range
 
 
@@ -48,23 +54,46 @@ class VllmDriver:
         from vllm.v1.request import Request
 
         self.executor.check_new(request_id)
-        plan = self.executor.plan(pieces, media)
+        plan = self.plan(pieces, media)
         check_rope_range(plan.decode_start, max_new_tokens, self.executor.language.shape.rope_positions)
-        features = [MultiModalFeatureSpec(data=None, modality="video", identifier=content_hash,
+        features = [MultiModalFeatureSpec(data=None, modality=m.kind, identifier=content_hash,
                                           mm_position=to_placeholder_range(ph))
-                    for content_hash, ph in zip(self.executor.media_hashes(media), plan.placeholders)]
+                    for m, content_hash, ph in zip(media, self.executor.media_hashes(media), plan.placeholders)]
         request = Request(request_id=request_id, prompt_token_ids=plan.ids.tolist(),
                           sampling_params=SamplingParams(max_tokens=max_new_tokens, temperature=0.0,
                                                          ignore_eos=True),
                           pooling_params=None, mm_features=features or None)
-        self.executor.add(request_id, plan, media, [str(f.identifier) for f in features], request)
+        self.admit(request_id, plan, media, features, request)
         return request
+
+    def plan(self, pieces: Sequence[PromptPiece], media: Sequence[MediaInput]) -> PromptPlan:
+        """A request's prompt plan (provisional ids, text positions, EVS placeholders)."""
+        return self.executor.plan(pieces, media)
+
+    def admit(self, request_id: str, plan: PromptPlan, media: Sequence[MediaInput], features: Sequence[Any],
+              request: Any = None) -> None:
+        """Take a request before its first step; ``features``: its vLLM ``MultiModalFeatureSpec`` s, in plan order."""
+        self.executor.add(request_id, plan, media, [str(f.identifier) for f in features], request)
+
+    def accept(self, request_id: str, tokens: Sequence[int]) -> None:
+        """The tokens sampled for ``request_id`` from :meth:`step`'s logits (the next decode feeds the last)."""
+        for token in tokens:
+            self.executor.accept(request_id, token)
 
     # -- one step ---------------------------------------------------------------------------------
     def execute(self, out: Any):
-        """Run one vLLM ``SchedulerOutput``; the ``ModelRunnerOutput`` for ``update_from_output``."""
+        """Run one vLLM ``SchedulerOutput``, greedily; the ``ModelRunnerOutput`` for ``update_from_output``."""
         from vllm.v1.outputs import ModelRunnerOutput
 
+        sampled = {request_id: [int(np.argmax(row))] for request_id, row in self.step(out).items()}
+        for request_id, tokens in sampled.items():
+            self.accept(request_id, tokens)
+        req_ids = list(out.num_scheduled_tokens)
+        return ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                                 sampled_token_ids=[sampled.get(r, []) for r in req_ids])
+
+    def step(self, out: Any) -> dict[str, np.ndarray]:
+        """Run one vLLM ``SchedulerOutput``: the ``(vocab,)`` logits of each request whose step yields a token."""
         for request_id in out.finished_req_ids:
             self.executor.drop(request_id)
         self.executor.free(out.free_encoder_mm_hashes)
@@ -74,7 +103,7 @@ class VllmDriver:
         for request_id, items in out.scheduled_encoder_inputs.items():
             for item in items:
                 self.executor.encode(request_id, item)
-        sampled: dict[str, list[int]] = {}
+        logits: dict[str, np.ndarray] = {}
         decodes = []
         for request_id, scheduled in out.num_scheduled_tokens.items():
             start = computed[request_id]
@@ -84,12 +113,21 @@ class VllmDriver:
                                      "is not supported, schedule one token per decode")
                 decodes.append((request_id, start))
                 continue
-            if scheduled > self.config.prefill_seq_len:
-                raise ValueError(f"vLLM scheduled {scheduled} tokens in one chunk but prefill_seq_len is "
-                                 f"{self.config.prefill_seq_len}; set max_num_batched_tokens <= prefill_seq_len")
-            token = self.executor.prefill(request_id, start, scheduled)
-            sampled[request_id] = [] if token is None else [token]
-        sampled.update({request_id: [token] for request_id, token in self.executor.decode(decodes).items()})
-        req_ids = list(out.num_scheduled_tokens)
-        return ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
-                                 sampled_token_ids=[sampled[r] for r in req_ids])
+            row = self._prefill(request_id, start, scheduled)
+            if row is not None:
+                logits[request_id] = row
+        logits.update(self.executor.decode_logits(decodes))
+        return logits
+
+    def _prefill(self, request_id: str, computed: int, scheduled: int) -> np.ndarray | None:
+        """vLLM's chunk in calls of at most prefill_seq_len tokens, each gathering its own window.
+
+        vLLM may schedule more of one request than the graph's chunk (long_prefill_token_threshold
+        is lifted while a request runs alone); any cut gives the same result, since each call
+        gathers exactly its window and positions belong to the request.
+        """
+        end, step = computed + scheduled, self.config.prefill_seq_len
+        logits = None
+        for start in range(computed, end, step):
+            logits = self.executor.prefill_logits(request_id, start, min(step, end - start))
+        return logits

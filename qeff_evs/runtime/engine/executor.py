@@ -6,7 +6,8 @@ request's prompt plan, media, content hashes, KV cache row and sampled tokens; e
 once per content hash; fills an item's placeholder when the first chunk reaches it; runs each
 prefill chunk (``steps.prefill_step``: its own window of vision rows) into the request's cache row
 and every decode of a step in one batch (the sessions' ``decode``); frees encoder outputs when told.
-Sampling is greedy. A language graph with one KV cache row (``full_batch_size`` 1, with or without
+Sampling is greedy, or the caller's (``prefill_logits``/``decode_logits``, then ``accept``: the vLLM
+plugin samples with vLLM's sampler). A language graph with one KV cache row (``full_batch_size`` 1, with or without
 ``batch_index``) is called through ``run``; more rows need a continuous-batching session.
 """
 
@@ -162,6 +163,13 @@ class Executor:
     def prefill(self, request_id: str, computed: int, scheduled: int, cache_row: int | None = None) -> int | None:
         """Run chunk ``[computed, computed+scheduled)`` into the request's cache row (``cache_row``, or the one
         its first chunk took, or the lowest free one); the first token when the chunk completes the prompt."""
+        logits = self.prefill_logits(request_id, computed, scheduled, cache_row)
+        return None if logits is None else self._sample(self.requests[request_id], logits)
+
+    def prefill_logits(self, request_id: str, computed: int, scheduled: int,
+                       cache_row: int | None = None) -> np.ndarray | None:
+        """:meth:`prefill` without sampling: the ``(vocab,)`` logits when the chunk completes the prompt
+        (the caller samples and reports the token with :meth:`accept`)."""
         cfg, shape = self.config, self.language.shape
         request = self.requests[request_id]
         if cache_row is not None:
@@ -180,10 +188,15 @@ class Executor:
         if computed + scheduled != request.num_prompt_tokens:
             return None  # only the chunk that completes the prompt yields a token
         request.prompt_logits = logits
-        return self._sample(request, logits.reshape(-1))
+        return logits.reshape(-1)
 
     def decode(self, batch: Sequence[tuple[str, int]]) -> dict[str, int]:
         """The next token of each ``(request_id, computed)``, all in one decode batch."""
+        return {request_id: self._sample(self.requests[request_id], row)
+                for request_id, row in self.decode_logits(batch).items()}
+
+    def decode_logits(self, batch: Sequence[tuple[str, int]]) -> dict[str, np.ndarray]:
+        """:meth:`decode` without sampling: each request's ``(vocab,)`` next-token logits."""
         if not batch:
             return {}
         rows = [self.requests[request_id].decode_row(computed) for request_id, computed in batch]
@@ -193,8 +206,11 @@ class Executor:
             logits = self.language.run(inputs)[:, 0]
         else:
             logits = self.language.decode(rows, pad)
-        return {request_id: self._sample(self.requests[request_id], row)
-                for (request_id, _), row in zip(batch, logits)}
+        return {request_id: np.asarray(row).reshape(-1) for (request_id, _), row in zip(batch, logits)}
+
+    def accept(self, request_id: str, token: int) -> None:
+        """Record a token sampled for ``request_id`` (the next decode feeds it)."""
+        self.requests[request_id].tokens.append(int(token))
 
     def _fill(self, request: ExecutorRequest, computed: int, scheduled: int) -> None:
         for item in request.plan.items_needing_fill(computed, scheduled):
@@ -203,8 +219,7 @@ class Executor:
                 raise RuntimeError(f"{request.request_id}: media item {item} reached before it was encoded")
             request.plan.fill(item, request.media[item], encoded, self.family)
 
-    @staticmethod
-    def _sample(request: ExecutorRequest, logits: np.ndarray) -> int:
+    def _sample(self, request: ExecutorRequest, logits: np.ndarray) -> int:
         token = int(np.argmax(logits))
-        request.tokens.append(token)
+        self.accept(request.request_id, token)
         return token
