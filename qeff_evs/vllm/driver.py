@@ -75,6 +75,10 @@ class VllmDriver:
         """Take a request before its first step; ``features``: its vLLM ``MultiModalFeatureSpec`` s, in plan order."""
         self.executor.add(request_id, plan, media, [str(f.identifier) for f in features], request)
 
+    def finish(self, request_id: str) -> None:
+        """Forget a finished or aborted request: its KV row is free for the next one."""
+        self.executor.drop(request_id)
+
     def accept(self, request_id: str, tokens: Sequence[int]) -> None:
         """The tokens sampled for ``request_id`` from :meth:`step`'s logits (the next decode feeds the last)."""
         for token in tokens:
@@ -95,7 +99,7 @@ class VllmDriver:
     def step(self, out: Any) -> dict[str, np.ndarray]:
         """Run one vLLM ``SchedulerOutput``: the ``(vocab,)`` logits of each request whose step yields a token."""
         for request_id in out.finished_req_ids:
-            self.executor.drop(request_id)
+            self.finish(request_id)
         self.executor.free(out.free_encoder_mm_hashes)
         computed = {r.req_id: r.num_computed_tokens for r in out.scheduled_new_reqs}
         cached = out.scheduled_cached_reqs

@@ -1,0 +1,66 @@
+"""vLLM's entry points into qeff-evs: active only while ``QEFF_EVS_BACKEND`` names a backend.
+
+vLLM calls every installed ``vllm.platform_plugins`` function in every process to find the platform,
+and every ``vllm.general_plugins`` function before it builds a model. Both stay inert unless the user
+asked for qeff-evs (``QEFF_EVS_BACKEND=ort|qaic|torch``), so installing qeff-evs never changes any other
+vLLM use. vLLM refuses two active out-of-tree platforms (vllm-qaic is one); with qeff-evs switched on
+beside another, one log line names both before vLLM stops.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from importlib.metadata import entry_points
+
+BACKEND_ENV = "QEFF_EVS_BACKEND"
+BACKENDS = ("ort", "qaic", "torch")
+PLATFORM_PLUGIN_NAME = "qeff_evs"
+PLATFORM_CLASS = "qeff_evs.vllm.platform.QeffEvsPlatform"
+
+# A child of vLLM's logger, so lines come out with vLLM's own format and level.
+logger = logging.getLogger("vllm.qeff_evs")
+
+
+def active_backend() -> str | None:
+    """The backend ``QEFF_EVS_BACKEND`` names, or None when qeff-evs is switched off."""
+    value = os.environ.get(BACKEND_ENV, "").strip().lower()
+    if not value:
+        return None
+    if value not in BACKENDS:
+        raise ValueError(f"{BACKEND_ENV}={value!r} is not a qeff-evs backend; use one of {', '.join(BACKENDS)} "
+                         f"(or unset it to leave vLLM alone)")
+    return value
+
+
+def other_platform_plugins() -> list[str]:
+    """Installed out-of-tree vLLM platform plugins besides ours (e.g. vllm-qaic's)."""
+    return sorted(f"{ep.name} ({ep.value})" for ep in entry_points(group="vllm.platform_plugins")
+                  if ep.name != PLATFORM_PLUGIN_NAME)
+
+
+def platform_plugin() -> str | None:
+    """``vllm.platform_plugins`` entry point: our Platform class path while active, else None."""
+    try:
+        backend = active_backend()
+    except ValueError as error:
+        # vLLM swallows exceptions raised here (debug log only): say it out loud instead.
+        logger.error("qeff-evs platform not activated: %s", error)
+        return None
+    if backend is None:
+        return None
+    others = other_platform_plugins()
+    if others:
+        logger.warning("qeff-evs (%s=%s) is active beside other out-of-tree vLLM platform plugins %s; vLLM "
+                       "activates only one: unset %s or switch the others off (e.g. VLLM_PLUGINS=qeff_evs)",
+                       BACKEND_ENV, backend, ", ".join(others), BACKEND_ENV)
+    return PLATFORM_CLASS
+
+
+def register() -> None:
+    """``vllm.general_plugins`` entry point: our model classes and processors, only while active."""
+    if active_backend() is None:
+        return
+    from qeff_evs.vllm.model import register_models
+
+    register_models()

@@ -1,0 +1,192 @@
+"""vLLM's multimodal processor for a qeff-evs export: our preprocessing, our EVS placeholders.
+
+vLLM's frontend calls this for every request with images or videos (``LLM.generate``'s
+``multi_modal_data``, the OpenAI server's ``image_url`` / ``video_url``). It runs the same host logic as
+``qeff-evs run``: videos are sampled to an exported frame count at the checkpoint's rate and resized to
+the exported resolution closest in aspect ratio; images likewise. Each ``<|video_pad|>`` /
+``<|image_pad|>`` the chat template emits becomes the family's placeholder sized by the EVS count K
+before the encoder runs (Qwen3-VL: timestamps and the lumped layout). Everything a request can get
+wrong is checked here, in the frontend, where an error becomes a 400 for that request: an exception
+inside the worker would take vLLM's engine down.
+
+The processed fields (``pixel_values_videos``, ``video_grid_thw``, ``video_fps``, ``video_frame_times``, ``video_num_frames``,
+``pixel_values``, ``image_grid_thw``) travel to our worker, which rebuilds the ``MediaInput`` with
+:func:`media_from_fields`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from functools import cached_property
+from typing import Any
+
+import numpy as np
+import torch
+from transformers import BatchFeature
+from vllm.multimodal.inputs import MultiModalFieldConfig
+from vllm.multimodal.parse import MultiModalDataParser
+from vllm.multimodal.processing import BaseDummyInputsBuilder, BaseMultiModalProcessor, BaseProcessingInfo
+from vllm.multimodal.processing.processor import PromptReplacement, PromptUpdateDetails
+
+from qeff_evs.models.protocol import MediaInput
+from qeff_evs.runtime.engine.executor import retained_count
+from qeff_evs.runtime.runner import ExportBundle, image_from_array, open_export, video_from_frames
+from qeff_evs.runtime.inputs.video_io import DEFAULT_ARRAY_FPS
+
+
+
+# --- media <-> processed fields --------------------------------------------------------------------
+
+
+def media_from_fields(fields: Mapping[str, Any], modality: str) -> MediaInput:
+    """The ``MediaInput`` one processed item describes (``fields``: its ``MultiModalKwargsItem`` data)."""
+    if modality == "video":
+        return MediaInput(fields["pixel_values_videos"].to(torch.float32),
+                          tuple(int(v) for v in fields["video_grid_thw"].tolist()), float(fields["video_fps"]),
+                          tuple(float(t) for t in fields["video_frame_times"].tolist()))
+    if modality == "image":
+        return MediaInput(fields["pixel_values"].to(torch.float32),
+                          tuple(int(v) for v in fields["image_grid_thw"].tolist()), 1.0, (), kind="image")
+    raise ValueError(f"qeff-evs exports take images and videos, not {modality!r}")
+
+
+def _frames_and_fps(item: Any) -> tuple[np.ndarray, float]:
+    """Decoded frames of one video item and the rate they were decoded at.
+
+    vLLM gives ``(frames, metadata)``: its loader's (``video_url``: the source fps), the caller's
+    (``LLM.generate`` with ``(frames, {"fps": ...})``), or :class:`_FramesWithRate`'s 2 fps for bare
+    frames, the rate ``qeff-evs run`` takes a ``.npy`` at. When the loader decoded a subset, the frames
+    are a stream at ``source fps * decoded / total``.
+    """
+    frames, metadata = item if isinstance(item, tuple) else (item, None)
+    frames = np.asarray(frames.cpu() if isinstance(frames, torch.Tensor) else frames)
+    if not metadata or not metadata.get("fps"):
+        return frames, DEFAULT_ARRAY_FPS
+    fps, total = float(metadata["fps"]), int(metadata.get("total_num_frames") or len(frames))
+    return frames, fps * len(frames) / total if total else fps
+
+
+def _image_array(image: Any) -> np.ndarray:
+    if hasattr(image, "convert"):  # PIL
+        return np.asarray(image.convert("RGB"))
+    array = np.asarray(image.cpu() if isinstance(image, torch.Tensor) else image)
+    if array.ndim != 3 or array.shape[-1] != 3 or array.dtype != np.uint8:
+        raise ValueError(f"an image must be RGB uint8 (H, W, 3) or a PIL image, got {array.dtype} {array.shape}")
+    return array
+
+
+def process_media(bundle: ExportBundle, videos: Sequence[Any], images: Sequence[Any]) -> BatchFeature:
+    """Videos and images -> the fields our worker reads; a ``ValueError`` naming what the export serves."""
+    data: dict[str, torch.Tensor] = {}
+    if videos:
+        media = []
+        for number, item in enumerate(videos):
+            frames, fps = _frames_and_fps(item)
+            try:
+                video = video_from_frames(frames, fps, bundle)
+                bundle.manifest.vision_entry(video.grid_thw)
+            except ValueError as error:
+                raise ValueError(f"video {number}: {error}") from None
+            media.append(video)
+        data.update(pixel_values_videos=torch.cat([m.pixel_values for m in media]),
+                    video_grid_thw=torch.tensor([m.grid_thw for m in media], dtype=torch.int64),
+                    video_fps=torch.tensor([m.fps for m in media], dtype=torch.float64),
+                    video_frame_times=torch.tensor([t for m in media for t in m.frame_times], dtype=torch.float64),
+                    video_num_frames=torch.tensor([len(m.frame_times) for m in media], dtype=torch.int64))
+    if images:
+        media = [image_from_array(_image_array(image), bundle) for image in images]
+        data.update(pixel_values=torch.cat([m.pixel_values for m in media]),
+                    image_grid_thw=torch.tensor([m.grid_thw for m in media], dtype=torch.int64))
+    return BatchFeature(data)
+
+
+# --- vLLM's processor interfaces -------------------------------------------------------------------
+
+
+class _FramesWithRate(MultiModalDataParser):
+    """Keeps each video's loader metadata (its source fps) with its frames through vLLM's processor cache.
+
+    Bare frames (``LLM.generate`` with an array) get the rate a ``.npy`` has for ``qeff-evs run``.
+    """
+
+    def _get_video_with_metadata(self, video):
+        frames, metadata = super()._get_video_with_metadata(video)
+        return frames, {"fps": DEFAULT_ARRAY_FPS} if metadata is None else metadata
+
+
+class QeffEvsProcessingInfo(BaseProcessingInfo):
+    @cached_property
+    def bundle(self) -> ExportBundle:
+        return open_export(self.ctx.model_config.model)
+
+    def get_data_parser(self) -> MultiModalDataParser:
+        return _FramesWithRate(video_needs_metadata=True, expected_hidden_size=self._get_expected_hidden_size(),
+                               allow_missing_mm_embeddings=self.allow_missing_mm_embeddings)
+
+    def get_supported_mm_limits(self) -> Mapping[str, int | None]:
+        return {"image": None, "video": None}
+
+    def get_mm_max_tokens_per_item(self, seq_len: int, mm_counts: Mapping[str, int]) -> Mapping[str, int]:
+        """Encoder rows of the largest item the export serves (vLLM sizes its encoder cache with them)."""
+        m, factor = self.bundle.manifest, self.bundle.preprocess.factor
+        videos = [e.retained for e in m.vision_entries if e.frames > 1] or [0]
+        images = [(h // factor) * (w // factor) for h, w in m.resolutions]
+        return {"video": max(videos), "image": max(images)}
+
+
+class QeffEvsDummyInputs(BaseDummyInputsBuilder[QeffEvsProcessingInfo]):
+    """The largest video and image the export serves (vLLM's profiling input)."""
+
+    def get_dummy_text(self, mm_counts: Mapping[str, int]) -> str:
+        return ("<|vision_start|><|video_pad|><|vision_end|>" * mm_counts.get("video", 0)
+                + "<|vision_start|><|image_pad|><|vision_end|>" * mm_counts.get("image", 0))
+
+    def get_dummy_mm_data(self, seq_len: int, mm_counts: Mapping[str, int], mm_options=None):
+        m = self.info.bundle.manifest
+        height, width = max(m.resolutions, key=lambda r: r[0] * r[1])
+        seconds = max(m.frames) / self.info.bundle.preprocess.target_fps
+        frames = int(np.ceil(seconds * DEFAULT_ARRAY_FPS))
+        video = np.zeros((frames, height, width, 3), dtype=np.uint8)
+        image = np.zeros((height, width, 3), dtype=np.uint8)
+        return {"video": [video] * mm_counts.get("video", 0), "image": [image] * mm_counts.get("image", 0)}
+
+
+class QeffEvsProcessor(BaseMultiModalProcessor[QeffEvsProcessingInfo]):
+    def _apply_hf_processor_main(self, mm_items, hf_kwargs: Mapping[str, object]) -> BatchFeature:
+        # No Hugging Face processor runs: our host preprocessing does, on (frames, metadata) per video.
+        videos = [mm_items["video"].get(i) for i in range(mm_items["video"].get_count())] if "video" in mm_items else []
+        images = [mm_items["image"].get(i) for i in range(mm_items["image"].get_count())] if "image" in mm_items else []
+        return process_media(self.info.bundle, videos, images)
+
+    def _get_mm_fields_config(self, hf_inputs: BatchFeature, hf_processor_mm_kwargs: Mapping[str, object]):
+        fields: dict[str, MultiModalFieldConfig] = {}
+        if "video_grid_thw" in hf_inputs:
+            grids = hf_inputs["video_grid_thw"]
+            fields.update(pixel_values_videos=MultiModalFieldConfig.flat_from_sizes("video", grids.prod(-1)),
+                          video_grid_thw=MultiModalFieldConfig.batched("video"),
+                          video_fps=MultiModalFieldConfig.batched("video"),
+                          video_frame_times=MultiModalFieldConfig.flat_from_sizes("video", hf_inputs["video_num_frames"]),
+                          video_num_frames=MultiModalFieldConfig.batched("video"))
+        if "image_grid_thw" in hf_inputs:
+            grids = hf_inputs["image_grid_thw"]
+            fields.update(pixel_values=MultiModalFieldConfig.flat_from_sizes("image", grids.prod(-1)),
+                          image_grid_thw=MultiModalFieldConfig.batched("image"))
+        return fields
+
+    def _get_prompt_updates(self, mm_items, hf_processor_mm_kwargs, out_mm_kwargs):
+        bundle = self.info.bundle
+        family, q = bundle.family, bundle.manifest.video_pruning_rate
+        tokens = family.special_tokens()
+
+        def placeholder(modality: str, pad: int):
+            def replacement(item_idx: int) -> PromptUpdateDetails:
+                media = media_from_fields(out_mm_kwargs[modality][item_idx].get_data(), modality)
+                ids = family.placeholder_ids(media, retained_count(family, media, q))
+                return PromptUpdateDetails.select_token_id([int(i) for i in ids], pad)
+            return replacement
+
+        return [PromptReplacement(modality="video", target=[tokens.video_pad],
+                                  replacement=placeholder("video", tokens.video_pad)),
+                PromptReplacement(modality="image", target=[tokens.image_pad],
+                                  replacement=placeholder("image", tokens.image_pad))]
+

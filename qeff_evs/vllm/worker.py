@@ -1,0 +1,117 @@
+"""The vLLM worker that runs a qeff-evs export: vLLM's ``SchedulerOutput`` in, ``ModelRunnerOutput`` out.
+
+Per step: vLLM's persistent batch is updated (:mod:`qeff_evs.vllm.sampling`), new requests are admitted
+to the driver with their prompt plan (rebuilt from vLLM's prompt ids and the media our processor
+prepared), the driver runs the scheduled encoder items, prefill chunks (window rows, int64 positions,
+the request's KV row) and decodes over the backend's sessions and returns logits, and vLLM's sampler
+picks the tokens. Encoder outputs are dropped when vLLM's encoder cache frees them, KV rows when vLLM
+finishes or aborts a request.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from vllm.v1.kv_cache_interface import FullAttentionSpec
+from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
+
+from qeff_evs.positions import check_rope_range
+from qeff_evs.runtime.engine.executor import EngineConfig
+from qeff_evs.runtime.engine.request import PromptPiece
+from qeff_evs.runtime.runner import open_export, sessions_for
+from qeff_evs.vllm.driver import VllmDriver
+from qeff_evs.vllm.plugin import active_backend
+from qeff_evs.vllm.processing import media_from_fields
+from qeff_evs.vllm.sampling import VllmSampling
+
+# vLLM's block accounting needs a layer name; the real KV state lives in our sessions.
+KV_LAYER = "qeff_evs.kv_rows"
+
+
+def prompt_pieces(prompt_ids: list[int], features) -> list[PromptPiece]:
+    """Text between the media placeholders, and one piece per media item (features in prompt order)."""
+    pieces, at = [], 0
+    for item, feature in enumerate(features):
+        offset, length = int(feature.mm_position.offset), int(feature.mm_position.length)
+        if offset > at:
+            pieces.append(PromptPiece(ids=tuple(prompt_ids[at:offset])))
+        pieces.append(PromptPiece(video=item))
+        at = offset + length
+    if at < len(prompt_ids):
+        pieces.append(PromptPiece(ids=tuple(prompt_ids[at:])))
+    return pieces
+
+
+class QeffEvsWorker(WorkerBase):
+    def init_device(self) -> None:
+        self.device = torch.device("cpu")
+
+    def load_model(self, *, load_dummy_weights: bool = False) -> None:
+        bundle = open_export(self.model_config.model)
+        m = bundle.manifest
+        config = EngineConfig(m.prefill_seq_len, m.ctx_len, m.user_vision_size, m.video_pruning_rate)
+        self.bundle = bundle
+        self.driver = VllmDriver(bundle.family, *sessions_for(bundle, active_backend()), config)
+        self.sampling: VllmSampling | None = None
+
+    def get_model(self) -> torch.nn.Module:
+        return torch.nn.Module()  # the model lives in the sessions; nothing to inspect
+
+    def get_supported_tasks(self):
+        return ("generate",)
+
+    # -- KV accounting: one block per exported KV row -----------------------------------------------------
+    def _kv_spec(self) -> FullAttentionSpec:
+        return FullAttentionSpec(block_size=self.cache_config.block_size, num_kv_heads=1, head_size=1,
+                                 dtype=torch.float32)
+
+    def get_kv_cache_spec(self):
+        return {KV_LAYER: self._kv_spec()}
+
+    def get_supported_kv_cache_layouts(self) -> list[str]:
+        return ["NHD"]
+
+    def determine_available_memory(self) -> int:
+        # One block per KV row, plus vLLM's reserved null block.
+        return self._kv_spec().page_size_bytes * (self.driver.executor.language.shape.full_batch_size + 1)
+
+    def initialize_from_config(self, kv_cache_config) -> None:
+        self.cache_config.num_gpu_blocks = kv_cache_config.num_blocks
+        self.sampling = VllmSampling(self.vllm_config, self.model_config.get_vocab_size(),
+                                     self.cache_config.block_size)
+
+    def compile_or_warm_up_model(self) -> CompilationTimes:
+        return CompilationTimes(language_model=0.0, encoder=0.0)
+
+    # -- one step ---------------------------------------------------------------------------------------
+    def execute_model(self, scheduler_output) -> ModelRunnerOutput:
+        self.sampling.update(scheduler_output)
+        for request_id in scheduler_output.finished_req_ids:  # first: vLLM may reuse an aborted request's id
+            self.driver.finish(request_id)
+        for new in scheduler_output.scheduled_new_reqs:
+            self._admit(new)
+        logits = self.driver.step(scheduler_output)
+        output, sampled = self.sampling.sample(logits)
+        for request_id, tokens in sampled.items():
+            self.driver.accept(request_id, tokens)
+        return output
+
+    def _admit(self, new) -> None:
+        features = sorted(new.mm_features or [], key=lambda f: f.mm_position.offset)
+        media = [media_from_fields(f.data.get_data(), f.modality) for f in features]
+        plan = self.driver.plan(prompt_pieces(list(new.prompt_token_ids), features), media)
+        if not np.array_equal(plan.ids, np.asarray(new.prompt_token_ids)):
+            raise ValueError(f"request {new.req_id}: vLLM's prompt ids differ from the export's layout of the same "
+                             "media; the prompt was not made by the qeff-evs processor")
+        # The platform's start-up check keeps max_model_len's unpruned positions inside the RoPE tables; only a
+        # Qwen2.5-VL video at a very sparse frame rate can still pass them (then this stops the engine, clearly).
+        check_rope_range(plan.decode_start, new.sampling_params.max_tokens,
+                         self.driver.executor.language.shape.rope_positions)
+        self.driver.admit(new.req_id, plan, media, features)
+
+    def check_health(self) -> None:
+        return
+
+    def shutdown(self) -> None:
+        return
