@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Creates .venv and installs qeff-evs with the CPU build of torch (pinned in constraints.txt).
-# With --test it also installs the test tools, the bench extra (the bench smoke test plots) and vLLM 0.32.0's
-# pure-Python modules (test oracles):
-# vLLM goes in without its dependency tree, whose CUDA/full install is neither needed nor importable here.
+#   --vllm  also vLLM 0.32.0 for `QEFF_EVS_BACKEND=... vllm serve <export>` (qeff-evs's platform plugin):
+#           vllm and xgrammar without their dependency trees (CUDA packages, triton), plus the light
+#           packages vLLM's engine and server import (the "vllm" extra).
+#   --test  the test tools too, the bench extra (the bench smoke test plots) and everything --vllm installs
+#           (vLLM is the tests' oracle and server).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -10,10 +12,18 @@ pip_quiet() {  # pip, minus the local-mirror "is ignored" noise, keeping pip's e
     .venv/bin/pip install -q --disable-pip-version-check "$@" 2>&1 | { grep -v "is ignored" || true; }
 }
 
+extras=()
+case "${1:-}" in
+    --test) extras=(test vllm bench) ;;
+    --vllm) extras=(vllm) ;;
+    "") ;;
+    *) echo "usage: $0 [--vllm | --test]" >&2; exit 2 ;;
+esac
+
 [[ -x .venv/bin/python ]] || python3 -m venv .venv
-if [[ "${1:-}" == "--test" ]]; then
-    pip_quiet -c constraints.txt -e ".[test,oracle,bench]"
-    pip_quiet --no-deps vllm==0.32.0
+if ((${#extras[@]})); then
+    pip_quiet -c constraints.txt -e ".[$(IFS=,; echo "${extras[*]}")]"
+    pip_quiet -c constraints.txt --no-deps vllm==0.32.0 xgrammar==0.2.8
 else
     pip_quiet -c constraints.txt -e .
 fi

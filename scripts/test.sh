@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The test command: install (with test tools and vLLM oracles) and run the whole suite.
+# The test command: install (test tools, and vLLM 0.32.0 as oracle and server) and run the whole suite.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh --test

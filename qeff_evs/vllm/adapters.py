@@ -53,7 +53,7 @@ def to_placeholder_range(placeholder: Placeholder):
     except ImportError as error:  # pragma: no cover - depends on the environment
         raise ValueError(
             "building a vLLM PlaceholderRange needs vLLM; install it with `pip install --no-deps vllm==0.32.0` "
-            f"plus the 'oracle' extra ({error})") from error
+            f"plus the 'vllm' extra: bash scripts/install.sh --vllm ({error})") from error
     mask = None if placeholder.is_embed is None else torch.from_numpy(placeholder.is_embed.copy())
     return PlaceholderRange(offset=placeholder.offset, length=placeholder.length, is_embed=mask)
 
