@@ -105,6 +105,16 @@ def test_manifest_reads_back(tiny_export, manifest_json):
     assert [e.grid_thw for e in manifest.vision_entries] == grids
 
 
+def test_export_folder_is_a_vllm_model_folder_sized_to_ctx_len(tiny_export, export_options):
+    # vLLM reads the top-level config.json: our interface architecture, and a context of exactly ctx_len
+    # (its default max_model_len), never the checkpoint's own max_position_embeddings.
+    import json
+
+    config = json.loads((tiny_export / "config.json").read_text())
+    assert config["architectures"][0].startswith("QeffEvs")
+    assert config["text_config"]["max_position_embeddings"] == export_options.ctx_len
+
+
 # --------------------------------------------------------------------------------------------------
 # specializations.json, both layouts
 

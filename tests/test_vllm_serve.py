@@ -88,8 +88,9 @@ def server(export, tmp_path_factory):
     log = tmp_path_factory.mktemp("serve_log") / "server.log"
     env = dict(os.environ, QEFF_EVS_BACKEND="ort")
     argv = [str(Path(sys.executable).with_name("vllm")), "serve", str(export), "--host", "127.0.0.1", "--port",
-            str(port), "--video-pruning-rate", "0.5", "--max-model-len", str(CTX_LEN), "--max-num-seqs",
-            str(FULL_BATCH), "--no-enable-prefix-caching", "--served-model-name", "tiny"]
+            str(port), "--video-pruning-rate", "0.5", "--max-num-seqs",
+            # No --max-model-len, no --no-enable-prefix-caching: the export's config and the platform set them.
+            str(FULL_BATCH), "--served-model-name", "tiny"]
     with open(log, "w") as out:
         process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     try:

@@ -63,18 +63,20 @@ def stop_token_ids(checkpoint, config_eos: tuple[int, ...]) -> list[int]:
     return ids + [int(i) for i in extra if int(i) not in ids]
 
 
-def save_serving_config(checkpoint, family: str, eos: list[int], folder: Path) -> None:
+def save_serving_config(checkpoint, family: str, eos: list[int], ctx_len: int, folder: Path) -> None:
     """The export as a vLLM model folder: ``config.json`` and ``generation_config.json`` at its top.
 
     The config names qeff-evs's interface class for the family (``SERVING_ARCHITECTURES``) instead of
     Hugging Face's, and the generation config stops on the same ids as ``qeff-evs run``. A copy of the
     config sits beside the tokenizer too: vLLM reads a model config next to the tokenizer it loads
-    (the plugin points it at ``tokenizer/``).
+    (the plugin points it at ``tokenizer/``). Its ``max_position_embeddings`` is the export's ``ctx_len``,
+    so vLLM's default ``max_model_len`` is what the graphs hold.
     """
     from transformers import GenerationConfig
 
     config = copy.deepcopy(checkpoint.config)
     config.architectures = [SERVING_ARCHITECTURES[family]]
+    getattr(config, "text_config", config).max_position_embeddings = int(ctx_len)
     config.save_pretrained(folder)  # EXPORT_FILES["serving_config"]
     config.save_pretrained(folder / EXPORT_FILES["tokenizer"])
     GenerationConfig(eos_token_id=list(eos)).save_pretrained(folder)
@@ -183,7 +185,8 @@ def export_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, 
     write_compile_script(out / "compile.sh", commands)
     checkpoint.tokenizer.save_pretrained(out / "tokenizer")
     save_model_config(checkpoint, out / MODEL_CONFIG_DIR)
-    save_serving_config(checkpoint, family.name, stop_token_ids(checkpoint, family.special_tokens().eos), out)
+    save_serving_config(checkpoint, family.name, stop_token_ids(checkpoint, family.special_tokens().eos),
+                        options.ctx_len, out)
 
     spec = language_spec(checkpoint.model)
     specials = family.special_tokens()

@@ -55,6 +55,13 @@ class QeffEvsPlatform(Platform):
         return torch.no_grad()
 
     @classmethod
+    def pre_register_and_update(cls, parser=None) -> None:
+        # Exports never serve prefix caching (start-up refuses it): off unless asked for, so `vllm serve`
+        # needs no --no-enable-prefix-caching. Offline LLM(...) takes no parser and passes it itself.
+        if parser is not None:
+            parser.set_defaults(enable_prefix_caching=False)
+
+    @classmethod
     def check_and_update_config(cls, vllm_config) -> None:
         model_config = vllm_config.model_config
         if model_config is None:
