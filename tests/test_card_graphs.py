@@ -123,6 +123,49 @@ def test_ctx_scatter_cb_skips_padding_rows_whatever_their_batch_index():
     np.testing.assert_array_equal(out, expected)
 
 
+def test_ctx_scatter_without_any_real_write_changes_nothing():
+    # vllm-qaic's all-padding decode call: every row batch_index -1 (or a live row) with a skipped slot.
+    data = RNG.standard_normal((ROWS, HEADS, CTX, DIM)).astype(np.float32)
+    updates = RNG.standard_normal((3, HEADS, 1, DIM)).astype(np.float32)
+    skipped = np.full((3, 1), SKIP_INDEX, np.int64)
+    out = run_function(CTX_SCATTER_CB, {"data": data, "batch_index": np.array([[-1], [-1], [0]], np.int64),
+                                        "position_ids": skipped, "updates": updates})
+    np.testing.assert_array_equal(out, data)
+    out = run_function(CTX_SCATTER, {"data": data, "position_ids": skipped, "updates": updates})
+    np.testing.assert_array_equal(out, data)
+
+
+def numpy_scatter(data, rows, slots, updates):
+    expected = data.copy()
+    for b in range(slots.shape[0]):
+        for s in range(slots.shape[1]):
+            if 0 <= rows[b] < data.shape[0] and 0 <= slots[b, s] < data.shape[2]:
+                expected[rows[b], :, slots[b, s]] = updates[b, :, s]
+    return expected
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_ctx_scatter_bodies_match_numpy_on_random_padding(seed):
+    # Skipped writes before and after the real ones, rows named twice, rows out of the cache.
+    rng = np.random.default_rng(seed)
+    batch, seq = 4, 3
+    data = rng.standard_normal((ROWS, HEADS, CTX, DIM)).astype(np.float32)
+    updates = rng.standard_normal((batch, HEADS, seq, DIM)).astype(np.float32)
+    slots = np.stack([rng.permutation(CTX)[:seq] for _ in range(batch)]).astype(np.int64)
+    slots[rng.random((batch, seq)) < 0.4] = SKIP_INDEX
+    batch_index = rng.choice([-1, 0, 1, 2, ROWS], size=(batch, 1)).astype(np.int64)
+    live = [b for b in range(batch) if 0 <= batch_index[b, 0] < ROWS]
+    for b in live[1:]:  # one live batch row per cache row: real writes never collide
+        if batch_index[b, 0] in batch_index[live[: live.index(b)], 0]:
+            slots[b] = SKIP_INDEX
+    out = run_function(CTX_SCATTER_CB, {"data": data, "batch_index": batch_index, "position_ids": slots,
+                                        "updates": updates})
+    np.testing.assert_array_equal(out, numpy_scatter(data, batch_index[:, 0], slots, updates))
+    own_slots, own_updates = slots[:ROWS], updates[:ROWS]  # CtxScatter: batch row b is cache row b
+    out = run_function(CTX_SCATTER, {"data": data, "position_ids": own_slots, "updates": own_updates})
+    np.testing.assert_array_equal(out, numpy_scatter(data, np.arange(ROWS), own_slots, own_updates))
+
+
 def test_ctx_gather_reads_slots_and_row_zero_for_skipped():
     data = RNG.standard_normal((ROWS, HEADS, CTX, DIM)).astype(np.float32)
     indices = np.where(np.arange(CTX) > np.array([1, 3, -1])[:, None], SKIP_INDEX, np.arange(CTX))[:, None, :]

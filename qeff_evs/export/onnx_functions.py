@@ -17,7 +17,7 @@ kernels; every other runtime (ONNX Runtime here) inlines their bodies, which use
   D)`` (one ScatterND).
 * ``com.qualcomm.cloud::CtxGather(data, ctx_indices, comp_ctx_len)`` and
   ``CtxGatherCB(data, batch_index, ctx_indices, comp_ctx_len)`` -- KV-cache reads of the slots in
-  ``ctx_indices (B, 1, ctx_len)`` (one GatherND).
+  ``ctx_indices (B, 1, ctx_len)``.
 
 Skipped slots. QEfficient marks a write or read the card must skip with the index INT32_MAX: the
 language graph turns padding slots (-1) into INT32_MAX before CtxScatter, and slots beyond a row's
@@ -25,13 +25,18 @@ last position into INT32_MAX before CtxGather. Standard ScatterND/GatherND rejec
 range, so QEfficient's own ORT runner rewrites the INT32_MAX constants to 0 -- which, for a scatter,
 writes padding into slot 0 of a live row. Our bodies instead *are* the skip, in standard ops:
 
-* the scatter bodies append one scratch slot to the ``ctx_len`` axis, send every write whose slot
-  (or batch row) lies outside the cache there, scatter, and slice the scratch slot off again -- a
-  skipped write touches nothing, whatever its batch row (vllm-qaic's padding rows carry
-  ``batch_index = -1``), and real writes are never duplicated by padding ones;
-* the gather bodies read slot 0 (and row 0) in place of a skipped index; the language graph zeroes
-  what a skipped read returns (keys and values), so the card's unspecified skipped data and ORT's
-  slot-0 rows both become exact zeros, which the attention mask already hides.
+* the scatter bodies cost O(updates), not O(cache): every write whose slot (or batch row) lies
+  outside the cache is redirected onto the call's last real write, with that write's own update (a
+  duplicate of that write, index and value, which changes nothing whatever order ScatterND applies
+  them in); a call without any real write (an all-padding
+  decode, vllm-qaic's ``batch_index = -1`` rows) redirects them onto slot 0 of row 0 with the value
+  that slot already holds. So a skipped write touches nothing, whatever its batch row, and real
+  writes land exactly once with their own values. The only full-cache pass is ScatterND's copy of
+  ``data`` (a graph input, which ONNX Runtime does not overwrite in place);
+* the gather bodies read slot 0 (and row 0) in place of a skipped index, as one Gather of
+  ``head_dim`` vectors from the cache seen as ``(rows * heads * ctx_len, head_dim)``; the language
+  graph zeroes what a skipped read returns (keys and values), so the card's unspecified skipped data
+  and ORT's slot-0 rows both become exact zeros, which the attention mask already hides.
 
 So the card and ONNX Runtime compute the same thing, and ORT's logits are bit for bit those of the
 graphs before these functions (pads used to write the last slot, which no query reads before it is
@@ -130,31 +135,51 @@ def _index_tuple(rows: str, heads: str, slots: str, shape: str) -> list[onnx.Nod
 
 def _scatter_function(batched: bool) -> onnx.FunctionProto:
     inputs = ["data", "batch_index", "position_ids", "updates"] if batched else ["data", "position_ids", "updates"]
-    nodes = [_node("Shape", ["data"], ["data_shape"]), _node("Shape", ["updates"], ["updates_shape"])]
+    nodes = [_node("Shape", ["data"], ["data_shape"]), _node("Shape", ["updates"], ["updates_shape"]),
+             _node("Shape", ["position_ids"], ["positions_shape"])]
     nodes += _dims("d_", "data_shape", {"rows": 0, "ctx": 2})
     nodes += _dims("u_", "updates_shape", {"batch": 0, "heads": 1, "seq": 2})
-    nodes += [_const_ints("one", [1]), _const_ints("zero", [0]), _const_ints("axis2", [2]),
+    nodes += [_const_ints("one", [1]), _const_ints("zero", [0]), _const_ints("flat", [-1]),
               _node("Concat", ["batch", "heads", "seq", "one"], ["index_shape"], axis=0)]
-    # The scratch slot: a copy of slot 0 appended at slot ctx_len, cut off again after the scatter.
-    nodes += [_node("Slice", ["data", "zero", "one", "axis2"], ["scratch"]),
-              _node("Concat", ["data", "scratch"], ["padded"], axis=2)]
     nodes += _in_range("position_ids", "ctx", "slot_ok")  # (B, S)
     if batched:
         nodes += _in_range("batch_index", "rows", "row_ok")  # (B, 1), broadcast over the chunk
         nodes += [_node("And", ["slot_ok", "row_ok"], ["write"]),
-                  _node("Where", ["write", "batch_index", "zero"], ["row"])]  # (B, S)
+                  _node("Expand", ["batch_index", "positions_shape"], ["target_row"])]  # (B, S)
     else:
         nodes += [_node("Identity", ["slot_ok"], ["write"])]
         nodes += _range("batch", "row_range")
-        nodes += [_const_ints("row_axes", [1]), _node("Unsqueeze", ["row_range", "row_axes"], ["row"])]  # (B, 1)
-    nodes += [_node("Where", ["write", "position_ids", "ctx"], ["slot"])]
+        nodes += [_const_ints("row_axes", [1]), _node("Unsqueeze", ["row_range", "row_axes"], ["row_column"]),
+                  _node("Expand", ["row_column", "positions_shape"], ["target_row"])]  # (B, S)
+    # The stand-in for skipped writes: the last real write k of the call, with its own update (a
+    # duplicate of an identical write, after which nothing else lands there), or, in a call without
+    # any real write, slot 0 of row 0 with the value it already holds.
+    nodes += [_node("Reshape", ["write", "flat"], ["write_flat"]),
+              _node("Cast", ["write_flat"], ["write_int"], to=TensorProto.INT32),
+              _node("ArgMax", ["write_int"], ["k"], axis=0, keepdims=1, select_last_index=1),  # (1,)
+              _node("Gather", ["write_flat", "k"], ["any_write"]),
+              _node("Reshape", ["target_row", "flat"], ["row_flat"]),
+              _node("Gather", ["row_flat", "k"], ["k_row"]),
+              _node("Reshape", ["position_ids", "flat"], ["slot_flat"]),
+              _node("Gather", ["slot_flat", "k"], ["k_slot"]),
+              _node("Where", ["any_write", "k_row", "zero"], ["stand_in_row"]),
+              _node("Where", ["any_write", "k_slot", "zero"], ["stand_in_slot"]),
+              _node("Div", ["k", "seq"], ["k_b"]), _node("Mod", ["k", "seq"], ["k_s"]),
+              _node("Gather", ["updates", "k_b"], ["k_chunk"], axis=0),  # (1, H, S, D)
+              _node("Gather", ["k_chunk", "k_s"], ["k_update"], axis=2),  # (1, H, 1, D)
+              _const_ints("slot0_starts", [0, 0]), _const_ints("slot0_ends", [1, 1]), _const_ints("slot0_axes", [0, 2]),
+              _node("Slice", ["data", "slot0_starts", "slot0_ends", "slot0_axes"], ["kept_slot0"]),  # (1, H, 1, D)
+              _node("Where", ["any_write", "k_update", "kept_slot0"], ["stand_in_update"]),
+              _node("Where", ["write", "target_row", "stand_in_row"], ["row"]),  # (B, S)
+              _node("Where", ["write", "position_ids", "stand_in_slot"], ["slot"]),
+              _const_ints("bs_axes", [1, 3]),
+              _node("Unsqueeze", ["write", "bs_axes"], ["write4"]),
+              _node("Where", ["write4", "updates", "stand_in_update"], ["values"])]  # (B, H, S, D)
     nodes += _range("heads", "head_range")
     nodes += [_const_ints("head_axes", [0, 2, 3]), _node("Unsqueeze", ["head_range", "head_axes"], ["head4"]),
-              _const_ints("bs_axes", [1, 3]),
               _node("Unsqueeze", ["row", "bs_axes"], ["row4"]), _node("Unsqueeze", ["slot", "bs_axes"], ["slot4"])]
     nodes += _index_tuple("row4", "head4", "slot4", "index_shape")
-    nodes += [_node("ScatterND", ["padded", "indices", "updates"], ["scattered"]),
-              _node("Slice", ["scattered", "zero", "ctx", "axis2"], ["output"])]
+    nodes += [_node("ScatterND", ["data", "indices", "values"], ["output"])]
     name = CTX_SCATTER_CB if batched else CTX_SCATTER
     return _function(name, KV_DOMAIN, inputs, nodes,
                      doc="ScatterND of updates at (row, head, slot); writes outside the cache are skipped")
@@ -163,31 +188,35 @@ def _scatter_function(batched: bool) -> onnx.FunctionProto:
 def _gather_function(batched: bool) -> onnx.FunctionProto:
     inputs = ["data", "batch_index", "ctx_indices", "comp_ctx_len"] if batched else ["data", "ctx_indices", "comp_ctx_len"]
     nodes = [_node("Shape", ["data"], ["data_shape"])]
-    nodes += _dims("d_", "data_shape", {"rows": 0, "heads": 1, "ctx": 2})
-    nodes += [_const_ints("zero", [0]), _const_ints("one", [1]),
+    nodes += _dims("d_", "data_shape", {"rows": 0, "heads": 1, "ctx": 2, "dim": 3})
+    nodes += [_const_ints("zero", [0]), _const_ints("one", [1]), _const_ints("flat", [-1]),
               _node("Reshape", ["comp_ctx_len", "one"], ["length"])]
     nodes += _in_range("ctx_indices", "ctx", "slot_ok")
     nodes += [_node("Where", ["slot_ok", "ctx_indices", "zero"], ["slot"])]  # (B, 1, L): skipped reads slot 0
     if batched:
         nodes += [_node("Shape", ["batch_index"], ["bi_shape"])]
         nodes += _dims("b_", "bi_shape", {"batch": 0})
-        nodes += [_node("Concat", ["batch", "heads", "length", "one"], ["index_shape"], axis=0)]
         nodes += _in_range("batch_index", "rows", "row_ok")
-        nodes += [_node("Where", ["row_ok", "batch_index", "zero"], ["row"]),  # (B, 1)
-                  _const_ints("row_axes", [2, 3]), _node("Unsqueeze", ["row", "row_axes"], ["row4"])]
-        nodes += _range("heads", "head_range")
-        nodes += [_const_ints("head_axes", [0, 2, 3]), _node("Unsqueeze", ["head_range", "head_axes"], ["head4"]),
-                  _const_ints("slot_axes", [3]), _node("Unsqueeze", ["slot", "slot_axes"], ["slot4"])]
-        nodes += _index_tuple("row4", "head4", "slot4", "index_shape")
-        nodes += [_node("GatherND", ["data", "indices"], ["output"])]
+        nodes += [_node("Where", ["row_ok", "batch_index", "zero"], ["row"])]  # (B, 1)
     else:
-        nodes += [_node("Concat", ["rows", "heads", "length"], ["index_shape"], axis=0),
-                  _node("Expand", ["slot", "index_shape"], ["slot_idx"]),
-                  _const_ints("last", [-1]), _node("Unsqueeze", ["slot_idx", "last"], ["indices"]),
-                  _node("GatherND", ["data", "indices"], ["output"], batch_dims=2)]
+        nodes += [_node("Identity", ["rows"], ["batch"])]
+        nodes += _range("rows", "row_range")
+        nodes += [_node("Unsqueeze", ["row_range", "one"], ["row"])]  # (B, 1)
+    # One Gather of D-vectors from the cache seen as (rows * heads * ctx, D), at the flat index
+    # ((row * H + head) * ctx + slot): the same elements GatherND would pick, with less work per vector.
+    nodes += _range("heads", "head_range")
+    nodes += [_const_ints("head_axes", [0, 2]), _node("Unsqueeze", ["head_range", "head_axes"], ["head3"]),
+              _const_ints("row_axes", [2]), _node("Unsqueeze", ["row", "row_axes"], ["row3"]),
+              _node("Mul", ["row3", "heads"], ["row_heads"]), _node("Add", ["row_heads", "head3"], ["plane"]),
+              _node("Mul", ["plane", "ctx"], ["plane_start"]), _node("Add", ["plane_start", "slot"], ["flat_slot"]),
+              _node("Concat", ["batch", "heads", "length"], ["index_shape"], axis=0),
+              _node("Expand", ["flat_slot", "index_shape"], ["flat_index"]),  # (B, H, comp_ctx_len)
+              _node("Concat", ["flat", "dim"], ["vectors_shape"], axis=0),
+              _node("Reshape", ["data", "vectors_shape"], ["vectors"]),
+              _node("Gather", ["vectors", "flat_index"], ["output"], axis=0)]
     name = CTX_GATHER_CB if batched else CTX_GATHER
     return _function(name, KV_DOMAIN, inputs, nodes,
-                     doc="GatherND of the slots in ctx_indices; an index outside the cache reads slot 0 of row 0")
+                     doc="Gather of the slots in ctx_indices; an index outside the cache reads slot 0 (of row 0)")
 
 
 def custom_functions() -> dict[tuple[str, str], onnx.FunctionProto]:

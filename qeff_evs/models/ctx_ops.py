@@ -28,18 +28,18 @@ def _inside(index: torch.Tensor, size: int) -> torch.Tensor:
 
 def _scatter(data: torch.Tensor, rows: torch.Tensor, position_ids: torch.Tensor, updates: torch.Tensor,
              row_ok: torch.Tensor) -> torch.Tensor:
-    """``data (F, H, C, D)`` with ``updates (B, H, S, D)`` written at ``(rows[b], h, position_ids[b, s])``.
+    """``data (F, H, C, D)`` with ``updates (B, H, S, D)`` written at ``(rows[b, s], h, position_ids[b, s])``.
 
-    Skipped writes land in a scratch slot ``C`` that is cut off again, exactly as the ONNX body does.
+    Only the real writes land; skipped ones touch nothing (the ONNX body gets there without a
+    data-dependent shape, by repeating a real write; see ``qeff_evs.export.onnx_functions``).
     """
-    ctx_len = data.shape[2]
-    write = _inside(position_ids, ctx_len) & row_ok
-    slots = torch.where(write, position_ids, ctx_len)
-    rows = torch.where(write, rows, 0)
-    padded = torch.cat([data, data[:, :, :1]], dim=2)
+    write = _inside(position_ids, data.shape[2]) & row_ok
+    batch, seq = torch.nonzero(write, as_tuple=True)
     heads = torch.arange(data.shape[1], device=data.device)
-    padded[rows[:, None, :], heads[None, :, None], slots[:, None, :]] = updates.to(data.dtype)
-    return padded[:, :, :ctx_len]
+    out = data.clone()
+    out[rows[batch, seq][:, None], heads[None, :], position_ids[batch, seq][:, None]] = \
+        updates[batch, :, seq].to(data.dtype)
+    return out
 
 
 class _CtxScatter(torch.autograd.Function):
