@@ -1,0 +1,106 @@
+"""CPU cost of the language graph's KV writes/reads under ONNX Runtime (tiny models, long cache).
+
+At a large ``ctx_len`` the tiny models' weights cost next to nothing, so a call's time is mostly
+what the graph does per cache element: the CtxScatter/CtxGather bodies and the reads' zeroing.
+Two steps, so that checkouts can be compared in one process (timings on a shared machine drift
+between processes more than the differences measured)::
+
+    # export the tiny Qwen2.5-VL / Qwen3-VL language graphs of the qeff_evs on the path
+    PYTHONPATH=/path/to/checkout python benchmarks/kv_ops_bench.py export before/
+    python benchmarks/kv_ops_bench.py export after/
+    # time one decode step and one prefill chunk of every graph, the folders' runs interleaved
+    python benchmarks/kv_ops_bench.py time before/ after/
+
+``time`` prints the median process CPU time per call (ONNX Runtime on one thread, so CPU time is
+the work done, whatever else runs on the machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+
+FAMILIES = ("qwen2_5_vl", "qwen3_vl")
+CB_ROWS = 4  # continuous batching: full_batch_size, and the rows of a decode call
+
+
+def export(folder: Path) -> None:
+    from qeff_evs.export.language import export_language_graph
+    from qeff_evs.models.tiny import build_tiny_model, build_tokenizer
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for family in FAMILIES:
+            model = build_tiny_model(family, build_tokenizer())
+            for cb in (False, True):
+                export_language_graph(model, folder / f"{family}{'_cb' if cb else ''}.onnx", continuous_batching=cb)
+
+
+def feeds(session: ort.InferenceSession, seq_len: int, ctx_len: int, start: int, batch: int) -> dict[str, np.ndarray]:
+    """A call of ``batch`` rows writing slots ``start .. start + seq_len`` of a random cache."""
+    symbols = {"batch_size": batch, "seq_len": seq_len, "vision_size": seq_len, "ctx_len": ctx_len,
+               "full_batch_size": CB_ROWS}
+    rng = np.random.default_rng(0)
+    values = {}
+    for value in session.get_inputs():
+        shape = [symbols[d] if isinstance(d, str) else d for d in value.shape]
+        if value.name == "input_ids":
+            values[value.name] = rng.integers(0, 100, shape, dtype=np.int64)
+        elif value.name == "position_ids":
+            values[value.name] = np.broadcast_to(np.arange(start, start + seq_len), shape).astype(np.int64).copy()
+        elif value.name == "batch_index":
+            values[value.name] = np.arange(batch, dtype=np.int64).reshape(shape)
+        elif value.name == "image_idx":
+            values[value.name] = np.zeros(shape, np.int64)
+        else:
+            values[value.name] = rng.standard_normal(shape, dtype=np.float32)
+    return values
+
+
+def time_folders(folders: list[Path], ctx_len: int, prefill_seq_len: int, repeats: int) -> None:
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = options.inter_op_num_threads = 1
+    for graph in sorted(p.name for p in folders[0].glob("*.onnx")):
+        sessions = [ort.InferenceSession(str(folder / graph), options, providers=["CPUExecutionProvider"])
+                    for folder in folders]
+        batch = CB_ROWS if graph.endswith("_cb.onnx") else 1
+        for label, seq_len, start, rows in (("decode", 1, 200, batch), (f"prefill {prefill_seq_len}", prefill_seq_len, 0, 1)):
+            calls = [(s, feeds(s, seq_len, ctx_len, start, rows)) for s in sessions]
+            samples = [[] for _ in sessions]
+            for session, values in calls:
+                session.run(None, values)  # warm-up
+            for _ in range(repeats):
+                for i, (session, values) in enumerate(calls):
+                    begin = time.process_time()
+                    session.run(None, values)
+                    samples[i].append((time.process_time() - begin) * 1e3)
+            medians = "  ".join(f"{statistics.median(s):7.2f}" for s in samples)
+            print(f"{graph[:-5]:14s} {label:12s} rows {rows}: {medians}  ms", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    commands.add_parser("export").add_argument("folder", type=Path)
+    timing = commands.add_parser("time")
+    timing.add_argument("folders", type=Path, nargs="+")
+    timing.add_argument("--ctx-len", type=int, default=8192)
+    timing.add_argument("--prefill-seq-len", type=int, default=128)
+    timing.add_argument("--repeats", type=int, default=50)
+    args = parser.parse_args()
+    if args.command == "export":
+        args.folder.mkdir(parents=True, exist_ok=True)
+        export(args.folder)
+    else:
+        print("median CPU ms per call, columns: " + "  ".join(str(f) for f in args.folders))
+        time_folders(args.folders, args.ctx_len, args.prefill_seq_len, args.repeats)
+
+
+if __name__ == "__main__":
+    main()
