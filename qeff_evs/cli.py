@@ -1,4 +1,4 @@
-"""The ``qeff-evs`` command: export, compile, run, demo (and bench)."""
+"""The ``qeff-evs`` command: export, compile, run, encode, demo (and bench)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from qeff_evs.specializations import FLOAT16, MXINT8
+from qeff_evs.specializations import DEFAULT_FRAMES_PER_CALL, FLOAT16, MXINT8
 
 
 def _progress(message: str) -> None:
@@ -57,10 +57,12 @@ def cmd_export(args: argparse.Namespace) -> int:
         mxfp6_matmul=args.mxfp6,
         full_batch_size=args.full_batch_size,
         rope_positions=args.rope_positions,
+        frames_per_call=args.frames_per_call,
     )
     manifest = export_checkpoint(args.model_dir, args.output, options, progress=_progress)
     print(json.dumps({"export_dir": str(args.output), "family": manifest.family,
-                      "vision_specializations": len(manifest.vision_entries)}))
+                      "encoder_specializations": len(manifest.encoder_entries),
+                      "evs_specializations": len(manifest.evs_entries)}))
     return 0
 
 
@@ -88,18 +90,24 @@ def cmd_compile(args: argparse.Namespace) -> int:
     return compile_export(Path(args.export_dir), options, progress=_progress)
 
 
+def _video(args: argparse.Namespace, bundle):
+    """The video of ``--video`` or ``--pixel-values-videos`` + ``--video-grid-thw`` (run and encode)."""
+    from qeff_evs.runtime.runner import video_from_file, video_from_patches
+
+    if args.video:
+        return video_from_file(args.video, bundle, target_fps=args.fps)
+    if args.video_grid_thw is None:
+        raise ValueError("--pixel-values-videos needs --video-grid-thw T,H,W")
+    return video_from_patches(args.pixel_values_videos, args.video_grid_thw, args.fps, bundle)
+
+
 def cmd_run(args: argparse.Namespace) -> int:
-    from qeff_evs.runtime.runner import answer, build_engine, open_export, video_from_file, video_from_patches
+    from qeff_evs.runtime.runner import answer, build_engine, open_export
 
     bundle = open_export(args.export_dir)
     if args.requests:
         return _serve_requests(args, bundle)
-    if args.video:
-        video = video_from_file(args.video, bundle, target_fps=args.fps)
-    else:
-        if args.video_grid_thw is None:
-            raise ValueError("--pixel-values-videos needs --video-grid-thw T,H,W")
-        video = video_from_patches(args.pixel_values_videos, args.video_grid_thw, args.fps, bundle)
+    video = _video(args, bundle)
     if args.prompt is None:
         raise ValueError("--prompt is required with --video / --pixel-values-videos")
     engine = build_engine(bundle, args.backend, args.max_new_tokens, progress=_progress)
@@ -110,6 +118,24 @@ def cmd_run(args: argparse.Namespace) -> int:
         print("retained tokens per frame:", result.retained_tokens_per_frame)
         print("generated token ids:", result.generated_token_ids)
         print("generated text:", repr(bundle.tokenizer.decode(result.generated_token_ids)))
+    return 0
+
+
+def cmd_encode(args: argparse.Namespace) -> int:
+    from qeff_evs.runtime.runner import encode_video, open_export
+
+    bundle = open_export(args.export_dir)
+    report = encode_video(bundle, _video(args, bundle), args.backend, progress=_progress)
+    if args.json:
+        print(json.dumps(report.to_json()))
+        return 0
+    t, h, w = report.merged_grid
+    print(f"{report.frames} frames at {report.resolution[0]}x{report.resolution[1]}: {t} temporal patches of "
+          f"{h}x{w} tokens, {len(report.retained_indices)} of {t * h * w} kept "
+          f"(encoder {report.seconds['encoder']:.2f} s in calls of {report.frames_per_call}, "
+          f"EVS {report.seconds['evs']:.3f} s)")
+    print("retained tokens per frame:", report.retained_tokens_per_frame)
+    print("\n".join(report.kept_map()))
     return 0
 
 
@@ -144,11 +170,19 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return run_bench(args, progress=_progress)
 
 
+def _add_video_arguments(p: argparse.ArgumentParser, source) -> None:
+    """The video input flags ``run`` and ``encode`` share (``source``: their mutually exclusive group)."""
+    source.add_argument("--video", help="a video file or a .npy array (T, H, W, 3) uint8")
+    source.add_argument("--pixel-values-videos", help=".npy of patchified pixels (rows, C*tp*p*p)")
+    p.add_argument("--video-grid-thw", type=_grid, default=None, help="T,H,W patch grid for --pixel-values-videos")
+    p.add_argument("--fps", type=float, default=None, help="sampling rate (default: the checkpoint's, 2)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="qeff-evs", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("export", help="export vision(+EVS) and language ONNX graphs, specializations, compile.sh")
+    p = sub.add_parser("export", help="export encoder, EVS and language ONNX graphs, specializations, compile.sh")
     p.add_argument("model_dir", help="a local Qwen2.5-VL / Qwen3-VL checkpoint folder")
     p.add_argument("-o", "--output", required=True, type=Path, help="export folder")
     p.add_argument("--video-pruning-rate", type=float, default=0.5, help="EVS pruning rate q in [0, 1)")
@@ -169,6 +203,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rope-positions", type=int, default=None,
                    help="M-RoPE positions the language graph's cos/sin tables cover (default: ctx_len / (1 - q), "
                         "rounded up to 64: EVS keeps the unpruned positions)")
+    p.add_argument("--frames-per-call", type=int, default=DEFAULT_FRAMES_PER_CALL,
+                   help="temporal patches per encoder call (one encoder specialization per resolution serves "
+                        f"every video length; default {DEFAULT_FRAMES_PER_CALL}, see README Performance)")
     p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("compile", help="run qaic-compile where the SDK is installed, else print the commands")
@@ -198,18 +235,23 @@ def build_parser() -> argparse.ArgumentParser:
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--requests", type=Path, help="JSONL of requests (id, prompt, video, max_new_tokens) "
                         "served together with continuous batching (export with --full-batch-size)")
-    source.add_argument("--video", help="a video file or a .npy array (T, H, W, 3) uint8")
-    source.add_argument("--pixel-values-videos", help=".npy of patchified pixels (rows, C*tp*p*p)")
-    p.add_argument("--video-grid-thw", type=_grid, default=None, help="T,H,W patch grid for --pixel-values-videos")
+    _add_video_arguments(p, source)
     p.add_argument("--prompt", help="the question (not with --requests)")
     p.add_argument("--max-num-seqs", type=int, default=None, help="--requests: running requests (<= full batch)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="--requests: token budget per step")
     p.add_argument("--encoder-cache-rows", type=int, default=None, help="--requests: encoder cache size in rows")
-    p.add_argument("--fps", type=float, default=None, help="sampling rate (default: the checkpoint's, 2)")
     p.add_argument("--max-new-tokens", type=int, default=16)
     p.add_argument("--backend", choices=("ort", "torch", "qaic"), default="ort")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("encode", help="only the vision side of one video: encoder + EVS, kept tokens per frame")
+    p.add_argument("export_dir", type=Path)
+    _add_video_arguments(p, p.add_mutually_exclusive_group(required=True))
+    p.add_argument("--backend", choices=("ort", "torch", "qaic"), default="ort")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object (adds retained_indices, frame count, resolution, timings)")
+    p.set_defaults(func=cmd_encode)
 
     p = sub.add_parser("demo", help="tiny random Qwen2.5-VL, exported and run on a synthetic video")
     p.add_argument("--workdir", default=None, help="where to keep the checkpoint and export (default: a temp dir)")

@@ -17,15 +17,21 @@ MODEL_CONFIG_DIR = "model_config"  # the checkpoint's config and preprocessor fi
 SERVING_ARCHITECTURES = {"qwen2_5_vl": "QeffEvsQwen2_5_VLForConditionalGeneration",
                          "qwen3_vl": "QeffEvsQwen3_VLForConditionalGeneration"}
 
+# The three graphs, in compile order. The encoder and the EVS graph share the vision folder, so their
+# compile inputs carry the graph's name (``vision/encoder_specializations.json``, ``vision/evs_qpc``).
+GRAPHS = ("encoder", "evs", "language")
 # role -> path relative to the export folder
 EXPORT_FILES = dict(
-    vision="vision/vision.onnx", language="language/language.onnx", tokenizer="tokenizer",
-    vision_specializations="vision/specializations.json",
+    encoder="vision/encoder.onnx", evs="vision/evs.onnx", language="language/language.onnx", tokenizer="tokenizer",
+    encoder_specializations="vision/encoder_specializations.json",
+    evs_specializations="vision/evs_specializations.json",
     language_specializations="language/specializations.json",
-    vision_specializations_named="vision/specializations.named.json",
+    encoder_specializations_named="vision/encoder_specializations.named.json",
+    evs_specializations_named="vision/evs_specializations.named.json",
     language_specializations_named="language/specializations.named.json",
     model_config=MODEL_CONFIG_DIR,
-    vision_custom_io="vision/custom_io.yaml", language_custom_io="language/custom_io.yaml",
+    encoder_custom_io="vision/encoder_custom_io.yaml", evs_custom_io="vision/evs_custom_io.yaml",
+    language_custom_io="language/custom_io.yaml",
     compile_script="compile.sh",
     serving_config="config.json", generation_config="generation_config.json",
 )
@@ -83,8 +89,19 @@ _TOP_LEVEL_SHAPE = {"ctx_len": "ctx_len", "vision_size": "user_vision_size"}
 
 
 @dataclass(frozen=True)
-class VisionEntry:
-    """One vision specialization and the (resolution, frames, q) it serves."""
+class EncoderEntry:
+    """One encoder specialization: F temporal patches of one resolution per call, any video length."""
+
+    height: int
+    width: int
+    frames_per_call: int
+    grid_hw: tuple[int, int]  # patch grid of one frame
+    symbols: dict[str, int]
+
+
+@dataclass(frozen=True)
+class EVSEntry:
+    """One EVS specialization and the (resolution, frames, q) it serves: T temporal patches, K kept."""
 
     height: int
     width: int
@@ -105,7 +122,8 @@ class Manifest:
     special_tokens: SpecialTokens
     language_shape: LanguageShape
     files: dict[str, str]  # role -> path relative to the export folder
-    vision_entries: tuple[VisionEntry, ...] = field(default=())
+    encoder_entries: tuple[EncoderEntry, ...] = field(default=())
+    evs_entries: tuple[EVSEntry, ...] = field(default=())
     kv_precision: str = "float16"
 
     @property
@@ -121,14 +139,42 @@ class Manifest:
             raise ValueError(f"manifest has no file for {role!r}; it lists {sorted(self.files)}")
         return Path(export_dir) / self.files[role]
 
-    def vision_entry(self, grid_thw: tuple[int, int, int]) -> VisionEntry:
-        for entry in self.vision_entries:
-            if tuple(entry.grid_thw) == tuple(grid_thw):
+    def encoder_entry(self, grid_hw: tuple[int, int]) -> EncoderEntry:
+        """The encoder specialization of a frame's patch grid ``(H, W)``; ValueError naming what was exported."""
+        for entry in self.encoder_entries:
+            if tuple(entry.grid_hw) == tuple(grid_hw):
                 return entry
-        served = sorted({tuple(e.grid_thw) for e in self.vision_entries})
+        served = [(e.height, e.width) for e in self.encoder_entries]
         raise ValueError(
-            f"no vision specialization for video grid {tuple(grid_thw)} (frames/2, H/patch, W/patch); "
-            f"exported grids are {served}; re-export with matching --frames/--height/--width")
+            f"no encoder specialization for frames of {tuple(grid_hw)} patches (H/patch, W/patch); exported "
+            f"resolutions (height, width) are {served}; re-export with matching --height/--width")
+
+    def evs_entry(self, grid_thw: tuple[int, int, int]) -> EVSEntry:
+        """The EVS specialization of a video grid ``(T, H, W)`` (its resolution must have an encoder one too).
+
+        ValueError naming what was exported otherwise.
+        """
+        grid = tuple(int(v) for v in grid_thw)
+        try:
+            self.encoder_entry(grid[1:])
+        except ValueError as error:
+            raise ValueError(f"no vision specialization for video grid {grid}: {error}") from None
+        for entry in self.evs_entries:
+            if tuple(entry.grid_thw) == grid:
+                return entry
+        served = sorted({tuple(e.grid_thw) for e in self.evs_entries})
+        raise ValueError(
+            f"no vision specialization for video grid {grid} (frames/2, H/patch, W/patch): no EVS specialization "
+            f"for {grid[0]} temporal patches; exported grids are {served} (frames {list(self.frames)}); "
+            "re-export with matching --frames")
+
+    @property
+    def frames_per_call(self) -> int:
+        """F of the encoder: every resolution is exported with the same frames per call."""
+        counts = {e.frames_per_call for e in self.encoder_entries}
+        if len(counts) != 1:
+            raise ValueError(f"manifest lists encoder frames per call {sorted(counts)}; expected exactly one value")
+        return counts.pop()
 
     def to_json(self) -> dict:
         raw = asdict(self)
@@ -150,9 +196,13 @@ def read_manifest(export_dir: Path) -> Manifest:
     if not path.is_file():
         raise ValueError(f"{path} not found: run `qeff-evs export MODEL_DIR -o {export_dir}` first")
     raw = json.loads(path.read_text())
-    entries = tuple(
-        VisionEntry(e["height"], e["width"], e["frames"], tuple(e["grid_thw"]), e["retained"], e["symbols"])
-        for e in raw.pop("vision_entries", []))
+    if "vision_entries" in raw:
+        raise ValueError(f"{path} is an export from before the encoder/EVS split (one vision graph); "
+                         "re-run `qeff-evs export` with this version")
+    encoder = tuple(EncoderEntry(e["height"], e["width"], e["frames_per_call"], tuple(e["grid_hw"]), e["symbols"])
+                    for e in raw.pop("encoder_entries", []))
+    evs = tuple(EVSEntry(e["height"], e["width"], e["frames"], tuple(e["grid_thw"]), e["retained"], e["symbols"])
+                for e in raw.pop("evs_entries", []))
     shape = dict(raw.pop("language_shape"))
     for field_name, key in _TOP_LEVEL_SHAPE.items():
         shape[field_name] = raw.pop(key)
@@ -161,4 +211,4 @@ def read_manifest(export_dir: Path) -> Manifest:
     raw["frames"] = tuple(raw["frames"])
     raw["resolutions"] = tuple(tuple(r) for r in raw["resolutions"])
     return Manifest(**raw, special_tokens=SpecialTokens(**tokens), language_shape=LanguageShape(**shape),
-                    vision_entries=entries)
+                    encoder_entries=encoder, evs_entries=evs)

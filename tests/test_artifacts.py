@@ -26,7 +26,19 @@ from qeff_evs.specializations import check_specializations, read_specializations
 PATCH, MERGE, TEMPORAL_PATCH, CHANNELS, WINDOW = 14, 2, 2, 3, 56
 NUM_LAYERS = 2
 
-VISION_SYMBOLS = ("grid_h", "grid_w", "grid_height", "grid_width", "time", "vision_size", "retained_size")
+ENCODER_SYMBOLS = ("frames_per_call", "grid_h", "grid_w", "grid_height", "grid_width", "vision_size")
+EVS_SYMBOLS = ("time", "video_tokens", "retained_size")
+FRAMES_PER_CALL = 2  # the export's default
+
+# graph -> (onnx, specializations.json, its named copy, custom IO), relative to the export folder
+GRAPH_FILES = {
+    "encoder": ("vision/encoder.onnx", "vision/encoder_specializations.json",
+                "vision/encoder_specializations.named.json", "vision/encoder_custom_io.yaml"),
+    "evs": ("vision/evs.onnx", "vision/evs_specializations.json", "vision/evs_specializations.named.json",
+            "vision/evs_custom_io.yaml"),
+    "language": ("language/language.onnx", "language/specializations.json", "language/specializations.named.json",
+                 "language/custom_io.yaml"),
+}
 
 
 def load_json(path: Path):
@@ -68,8 +80,11 @@ def test_manifest_names_every_file_of_the_export(tiny_export, manifest_json):
         if path.is_file() and path.name != "manifest.json":
             unnamed = path.relative_to(tiny_export)
             assert any(path == p or p in path.parents for p in named), f"{unnamed} is not in the manifest"
-    for role in ("vision", "language", "tokenizer", "vision_specializations", "language_specializations",
-                 "vision_custom_io", "language_custom_io", "compile_script"):
+    for graph, (onnx_file, flat, named_file, custom_io) in GRAPH_FILES.items():
+        assert files[graph] == onnx_file
+        assert files[f"{graph}_specializations"] == flat and files[f"{graph}_specializations_named"] == named_file
+        assert files[f"{graph}_custom_io"] == custom_io
+    for role in ("tokenizer", "compile_script"):
         assert role in files
 
 
@@ -101,8 +116,10 @@ def test_manifest_special_tokens_are_the_tokenizers(manifest_json, tokenizer, ti
 def test_manifest_reads_back(tiny_export, manifest_json):
     manifest = read_manifest(tiny_export)
     assert manifest.user_vision_size == manifest_json["user_vision_size"]
-    grids = [tuple(e["grid_thw"]) for e in manifest_json["vision_entries"]]
-    assert [e.grid_thw for e in manifest.vision_entries] == grids
+    grids = [tuple(e["grid_thw"]) for e in manifest_json["evs_entries"]]
+    assert [e.grid_thw for e in manifest.evs_entries] == grids
+    assert [e.grid_hw for e in manifest.encoder_entries] == [tuple(e["grid_hw"]) for e in manifest_json["encoder_entries"]]
+    assert manifest.frames_per_call == FRAMES_PER_CALL
 
 
 def test_export_folder_is_a_vllm_model_folder_sized_to_ctx_len(tiny_export, export_options):
@@ -119,16 +136,16 @@ def test_export_folder_is_a_vllm_model_folder_sized_to_ctx_len(tiny_export, expo
 # specializations.json, both layouts
 
 
-@pytest.mark.parametrize("graph", ["vision", "language"])
+@pytest.mark.parametrize("graph", list(GRAPH_FILES))
 def test_specializations_json_is_named_by_default(tiny_export, graph):
     """QEfficient >= 1.22's named layout (``qeff-evs compile --specializations-layout flat`` writes the old one)."""
-    main = load_json(tiny_export / graph / "specializations.json")["specializations"]
-    named = load_json(tiny_export / graph / "specializations.named.json")["specializations"]
+    _, main_file, named_file, _ = GRAPH_FILES[graph]
+    main = load_json(tiny_export / main_file)["specializations"]
+    named = load_json(tiny_export / named_file)["specializations"]
     assert main == named and all(set(entry) == {"name", "symbols"} for entry in main)
     for entry in main:
         assert all(isinstance(v, str) and v.isdigit() for v in entry["symbols"].values()), entry  # stringified
-    assert read_specializations_json(tiny_export / graph / "specializations.json") == \
-        read_specializations_json(tiny_export / graph / "specializations.named.json")
+    assert read_specializations_json(tiny_export / main_file) == read_specializations_json(tiny_export / named_file)
 
 
 def test_language_specializations_carry_user_vision_size(tiny_export, export_options):
@@ -142,62 +159,83 @@ def test_language_specializations_carry_user_vision_size(tiny_export, export_opt
     assert export_options.user_vision_size != export_options.prefill_seq_len  # so the check above tells them apart
 
 
-def expected_vision_symbols(height: int, width: int, frames: int, q: float) -> dict[str, str]:
-    t, h, w = frames // TEMPORAL_PATCH, height // PATCH, width // PATCH
-    per_frame = (h // MERGE) * (w // MERGE)
-    _, cu_window = get_vision_window_index(torch.tensor([[t, h, w]]), spatial_merge_size=MERGE,
+def expected_encoder_symbols(height: int, width: int) -> dict[str, str]:
+    h, w = height // PATCH, width // PATCH
+    _, cu_window = get_vision_window_index(torch.tensor([[1, h, w]]), spatial_merge_size=MERGE,
                                            window_size=WINDOW, patch_size=PATCH)
+    window_lengths = [b - a for a, b in zip(cu_window.tolist(), cu_window.tolist()[1:])]
     symbols = {
-        "grid_height": t * h * w,
-        "grid_width": CHANNELS * TEMPORAL_PATCH * PATCH * PATCH,
-        "time": t,
+        "frames_per_call": FRAMES_PER_CALL,
         "grid_h": h,
         "grid_w": w,
-        "frame_bounds": t + 1,
-        "vision_size": t * per_frame,
-        "window_bounds": len(cu_window),
-        "retained_size": max(per_frame, int(per_frame * t * (1 - q))),  # vLLM's count rule
+        "grid_height": FRAMES_PER_CALL * h * w,
+        "grid_width": CHANNELS * TEMPORAL_PATCH * PATCH * PATCH,
+        "frame_patches": h * w,
+        "vision_size": FRAMES_PER_CALL * h * w // MERGE ** 2,
+        "frame_tokens": h * w // MERGE ** 2,
+        "windows": len(window_lengths),
+        "window_len": max(window_lengths),
     }
     return {k: str(v) for k, v in symbols.items()}
 
 
-def test_vision_specializations_one_per_resolution_and_frame_count(tiny_export, export_options, manifest_json):
-    flat = [e["symbols"] for e in load_json(tiny_export / "vision" / "specializations.json")["specializations"]]
+def expected_evs_symbols(height: int, width: int, frames: int, q: float) -> dict[str, str]:
+    t = frames // TEMPORAL_PATCH
+    per_frame = (height // PATCH // MERGE) * (width // PATCH // MERGE)
+    symbols = {"time": t, "video_tokens": t * per_frame,
+               "retained_size": max(per_frame, int(per_frame * t * (1 - q)))}  # vLLM's count rule
+    return {k: str(v) for k, v in symbols.items()}
+
+
+def test_encoder_specializations_one_per_resolution(tiny_export, export_options, manifest_json):
+    flat = [e["symbols"] for e in load_json(tiny_export / "vision" / "encoder_specializations.json")["specializations"]]
+    assert len(flat) == len(export_options.resolutions)  # whatever the frame counts
+    for entry, (height, width) in zip(flat, export_options.resolutions):
+        assert set(ENCODER_SYMBOLS) <= set(entry)
+        assert entry == expected_encoder_symbols(height, width), (height, width)
+    served = [(e["height"], e["width"], e["frames_per_call"]) for e in manifest_json["encoder_entries"]]
+    assert served == [(h, w, FRAMES_PER_CALL) for h, w in export_options.resolutions]
+
+
+def test_evs_specializations_one_per_resolution_and_frame_count(tiny_export, export_options, manifest_json):
+    flat = [e["symbols"] for e in load_json(tiny_export / "vision" / "evs_specializations.json")["specializations"]]
     q = export_options.video_pruning_rate
     targets = [(h, w, f) for h, w in export_options.resolutions for f in export_options.frames]
     assert len(flat) == len(targets)
     for entry, (height, width, frames) in zip(flat, targets):
-        assert set(VISION_SYMBOLS) <= set(entry)
-        assert entry == expected_vision_symbols(height, width, frames, q), (height, width, frames)
-    served = [(e["height"], e["width"], e["frames"]) for e in manifest_json["vision_entries"]]
+        assert set(EVS_SYMBOLS) <= set(entry)
+        assert entry == expected_evs_symbols(height, width, frames, q), (height, width, frames)
+    served = [(e["height"], e["width"], e["frames"]) for e in manifest_json["evs_entries"]]
     assert served == targets
-    assert [str(e["retained"]) for e in manifest_json["vision_entries"]] == [e["retained_size"] for e in flat]
+    assert [str(e["retained"]) for e in manifest_json["evs_entries"]] == [e["retained_size"] for e in flat]
 
 
 # --------------------------------------------------------------------------------------------------
 # the graphs against their specializations
 
 
-@pytest.mark.parametrize("graph", ["vision", "language"])
+@pytest.mark.parametrize("graph", list(GRAPH_FILES))
 def test_every_graph_symbol_is_bound_in_every_specialization(tiny_export, graph):
-    dims = graph_dims(tiny_export / graph / f"{graph}.onnx")
+    onnx_file, flat_file, _, _ = GRAPH_FILES[graph]
+    dims = graph_dims(tiny_export / onnx_file)
     assert all(d != 0 for shape in dims.values() for d in shape), "a dynamic axis without a name"
     symbols = symbols_of(dims)
     assert symbols, "the graph has no dynamic symbols at all"
-    for entry in load_json(tiny_export / graph / "specializations.json")["specializations"]:
+    for entry in load_json(tiny_export / flat_file)["specializations"]:
         assert symbols <= set(entry["symbols"]), symbols - set(entry["symbols"])
 
 
 @pytest.mark.parametrize("graph, symbol", [("language", "vision_size"), ("language", "ctx_len"),
-                                           ("vision", "retained_size"), ("vision", "grid_height")])
+                                           ("evs", "retained_size"), ("encoder", "grid_height"),
+                                           ("encoder", "window_len")])
 def test_symbol_check_fails_loudly_on_the_real_graph(tiny_export, graph, symbol):
-    specs = [e["symbols"] for e in load_json(tiny_export / graph / "specializations.json")["specializations"]]
+    onnx_file, flat_file, _, _ = GRAPH_FILES[graph]
+    specs = [e["symbols"] for e in load_json(tiny_export / flat_file)["specializations"]]
     broken = [dict(entry) for entry in specs]
     del broken[-1][symbol]
-    check_specializations(tiny_export / graph / f"{graph}.onnx", [{k: int(v) for k, v in e.items()} for e in specs])
+    check_specializations(tiny_export / onnx_file, [{k: int(v) for k, v in e.items()} for e in specs])
     with pytest.raises(ValueError, match=rf"symbol '{symbol}'.*not bound"):
-        check_specializations(tiny_export / graph / f"{graph}.onnx",
-                              [{k: int(v) for k, v in e.items()} for e in broken])
+        check_specializations(tiny_export / onnx_file, [{k: int(v) for k, v in e.items()} for e in broken])
 
 
 # --------------------------------------------------------------------------------------------------
@@ -205,20 +243,22 @@ def test_symbol_check_fails_loudly_on_the_real_graph(tiny_export, graph, symbol)
 
 
 def test_custom_io_names_real_graph_ios_in_fp16(tiny_export):
-    language = yaml.safe_load((tiny_export / "language" / "custom_io.yaml").read_text())
-    vision = yaml.safe_load((tiny_export / "vision" / "custom_io.yaml").read_text())
-    for graph, entries in (("language", language), ("vision", vision)):
-        ios = graph_dims(tiny_export / graph / f"{graph}.onnx")
-        for entry in entries:
+    entries = {graph: yaml.safe_load((tiny_export / files[3]).read_text()) for graph, files in GRAPH_FILES.items()}
+    for graph, records in entries.items():
+        ios = graph_dims(tiny_export / GRAPH_FILES[graph][0])
+        for entry in records:
             assert set(entry) == {"IOName", "Precision"}
             assert entry["IOName"] in ios, (graph, entry)
+    language, encoder, selection = entries["language"], entries["encoder"], entries["evs"]
     precisions = {e["IOName"]: e["Precision"] for e in language}
     expected = ["vision_embeds", "vision_embeds_RetainedState"]
     for i in range(NUM_LAYERS):
         expected += [f"past_key.{i}", f"past_value.{i}", f"past_key.{i}_RetainedState",
                      f"past_value.{i}_RetainedState"]
     assert precisions == {name: "float16" for name in expected}
-    assert {e["IOName"]: e["Precision"] for e in vision} == {"pixel_values": "float16", "vision_embeds": "float16"}
+    assert {e["IOName"]: e["Precision"] for e in encoder} == {"pixel_values": "float16", "vision_embeds": "float16"}
+    # The EVS graph computes in fp32 (compiled without -convert-to-fp16); only its rows cross in fp16.
+    assert {e["IOName"]: e["Precision"] for e in selection} == {"merged_embeds": "float16", "vision_embeds": "float16"}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -226,13 +266,13 @@ def test_custom_io_names_real_graph_ios_in_fp16(tiny_export):
 
 
 def compile_lines(script: Path) -> dict[str, list[str]]:
-    """{graph: argv} of the qaic-compile lines, keyed by the -m= graph's folder."""
+    """{graph: argv} of the qaic-compile lines, keyed by the -m= graph's file name."""
     commands = {}
     for line in script.read_text().splitlines():
         argv = shlex.split(line)
         if argv and argv[0] == "$QAIC_COMPILE":
             model = next(a for a in argv if a.startswith("-m="))[3:]
-            commands[Path(model).parent.name] = argv[1:]
+            commands[Path(model).stem] = argv[1:]
     return commands
 
 
@@ -240,17 +280,19 @@ def test_compile_script_has_one_qaic_compile_line_per_graph(tiny_export):
     script = tiny_export / "compile.sh"
     assert script.stat().st_mode & 0o100, "compile.sh is not executable"
     commands = compile_lines(script)
-    assert set(commands) == {"vision", "language"}
+    assert list(commands) == ["encoder", "evs", "language"]
     for graph, argv in commands.items():
         options = dict(a.split("=", 1) if "=" in a else (a, None) for a in argv)
-        assert options["-m"] == f"{graph}/{graph}.onnx"
-        assert options["-network-specialization-config"] == f"{graph}/specializations.json"
-        assert options["-custom-IO-list-file"] == f"{graph}/custom_io.yaml"
+        onnx_file, flat_file, _, custom_io = GRAPH_FILES[graph]
+        assert options["-m"] == onnx_file
+        assert options["-network-specialization-config"] == flat_file
+        assert options["-custom-IO-list-file"] == custom_io
         for key in ("-m", "-network-specialization-config", "-custom-IO-list-file"):
             assert (tiny_export / options[key]).is_file()
         assert options["-aic-hw-version"] == "ai100" and "-aic-hw" in options
         assert options["-aic-num-cores"] == "16"
-        assert "-convert-to-fp16" in options
-        assert options["-aic-binary-dir"]
+        # The EVS graph's cosine would overflow in fp16 (DESIGN §11): it alone keeps fp32 compute.
+        assert ("-convert-to-fp16" in options) == (graph != "evs")
+        assert options["-aic-binary-dir"] == str(Path(onnx_file).parent / ("qpc" if graph == "language" else f"{graph}_qpc"))
         assert ("-retained-state" in options) == (graph == "language")
         assert "-mxfp6-matmul" not in options

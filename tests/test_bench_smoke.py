@@ -20,7 +20,7 @@ import torch
 from qeff_evs import cli
 from qeff_evs.bench import report
 from qeff_evs.bench.config import PRESETS, preset, validate
-from qeff_evs.bench.overhead import kernel_time_split
+from qeff_evs.bench.overhead import kernel_time
 from qeff_evs.bench.pruning import PruningPoint, PruningSweep
 from qeff_evs.bench.timing import Samples, alternating
 from qeff_evs.bench.window_sweep import QEFFICIENT, USER_VISION_SIZE, qefficient_steps
@@ -118,7 +118,7 @@ def test_window_bytes_and_parity(smoke_run):
 def test_targets_reported(smoke_run):
     _, results = smoke_run
     names = [t["name"] for t in results["targets"]]
-    assert len(names) == 8
+    assert len(names) == 11
     by_name = {t["name"]: t for t in results["targets"]}
     assert by_name["window: bytes per chunk, user_vision_size"]["met"] is True
     assert by_name["check: both ways give the same first-token logits"]["met"] is True
@@ -227,16 +227,14 @@ def test_window_targets_verdicts():
     assert [t.met for t in bad] == [True, False, False, False]
 
 
-def test_kernel_time_split_attributes_fused_nodes_to_the_tower():
+def test_kernel_time_sums_node_kernels_only():
     events = [
         {"cat": "Node", "name": "/visual/blocks.0/attn/MatMul_kernel_time", "dur": 900},
         {"cat": "Node", "name": "Gelu_token_3_kernel_time", "dur": 50},  # ORT-fused, renamed
-        {"cat": "Node", "name": "/TopK_kernel_time", "dur": 7},
-        {"cat": "Node", "name": "/Gather_4_kernel_time", "dur": 3},
         {"cat": "Node", "name": "/TopK_fence_before", "dur": 100},
         {"cat": "Session", "name": "SequentialExecutor::Execute", "dur": 5000},
     ]
-    assert kernel_time_split(events) == {"selection": 10.0, "tower": 950.0}
+    assert kernel_time(events) == 950.0
 
 
 def test_alternating_order():
@@ -264,22 +262,39 @@ def test_config_errors_name_the_flag(change, flag):
         validate(SMOKE.replace(**change), TINY_PATCH, TINY_MERGE, TINY_TEMPORAL)
 
 
-def test_evs_free_vision_wrapper_returns_the_first_rows():
-    """The overhead baseline graph: stock HF vision forward, first K merged rows, indices 0..K-1."""
-    from qeff_evs.bench.baseline import FirstRowsVision
+def test_vision_sweep_rows(smoke_run):
+    _, results = smoke_run
+    rows = results["vision_sweep"]["rows"]
+    assert [r["frames"] for r in rows] == list(SMOKE.vision_sweep_frames)
+    per_patch = _tokens_per_patch(SMOKE.frame_size)
+    for r in rows:
+        patches = r["frames"] // TINY_TEMPORAL
+        assert r["temporal_patches"] == patches and r["video_tokens"] == per_patch * patches
+        assert r["retained_tokens"] == vllm_evs.compute_retained_tokens_count(per_patch, patches, SMOKE.window_rate)
+        assert r["accumulated_mb"] == pytest.approx(per_patch * patches * TINY_HIDDEN * 4 / 2**20)
+        assert r["encoder"]["cpu_s_per_patch"] > 0
+        assert ("whole_video" in r) == (r["frames"] <= SMOKE.whole_video_max_frames)
+    assert (smoke_run[0] / "vision_sweep.png").read_bytes().startswith(PNG_SIGNATURE)
+
+
+def test_whole_video_baseline_equals_the_stock_tower_and_evs(tmp_path):
+    """The vision sweep's baseline graph computes what the encoder + EVS graphs compute."""
+    import onnxruntime as ort
+
     from qeff_evs.bench.graphs import model_config, random_model
-    from qeff_evs.models.qwen2_5_vl import Qwen2_5_VLVisionEVS, vision_host_inputs
+    from qeff_evs.bench.whole_video import export_whole_video_graph, host_inputs
+    from qeff_evs.models.qwen2_5_vl import reference_vision_evs
+    from qeff_evs.models.registry import family_for_config
 
     hf_config = model_config(SMOKE)
     model = random_model(hf_config, SMOKE.family, seed=3)
-    visual = model.model.visual
-    grid, k = (4, 8, 8), 40
-    pixels = torch.randn(4 * 8 * 8, 1176, generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        expected = visual(pixels, grid_thw=torch.tensor([grid])).pooler_output[:k]
-    baseline = FirstRowsVision(Qwen2_5_VLVisionEVS(visual))
-    host = [torch.from_numpy(a) for a in vision_host_inputs(visual.config, grid, k).values()]
-    with torch.no_grad():
-        rows, indices = baseline(pixels, *host)
-    torch.testing.assert_close(rows, expected, atol=1e-4, rtol=0)
-    assert indices.tolist() == list(range(k))
+    family = family_for_config(hf_config, None)
+    path = export_whole_video_graph(family.encoder(model), family.evs_selection(), tmp_path / "whole.onnx")
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    grid, q = (3, 8, 12), 0.5
+    pixels = torch.randn(3 * 8 * 12, 1176, generator=torch.Generator().manual_seed(0))
+    ref_rows, ref_indices = reference_vision_evs(model.model.visual, pixels, grid, q)
+    feeds = {"pixel_values": pixels.numpy(), **host_inputs(hf_config.vision_config, grid, (3, 4, 6), len(ref_indices))}
+    rows, indices = session.run(None, feeds)
+    np.testing.assert_array_equal(indices, ref_indices.numpy())
+    np.testing.assert_allclose(rows, ref_rows.numpy(), atol=1e-4, rtol=0)

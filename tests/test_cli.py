@@ -1,5 +1,6 @@
-"""The ``qeff-evs`` command: export, run (--video and --pixel-values-videos), compile without the
-SDK, demo, and bad input (exit status 2 with a message that names the bad value).
+"""The ``qeff-evs`` command: export, run (--video and --pixel-values-videos), encode (the vision side
+alone), compile without the SDK, demo, and bad input (exit status 2 with a message that names the bad
+value).
 
 Commands run in-process through ``qeff_evs.cli.main`` to save interpreter start-ups; one test runs
 the installed console script in a subprocess. ``run`` uses the session's export (conftest.py);
@@ -160,13 +161,51 @@ def test_run_prints_text_without_json(tiny_export, video_npy, question, capsys):
 # export through the CLI, then run on it
 
 
+# --------------------------------------------------------------------------------------------------
+# encode
+
+
+def test_encode_json_equals_the_stock_tower_and_the_run(run_json, tiny_checkpoint, tiny_export, video_npy,
+                                                        export_options, capsys):
+    """The kept indices are the stock transformers tower + vLLM's mask on the same processed clip."""
+    import torch
+    from vllm.multimodal.video_prune.evs import compute_retention_mask
+
+    from qeff_evs.models.checkpoint import load_checkpoint
+
+    code, out, err = cli(["encode", tiny_export, "--video", video_npy, "--json"], capsys)
+    assert code == 0, err
+    result = json.loads(out)
+    video = video_from_file(video_npy, open_export(tiny_export))
+    visual = load_checkpoint(tiny_checkpoint).model.model.visual
+    with torch.no_grad():
+        merged = visual(video.pixel_values, grid_thw=torch.tensor([GRID])).pooler_output
+    mask = compute_retention_mask(merged, GRID, spatial_merge_size=2, q=export_options.video_pruning_rate)
+    assert result["retained_indices"] == torch.nonzero(mask).reshape(-1).tolist()
+    assert result["retained_tokens_per_frame"] == run_json["retained_tokens_per_frame"][0]
+    assert result["retained_tokens"] == KEPT and result["merged_grid"] == [GRID[0], 4, 7]
+    assert result["frames"] == 8 and result["resolution"] == [112, 196] and result["frames_per_call"] == 2
+    assert set(result["seconds"]) == {"encoder", "evs", "total"} and result["seconds"]["total"] > 0
+
+
+def test_encode_prints_counts_and_the_kept_map(run_json, tiny_export, video_npy, capsys):
+    code, out, err = cli(["encode", tiny_export, "--video", video_npy], capsys)
+    assert code == 0, err
+    assert f"retained tokens per frame: {run_json['retained_tokens_per_frame'][0]}" in out
+    rows = [line.strip() for line in out.splitlines() if set(line.strip()) <= {"#", "."} and line.strip()]
+    assert len(rows) == GRID[0] * 4 and all(len(row) == 7 for row in rows)  # h rows of w marks per patch
+    assert "".join(rows).count("#") == KEPT
+    assert "[qeff-evs] encoded temporal patches 4/4" in err
+
+
 def test_export_then_run(tiny_checkpoint, video_npy, question, tokenizer, tmp_path, capsys):
     out_dir = tmp_path / "cli_export"
     code, out, err = cli(["export", tiny_checkpoint, "-o", out_dir, "--video-pruning-rate", 0.25,
                           "--frames", 4, "--frames", 8, "--height", 112, "--width", 196, "--prefill-seq-len", 16,
                           "--ctx-len", 128, "--kv-precision", "mxint8", "--mxfp6", "--num-cores", 4], capsys)
     assert code == 0, err
-    assert json.loads(out) == {"export_dir": str(out_dir), "family": "qwen2_5_vl", "vision_specializations": 2}
+    assert json.loads(out) == {"export_dir": str(out_dir), "family": "qwen2_5_vl", "encoder_specializations": 1,
+                               "evs_specializations": 2}
     manifest = json.loads((out_dir / "manifest.json").read_text())
     assert manifest["user_vision_size"] == 16  # defaults to the prefill length
     assert manifest["video_pruning_rate"] == 0.25
@@ -200,11 +239,12 @@ def test_compile_without_the_sdk_prints_the_commands(tiny_export, tmp_path, monk
     code, out, err = cli(["compile", build, "--num-cores", 8], capsys)
     assert code == 0, err
     lines = [line for line in out.splitlines() if line.startswith("qaic-compile ")]
-    assert len(lines) == 2
+    assert len(lines) == 3
     assert all("-aic-num-cores=8" in line for line in lines)
-    assert "-m=vision/vision.onnx" in lines[0] and "-m=language/language.onnx" in lines[1]
+    assert "-m=vision/encoder.onnx" in lines[0] and "-m=vision/evs.onnx" in lines[1]
+    assert "-m=language/language.onnx" in lines[2]
     assert "not found" in out
-    assert (build / "compile.sh").read_text().count("-aic-num-cores=8") == 2
+    assert (build / "compile.sh").read_text().count("-aic-num-cores=8") == 3
 
 
 def test_demo_runs(tmp_path, capsys):
@@ -272,6 +312,14 @@ BAD_COMMANDS = {
     "resolution 140x140 not exported": (["run", "{export}", "--pixel-values-videos", "{unexported_size}",
                                          "--video-grid-thw", "4,10,10", "--prompt", "hi"],
                                         r"no vision specialization for video grid \(4, 10, 10\)"),
+    "encode: frame count 6 not exported": (["encode", "{export}", "--pixel-values-videos", "{unexported_frames}",
+                                            "--video-grid-thw", "3,8,14"],
+                                           r"no EVS specialization for 3 temporal patches.*frames \[4, 8\]"),
+    "encode: resolution 140x140 not exported": (["encode", "{export}", "--pixel-values-videos", "{unexported_size}",
+                                                 "--video-grid-thw", "4,10,10"],
+                                                r"no encoder specialization .*\(10, 10\).*\[\(112, 196\), \(168, 168\)\]"),
+    "frames per call 0": (["export", "{checkpoint}", "-o", "{out}", *EXPORT_GRID, "--frames-per-call", "0"],
+                          r"--frames-per-call must be a positive integer.*got 0"),
     "pixel rows do not match the grid": (["run", "{export}", "--pixel-values-videos", "{wrong_rows}",
                                           "--video-grid-thw", "4,8,14", "--prompt", "hi"],
                                          r"shape \(10, 1176\) do not match --video-grid-thw 4,8,14"),

@@ -60,14 +60,17 @@ ONNX_DTYPE = {onnx.TensorProto.FLOAT: np.float32, onnx.TensorProto.INT64: np.int
 RETAINED = "_RetainedState"
 
 
-def fake_compile(graph_dir: Path) -> Path:
-    """What qaic-compile would consume, written as the QPC folder's program file (the fake loads it)."""
-    graph = graph_dir.name
-    qpc = graph_dir / "qpc"
+def fake_compile(export: Path, graph: str) -> Path:
+    """What qaic-compile would consume, written as the QPC folder's program file (the fake loads it).
+
+    The encoder and EVS graphs share ``vision/``: their files (and QPC folders) carry the graph's name.
+    """
+    folder, prefix = (export / "language", "") if graph == "language" else (export / "vision", f"{graph}_")
+    qpc = folder / f"{prefix}qpc"
     qpc.mkdir(exist_ok=True)
-    specs = [spec.symbols for spec in read_specializations_json(graph_dir / "specializations.json")]
-    program = {"onnx": str(graph_dir / f"{graph}.onnx"), "specializations": specs,
-               "custom_io": read_custom_io_yaml(graph_dir / "custom_io.yaml")}
+    specs = [spec.symbols for spec in read_specializations_json(folder / f"{prefix}specializations.json")]
+    program = {"onnx": str(folder / f"{graph}.onnx"), "specializations": specs,
+               "custom_io": read_custom_io_yaml(folder / f"{prefix}custom_io.yaml")}
     (qpc / QPC_FILE).write_text(json.dumps(program))
     return qpc
 
@@ -257,8 +260,8 @@ def exports(tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def compiled(exports) -> dict[str, Path]:
     for export in exports.values():
-        for graph in ("vision", "language"):
-            fake_compile(export / graph)
+        for graph in ("encoder", "evs", "language"):
+            fake_compile(export, graph)
     return exports
 
 
@@ -310,10 +313,13 @@ def test_missing_qpc_folder_says_to_compile(exports, device, tmp_path):
     import shutil
 
     copy = tmp_path / "export"
-    shutil.copytree(exports["plain"], copy, ignore=shutil.ignore_patterns("qpc"))
-    with pytest.raises(ValueError, match=r"no compiled vision QPC .*qeff-evs compile"):
+    shutil.copytree(exports["plain"], copy, ignore=shutil.ignore_patterns("*qpc"))
+    with pytest.raises(ValueError, match=r"no compiled encoder QPC .*qeff-evs compile"):
         sessions_for(open_export(copy), "qaic")
-    fake_compile(copy / "vision")
+    fake_compile(copy, "encoder")
+    with pytest.raises(ValueError, match=r"no compiled evs QPC"):
+        sessions_for(open_export(copy), "qaic")
+    fake_compile(copy, "evs")
     with pytest.raises(ValueError, match=r"no compiled language QPC"):
         sessions_for(open_export(copy), "qaic")
     assert device.calls == []
@@ -361,10 +367,14 @@ def test_retained_state_crosses_the_bus_once(compiled, device, video_npy, kind):
         assert [c.sent["vision_embeds"] for c in prefill] == [window_fp16] * len(prefill)
         assert [c.sent["vision_embeds"] for c in decode] == [0] * len(decode)
         assert [c.dims["input_ids"][1] for c in prefill] == [bundle.manifest.prefill_seq_len] * len(prefill)
-    vision_calls = [c for c in device.calls if c.qpc.endswith("vision/qpc")]
-    assert len(vision_calls) == 2
-    grid_height, grid_width = vision_calls[0].dims["pixel_values"]
-    assert vision_calls[0].sent["pixel_values"] == 2 * grid_height * grid_width  # fp16 per custom_io.yaml
+    # Per request: the video's 4 temporal patches in encoder calls of 2, then EVS once.
+    encoder_calls = [c for c in device.calls if c.qpc.endswith("vision/encoder_qpc")]
+    evs_calls = [c for c in device.calls if c.qpc.endswith("vision/evs_qpc")]
+    assert (len(encoder_calls), len(evs_calls)) == (2 * 2, 2)
+    grid_height, grid_width = encoder_calls[0].dims["pixel_values"]
+    assert encoder_calls[0].sent["pixel_values"] == 2 * grid_height * grid_width  # fp16 per custom_io.yaml
+    rows, hidden = evs_calls[0].dims["merged_embeds"]
+    assert evs_calls[0].sent["merged_embeds"] == 2 * rows * hidden
 
 
 def test_unserved_shape_lists_the_compiled_ones(compiled, device, video_npy):

@@ -68,15 +68,15 @@ WORDS = ("what", "moves", "here", "the", "square", "left", "right", "colour", "1
 
 
 class CountingVision:
-    """Counts vision-graph runs, keyed by the pixels it was given."""
+    """Counts media items encoded, keyed by the pixels each was given."""
 
     def __init__(self, inner):
         self.inner = inner
-        self.runs: list[int] = []  # hash of each run's pixel_values
+        self.runs: list[int] = []  # hash of each encoded item's pixel_values
 
-    def run(self, pixel_values: np.ndarray, host_inputs: dict[str, np.ndarray]):
-        self.runs.append(hash(np.ascontiguousarray(pixel_values).tobytes()))
-        return self.inner.run(pixel_values, host_inputs)
+    def encode(self, media, retained: int):
+        self.runs.append(hash(np.ascontiguousarray(media.pixel_values.numpy()).tobytes()))
+        return self.inner.encode(media, retained)
 
 
 class RecordingLanguage:
@@ -463,7 +463,7 @@ def test_cli_run_requests_prints_each_request_as_alone(q25, tmp_path, capsys):
 def test_default_encoder_cache_holds_the_largest_exported_item(q25):
     from qeff_evs.runtime.runner import build_serving_engine
 
-    largest = max(entry.retained for entry in q25.bundle.manifest.vision_entries)
+    largest = max(entry.retained for entry in q25.bundle.manifest.evs_entries)
     assert largest == 48 > TOKEN_BUDGET  # 8 frames at 112x168
     engine = build_serving_engine(q25.bundle, max_num_batched_tokens=TOKEN_BUDGET)
     assert engine.scheduler.config.encoder_cache_rows >= largest

@@ -381,7 +381,7 @@ def test_language_command_has_the_qefficient_flags():
 
 
 def test_vision_command_never_uses_mxfp6():
-    command = qaic_compile_command("vision.onnx", "v/s.json", "v/c.yaml", "v/qpc", graph="vision",
+    command = qaic_compile_command("vision.onnx", "v/s.json", "v/c.yaml", "v/qpc", graph="encoder",
                                    mxfp6_matmul=True, extra_flags=("-mos=1",))
     assert "-mxfp6-matmul" not in command.arguments
     assert "-retained-state" not in command.arguments  # nothing to retain in the vision graph
@@ -390,9 +390,17 @@ def test_vision_command_never_uses_mxfp6():
             "-aic-binary-dir=v/qpc"} <= set(command.arguments)
 
 
+def test_evs_command_keeps_fp32_compute():
+    """DESIGN §11: the EVS cosine overflows in fp16, so its graph is compiled without -convert-to-fp16."""
+    command = qaic_compile_command("evs.onnx", "v/s.json", "v/c.yaml", "v/evs_qpc", graph="evs", mxfp6_matmul=True)
+    assert "-convert-to-fp16" not in command.arguments
+    assert "-mxfp6-matmul" not in command.arguments and "-retained-state" not in command.arguments
+    assert "-custom-IO-list-file=v/c.yaml" in command.arguments  # fp16 I/O all the same
+
+
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(graph="audio"), "graph"), (dict(graph="vision", num_cores=0), "num_cores"),
-    (dict(graph="vision", extra_flags=("mos=1",)), "start with '-'"),
+    (dict(graph="audio"), "graph"), (dict(graph="encoder", num_cores=0), "num_cores"),
+    (dict(graph="encoder", extra_flags=("mos=1",)), "start with '-'"),
 ])
 def test_bad_command_options_raise(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -402,7 +410,7 @@ def test_bad_command_options_raise(kwargs, message):
 def _commands() -> list[CompileCommand]:
     return [
         qaic_compile_command("vision.onnx", "vision/specializations.json", "vision/custom_io.yaml", "vision/qpc",
-                             graph="vision"),
+                             graph="encoder"),
         qaic_compile_command("language.onnx", "language/specializations.json", "language/custom_io.yaml",
                              "language/qpc", graph="language", mxfp6_matmul=True),
     ]

@@ -1,7 +1,8 @@
-"""Qwen2.5-VL vision(+EVS) graph: one ONNX for every grid and K, equal to stock transformers + EVS.
+"""Qwen2.5-VL encoder graph: its interface, per-frame host inputs, padded windows and segment attention.
 
-The reference is the stock transformers vision forward (its default sdpa attention, per-segment
-splits, grid computed inside) followed by the EVS mask; vLLM's own mask checks that mask.
+End-to-end parity of encoder + EVS against the stock tower lives in ``test_vision_pipeline.py``;
+here the pieces: the window layout the host computes, the attention that consumes it, the graph's
+symbols, the EVS graph's interface and vLLM's mask as the reference's mask.
 """
 
 from __future__ import annotations
@@ -12,200 +13,170 @@ import onnxruntime as ort
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.vision_utils import get_vision_window_index
+from vision_cases import export_family, random_video, retained_for
 
-from qeff_evs import evs
-from qeff_evs.models.attention import block_mask_attention, register_block_mask_attention
-from qeff_evs.export.vision import check_vision_graph, export_vision_graph
-from qeff_evs.models.graph_io import VisionGraphSpec
-from qeff_evs.models.qwen2_5_vl import (
-    Qwen2_5_VLVisionEVS,
-    reference_vision_evs,
-    vision_host_inputs,
-    vision_symbols,
+from qeff_evs.export.vision import check_vision_graph
+from qeff_evs.models.attention import (
+    EqualSegments,
+    PaddedSegments,
+    register_segment_attention,
+    segment_attention,
 )
-
-GRIDS = [(4, 8, 8), (2, 12, 8), (6, 4, 16), (1, 8, 8)]  # square, two non-square, one temporal patch
-RATES = [0.0, 0.5, 0.75]
-EXPORT_GRID, EXPORT_RETAINED = (2, 8, 12), 30  # a grid none of the checks use
-ATOL = 1e-4
-
-
-def tiny_qwen2_5_vl_config() -> Qwen2_5_VLConfig:
-    return Qwen2_5_VLConfig(
-        text_config=dict(
-            vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
-            bos_token_id=0, eos_token_id=1, pad_token_id=2,
-        ),
-        vision_config=dict(
-            depth=2, hidden_size=64, intermediate_size=128, num_heads=4, out_hidden_size=64,
-            patch_size=14, temporal_patch_size=2, spatial_merge_size=2,
-            window_size=56, fullatt_block_indexes=[1], in_channels=3,
-        ),
-        image_token_id=900, video_token_id=901, vision_start_token_id=902, vision_end_token_id=903,
-    )
+from qeff_evs.models.graph_io import VisionGraphSpec
+from qeff_evs.models.qwen2_5_vl import encoder_symbols, frame_inputs, padded_windows, reference_vision_evs
+from qeff_evs.models.vision_common import evs_host_inputs, evs_symbols
 
 
 @pytest.fixture(scope="module")
-def model():
-    torch.manual_seed(0)
-    return Qwen2_5_VLForConditionalGeneration(tiny_qwen2_5_vl_config()).eval()
+def exported(tmp_path_factory):
+    return export_family("qwen2_5_vl", tmp_path_factory.mktemp("qwen2_5_vl"))
 
 
 @pytest.fixture(scope="module")
-def wrapper(model):
-    return Qwen2_5_VLVisionEVS.from_model(model).eval()
+def config(exported):
+    return exported.model.config.vision_config
 
 
-@pytest.fixture(scope="module")
-def onnx_path(wrapper, tmp_path_factory):
-    messages: list[str] = []
-    target = tmp_path_factory.mktemp("vision") / "vision.onnx"
-    path = export_vision_graph(wrapper, EXPORT_GRID, EXPORT_RETAINED, target, progress=messages.append)
-    assert messages, "export reports progress through the callable"
-    return path
+def shapes_of(path):
+    graph = onnx.load(str(path)).graph
+    return {vi.name: [d.dim_param or d.dim_value for d in vi.type.tensor_type.shape.dim]
+            for vi in [*graph.input, *graph.output]}, {node.op_type for node in graph.node}
 
 
-@pytest.fixture(scope="module")
-def session(onnx_path):
-    return ort.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"])
-
-
-def random_video(grid, seed):
-    t, h, w = grid
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randn(t * h * w, 3 * 2 * 14 * 14, generator=generator)
-
-
-def retained_for(grid, q):
-    t, h, w = evs.merged_grid(grid, 2)
-    return evs.retained_token_count(h * w, t, q)
-
-
-CASES = [pytest.param(grid, q, id=f"{grid[0]}x{grid[1]}x{grid[2]}-q{q}") for grid in GRIDS for q in RATES]
-
-
-@pytest.mark.parametrize("grid,q", CASES)
-def test_onnx_graph_matches_reference(model, wrapper, session, grid, q):
-    pixels = random_video(grid, seed=sum(grid) + int(q * 100))
-    ref_embeds, ref_indices = reference_vision_evs(model.model.visual, pixels, grid, q)
-    k = retained_for(grid, q)
-    feeds = {"pixel_values": pixels.numpy(), **vision_host_inputs(wrapper.vision_config, grid, k)}
-    embeds, indices = session.run(["vision_embeds", "retained_indices"], feeds)
-    assert indices.dtype == np.int64
-    np.testing.assert_array_equal(indices, ref_indices.numpy())
-    np.testing.assert_allclose(embeds, ref_embeds.numpy(), rtol=0, atol=ATOL)
-
-
-@pytest.mark.parametrize("grid,q", CASES)
-def test_eager_wrapper_matches_reference(model, wrapper, grid, q):
-    pixels = random_video(grid, seed=7 * sum(grid) + int(q * 100))
-    ref_embeds, ref_indices = reference_vision_evs(model.model.visual, pixels, grid, q)
-    embeds, indices = wrapper.run(pixels, grid, retained_for(grid, q))
-    assert torch.equal(indices, ref_indices)
-    torch.testing.assert_close(embeds, ref_embeds, rtol=0, atol=ATOL)
-
-
-@pytest.mark.parametrize("grid,q", [(GRIDS[0], 0.5), (GRIDS[2], 0.75)])
-def test_reference_mask_is_vllms(model, grid, q):
-    video_prune = pytest.importorskip("vllm.multimodal.video_prune.evs")
-    pixels = random_video(grid, seed=3)
-    merged = model.model.visual(pixels, grid_thw=torch.tensor([grid])).pooler_output.detach()
-    vllm_mask = video_prune.compute_retention_mask(merged, grid, spatial_merge_size=2, q=q)
-    ref_embeds, ref_indices = reference_vision_evs(model.model.visual, pixels, grid, q)
-    assert torch.equal(ref_indices, torch.nonzero(vllm_mask).reshape(-1))
-    assert torch.equal(ref_embeds, merged[vllm_mask])
-
-
-def test_graph_interface_and_no_data_dependent_ops(onnx_path):
-    graph = onnx.load(str(onnx_path)).graph
-    ops = {node.op_type for node in graph.node}
+def test_encoder_graph_interface_has_no_video_length(exported):
+    shapes, ops = shapes_of(exported.encoder_path)
     assert "NonZero" not in ops
-    assert "TopK" in ops  # the EVS selection
-    shapes = {
-        vi.name: [d.dim_param or d.dim_value for d in vi.type.tensor_type.shape.dim]
-        for vi in [*graph.input, *graph.output]
-    }
     assert shapes == {
         "pixel_values": ["grid_height", "grid_width"],
-        "video_grid_thw": ["time", "grid_h", "grid_w"],
-        "rotary_position_ids": ["grid_height", 2],
-        "cu_seqlens": ["frame_bounds"],
-        "window_index": ["vision_size"],
-        "cu_window_seqlens": ["window_bounds"],
-        "retained_carrier": ["retained_size"],
-        "vision_embeds": ["retained_size", 64],
-        "retained_indices": ["retained_size"],
+        "video_grid_thw": ["frames_per_call", "grid_h", "grid_w"],
+        "rotary_position_ids": ["frame_patches", 2],
+        "window_index": ["frame_tokens"],
+        "window_gather": ["windows", "window_len"],
+        "window_key_mask": ["windows", "window_len"],
+        "window_unpad": ["frame_patches"],
+        "vision_embeds": ["vision_size", 64],
     }
 
 
-@pytest.mark.parametrize("grid", GRIDS)
-def test_symbols_bind_every_dim(model, onnx_path, session, grid):
-    config = model.config.vision_config
-    k = retained_for(grid, 0.5)
-    symbols = vision_symbols(config, grid, k)
-    t, h, w = grid
+def test_evs_graph_interface(exported):
+    shapes, ops = shapes_of(exported.evs_path)
+    assert "TopK" in ops and "NonZero" not in ops
+    assert shapes == {
+        "merged_embeds": ["video_tokens", 64], "time_carrier": ["time"], "retained_carrier": ["retained_size"],
+        "vision_embeds": ["retained_size", 64], "retained_indices": ["retained_size"],
+    }
+
+
+@pytest.mark.parametrize("grid_hw,frames", [((8, 8), 2), ((12, 8), 3), ((4, 16), 1)])
+def test_encoder_symbols_bind_every_dim(exported, config, grid_hw, frames):
+    symbols = encoder_symbols(config, grid_hw, frames)
+    h, w = grid_hw
+    windows = frame_inputs(config, grid_hw)["window_gather"].shape
     assert symbols == {
-        "grid_height": t * h * w, "grid_width": 1176, "time": t, "grid_h": h, "grid_w": w,
-        "frame_bounds": t + 1, "vision_size": t * h * w // 4,
-        "window_bounds": symbols["window_bounds"], "retained_size": k,
+        "frames_per_call": frames, "grid_h": h, "grid_w": w, "grid_height": frames * h * w, "grid_width": 1176,
+        "frame_patches": h * w, "vision_size": frames * h * w // 4, "frame_tokens": h * w // 4,
+        "windows": windows[0], "window_len": windows[1],
     }
-    graph = onnx.load(str(onnx_path)).graph
-    feeds = {"pixel_values": random_video(grid, seed=1).numpy(), **vision_host_inputs(config, grid, k)}
-    outputs = dict(zip(["vision_embeds", "retained_indices"], session.run(None, feeds)))
-    arrays = {**feeds, **outputs}
+    session = ort.InferenceSession(str(exported.encoder_path), providers=["CPUExecutionProvider"])
+    feeds = {"pixel_values": np.zeros((frames * h * w, 1176), np.float32),
+             **exported.family.encoder_host_inputs(grid_hw, frames)}
+    arrays = {**feeds, "vision_embeds": session.run(None, feeds)[0]}
+    graph = onnx.load(str(exported.encoder_path)).graph
     for vi in [*graph.input, *graph.output]:
         expected = [symbols[d.dim_param] if d.dim_param else d.dim_value for d in vi.type.tensor_type.shape.dim]
         assert list(arrays[vi.name].shape) == expected, vi.name
 
 
-def test_host_inputs_follow_transformers_and_vision_grid(model):
-    config = model.config.vision_config
-    host = vision_host_inputs(config, (2, 12, 8), 24)
-    assert list(host) == [
-        "video_grid_thw", "rotary_position_ids", "cu_seqlens", "window_index", "cu_window_seqlens", "retained_carrier"
-    ]
-    np.testing.assert_array_equal(host["cu_seqlens"], [0, 96, 192])
-    assert host["cu_seqlens"].dtype == np.int32 and host["cu_window_seqlens"].dtype == np.int32
-    assert sorted(host["window_index"].tolist()) == list(range(48))  # a permutation of the merged tokens
-    assert host["cu_window_seqlens"][-1] == 192
+def test_evs_symbols_and_carriers():
+    assert evs_symbols((6, 4, 7), 50) == {"time": 6, "video_tokens": 168, "retained_size": 50}
+    carriers = evs_host_inputs((6, 4, 7), 50)
+    assert {k: v.shape for k, v in carriers.items()} == {"time_carrier": (6,), "retained_carrier": (50,)}
+    with pytest.raises(ValueError, match="retained count 169"):
+        evs_host_inputs((6, 4, 7), 169)
+    with pytest.raises(ValueError, match="retained count 0"):
+        evs_symbols((6, 4, 7), 0)
 
 
-@pytest.mark.parametrize(
-    "grid,retained,needle",
-    [((2, 8, 8), 0, "retained count 0"), ((2, 8, 8), 33, "retained count 33"), ((2, 7, 8), 8, "not divisible")],
-)
-def test_host_inputs_reject_bad_values(model, grid, retained, needle):
-    with pytest.raises(ValueError, match=needle):
-        vision_host_inputs(model.config.vision_config, grid, retained)
+@pytest.mark.parametrize("grid_hw", [(8, 8), (12, 10), (4, 16), (6, 6)])
+def test_padded_windows_cover_transformers_windows(config, grid_hw):
+    """Every window of transformers' layout is one row of the gather index; padding is masked and undone."""
+    host = frame_inputs(config, grid_hw)
+    patches = grid_hw[0] * grid_hw[1]
+    window_index, cu = get_vision_window_index(torch.tensor([[1, *grid_hw]]), spatial_merge_size=2,
+                                               window_size=config.window_size, patch_size=config.patch_size)
+    np.testing.assert_array_equal(host["window_index"], window_index.numpy())
+    gather, mask, unpad = host["window_gather"], host["window_key_mask"].astype(bool), host["window_unpad"]
+    bounds = cu.tolist()
+    assert gather.shape == (len(bounds) - 1, max(b - a for a, b in zip(bounds, bounds[1:])))
+    for row, (a, b) in enumerate(zip(bounds, bounds[1:])):
+        np.testing.assert_array_equal(gather[row][mask[row]], np.arange(a, b))
+    np.testing.assert_array_equal(gather.reshape(-1)[unpad], np.arange(patches))
+    assert host["window_key_mask"].dtype == np.int64
 
 
-def test_wrapping_leaves_user_model_alone(model, wrapper):
-    assert model.model.visual.config._attn_implementation == "sdpa"
-    assert wrapper.visual.config is not model.model.visual.config
-    assert wrapper.visual.blocks[0].attn.qkv.weight is model.model.visual.blocks[0].attn.qkv.weight
-    assert all(block.attn.config is wrapper.visual.config for block in wrapper.visual.blocks)
+def test_padded_windows_reject_bad_bounds():
+    with pytest.raises(ValueError, match="do not split 8 patches"):
+        padded_windows([0, 4, 4, 8], 8)
+    with pytest.raises(ValueError, match="do not split 9 patches"):
+        padded_windows([0, 4, 8], 9)
+
+
+def test_frame_inputs_reject_bad_grids(exported):
+    with pytest.raises(ValueError, match="not divisible"):
+        exported.family.encoder_host_inputs((7, 8), 2)
+    with pytest.raises(ValueError, match="frames per call must be a positive integer"):
+        exported.family.encoder_host_inputs((8, 8), 0)
+
+
+def _per_segment_sdpa(q, k, v, bounds, scale):
+    pieces = [F.scaled_dot_product_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], scale=scale)
+              for a, b in zip(bounds, bounds[1:])]
+    return torch.cat(pieces, dim=2).transpose(1, 2)
+
+
+def test_segment_attention_equals_per_segment_sdpa():
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 4, 24, 8, generator=generator) for _ in range(3))
+    out, _ = segment_attention(None, q, k, v, scaling=0.3, cu_seq_lens_q=EqualSegments(3))
+    torch.testing.assert_close(out, _per_segment_sdpa(q, k, v, [0, 8, 16, 24], 0.3), rtol=0, atol=1e-6)
+
+    bounds = [0, 3, 11, 12, 24]  # unequal segments, one of length 1
+    gather, mask, unpad = padded_windows(bounds, 24)
+    layout = PaddedSegments(torch.from_numpy(gather), torch.from_numpy(mask != 0), torch.from_numpy(unpad))
+    out, _ = segment_attention(None, q, k, v, scaling=0.3, cu_seq_lens_q=layout)
+    torch.testing.assert_close(out, _per_segment_sdpa(q, k, v, bounds, 0.3), rtol=0, atol=1e-6)
+    with pytest.raises(ValueError, match="EqualSegments or PaddedSegments"):
+        segment_attention(None, q, k, v, cu_seq_lens_q=torch.tensor([0, 24]))
 
 
 def test_registration_is_idempotent():
-    first, second = register_block_mask_attention(), register_block_mask_attention()
+    first, second = register_segment_attention(), register_segment_attention()
     assert first == second and "flash" in first
-    assert ALL_ATTENTION_FUNCTIONS[first] is block_mask_attention
+    assert ALL_ATTENTION_FUNCTIONS[first] is segment_attention
 
 
-def test_block_mask_attention_equals_per_segment_sdpa():
-    generator = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(1, 4, 20, 8, generator=generator) for _ in range(3))
-    cu = torch.tensor([0, 3, 3, 11, 20], dtype=torch.int32)  # includes an empty segment
-    out, _ = block_mask_attention(None, q, k, v, scaling=0.3, cu_seq_lens_q=cu)
-    pieces = [
-        F.scaled_dot_product_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], scale=0.3)
-        for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())
-    ]
-    torch.testing.assert_close(out, torch.cat(pieces, dim=2).transpose(1, 2), rtol=0, atol=1e-6)
+def test_wrapping_leaves_user_model_alone(exported):
+    visual, wrapper = exported.visual, exported.encoder
+    assert visual.config._attn_implementation == "sdpa"
+    assert wrapper.visual.config is not visual.config
+    assert wrapper.visual.blocks[0].attn.qkv.weight is visual.blocks[0].attn.qkv.weight
+    assert all(block.attn.config is wrapper.visual.config for block in wrapper.visual.blocks)
+
+
+@pytest.mark.parametrize("grid,q", [((4, 8, 8), 0.5), ((6, 4, 16), 0.75), ((5, 12, 8), 0.5)])
+def test_reference_mask_is_vllms(exported, grid, q):
+    video_prune = pytest.importorskip("vllm.multimodal.video_prune.evs")
+    visual = exported.visual
+    pixels = random_video(exported.model, grid, seed=3)
+    with torch.no_grad():
+        merged = visual(pixels, grid_thw=torch.tensor([grid])).pooler_output
+    vllm_mask = video_prune.compute_retention_mask(merged, grid, spatial_merge_size=2, q=q)
+    ref_embeds, ref_indices = reference_vision_evs(visual, pixels, grid, q)
+    assert len(ref_indices) == retained_for(grid, q)
+    assert torch.equal(ref_indices, torch.nonzero(vllm_mask).reshape(-1))
+    assert torch.equal(ref_embeds, merged[vllm_mask])
 
 
 def test_graph_check_rejects_nonzero_and_unnamed_dims():
@@ -215,8 +186,6 @@ def test_graph_check_rejects_nonzero_and_unnamed_dims():
     graph = onnx.helper.make_graph([onnx.helper.make_node("NonZero", ["x"], ["y"])], "g", [x], [y])
     with pytest.raises(ValueError, match="no declared symbol"):
         check_vision_graph(onnx.helper.make_model(graph), spec)
-    y_named = onnx.helper.make_tensor_value_info("y", onnx.TensorProto.INT64, [2, "nnz"])
-    graph = onnx.helper.make_graph([onnx.helper.make_node("NonZero", ["x"], ["y"])], "g", [x], [y_named])
     with pytest.raises(ValueError, match="NonZero"):
         named_spec = VisionGraphSpec(inputs={"x": {0: "n"}}, outputs={"y": {1: "nnz"}})
         check_vision_graph(onnx.helper.make_model(graph), named_spec)

@@ -1,8 +1,9 @@
-"""``qeff-evs bench``: pruning sweep, window sweep, EVS overhead (issue 6).
+"""``qeff-evs bench``: pruning sweep, window sweep, vision sweep, EVS overhead (issues 6, 10).
 
 What is measured and how lives in the modules: ``pruning`` (latency vs q), ``window_sweep``
-(user_vision_size vs the QEfficient way), ``overhead`` (EVS selection cost), ``report`` (targets,
-JSON, Markdown), ``plots``; ``suite`` runs them in order. ``benchmarks/README.md`` has the results.
+(user_vision_size vs the QEfficient way), ``vision_sweep`` (the vision side per temporal patch, 4 to
+128 frames, against the whole-video graph of ``whole_video``), ``overhead`` (the EVS graph's cost),
+``report`` (targets, JSON, Markdown), ``plots``; ``suite`` runs them in order. ``benchmarks/README.md`` has the results.
 """
 
 from __future__ import annotations
@@ -33,7 +34,9 @@ _OVERRIDES = {
     "size": "frame_size", "question_tokens": "question_tokens", "pruning_rates": "pruning_rates",
     "prefill_seq_len": "prefill_seq_len", "ctx_len": "ctx_len", "user_vision_size": "user_vision_size",
     "window_frames": "window_frames", "window_rate": "window_rate", "vision_frames": "vision_frames",
-    "vision_size": "vision_frame_size", "repeats": "repeats", "overhead_repeats": "overhead_repeats", "seed": "seed",
+    "vision_size": "vision_frame_size", "vision_sweep_frames": "vision_sweep_frames",
+    "whole_video_max_frames": "whole_video_max_frames", "frames_per_call": "frames_per_call",
+    "overhead_frames": "overhead_frames", "repeats": "repeats", "overhead_repeats": "overhead_repeats", "seed": "seed",
 }
 
 
@@ -67,7 +70,15 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vision-frames", type=int, default=None,
                         help=f"frames of the clip the vision graph is timed on (default {full.vision_frames})")
     parser.add_argument("--vision-size", type=int, default=None,
-                        help=f"frame side of that clip (default {full.vision_frame_size}; 448 needs ~15 GB and minutes)")
+                        help=f"frame side of that clip (default {full.vision_frame_size})")
+    parser.add_argument("--vision-sweep-frames", type=_ints, default=None,
+                        help="vision-sweep frame counts (default " + ",".join(map(str, full.vision_sweep_frames)) + ")")
+    parser.add_argument("--whole-video-max-frames", type=int, default=None,
+                        help=f"run the whole-video baseline up to this many frames (default {full.whole_video_max_frames})")
+    parser.add_argument("--frames-per-call", type=int, default=None,
+                        help=f"temporal patches per encoder call (default {full.frames_per_call})")
+    parser.add_argument("--overhead-frames", type=int, default=None,
+                        help=f"frames of the EVS-overhead clip (default {full.overhead_frames})")
     parser.add_argument("--repeats", type=int, default=None, help=f"default {full.repeats}")
     parser.add_argument("--overhead-repeats", type=int, default=None, help=f"default {full.overhead_repeats}")
     parser.add_argument("--seed", type=int, default=None)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from qeff_evs import evs
 from qeff_evs.models.registry import FAMILIES, preprocess_defaults
+from qeff_evs.specializations import DEFAULT_FRAMES_PER_CALL
 WIDTHS = ("realistic", "tiny")  # realistic: released-checkpoint widths; tiny: the test checkpoints' widths
 
 # Prompt text around the video: <|vision_start|> and <|vision_end|> besides the question.
@@ -36,10 +37,17 @@ class BenchConfig:
     # Window sweep: several frame counts at one q.
     window_frames: tuple[int, ...] = (4, 8, 16, 32, 64)
     window_rate: float = 0.5
-    # The vision graph's dense block-mask attention costs S^2 per head, so it is timed on a
-    # smaller clip than the language side unless these are raised (see the README).
+    # The vision side of the pruning sweep: the same clip as the language side in the full preset
+    # (the encoder's cost is linear in the frames), smaller in the quick and smoke presets.
     vision_frames: int = 16
-    vision_frame_size: int = 224
+    vision_frame_size: int = 448
+    frames_per_call: int = DEFAULT_FRAMES_PER_CALL  # temporal patches per encoder call
+    # EVS overhead: the EVS graph's time against the encoder's on a clip of this many frames (frame_size).
+    overhead_frames: int = 64
+    # Vision sweep (frame_size): the vision side per temporal patch; the whole-video baseline only up to
+    # whole_video_max_frames (its dense mask is S^2: 16 frames at 448x448 do not fit 24 GB).
+    vision_sweep_frames: tuple[int, ...] = (4, 8, 16, 32, 64, 128)
+    whole_video_max_frames: int = 8
     repeats: int = 3
     overhead_repeats: int = 5
     seed: int = 0
@@ -61,12 +69,13 @@ PRESETS = {
     "full": BenchConfig(),
     "quick": BenchConfig(
         text_layers=1, frames=8, frame_size=224, window_frames=(4, 8, 16), ctx_len=1024,
-        vision_frames=8, vision_frame_size=112, repeats=2, overhead_repeats=3, preset="quick",
+        vision_frames=8, vision_frame_size=112, overhead_frames=16, vision_sweep_frames=(4, 8, 16),
+        whole_video_max_frames=8, repeats=2, overhead_repeats=3, preset="quick",
     ),
     "smoke": BenchConfig(
         widths="tiny", text_layers=1, frames=8, frame_size=112, question_tokens=8, prefill_seq_len=16,
-        ctx_len=128, window_frames=(2, 4, 8), vision_frames=4, vision_frame_size=112, repeats=1,
-        overhead_repeats=1, preset="smoke",
+        ctx_len=128, window_frames=(2, 4, 8), vision_frames=4, vision_frame_size=112, overhead_frames=6,
+        vision_sweep_frames=(2, 4, 6), whole_video_max_frames=4, repeats=1, overhead_repeats=1, preset="smoke",
     ),
 }
 
@@ -107,7 +116,8 @@ def validate(config: BenchConfig, patch_size: int, merge_size: int, temporal_pat
     if config.widths not in WIDTHS:
         raise ValueError(f"widths {config.widths!r} is not one of {', '.join(WIDTHS)}")
     for name in ("text_layers", "vision_layers", "frames", "frame_size", "prefill_seq_len", "ctx_len",
-                 "vision_frames", "vision_frame_size", "repeats", "overhead_repeats"):
+                 "vision_frames", "vision_frame_size", "frames_per_call", "overhead_frames", "whole_video_max_frames",
+                 "repeats", "overhead_repeats"):
         _positive(name, getattr(config, name))
     if config.question_tokens < 0:
         raise ValueError(f"--question-tokens must be >= 0, got {config.question_tokens}")
@@ -116,8 +126,8 @@ def validate(config: BenchConfig, patch_size: int, merge_size: int, temporal_pat
         # exporter drops them, so the graph would not have the contract's inputs.
         raise ValueError(f"--vision-layers must be >= 2 (one windowed and one full-attention block), "
                          f"got {config.vision_layers}")
-    if not config.pruning_rates or not config.window_frames:
-        raise ValueError("--pruning-rates and --window-frames need at least one value each")
+    if not config.pruning_rates or not config.window_frames or not config.vision_sweep_frames:
+        raise ValueError("--pruning-rates, --window-frames and --vision-sweep-frames need at least one value each")
     for q in (*config.pruning_rates, config.window_rate):
         evs.validate_pruning_rate(q)
     if config.vision_rows_per_chunk < config.prefill_seq_len:
@@ -129,7 +139,8 @@ def validate(config: BenchConfig, patch_size: int, merge_size: int, temporal_pat
             raise ValueError(f"{name.replace('_', '-')} {getattr(config, name)} is not a multiple of "
                              f"patch_size*merge_size = {factor}")
     for name, counts in (("frames", (config.frames,)), ("window-frames", config.window_frames),
-                         ("vision-frames", (config.vision_frames,))):
+                         ("vision-frames", (config.vision_frames,)), ("overhead-frames", (config.overhead_frames,)),
+                         ("vision-sweep-frames", config.vision_sweep_frames)):
         for count in counts:
             _positive(name, count)
             if count % temporal_patch_size:

@@ -1,10 +1,9 @@
 """The benchmarked graphs: a random-weight model of the configured widths, exported to ONNX and opened in ORT.
 
 The model is built in memory (no checkpoint folder): the benchmark measures speed, not words, so
-weights only need to be finite and of the right shapes. Three graphs come out of it: the
-vision(+EVS) graph, the same vision graph with the EVS selection replaced by "the first K rows"
-(the overhead baseline, ``baseline.FirstRowsVision``) and the language graph, whose ``vision_size`` symbol lets one file serve
-both the ``user_vision_size`` way and the QEfficient way.
+weights only need to be finite and of the right shapes. Three graphs come out of it: the encoder
+(F temporal patches per call), the EVS graph and the language graph, whose ``vision_size`` symbol
+lets one file serve both the ``user_vision_size`` way and the QEfficient way.
 """
 
 from __future__ import annotations
@@ -18,26 +17,27 @@ from pathlib import Path
 
 import torch
 
-from qeff_evs import evs
-from qeff_evs.bench.baseline import FirstRowsVision
 from qeff_evs.bench.config import BenchConfig
 from qeff_evs.bench.realistic import realistic_config
 from qeff_evs.bench.sessions import open_inference_session
+from qeff_evs.bench.whole_video import export_whole_video_graph
 from qeff_evs.export.language import export_language_graph
-from qeff_evs.export.vision import export_vision_graph
+from qeff_evs.export.vision import export_encoder_graph, export_evs_graph
 from qeff_evs.models.language import language_spec
 from qeff_evs.models.protocol import ModelFamily
 from qeff_evs.models.registry import family_for_config, family_module
 from qeff_evs.runtime.inputs.processor import VisionPreprocessSpec
 from qeff_evs.manifest import LanguageShape
+from qeff_evs.runtime.backends.ort import OrtEncoderSession, OrtEVSSession
+from qeff_evs.runtime.backends.vision import VisionPipeline
 
 Progress = Callable[[str], None]
 
 # Uniform weights with the std of transformers' default normal init (0.02): torch's uniform_ is
 # several times faster than normal_, which matters for a 150k x 2048 embedding on 2 cores.
 WEIGHT_STD = 0.02
-# Example grid for tracing the vision graph: T > 1 and K < T*h*w so every EVS op is traced.
-EXAMPLE_GRID = (2, 8, 8)
+# Example frame grid (patches) for tracing the encoder and, merged over 2 temporal patches, the EVS graph.
+EXAMPLE_GRID_HW = (8, 8)
 
 
 def model_config(config: BenchConfig):
@@ -81,10 +81,12 @@ class BenchGraphs:
     hf_config: object
     preprocess: VisionPreprocessSpec
     language_shape: LanguageShape  # vision_size is per way; see with_vision_size
-    vision: object  # ort.InferenceSession of the vision(+EVS) graph
-    vision_without_evs: object  # the same graph with the first K rows instead of the EVS selection
+    encoder: object  # ort.InferenceSession of the encoder graph
+    evs: object  # ... of the EVS graph
+    whole_video: object | None  # ... of the whole-video baseline (Qwen2.5-VL only), for the vision sweep
     language: object
     files: dict[str, str]
+    frames_per_call: int
 
     @property
     def merge_size(self) -> int:
@@ -92,6 +94,11 @@ class BenchGraphs:
 
     def with_vision_size(self, vision_size: int) -> LanguageShape:
         return dataclasses.replace(self.language_shape, vision_size=vision_size)
+
+    def vision_pipeline(self) -> VisionPipeline:
+        """The runtime's vision side over the opened sessions: encoder calls of F patches, then EVS."""
+        return VisionPipeline(self.family, OrtEncoderSession(self.encoder), OrtEVSSession(self.evs),
+                              self.frames_per_call)
 
 
 def build_graphs(config: BenchConfig, workdir: Path, progress: Progress) -> BenchGraphs:
@@ -105,20 +112,22 @@ def build_graphs(config: BenchConfig, workdir: Path, progress: Progress) -> Benc
     # Qwen3-VL's family tokenizes its timestamp text; the tiny tokenizer serves for timing.
     family = family_for_config(hf_config, _timestamp_tokenizer(config.family))
     spec = language_spec(model)
-    example_k = evs.retained_token_count(*_example_tokens(vc.spatial_merge_size), 0.5)
     files = {
-        "vision": workdir / "vision" / "vision.onnx",
-        "vision_without_evs": workdir / "vision_without_evs" / "vision.onnx",
+        "encoder": workdir / "vision" / "encoder.onnx",
+        "evs": workdir / "vision" / "evs.onnx",
         "language": workdir / "language" / "language.onnx",
     }
-    wrapper = family.vision_wrapper(model)
-    progress("exporting the vision(+EVS) graph and its EVS-free twin")
-    export_vision_graph(wrapper, EXAMPLE_GRID, example_k, files["vision"], progress=lambda m: None)
-    twin = FirstRowsVision(wrapper)
-    export_vision_graph(twin, EXAMPLE_GRID, example_k, files["vision_without_evs"], progress=lambda m: None)
+    progress("exporting the encoder and EVS graphs")
+    export_encoder_graph(family.encoder(model), EXAMPLE_GRID_HW, 2, files["encoder"], progress=lambda m: None)
+    _, h, w = family.merged_grid((2, *EXAMPLE_GRID_HW))
+    export_evs_graph(family.evs_selection(), (2, h, w), h * w, vc.out_hidden_size, family.deepstack_levels,
+                     files["evs"], progress=lambda m: None)
+    if config.family == "qwen2_5_vl":  # the vision sweep's baseline: the pre-issue-10 whole-video graph
+        files["whole_video"] = export_whole_video_graph(family.encoder(model), family.evs_selection(),
+                                                        workdir / "whole_video" / "vision.onnx")
     progress("exporting the language graph")
     export_language_graph(model, files["language"], media_token_ids=family.special_tokens().media_pads)
-    del wrapper, twin, model
+    del model
     gc.collect()
 
     progress("opening the graphs in ONNX Runtime")
@@ -132,16 +141,13 @@ def build_graphs(config: BenchConfig, workdir: Path, progress: Progress) -> Benc
         hf_config=hf_config,
         preprocess=preprocess,
         language_shape=shape,
-        vision=open_inference_session(files["vision"]),
-        vision_without_evs=open_inference_session(files["vision_without_evs"]),
+        encoder=open_inference_session(files["encoder"]),
+        evs=open_inference_session(files["evs"]),
+        whole_video=open_inference_session(files["whole_video"]) if "whole_video" in files else None,
         language=open_inference_session(files["language"]),
         files={name: str(path) for name, path in files.items()},
+        frames_per_call=config.frames_per_call,
     )
-
-
-def _example_tokens(merge_size: int) -> tuple[int, int]:
-    t, h, w = evs.merged_grid(EXAMPLE_GRID, merge_size)
-    return h * w, t
 
 
 def _timestamp_tokenizer(family: str):

@@ -78,6 +78,37 @@ def plot_window_sweep(results: dict, path: Path) -> Path:
     return _save(figure, path)
 
 
+def plot_vision_sweep(results: dict, path: Path) -> Path:
+    """Time per temporal patch and peak memory against frames: the encoder + EVS vs the whole-video graph."""
+    vs = results["vision_sweep"]
+    rows = vs["rows"]
+    figure = Figure(figsize=(8.0, 3.4))
+    left, right = figure.add_subplot(1, 2, 1), figure.add_subplot(1, 2, 2)
+    for name, label, marker in (("encoder", f"encoder ({vs['frames_per_call']} patches/call) + EVS", "o-"),
+                                ("whole_video", "whole-video graph", "s--")):
+        points = [r for r in rows if name in r]
+        if not points:
+            continue
+        frames = [r["frames"] for r in points]
+        line, = left.plot(frames, [r[name]["cpu_s_per_patch"] for r in points], marker, label=f"{label}, CPU")
+        left.plot(frames, [r[name]["wall_s_per_patch"] for r in points], marker, color=line.get_color(), alpha=0.3,
+                  label=f"{label}, wall")
+        right.plot(frames, [r[name]["peak_above_start_mb"] or 0.0 for r in points], marker, label=label)
+    right.plot([r["frames"] for r in rows], [r["accumulated_mb"] for r in rows], ":", color="grey",
+               label="accumulated merged rows")
+    for axes in (left, right):
+        axes.set_xscale("log", base=2)
+        axes.set_xticks([r["frames"] for r in rows], [str(r["frames"]) for r in rows])
+        axes.set_xlabel("frames")
+        axes.grid(alpha=0.3)
+        axes.set_ylim(bottom=0)
+        axes.legend(fontsize=6)
+    left.set_ylabel("vision s per temporal patch")
+    right.set_ylabel("peak memory above loaded graphs (MB)")
+    figure.suptitle(f"Vision side, {vs['frame_size']}x{vs['frame_size']}, q={vs['q']:g}", fontsize=10)
+    return _save(figure, path)
+
+
 def token_colours(frames: np.ndarray, token_pixels: int, temporal_patch_size: int) -> np.ndarray:
     """``(T, H, W, 3)`` uint8 -> ``(t, h, w, 3)`` float in [0, 1]: mean colour of each merged token.
 

@@ -1,6 +1,6 @@
 """Pruning sweep: what EVS at rate q buys on one video + question.
 
-Per q: the vision(+EVS) graph on the vision clip, and the whole language prefill (chunks of
+Per q: the vision side (encoder calls, then the EVS graph) on the vision clip, and the whole language prefill (chunks of
 ``prefill_seq_len``, each with its ``user_vision_size`` window) of the language clip. The first
 token comes out of the last prefill chunk, so time to first token = vision + prefill (each
 request's own calls, as if it ran alone).
@@ -21,7 +21,9 @@ from qeff_evs import evs
 from qeff_evs.bench import memory
 from qeff_evs.bench.config import BenchConfig
 from qeff_evs.bench.graphs import BenchGraphs
-from qeff_evs.runtime.backends.ort import OrtLanguageSession, OrtVisionSession
+from qeff_evs.models.protocol import MediaInput
+from qeff_evs.runtime.backends.ort import OrtLanguageSession
+from qeff_evs.runtime.backends.vision import VisionPipeline
 from qeff_evs.bench.timing import ChunkedRun, Samples, alternating, run_interleaved, timed
 from qeff_evs.bench.workload import Clip, first_special_id, language_prompt, question_ids, synthetic_clip
 from qeff_evs.runtime.backends.base import LanguageInputs
@@ -75,7 +77,7 @@ def prefill_steps(prompt: PreparedPrompt, config: BenchConfig, hidden: int, leve
 class _Case:
     point: PruningPoint
     steps: list[LanguageInputs]
-    host: dict[str, np.ndarray]
+    vision_k: int
 
 
 def _cases(config: BenchConfig, graphs: BenchGraphs, language_clip: Clip, vision_clip: Clip) -> list[_Case]:
@@ -96,16 +98,16 @@ def _cases(config: BenchConfig, graphs: BenchGraphs, language_clip: Clip, vision
             vision_video_tokens=vt * vh * vw, vision_retained_tokens=vision_k,
             encoder_cache_bytes=k * shape.hidden * 4 * (1 + shape.deepstack_levels),
         )
-        cases.append(_Case(point, steps, family.vision_host_inputs(vision_clip.grid_thw, vision_k)))
+        cases.append(_Case(point, steps, vision_k))
     return cases
 
 
-def _memory_pass(case: _Case, vision: OrtVisionSession, language: OrtLanguageSession,
-                 pixels: np.ndarray, merged_grid: tuple[int, int, int]) -> None:
+def _memory_pass(case: _Case, vision: VisionPipeline, language: OrtLanguageSession, video: MediaInput,
+                 merged_grid: tuple[int, int, int]) -> None:
     """The q's vision run and prefill alone: warm-up, kept indices and peak resident memory."""
     start_mb = memory.resident_mb()
     memory.reset_peak()
-    result = vision.run(pixels, case.host)
+    result = vision.encode(video, case.vision_k)
     run_interleaved([ChunkedRun(language, case.steps)])
     peak = memory.peak_mb()
     point = case.point
@@ -122,18 +124,17 @@ def run_pruning_sweep(config: BenchConfig, graphs: BenchGraphs, progress: Progre
     language_clip = synthetic_clip(spec, config.frames, config.frame_size, config.seed)
     vision_clip = synthetic_clip(spec, config.vision_frames, config.vision_frame_size, config.seed)
     cases = _cases(config, graphs, language_clip, vision_clip)
-    vision = OrtVisionSession(graphs.vision)
-    pixels = vision_clip.video.pixel_values.numpy()
+    vision = graphs.vision_pipeline()
+    video = vision_clip.video
     merged_grid = graphs.family.merged_grid(vision_clip.grid_thw)
 
     for case in cases:
         progress(f"pruning sweep: q={case.point.q:g} alone (warm-up, peak memory)")
-        _memory_pass(case, vision, OrtLanguageSession(graphs.language, graphs.language_shape), pixels,
-                     merged_grid)
+        _memory_pass(case, vision, OrtLanguageSession(graphs.language, graphs.language_shape), video, merged_grid)
     for rep in range(config.repeats):
         order = alternating(cases, rep)
         for case in order:
-            timed(lambda: vision.run(pixels, case.host), case.point.vision)
+            timed(lambda: vision.encode(video, case.vision_k), case.point.vision)
         runs = [ChunkedRun(OrtLanguageSession(graphs.language, graphs.language_shape), case.steps)
                 for case in order]
         run_interleaved(runs)

@@ -15,6 +15,7 @@ from qeff_evs.bench.config import BenchConfig, validate
 from qeff_evs.bench.graphs import build_graphs, model_config
 from qeff_evs.bench.overhead import run_evs_overhead
 from qeff_evs.bench.pruning import run_pruning_sweep
+from qeff_evs.bench.vision_sweep import run_vision_sweep
 from qeff_evs.bench.window_sweep import run_window_sweep
 from qeff_evs.bench.workload import synthetic_clip
 from qeff_evs.runtime.inputs.processor import VisionPreprocessSpec
@@ -25,6 +26,7 @@ RESULTS_JSON = "results.json"
 RESULTS_MD = "results.md"
 LATENCY_PNG = "latency_vs_q.png"
 WINDOW_PNG = "window_sweep.png"
+VISION_PNG = "vision_sweep.png"
 KEPT_PNG = "kept_tokens.png"
 
 
@@ -36,7 +38,7 @@ def model_summary(hf_config) -> dict:
 
 
 def write_reports(results: dict, output: Path) -> list[Path]:
-    """results.json's companions: results.md and the three PNGs (also re-renders a saved results.json)."""
+    """results.json's companions: results.md and the four PNGs (also re-renders a saved results.json)."""
     output = Path(output)
     output.mkdir(parents=True, exist_ok=True)
     (output / RESULTS_MD).write_text(report.markdown(results))
@@ -51,6 +53,7 @@ def write_reports(results: dict, output: Path) -> list[Path]:
         output / RESULTS_MD,
         plots.plot_latency_vs_q(results, output / LATENCY_PNG),
         plots.plot_window_sweep(results, output / WINDOW_PNG),
+        plots.plot_vision_sweep(results, output / VISION_PNG),
         plots.plot_kept_tokens(clip.frames, tuple(sweep["vision_merged_grid"]), kept,
                                vc.patch_size * vc.spatial_merge_size, vc.temporal_patch_size, output / KEPT_PNG),
     ]
@@ -80,12 +83,12 @@ def run_suite(config: BenchConfig, output: Path, workdir: Path | None, progress:
         phase_seconds = {"build_export_open": time.perf_counter() - started}
         measured = {}
         for phase, run in (("pruning_sweep", run_pruning_sweep), ("window_sweep", run_window_sweep),
-                           ("evs_overhead", run_evs_overhead)):
+                           ("vision_sweep", run_vision_sweep), ("evs_overhead", run_evs_overhead)):
             started = time.perf_counter()
             measured[phase] = run(config, graphs, progress)
             phase_seconds[phase] = time.perf_counter() - started
         results = report.build_results(config, model_summary(hf_config), phase_seconds, measured["pruning_sweep"],
-                                       measured["window_sweep"], measured["evs_overhead"])
+                                       measured["window_sweep"], measured["vision_sweep"], measured["evs_overhead"])
         del graphs  # close the ORT sessions before their files go
     (output / RESULTS_JSON).write_text(json.dumps(results, indent=1) + "\n")
     write_reports(results, output)

@@ -6,7 +6,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from qeff_evs.export.pipeline import compile_commands
-from qeff_evs.manifest import read_manifest
+from qeff_evs.manifest import GRAPHS, read_manifest
 from qeff_evs.specializations import CompileOptions, read_specializations_json, run_compile, write_compile_script
 
 
@@ -19,9 +19,9 @@ def compile_export(export_dir: Path, options: CompileOptions = CompileOptions(),
     machine with the Apps SDK and compiled there with ``./compile.sh``.
     """
     manifest = read_manifest(export_dir)
-    vision_specs = read_specializations_json(manifest.path(export_dir, "vision_specializations"))
-    language_specs = read_specializations_json(manifest.path(export_dir, "language_specializations"))
-    commands = compile_commands(export_dir, options, manifest.kv_precision, vision_specs, language_specs)
+    specs = {graph: read_specializations_json(manifest.path(export_dir, f"{graph}_specializations"))
+             for graph in GRAPHS}
+    commands = compile_commands(export_dir, options, manifest.kv_precision, specs)
     script = write_compile_script(manifest.path(export_dir, "compile_script"), commands)
     progress(f"compile script written: {script}")
     return run_compile(commands, cwd=export_dir)

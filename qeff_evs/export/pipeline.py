@@ -3,9 +3,12 @@
 Layout of the export folder::
 
     manifest.json                 what `run` and `compile` read
-    vision/vision.onnx            vision(+EVS) graph, one file for every grid / frame count / K
-    vision/specializations.json   one entry per (resolution, frames, q); + specializations.named.json
-    vision/custom_io.yaml
+    vision/encoder.onnx           encoder graph: F temporal patches per call, one file for every resolution
+    vision/encoder_specializations.json   one entry per (resolution, F); + .named.json
+    vision/encoder_custom_io.yaml
+    vision/evs.onnx               EVS graph: a whole video's merged rows -> the K retained rows + indices
+    vision/evs_specializations.json       one entry per (resolution, frames, q); + .named.json
+    vision/evs_custom_io.yaml
     language/language.onnx        language graph (QEfficient contract, user_vision_size windows)
     language/specializations.json prefill + decode; + specializations.named.json
     language/custom_io.yaml
@@ -19,29 +22,34 @@ import copy
 import dataclasses
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from qeff_evs import evs
 from qeff_evs.positions import rope_table_length
 from qeff_evs.export.language import export_language_graph
-from qeff_evs.export.vision import export_vision_graph
+from qeff_evs.export.vision import export_encoder_graph, export_evs_graph
 from qeff_evs.manifest import (
     EXPORT_FILES,
+    GRAPHS,
     MODEL_CONFIG_DIR,
     SERVING_ARCHITECTURES,
+    EncoderEntry,
+    EVSEntry,
     LanguageShape,
     Manifest,
-    VisionEntry,
 )
 from qeff_evs.models.checkpoint import load_checkpoint
 from qeff_evs.models.language import language_spec
 from qeff_evs.models.registry import family_for_config
 from qeff_evs.specializations import (
+    DEFAULT_FRAMES_PER_CALL,
     FLOAT16,
     CompileCommand,
     CompileOptions,
+    EncoderTarget,
+    Specialization,
     VisionTarget,
     language_specializations,
     prepare_graph_compile,
@@ -104,6 +112,7 @@ class ExportOptions:
     mxfp6_matmul: bool = False
     rope_positions: int | None = None  # RoPE table rows; None: positions.rope_table_length(ctx_len, q)
     full_batch_size: int | None = None  # continuous batching: KV rows + batch_index input (QEfficient CB)
+    frames_per_call: int = DEFAULT_FRAMES_PER_CALL  # temporal patches per encoder call (F)
 
     @property
     def vision_size(self) -> int:
@@ -121,6 +130,10 @@ def check_frame_sizes(options: ExportOptions, patch_size: int, merge_size: int, 
         if frames <= 0 or frames % temporal_patch_size:
             raise ValueError(
                 f"--frames {frames} must be a positive multiple of temporal_patch_size {temporal_patch_size}")
+    if isinstance(options.frames_per_call, bool) or int(options.frames_per_call) != options.frames_per_call \
+            or options.frames_per_call < 1:
+        raise ValueError(f"--frames-per-call must be a positive integer (temporal patches per encoder call), "
+                         f"got {options.frames_per_call!r}")
 
 
 def vision_grid(height: int, width: int, frames: int, patch_size: int, temporal_patch_size: int) -> tuple[int, int, int]:
@@ -128,17 +141,20 @@ def vision_grid(height: int, width: int, frames: int, patch_size: int, temporal_
 
 
 def compile_commands(export_dir: Path, options: CompileOptions, kv_precision: str,
-                     vision_specs, language_specs) -> list[CompileCommand]:
-    """Check both graphs against their specializations, write their compile inputs, return the commands."""
+                     specs: Mapping[str, Sequence[Specialization]]) -> list[CompileCommand]:
+    """Check each graph (``GRAPHS``) against its specializations, write its compile inputs, return the commands."""
     commands = []
-    for graph, specs in (("vision", vision_specs), ("language", language_specs)):
-        graph_dir = export_dir / graph
+    for graph in GRAPHS:
+        onnx_path = export_dir / EXPORT_FILES[graph]
+        graph_dir = onnx_path.parent
+        # The encoder and EVS graphs share the vision folder: their files carry the graph's name.
+        stem = None if graph == "language" else graph
         commands.append(prepare_graph_compile(
-            graph_dir / f"{graph}.onnx", graph_dir, specs, graph=graph, kv_precision=kv_precision,
+            onnx_path, graph_dir, specs[graph], graph=graph, kv_precision=kv_precision,
             style=options.specializations_layout, num_cores=options.num_cores,
             mxfp6_matmul=options.mxfp6_matmul, extra_flags=options.flags_for(graph), relative_to=export_dir,
-            aic_hw_version=options.aic_hw_version, num_devices=options.num_devices))
-        write_specializations_json(graph_dir / "specializations.named.json", specs, "named")
+            aic_hw_version=options.aic_hw_version, num_devices=options.num_devices, stem=stem))
+        write_specializations_json(export_dir / EXPORT_FILES[f"{graph}_specializations_named"], specs[graph], "named")
     return commands
 
 
@@ -158,22 +174,34 @@ def export_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, 
     vc = checkpoint.config.vision_config
     check_frame_sizes(options, vc.patch_size, vc.spatial_merge_size, vc.temporal_patch_size)
 
-    targets = []
+    encoder_targets, evs_targets = [], []
     for height, width in options.resolutions:
+        grid_hw = (height // vc.patch_size, width // vc.patch_size)
+        encoder_targets.append((EncoderTarget(height, width, options.frames_per_call), grid_hw))
         for frames in options.frames:
             grid = vision_grid(height, width, frames, vc.patch_size, vc.temporal_patch_size)
             t, h, w = family.merged_grid(grid)
             retained = evs.retained_token_count(h * w, t, q)
-            targets.append((VisionTarget(height, width, frames, q), grid, retained))
-    vision_specs = vision_specializations(
-        [(target, family.vision_symbols(grid, k)) for target, grid, k in targets])
+            evs_targets.append((VisionTarget(height, width, frames, q), grid, retained))
+    specs = {
+        "encoder": vision_specializations(
+            [(target, family.encoder_symbols(grid_hw, target.frames_per_call)) for target, grid_hw in encoder_targets]),
+        "evs": vision_specializations(
+            [(target, family.evs_symbols(grid, k)) for target, grid, k in evs_targets]),
+        "language": lang_specs,
+    }
 
     (out / "vision").mkdir(parents=True, exist_ok=True)
     (out / "language").mkdir(parents=True, exist_ok=True)
-    _, example_grid, example_k = targets[0]
-    progress(f"exporting vision(+EVS) graph (example grid {example_grid}, K={example_k})")
-    export_vision_graph(family.vision_wrapper(checkpoint.model), example_grid, example_k,
-                        out / "vision" / "vision.onnx", progress=progress)
+    _, example_hw = encoder_targets[0]
+    # Traced with 2+ frames so the per-frame tiling is in the graph (F stays a symbol either way).
+    export_encoder_graph(family.encoder(checkpoint.model), example_hw, max(2, options.frames_per_call),
+                         out / EXPORT_FILES["encoder"], progress=progress)
+    # Traced on 2 temporal patches keeping one frame's worth: every op of the selection runs.
+    _, example_h, example_w = family.merged_grid((2, *example_hw))
+    spec = language_spec(checkpoint.model)
+    export_evs_graph(family.evs_selection(), (2, example_h, example_w), example_h * example_w,
+                     vc.out_hidden_size, family.deepstack_levels, out / EXPORT_FILES["evs"], progress=progress)
     progress("exporting language graph")
     export_language_graph(checkpoint.model, out / "language" / "language.onnx",
                           media_token_ids=family.special_tokens().media_pads,
@@ -181,14 +209,13 @@ def export_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, 
 
     progress("checking specializations against the graphs and writing compile inputs")
     commands = compile_commands(out, CompileOptions(num_cores=options.num_cores, mxfp6_matmul=options.mxfp6_matmul),
-                                options.kv_precision, vision_specs, lang_specs)
+                                options.kv_precision, specs)
     write_compile_script(out / "compile.sh", commands)
     checkpoint.tokenizer.save_pretrained(out / "tokenizer")
     save_model_config(checkpoint, out / MODEL_CONFIG_DIR)
     save_serving_config(checkpoint, family.name, stop_token_ids(checkpoint, family.special_tokens().eos),
                         options.ctx_len, out)
 
-    spec = language_spec(checkpoint.model)
     specials = family.special_tokens()
     manifest = Manifest(
         family=family.name,
@@ -204,9 +231,13 @@ def export_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, 
             full_batch_size=options.full_batch_size or 1, vocab=spec.vocab_size,
             continuous_batching=options.full_batch_size is not None, rope_positions=rope_positions),
         files=dict(EXPORT_FILES),
-        vision_entries=tuple(
-            VisionEntry(target.height, target.width, target.frames, tuple(grid), k, family.vision_symbols(grid, k))
-            for target, grid, k in targets),
+        encoder_entries=tuple(
+            EncoderEntry(target.height, target.width, target.frames_per_call, grid_hw,
+                         family.encoder_symbols(grid_hw, target.frames_per_call))
+            for target, grid_hw in encoder_targets),
+        evs_entries=tuple(
+            EVSEntry(target.height, target.width, target.frames, tuple(grid), k, family.evs_symbols(grid, k))
+            for target, grid, k in evs_targets),
         kv_precision=options.kv_precision,
     )
     manifest.write(out)

@@ -7,7 +7,8 @@ an fp16 twin of the export that follows ``compile.sh``: a graph whose compile li
 fp32 keeps fp32 arithmetic and only sees fp16-rounded float inputs (its custom I/O). The report,
 per workload, compares the twin with fp32:
 
-* each vision-side graph on video-like inputs (the ``vision`` graph with its family's host inputs;
+* each vision-side graph on video-like inputs (the ``encoder`` graph with its family's host inputs, the
+  ``evs`` graph with video-like merged rows;
   another with random floats at its first specialization): output error, inf/NaN, and EVS kept-token
   agreement where the graph returns ``retained_indices``;
 * ``positions``: one text chunk whose M-RoPE positions start at increasing offsets (KV slots unchanged),
@@ -249,26 +250,38 @@ def magnitude_comparison(fp32_dir: Path, fp16_dir: Path | None, seq_len: int = 1
 def _vision_feeds(export_dir: Path, role: str, session, seed: int) -> dict[str, np.ndarray]:
     """Sample inputs of a vision-side graph at its first specialization.
 
-    The ``vision`` graph gets its family's host inputs and video-like pixels (frames that drift a
-    little, so EVS has something to rank); another graph gets random floats and zero integers
-    (shape carriers and indices stay in range).
+    The ``encoder`` graph gets its family's host inputs and video-like pixels (frames that drift a
+    little), the ``evs`` graph video-like merged rows (so EVS has something to rank); another graph
+    gets random floats and zero integers (shape carriers and indices stay in range).
     """
     manifest = read_manifest(export_dir)
     rng = np.random.default_rng(seed)
-    if role == "vision" and manifest.vision_entries:
+    if role == "encoder" and manifest.encoder_entries:
         from transformers import AutoConfig
 
         from qeff_evs.models.registry import family_for_config
 
-        entry = manifest.vision_entries[0]
+        entry = manifest.encoder_entries[0]
         family = family_for_config(AutoConfig.from_pretrained(export_dir / MODEL_CONFIG_DIR, local_files_only=True))
-        host = family.vision_host_inputs(entry.grid_thw, entry.retained)
+        host = family.encoder_host_inputs(entry.grid_hw, entry.frames_per_call)
         pixels = next(i for i in session.get_inputs() if i.name not in host)
-        t = entry.grid_thw[0]
-        per_frame = int(np.prod(entry.grid_thw[1:]))
+        per_frame = int(np.prod(entry.grid_hw))
         width = pixels.shape[1] if isinstance(pixels.shape[1], int) else entry.symbols[pixels.shape[1]]
-        return {pixels.name: video_like_rows(t, per_frame, width, (0.5 * width ** 0.5, 2 * width ** 0.5), seed),
-                **host}
+        return {pixels.name: video_like_rows(entry.frames_per_call, per_frame, width,
+                                             (0.5 * width ** 0.5, 2 * width ** 0.5), seed), **host}
+    if role == "evs" and manifest.evs_entries:
+        from qeff_evs.models.vision_common import evs_host_inputs
+
+        entry = manifest.evs_entries[0]
+        t, tokens = entry.symbols["time"], entry.symbols["video_tokens"] // entry.symbols["time"]
+        feeds = {}
+        for value in session.get_inputs():
+            if value.name == "merged_embeds":
+                feeds[value.name] = video_like_rows(t, tokens, value.shape[1], (8.0, 32.0), seed)
+            elif value.name == "merged_deepstack":
+                feeds[value.name] = np.stack([video_like_rows(t, tokens, value.shape[2], (8.0, 32.0), seed + 1 + i)
+                                              for i in range(value.shape[0])])
+        return {**feeds, **evs_host_inputs((t, tokens, 1), entry.retained)}
     symbols = read_specializations_json(manifest.path(export_dir, f"{role}_specializations"))[0].symbols
     feeds = {}
     for value in session.get_inputs():

@@ -1,9 +1,9 @@
-"""Export a family's vision(+EVS) wrapper to ONE ONNX file that serves every grid, frame count and K.
+"""Export the vision side: the encoder graph (F temporal patches per call) and the EVS graph (DESIGN §5).
 
-The wrapper declares its graph interface (input/output names in ``forward`` order and the named
-symbol of each dynamic axis) as a ``VisionGraphSpec``, and builds example inputs for a grid.
-Every dynamic dimension gets a named symbol so a specialization can bind it; the exported
-file is checked for that and for the absence of data-dependent ops (NonZero).
+Each module declares its graph interface (input/output names in ``forward`` order and the named
+symbol of each dynamic axis) as a ``VisionGraphSpec`` and builds example inputs. Every dynamic
+dimension gets a named symbol so a specialization can bind it; each exported file is checked for
+that and for the absence of data-dependent ops (NonZero).
 """
 
 from __future__ import annotations
@@ -11,55 +11,65 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Protocol
 
 import onnx
 import torch
 
 from qeff_evs.export.onnx_graph import check_named_axes, check_static_ops, legacy_export
 from qeff_evs.models.graph_io import VisionGraphSpec
+from qeff_evs.models.vision_common import EncoderWrapper, EVSSelection
 
 _LOG = logging.getLogger(__name__)
 
-class ExportableVision(Protocol):
-    """What ``export_vision_graph`` needs from a family's vision(+EVS) wrapper."""
 
-    graph_spec: VisionGraphSpec
-
-    def dummy_inputs(self, grid_thw: Sequence[int], retained: int) -> dict[str, torch.Tensor]:
-        """Example inputs for one grid and K, keyed (and ordered) like ``graph_spec.inputs``."""
-
-    def __call__(self, *args: torch.Tensor): ...
-
-
-def export_vision_graph(
-    wrapper: ExportableVision,
-    example_grid: Sequence[int],
-    example_retained: int,
+def export_encoder_graph(
+    wrapper: EncoderWrapper,
+    example_grid_hw: Sequence[int],
+    example_frames: int,
     path: str | Path,
     progress: Callable[[str], None] | None = None,
 ) -> Path:
-    """Trace ``wrapper`` on one example grid and write the ONNX graph to ``path``; returns the path.
+    """Trace the family's encoder on ``example_frames`` temporal patches of one ``(H, W)`` patch grid.
 
-    The example only has to be valid (the graph keeps every grid-dependent size symbolic); pick
-    one with T > 1 and K < T*h*w so every op of the EVS selection is traced.
-    ``progress`` receives human-readable status lines (default: this module's logger).
+    The example only has to be valid: every size stays a symbol, so one file serves every
+    resolution and frames-per-call. Pick ``example_frames > 1`` so the per-frame tiling is traced.
     """
+    inputs = wrapper.dummy_inputs(example_grid_hw, example_frames)
+    label = f"encoder graph (example grid {tuple(example_grid_hw)}, {example_frames} frames per call)"
+    return _export(wrapper, wrapper.graph_spec, inputs, Path(path), label, progress)
+
+
+def export_evs_graph(
+    selection: EVSSelection,
+    example_merged_grid: Sequence[int],
+    example_retained: int,
+    hidden: int,
+    levels: int,
+    path: str | Path,
+    progress: Callable[[str], None] | None = None,
+) -> Path:
+    """Trace the EVS graph on one merged grid ``(T, h, w)`` and K; T, the row count and K stay symbols.
+
+    Pick T > 1 and K < T*h*w so every op of the selection is traced.
+    """
+    inputs = selection.dummy_inputs(example_merged_grid, example_retained, hidden, levels)
+    label = f"EVS graph (example merged grid {tuple(example_merged_grid)}, K={example_retained})"
+    return _export(selection, selection.graph_spec, inputs, Path(path), label, progress)
+
+
+def _export(module: torch.nn.Module, spec: VisionGraphSpec, inputs: Mapping[str, torch.Tensor], path: Path,
+            label: str, progress: Callable[[str], None] | None) -> Path:
     say = progress or _LOG.info
-    spec = wrapper.graph_spec
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    inputs = wrapper.dummy_inputs(example_grid, example_retained)
     if list(inputs) != spec.input_names:
         raise ValueError(
             f"dummy_inputs returned {list(inputs)} but graph_spec declares {spec.input_names}; "
-            "make the wrapper build its example inputs in forward order"
-        )
-    say(f"exporting vision graph for example grid {tuple(example_grid)}, K={example_retained} -> {path}")
-    legacy_export(wrapper, list(inputs.values()), path, input_names=spec.input_names,
+            "build the example inputs in forward order")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    say(f"exporting {label} -> {path}")
+    legacy_export(module, list(inputs.values()), path, input_names=spec.input_names,
                   output_names=spec.output_names, dynamic_axes=spec.dynamic_axes)
     check_vision_graph(onnx.load(str(path), load_external_data=False), spec)
-    say(f"vision graph written: {path} ({path.stat().st_size / 1e6:.2f} MB)")
+    say(f"written: {path} ({path.stat().st_size / 1e6:.2f} MB)")
     return path
 
 
@@ -74,5 +84,5 @@ def check_vision_graph(model: onnx.ModelProto, spec: VisionGraphSpec) -> None:
             f"exported vision graph lacks {missing}; every declared input must be used by forward "
             "(the exporter drops unused inputs)"
         )
-    check_named_axes(model, declared, "vision graph", "add it to the wrapper's graph_spec")
+    check_named_axes(model, declared, "vision graph", "add it to the graph's VisionGraphSpec")
     check_static_ops(model, "vision graph")

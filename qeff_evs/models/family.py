@@ -1,8 +1,8 @@
 """The part of a model-family adapter Qwen2.5-VL and Qwen3-VL share.
 
 Token ids come from the checkpoint's config; images are never pruned (``image_layout``); the
-vision wrapper and its host inputs come from the family module. A subclass only says how a video
-is laid out in the prompt, before (``video_placeholder``) and after (``real_video_layout``) encoding.
+encoder wrapper and its per-frame host inputs come from the family module, the EVS graph is shared.
+A subclass only says how a video is laid out in the prompt, before (``video_placeholder``) and after (``real_video_layout``) encoding.
 """
 
 from __future__ import annotations
@@ -16,13 +16,13 @@ import torch.nn as nn
 from qeff_evs import evs
 from qeff_evs.manifest import SpecialTokens
 from qeff_evs.models.protocol import MediaInput, MediaLayout, image_layout
-from qeff_evs.models.vision_common import VisionEVSWrapper
+from qeff_evs.models.vision_common import EncoderWrapper, EVSSelection, encoder_host_inputs, evs_symbols
 
 
 class QwenVLFamily(abc.ABC):
     name = "qwen-vl"
     deepstack_levels = 0
-    wrapper: type[VisionEVSWrapper] = VisionEVSWrapper
+    wrapper: type[EncoderWrapper] = EncoderWrapper
 
     def __init__(self, config, tokenizer=None) -> None:
         self.config = config
@@ -39,14 +39,20 @@ class QwenVLFamily(abc.ABC):
     def merged_grid(self, grid_thw: Sequence[int]) -> tuple[int, int, int]:
         return evs.merged_grid(grid_thw, self.merge_size)
 
-    def vision_wrapper(self, model: nn.Module) -> VisionEVSWrapper:
+    def encoder(self, model: nn.Module) -> EncoderWrapper:
         return self.wrapper.from_model(model)
 
-    def vision_host_inputs(self, grid_thw: Sequence[int], retained: int) -> dict[str, np.ndarray]:
-        return self.wrapper.host_inputs_fn(self.vision_config, grid_thw, retained)
+    def evs_selection(self) -> EVSSelection:
+        return EVSSelection(deepstack=self.deepstack_levels > 0)
 
-    def vision_symbols(self, grid_thw: Sequence[int], retained: int) -> dict[str, int]:
-        return self.wrapper.symbols_fn(self.vision_config, grid_thw, retained)
+    def encoder_host_inputs(self, grid_hw: Sequence[int], frames: int) -> dict[str, np.ndarray]:
+        return encoder_host_inputs(self.vision_config, self.wrapper.frame_inputs_fn, grid_hw, frames)
+
+    def encoder_symbols(self, grid_hw: Sequence[int], frames: int) -> dict[str, int]:
+        return self.wrapper.symbols_fn(self.vision_config, grid_hw, frames)
+
+    def evs_symbols(self, grid_thw: Sequence[int], retained: int) -> dict[str, int]:
+        return evs_symbols(self.merged_grid(grid_thw), retained)
 
     def placeholder_ids(self, media: MediaInput, retained: int) -> np.ndarray:
         if media.kind == "image":

@@ -10,7 +10,7 @@ having ``full_batch_size`` rows. Outputs: ``logits (batch_size, 1, vocab)``,
 ``vision_embeds_RetainedState``, [``deepstack_features_RetainedState``], ``image_idx_output (1, 1)``,
 ``past_key.{i}_RetainedState``, ``past_value.{i}_RetainedState``.
 
-A vision graph declares its interface as a ``VisionGraphSpec`` (each family module has one).
+A vision graph (encoder, EVS) declares its interface as a ``VisionGraphSpec``.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """The small protocol a model family implements to plug into export and runtime.
 
 A family knows four things the shared pipeline does not: how to build its exportable
-vision(+EVS) and language wrappers from a transformers model, which host-side index tensors
-its vision graph takes for a grid, how a video is laid out in the prompt (before the
+encoder and language wrappers from a transformers model, which host-side index tensors
+its encoder takes for one frame of a grid, how a video is laid out in the prompt (before the
 encoder, where only the retained count K is known, and after it, where the per-frame split is),
 and how its released checkpoints preprocess video (``VideoPreprocessing``).
 """
@@ -91,14 +91,20 @@ class ModelFamily(Protocol):
 
     def merged_grid(self, grid_thw: Sequence[int]) -> tuple[int, int, int]: ...
 
-    def vision_wrapper(self, model: torch.nn.Module) -> torch.nn.Module:
-        """Exportable vision(+EVS) module: host inputs in, (embeds, [deepstack], retained indices) out."""
+    def encoder(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Exportable encoder: F temporal patches + one frame's host inputs in, merged rows [+ deepstack] out."""
 
-    def vision_host_inputs(self, grid_thw: Sequence[int], retained: int) -> dict[str, np.ndarray]:
-        """Every vision-graph input except ``pixel_values``, for this grid and K."""
+    def evs_selection(self) -> torch.nn.Module:
+        """Exportable EVS graph: a whole video's merged rows in, (kept rows, [deepstack], indices) out."""
 
-    def vision_symbols(self, grid_thw: Sequence[int], retained: int) -> dict[str, int]:
-        """Values of the vision graph's dynamic symbols for one specialization."""
+    def encoder_host_inputs(self, grid_hw: Sequence[int], frames: int) -> dict[str, np.ndarray]:
+        """Every encoder input except ``pixel_values``, for calls of ``frames`` patches of grid ``(H, W)``."""
+
+    def encoder_symbols(self, grid_hw: Sequence[int], frames: int) -> dict[str, int]:
+        """Values of the encoder graph's dynamic symbols for one (frame grid, F) specialization."""
+
+    def evs_symbols(self, grid_thw: Sequence[int], retained: int) -> dict[str, int]:
+        """Values of the EVS graph's dynamic symbols for one (video grid, K) specialization."""
 
     def placeholder_ids(self, video: MediaInput, retained: int) -> np.ndarray:
         """The video's prompt segment before encoding (only K known). Same length as after."""

@@ -1,28 +1,31 @@
 """Qwen2.5-VL family.
 
-Vision part: ``Qwen2_5_VLVisionEVS`` wraps the transformers vision tower into the exportable
-vision(+EVS) graph; ``vision_host_inputs`` / ``vision_symbols`` give the host-side index tensors
-and the specialization symbols for a grid; ``reference_vision_evs`` is the independent reference
-(stock transformers forward, then the EVS mask).
+Vision part: ``Qwen2_5_VLEncoder`` wraps the transformers vision tower into the exportable encoder
+graph (F temporal patches of one resolution per call); ``frame_inputs`` / ``encoder_symbols`` give
+one frame's host-side index tensors and the specialization symbols; ``reference_vision_evs`` is the
+independent reference (stock transformers forward over the whole video, then the EVS mask). The EVS
+graph is the family-agnostic ``vision_common.EVSSelection``.
 
-Graph interface (DESIGN §5, §7 symbol names):
+Encoder graph interface (DESIGN §5, §7 symbol names):
 
 =====================  ======  ==============================  ===============================
 name                   dtype   shape                           meaning
 =====================  ======  ==============================  ===============================
-pixel_values           float   (grid_height, grid_width)       patches, T*H*W rows of C*tp*p*p
-video_grid_thw         int64   (time, grid_h, grid_w)          shape-only carrier, values unused
-rotary_position_ids    int64   (grid_height, 2)                (row, col) of each patch, merge-block order
-cu_seqlens             int32   (frame_bounds,)                 full-attention segment bounds, time+1
-window_index           int64   (vision_size,)                  merged-token order of window attention
-cu_window_seqlens      int32   (window_bounds,)                window-attention segment bounds
-retained_carrier       int64   (retained_size,)                shape-only: its length is K
-vision_embeds          float   (retained_size, out_hidden)     kept merger rows, raster order
-retained_indices       int64   (retained_size,)                their flat (t, row, col) indices, ascending
+pixel_values           float   (grid_height, grid_width)       patches, F*H*W rows of C*tp*p*p
+video_grid_thw         int64   (frames_per_call, grid_h,       shape-only carrier, values unused
+                               grid_w)
+rotary_position_ids    int64   (frame_patches, 2)              (row, col) of one frame's patches
+window_index           int64   (frame_tokens,)                 one frame's merged-token window order
+window_gather          int64   (windows, window_len)           patch of each padded window slot
+window_key_mask        int64   (windows, window_len)           1 on real slots, 0 on padding
+window_unpad           int64   (frame_patches,)                padded slot of each patch
+vision_embeds          float   (vision_size, out_hidden)       merged rows, raster (t, row, col)
 =====================  ======  ==============================  ===============================
 
-``grid_h``/``grid_w`` are the patch rows/columns of one frame (QEfficient's convention), ``time``
-the temporal patches, ``vision_size = time * grid_h * grid_w / merge**2``.
+``grid_h``/``grid_w`` are the patch rows/columns of one frame (QEfficient's convention),
+``frame_patches = grid_h * grid_w``, ``vision_size = frames_per_call * frame_patches / merge**2``.
+The full-attention blocks attend per frame (a reshape, no mask); the windowed blocks per padded
+window: ``frames_per_call * windows`` segments of ``window_len`` patches, never the whole call.
 """
 
 from __future__ import annotations
@@ -36,16 +39,23 @@ from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 from transformers.vision_utils import get_vision_window_index
 
 from qeff_evs import evs
+from qeff_evs.models.attention import EqualSegments, frame_windows, tile_per_frame
 from qeff_evs.models.family import QwenVLFamily
 from qeff_evs.models.graph_io import VisionGraphSpec
 from qeff_evs.models.protocol import MediaInput, MediaLayout, VideoPreprocessing
 from qeff_evs.models.vision_common import (
-    VisionEVSWrapper,
-    check_retained,
-    grid_symbols,
+    FRAME_PATCHES,
+    FRAMES_PER_CALL,
+    GRID_H,
+    GRID_W,
+    PATCH_ROWS,
+    PATCH_WIDTH,
+    VISION_SIZE,
+    EncoderWrapper,
+    encoder_symbols as shared_encoder_symbols,
+    frame_rotary_ids,
     grid_tensor,
-    leading_host_inputs,
-    retained_carrier,
+    tiled,
 )
 from qeff_evs.positions import MediaBlock
 
@@ -60,87 +70,103 @@ PREPROCESS_DEFAULTS = VideoPreprocessing(
 PROCESSOR_CLASS = "Qwen2_5_VL"  # how transformers spells the family in its processor class names
 
 # ---------------------------------------------------------------------------------------------
-# Vision(+EVS) graph
+# Encoder graph
 # ---------------------------------------------------------------------------------------------
 
-VISION_GRAPH_SPEC = VisionGraphSpec(
+FRAME_TOKENS, WINDOWS, WINDOW_LEN = "frame_tokens", "windows", "window_len"
+
+ENCODER_GRAPH_SPEC = VisionGraphSpec(
     inputs={
-        "pixel_values": {0: "grid_height", 1: "grid_width"},
-        "video_grid_thw": {0: "time", 1: "grid_h", 2: "grid_w"},
-        "rotary_position_ids": {0: "grid_height"},
-        "cu_seqlens": {0: "frame_bounds"},
-        "window_index": {0: "vision_size"},
-        "cu_window_seqlens": {0: "window_bounds"},
-        "retained_carrier": {0: "retained_size"},
+        "pixel_values": {0: PATCH_ROWS, 1: PATCH_WIDTH},
+        "video_grid_thw": {0: FRAMES_PER_CALL, 1: GRID_H, 2: GRID_W},
+        "rotary_position_ids": {0: FRAME_PATCHES},
+        "window_index": {0: FRAME_TOKENS},
+        "window_gather": {0: WINDOWS, 1: WINDOW_LEN},
+        "window_key_mask": {0: WINDOWS, 1: WINDOW_LEN},
+        "window_unpad": {0: FRAME_PATCHES},
     },
-    outputs={
-        "vision_embeds": {0: "retained_size"},
-        "retained_indices": {0: "retained_size"},
-    },
+    outputs={"vision_embeds": {0: VISION_SIZE}},
 )
 
 
-def vision_host_inputs(vision_config, grid_thw: Sequence[int], retained: int) -> dict[str, np.ndarray]:
-    """Every vision-graph input except ``pixel_values`` for one video grid ``(T, H, W)`` and K, in graph order."""
-    check_retained(vision_config, grid_thw, retained)
+def padded_windows(cu_window_seqlens: Sequence[int], patches: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(gather (windows, L), key_mask (windows, L), unpad (patches,))`` from one frame's window bounds.
+
+    In window order every window is a contiguous run of patches; edge windows are shorter than the
+    longest, ``L``, when the grid is not a multiple of the window. Padding slots repeat the window's
+    first patch and are masked out as keys (``key_mask`` 0; int64, as every index input, so each
+    backend takes it); ``unpad`` is each patch's flat slot.
+    """
+    bounds = [int(b) for b in cu_window_seqlens]
+    if bounds[0] != 0 or bounds[-1] != patches or any(b <= a for a, b in zip(bounds, bounds[1:])):
+        raise ValueError(f"window bounds {bounds} do not split {patches} patches into non-empty windows")
+    lengths = np.diff(bounds)
+    slots = np.arange(int(lengths.max()))
+    starts = np.asarray(bounds[:-1])[:, None]
+    real = slots[None, :] < lengths[:, None]
+    gather = np.where(real, starts + slots[None, :], starts).astype(np.int64)
+    return gather, real.astype(np.int64), np.flatnonzero(real.reshape(-1)).astype(np.int64)
+
+
+def frame_inputs(vision_config, grid_hw: Sequence[int]) -> dict[str, np.ndarray]:
+    """One frame's index inputs for a ``(H, W)`` patch grid, in graph order (after ``video_grid_thw``)."""
     window_index, cu_window_seqlens = get_vision_window_index(
-        grid_tensor(grid_thw), spatial_merge_size=vision_config.spatial_merge_size,
-        window_size=vision_config.window_size, patch_size=vision_config.patch_size
-    )
+        grid_tensor((1, *grid_hw)), spatial_merge_size=vision_config.spatial_merge_size,
+        window_size=vision_config.window_size, patch_size=vision_config.patch_size)
+    gather, key_mask, unpad = padded_windows(cu_window_seqlens.tolist(), int(grid_hw[0]) * int(grid_hw[1]))
     return {
-        **leading_host_inputs(vision_config, grid_thw),
+        "rotary_position_ids": frame_rotary_ids(vision_config, grid_hw),
         "window_index": window_index.numpy().astype(np.int64),
-        "cu_window_seqlens": cu_window_seqlens.numpy().astype(np.int32),
-        "retained_carrier": retained_carrier(retained),
+        "window_gather": gather,
+        "window_key_mask": key_mask,
+        "window_unpad": unpad,
     }
 
 
-def vision_symbols(vision_config, grid_thw: Sequence[int], retained: int) -> dict[str, int]:
-    """Value of every symbol of the vision graph for one specialization (grid and K)."""
-    host = vision_host_inputs(vision_config, grid_thw, retained)
-    return {**grid_symbols(vision_config, grid_thw, retained), "window_bounds": len(host["cu_window_seqlens"])}
+def encoder_symbols(vision_config, grid_hw: Sequence[int], frames: int) -> dict[str, int]:
+    """Value of every symbol of the encoder graph for one specialization (frame grid and F)."""
+    shared = shared_encoder_symbols(vision_config, grid_hw, frames)
+    windows = frame_inputs(vision_config, grid_hw)["window_gather"].shape
+    return {**shared, FRAME_TOKENS: shared[FRAME_PATCHES] // vision_config.spatial_merge_size ** 2,
+            WINDOWS: windows[0], WINDOW_LEN: windows[1]}
 
 
-class Qwen2_5_VLVisionEVS(VisionEVSWrapper):
-    """Qwen2.5-VL vision tower + EVS selection, exportable as one graph for every grid and K.
+class Qwen2_5_VLEncoder(EncoderWrapper):
+    """Qwen2.5-VL vision tower over F temporal patches of one resolution, exportable for every (grid, F).
 
-    The tower is a weight-sharing copy of the one given, whose own config copy selects the
-    block-mask attention: the caller's model keeps its attention implementation. Grid-dependent
-    index tensors come in as inputs (``vision_host_inputs``), so nothing in the graph depends
-    on tensor values except the EVS TopK, whose K is the length of ``retained_carrier``.
+    The tower is a weight-sharing copy of the one given, whose own config copy selects
+    ``segment_attention``: the caller's model keeps its attention implementation. The tower's own
+    forward runs; it receives the segment layouts in place of ``cu_seqlens`` (frames for the
+    full-attention blocks, padded windows for the others) and F-frame index tensors tiled here
+    from one frame's, so nothing in the graph depends on tensor values.
     """
 
-    graph_spec = VISION_GRAPH_SPEC
+    graph_spec = ENCODER_GRAPH_SPEC
     family_label = "Qwen2.5-VL"
-    host_inputs_fn = staticmethod(vision_host_inputs)
-    symbols_fn = staticmethod(vision_symbols)
+    frame_inputs_fn = staticmethod(frame_inputs)
+    symbols_fn = staticmethod(encoder_symbols)
 
-    def encode(
+    def forward(
         self,
         pixel_values: torch.Tensor,
         video_grid_thw: torch.Tensor,
         rotary_position_ids: torch.Tensor,
-        cu_seqlens: torch.Tensor,
         window_index: torch.Tensor,
-        cu_window_seqlens: torch.Tensor,
-    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """Every merged row ``(T*h*w, D)``; Qwen2.5-VL has no deepstack levels."""
-        merged = self.visual(
+        window_gather: torch.Tensor,
+        window_key_mask: torch.Tensor,
+        window_unpad: torch.Tensor,
+    ) -> torch.Tensor:
+        frames = video_grid_thw.shape[0]  # F from a shape, so it stays a symbol in the graph
+        return self.visual(
             pixel_values,
-            grid_thw=None,  # every grid-derived tensor is precomputed; None makes any fallback fail loudly
-            position_ids=rotary_position_ids,
-            cu_seqlens=cu_seqlens,
-            window_index=window_index,
-            cu_window_seqlens=cu_window_seqlens,
-            max_seqlen=0,  # only flash kernels read these; 0 avoids a .item() on cu_seqlens
+            grid_thw=None,  # every grid-derived tensor is given; None makes any fallback fail loudly
+            position_ids=tiled(rotary_position_ids, frames),
+            cu_seqlens=EqualSegments(frames),
+            window_index=tile_per_frame(window_index, frames, window_index.shape[0]),
+            cu_window_seqlens=frame_windows(window_gather, window_key_mask, window_unpad, frames),
+            max_seqlen=0,  # only flash kernels read these; given, transformers never inspects the layouts
             max_window_seqlen=0,
         ).pooler_output
-        return merged, []
-
-    def select(self, merged: torch.Tensor, levels: list[torch.Tensor], frames: int,
-               retained_carrier: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(vision_embeds (K, D), retained_indices (K,))``."""
-        return evs.select_retained(merged, frames, retained_carrier)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -153,7 +179,8 @@ def reference_vision_evs(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Stock transformers vision forward (its own attention), then the EVS mask: ``(kept rows, indices)``.
 
-    Independent of the wrapper: no precomputed inputs, no block-mask attention, no TopK.
+    Independent of the encoder and EVS graphs: the whole video in one stock forward, no precomputed
+    inputs, no segment attention, no TopK.
     """
     with torch.no_grad():
         merged = hf_visual(pixel_values, grid_thw=grid_tensor(grid_thw)).pooler_output
@@ -174,7 +201,7 @@ class Qwen2_5_VLFamily(QwenVLFamily):
     """
 
     name = "qwen2_5_vl"
-    wrapper = Qwen2_5_VLVisionEVS
+    wrapper = Qwen2_5_VLEncoder
 
     def time_factor(self, fps: float) -> float:
         second_per_grid = self.vision_config.temporal_patch_size / float(fps)

@@ -1,35 +1,33 @@
 """Qwen3-VL family.
 
-Vision part: ``Qwen3_VLVisionEVS`` wraps the transformers vision tower into the exportable
-vision(+EVS) graph; ``vision_host_inputs`` / ``vision_symbols`` give the host-side index tensors
-and the specialization symbols for a grid; ``reference_vision_evs`` is the independent reference
-(stock transformers forward, then the EVS mask over the deepstack-concatenated features).
+Vision part: ``Qwen3_VLEncoder`` wraps the transformers vision tower into the exportable encoder
+graph (F temporal patches of one resolution per call, merged rows + deepstack out);
+``frame_inputs`` / ``encoder_symbols`` give one frame's host-side index tensors and the
+specialization symbols; ``reference_vision_evs`` is the independent reference (stock transformers
+forward over the whole video, then the EVS mask over the deepstack-concatenated features). The
+EVS graph is the family-agnostic ``vision_common.EVSSelection`` with ``deepstack=True``.
 
 What differs from Qwen2.5-VL: full attention within each temporal patch (no windows), learned
 position embeddings resampled bilinearly to the grid (the taps and weights are host inputs), and
 ``levels`` deepstack mergers whose outputs are pruned with the same kept indices as the main rows.
 EVS scores ``[merger | deepstack 0 | deepstack 1 | ...]`` along features, as vLLM does.
 
-Graph interface (DESIGN §5, §7 symbol names):
+Encoder graph interface (DESIGN §5, §7 symbol names):
 
 =====================  ======  ==================================  ===============================
 name                   dtype   shape                               meaning
 =====================  ======  ==================================  ===============================
-pixel_values           float   (grid_height, grid_width)           patches, T*H*W rows of C*tp*p*p
-video_grid_thw         int64   (time, grid_h, grid_w)              shape-only carrier, values unused
-rotary_position_ids    int64   (grid_height, 2)                    (row, col) of each patch, merge-block order
-cu_seqlens             int32   (frame_bounds,)                     per-frame attention bounds, time+1
-interp_indices         int64   (grid_height, 4)                    bilinear taps into the pos-embed table
-interp_weights         float   (grid_height, 4)                    their weights (float32)
-retained_carrier       int64   (retained_size,)                    shape-only: its length is K
-vision_embeds          float   (retained_size, out_hidden)         kept merger rows, raster order
-deepstack_features     float   (levels, retained_size, out_hidden) the same rows of every deepstack level
-retained_indices       int64   (retained_size,)                    their flat (t, row, col) indices, ascending
+pixel_values           float   (grid_height, grid_width)           patches, F*H*W rows of C*tp*p*p
+video_grid_thw         int64   (frames_per_call, grid_h, grid_w)   shape-only carrier, values unused
+rotary_position_ids    int64   (frame_patches, 2)                  (row, col) of one frame's patches
+interp_indices         int64   (frame_patches, 4)                  bilinear taps into the pos-embed table
+interp_weights         float   (frame_patches, 4)                  their weights (float32)
+vision_embeds          float   (vision_size, out_hidden)           merged rows, raster (t, row, col)
+deepstack_features     float   (levels, vision_size, out_hidden)   every deepstack level's rows
 =====================  ======  ==================================  ===============================
 
-``grid_h``/``grid_w`` are the patch rows/columns of one frame (QEfficient's convention), ``time``
-the temporal patches. ``vision_size = time * grid_h * grid_w / merge**2`` is not a graph axis
-here (no window index) but is reported with the other symbols, as every vision specialization has it.
+``grid_h``/``grid_w`` are the patch rows/columns of one frame (QEfficient's convention),
+``frame_patches = grid_h * grid_w``, ``vision_size = frames_per_call * frame_patches / merge**2``.
 """
 
 from __future__ import annotations
@@ -43,16 +41,23 @@ from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 from transformers.vision_utils import get_vision_interpolation_indices_and_weights
 
 from qeff_evs import evs
+from qeff_evs.models.attention import EqualSegments
 from qeff_evs.models.family import QwenVLFamily
 from qeff_evs.models.graph_io import VisionGraphSpec
 from qeff_evs.models.protocol import MediaInput, MediaLayout, VideoPreprocessing
 from qeff_evs.models.vision_common import (
-    VisionEVSWrapper,
-    check_retained,
-    grid_symbols,
+    FRAME_PATCHES,
+    FRAMES_PER_CALL,
+    GRID_H,
+    GRID_W,
+    PATCH_ROWS,
+    PATCH_WIDTH,
+    VISION_SIZE,
+    EncoderWrapper,
+    encoder_symbols,
+    frame_rotary_ids,
     grid_tensor,
-    leading_host_inputs,
-    retained_carrier,
+    tiled,
 )
 from qeff_evs.positions import MediaBlock
 
@@ -65,7 +70,7 @@ PREPROCESS_DEFAULTS = VideoPreprocessing(
 PROCESSOR_CLASS = "Qwen3VL"  # how transformers spells the family in its processor class names
 
 # ---------------------------------------------------------------------------------------------
-# Vision(+EVS) graph
+# Encoder graph
 # ---------------------------------------------------------------------------------------------
 
 # How transformers' Qwen3-VL tower resamples its square learned position grid (set on the model
@@ -73,20 +78,17 @@ PROCESSOR_CLASS = "Qwen3VL"  # how transformers spells the family in its process
 INTERPOLATION_MODE = "bilinear"
 INTERPOLATION_ALIGN_CORNERS = True
 
-VISION_GRAPH_SPEC = VisionGraphSpec(
+ENCODER_GRAPH_SPEC = VisionGraphSpec(
     inputs={
-        "pixel_values": {0: "grid_height", 1: "grid_width"},
-        "video_grid_thw": {0: "time", 1: "grid_h", 2: "grid_w"},
-        "rotary_position_ids": {0: "grid_height"},
-        "cu_seqlens": {0: "frame_bounds"},
-        "interp_indices": {0: "grid_height"},
-        "interp_weights": {0: "grid_height"},
-        "retained_carrier": {0: "retained_size"},
+        "pixel_values": {0: PATCH_ROWS, 1: PATCH_WIDTH},
+        "video_grid_thw": {0: FRAMES_PER_CALL, 1: GRID_H, 2: GRID_W},
+        "rotary_position_ids": {0: FRAME_PATCHES},
+        "interp_indices": {0: FRAME_PATCHES},
+        "interp_weights": {0: FRAME_PATCHES},
     },
     outputs={
-        "vision_embeds": {0: "retained_size"},
-        "deepstack_features": {1: "retained_size"},
-        "retained_indices": {0: "retained_size"},
+        "vision_embeds": {0: VISION_SIZE},
+        "deepstack_features": {1: VISION_SIZE},
     },
 )
 
@@ -103,30 +105,23 @@ def position_grid_side(vision_config) -> int:
     return side
 
 
-def vision_host_inputs(vision_config, grid_thw: Sequence[int], retained: int) -> dict[str, np.ndarray]:
-    """Every vision-graph input except ``pixel_values`` for one video grid ``(T, H, W)`` and K, in graph order.
+def frame_inputs(vision_config, grid_hw: Sequence[int]) -> dict[str, np.ndarray]:
+    """One frame's index inputs for a ``(H, W)`` patch grid, in graph order (after ``video_grid_thw``).
 
-    ``cu_seqlens`` holds one segment per temporal patch: Qwen3-VL attends fully within a frame, never across.
+    Qwen3-VL attends fully within a frame, never across: the graph needs no attention bounds.
     """
-    check_retained(vision_config, grid_thw, retained)
     interp_indices, interp_weights = get_vision_interpolation_indices_and_weights(
-        grid_tensor(grid_thw),
+        grid_tensor((1, *grid_hw)),
         num_grid_per_side=position_grid_side(vision_config),
         mode=INTERPOLATION_MODE,
         align_corners=INTERPOLATION_ALIGN_CORNERS,
         spatial_merge_size=vision_config.spatial_merge_size,
     )
     return {
-        **leading_host_inputs(vision_config, grid_thw),
+        "rotary_position_ids": frame_rotary_ids(vision_config, grid_hw),
         "interp_indices": interp_indices.numpy().astype(np.int64),
         "interp_weights": interp_weights.numpy().astype(np.float32),
-        "retained_carrier": retained_carrier(retained),
     }
-
-
-def vision_symbols(vision_config, grid_thw: Sequence[int], retained: int) -> dict[str, int]:
-    """Value of every symbol of the vision graph for one specialization (grid and K)."""
-    return grid_symbols(vision_config, grid_thw, retained)
 
 
 def _check_tower(visual: nn.Module) -> None:
@@ -149,20 +144,19 @@ def _check_tower(visual: nn.Module) -> None:
     position_grid_side(visual.config)
 
 
-class Qwen3_VLVisionEVS(VisionEVSWrapper):
-    """Qwen3-VL vision tower + deepstack + EVS selection, exportable as one graph for every grid and K.
+class Qwen3_VLEncoder(EncoderWrapper):
+    """Qwen3-VL vision tower + deepstack over F temporal patches of one resolution, exportable for every (grid, F).
 
-    The tower is a weight-sharing copy of the one given, whose own config copy selects the
-    block-mask attention: the caller's model keeps its attention implementation. Grid-dependent
-    index tensors (rotary ids, frame bounds, position-embedding taps and weights) come in as inputs
-    (``vision_host_inputs``), so nothing in the graph depends on tensor values except the EVS TopK,
-    whose K is the length of ``retained_carrier``.
+    The tower is a weight-sharing copy of the one given, whose own config copy selects
+    ``segment_attention``: the caller's model keeps its attention implementation. The tower's own
+    forward runs with the frames as equal attention segments (a reshape, no mask) and F-frame index
+    tensors tiled here from one frame's, so nothing in the graph depends on tensor values.
     """
 
-    graph_spec = VISION_GRAPH_SPEC
+    graph_spec = ENCODER_GRAPH_SPEC
     family_label = "Qwen3-VL"
-    host_inputs_fn = staticmethod(vision_host_inputs)
-    symbols_fn = staticmethod(vision_symbols)
+    frame_inputs_fn = staticmethod(frame_inputs)
+    symbols_fn = staticmethod(encoder_symbols)
 
     def __init__(self, visual: nn.Module) -> None:
         _check_tower(visual)
@@ -177,29 +171,21 @@ class Qwen3_VLVisionEVS(VisionEVSWrapper):
         pixel_values: torch.Tensor,
         video_grid_thw: torch.Tensor,
         rotary_position_ids: torch.Tensor,
-        cu_seqlens: torch.Tensor,
         interp_indices: torch.Tensor,
         interp_weights: torch.Tensor,
-    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """Every merged row ``(T*h*w, D)`` and each deepstack level's rows (same shape)."""
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns ``(vision_embeds (F*h*w, D), deepstack_features (levels, F*h*w, D))``."""
+        frames = video_grid_thw.shape[0]  # F from a shape, so it stays a symbol in the graph
         output = self.visual(
             pixel_values,
-            grid_thw=None,  # every grid-derived tensor is precomputed; None makes any fallback fail loudly
-            position_ids=rotary_position_ids,
-            cu_seqlens=cu_seqlens,
-            interp_indices=interp_indices,
-            interp_weights=interp_weights,
-            max_seqlen=0,  # only flash kernels read it; 0 avoids a .item() on cu_seqlens
+            grid_thw=None,  # every grid-derived tensor is given; None makes any fallback fail loudly
+            position_ids=tiled(rotary_position_ids, frames),
+            cu_seqlens=EqualSegments(frames),
+            interp_indices=tiled(interp_indices, frames),
+            interp_weights=tiled(interp_weights, frames),
+            max_seqlen=0,  # only flash kernels read it; given, transformers never inspects the layout
         )
-        return output.pooler_output, list(output.deepstack_features)
-
-    def select(self, merged: torch.Tensor, levels: list[torch.Tensor], frames: int,
-               retained_carrier: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(vision_embeds (K, D), deepstack_features (levels, K, D), retained_indices (K,))``."""
-        # vLLM scores the concatenation [merger | level 0 | level 1 | ...] and prunes every part alike.
-        rows, indices = evs.select_retained(merged, frames, retained_carrier, extra=torch.cat(levels, dim=-1))
-        deepstack = torch.stack(levels, dim=0).index_select(1, indices)
-        return rows, deepstack, indices
+        return output.pooler_output, torch.stack(list(output.deepstack_features), dim=0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -213,7 +199,8 @@ def reference_vision_evs(
     """Stock transformers vision forward (its own attention), then the EVS mask over ``[merger | deepstack...]``.
 
     Returns ``(kept rows (K, D), kept deepstack (levels, K, D), indices (K,))``. Independent of the
-    wrapper: no precomputed inputs, no block-mask attention, no TopK.
+    encoder and EVS graphs: the whole video in one stock forward, no precomputed inputs, no segment
+    attention, no TopK.
     """
     with torch.no_grad():
         output = hf_visual(pixel_values, grid_thw=grid_tensor(grid_thw))
@@ -256,7 +243,7 @@ class Qwen3_VLFamily(QwenVLFamily):
     """
 
     name = "qwen3_vl"
-    wrapper = Qwen3_VLVisionEVS
+    wrapper = Qwen3_VLEncoder
 
     def __init__(self, config, tokenizer=None) -> None:
         super().__init__(config, tokenizer)

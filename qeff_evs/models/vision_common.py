@@ -1,8 +1,14 @@
-"""What the Qwen2.5-VL and Qwen3-VL vision(+EVS) wrappers share.
+"""What the Qwen2.5-VL and Qwen3-VL vision graphs share: the encoder plumbing and the EVS graph.
 
-Both wrap a weight-sharing copy of the transformers tower whose own config selects the block-mask
-attention, take every grid-derived index tensor from the host, and read T and K from the shapes of
-two carrier inputs (``video_grid_thw``, ``retained_carrier``) whose values are never used.
+The vision side is two graphs (DESIGN §5):
+
+* the **encoder** (one per family) takes ``F`` temporal patches of one resolution and returns their
+  merged rows (+ Qwen3-VL deepstack). It wraps a weight-sharing copy of the transformers tower whose
+  own config selects ``segment_attention``; every grid-derived index tensor comes from the host, for
+  ONE frame (they are the same for every frame of a resolution), and the graph tiles it over the F
+  frames whose count it reads from the shape of the carrier ``video_grid_thw (F, H, W)``;
+* the **EVS graph** (``EVSSelection``, family-agnostic) takes a whole video's merged rows and keeps K
+  of them with ``evs.select_retained``; T and K are the lengths of two carriers.
 """
 
 from __future__ import annotations
@@ -14,57 +20,56 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 import torch.nn as nn
-from transformers.vision_utils import get_vision_cu_seqlens, get_vision_position_ids
+from transformers.vision_utils import get_vision_position_ids
 
 from qeff_evs import evs
-from qeff_evs.models.attention import register_block_mask_attention
+from qeff_evs.models.attention import register_segment_attention
+from qeff_evs.models.graph_io import VisionGraphSpec
+
+# Symbol names of the encoder graph (DESIGN §7): F, the patch grid of one frame, the rows of a call.
+FRAMES_PER_CALL, GRID_H, GRID_W = "frames_per_call", "grid_h", "grid_w"
+PATCH_ROWS, PATCH_WIDTH, FRAME_PATCHES, VISION_SIZE = "grid_height", "grid_width", "frame_patches", "vision_size"
+# ... and of the EVS graph: T, the video's merged rows, K.
+TIME, VIDEO_TOKENS, RETAINED = "time", "video_tokens", "retained_size"
 
 
 def grid_tensor(grid_thw: Sequence[int] | torch.Tensor) -> torch.Tensor:
     return torch.tensor([[int(v) for v in grid_thw]], dtype=torch.int64)
 
 
-def check_retained(vision_config, grid_thw: Sequence[int] | torch.Tensor, retained: int) -> tuple[int, int, int]:
-    """The merged grid ``(t, h, w)``; raises unless ``1 <= retained <= t*h*w``."""
-    t, h, w = evs.merged_grid(grid_thw, vision_config.spatial_merge_size)
-    if not 1 <= int(retained) <= t * h * w:
-        raise ValueError(
-            f"retained count {retained} is outside [1, {t * h * w}] for grid {tuple(int(v) for v in grid_thw)}; "
-            "compute it with evs.retained_token_count(h*w, T, q)"
-        )
-    return t, h, w
+def frame_grid(vision_config, grid_hw: Sequence[int]) -> tuple[int, int]:
+    """``(H, W)`` patches of one frame; raises unless both are positive multiples of the merge size."""
+    if len(grid_hw) != 2:
+        raise ValueError(f"a frame grid is (H patches, W patches), got {tuple(grid_hw)}")
+    evs.merged_grid((1, *grid_hw), vision_config.spatial_merge_size)  # checks divisibility
+    return int(grid_hw[0]), int(grid_hw[1])
 
 
-def leading_host_inputs(vision_config, grid_thw: Sequence[int]) -> dict[str, np.ndarray]:
-    """The inputs both graphs take first: the T carrier, rotary (row, col) ids, per-frame attention bounds."""
-    grid = grid_tensor(grid_thw)
+def check_frames(frames: int) -> int:
+    if isinstance(frames, bool) or int(frames) != frames or frames < 1:
+        raise ValueError(f"frames per call must be a positive integer, got {frames!r}")
+    return int(frames)
+
+
+def frame_rotary_ids(vision_config, grid_hw: Sequence[int]) -> np.ndarray:
+    """``(H*W, 2)`` int64 (row, col) of each patch of one frame, in merge-block order."""
+    return get_vision_position_ids(grid_tensor((1, *grid_hw)), vision_config.spatial_merge_size).numpy().astype(np.int64)
+
+
+def encoder_symbols(vision_config, grid_hw: Sequence[int], frames: int) -> dict[str, int]:
+    """The symbols every encoder specialization binds, for one frame grid and F."""
+    big_h, big_w = frame_grid(vision_config, grid_hw)
+    frames = check_frames(frames)
     merge = vision_config.spatial_merge_size
-    return {
-        "video_grid_thw": np.zeros(tuple(grid[0].tolist()), dtype=np.int64),
-        "rotary_position_ids": get_vision_position_ids(grid, merge).numpy().astype(np.int64),
-        "cu_seqlens": get_vision_cu_seqlens(grid).numpy().astype(np.int32),
-    }
-
-
-def retained_carrier(retained: int) -> np.ndarray:
-    """Shape-only input: its length is K."""
-    return np.zeros(int(retained), dtype=np.int64)
-
-
-def grid_symbols(vision_config, grid_thw: Sequence[int], retained: int) -> dict[str, int]:
-    """The symbols every vision specialization binds (DESIGN §7 names), for one grid and K."""
-    t, h, w = check_retained(vision_config, grid_thw, retained)
-    big_t, big_h, big_w = (int(v) for v in grid_thw)
     patch = vision_config.patch_size
     return {
-        "grid_height": big_t * big_h * big_w,
-        "grid_width": vision_config.in_channels * vision_config.temporal_patch_size * patch * patch,
-        "time": big_t,
-        "grid_h": big_h,
-        "grid_w": big_w,
-        "frame_bounds": big_t + 1,
-        "vision_size": t * h * w,
-        "retained_size": int(retained),
+        FRAMES_PER_CALL: frames,
+        GRID_H: big_h,
+        GRID_W: big_w,
+        PATCH_ROWS: frames * big_h * big_w,
+        PATCH_WIDTH: vision_config.in_channels * vision_config.temporal_patch_size * patch * patch,
+        FRAME_PATCHES: big_h * big_w,
+        VISION_SIZE: frames * big_h * big_w // (merge * merge),
     }
 
 
@@ -74,22 +79,20 @@ def share_weights_copy(module: nn.Module) -> nn.Module:
     return copy.deepcopy(module, memo=shared)
 
 
-class VisionEVSWrapper(nn.Module):
-    """Shared plumbing of the exportable towers: the graph is the tower (``encode``), then the selection.
-
-    Subclasses declare ``graph_spec`` and define ``encode`` (every graph input but the K carrier, by name)
-    and ``select`` (the EVS selection of the tower's rows), plus the host inputs.
-    """
+class EncoderWrapper(nn.Module):
+    """Shared plumbing of the exportable encoders; subclasses define ``forward`` and the frame inputs."""
 
     family_label = "Qwen-VL"
-    # The family's module-level functions (grid, K) -> graph inputs / symbol values.
-    host_inputs_fn = staticmethod(lambda vision_config, grid_thw, retained: {})
-    symbols_fn = staticmethod(grid_symbols)
+    graph_spec: VisionGraphSpec
+    # The family's module-level functions (vision_config, grid_hw) -> one frame's index inputs,
+    # and (vision_config, grid_hw, frames) -> symbol values.
+    frame_inputs_fn = staticmethod(lambda vision_config, grid_hw: {})
+    symbols_fn = staticmethod(encoder_symbols)
 
     def __init__(self, visual: nn.Module) -> None:
         super().__init__()
         self.visual = share_weights_copy(visual)
-        self.visual.config._attn_implementation = register_block_mask_attention()
+        self.visual.config._attn_implementation = register_segment_attention()
 
     @classmethod
     def from_model(cls, model: nn.Module):
@@ -105,44 +108,113 @@ class VisionEVSWrapper(nn.Module):
     def vision_config(self):
         return self.visual.config
 
-    def encode(self, **inputs: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """The tower alone: every merged row ``(T*h*w, D)`` and each deepstack level's rows (same shape)."""
-        raise NotImplementedError
+    def host_inputs(self, grid_hw: Sequence[int], frames: int) -> dict[str, np.ndarray]:
+        """Every input but ``pixel_values`` for a call of ``frames`` temporal patches of grid ``(H, W)``."""
+        return encoder_host_inputs(self.vision_config, self.frame_inputs_fn, grid_hw, frames)
 
-    def select(self, merged: torch.Tensor, levels: list[torch.Tensor], frames: int,
-               retained_carrier: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """The K kept rows [, the same rows of every deepstack level] and their flat indices."""
-        raise NotImplementedError
+    def symbols(self, grid_hw: Sequence[int], frames: int) -> dict[str, int]:
+        return self.symbols_fn(self.vision_config, grid_hw, frames)
 
-    def tower_outputs(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor], int, torch.Tensor]:
-        """Graph inputs in ``graph_spec`` order -> ``(merged rows, deepstack levels, T, the K carrier)``."""
-        named = dict(zip(self.graph_spec.input_names, inputs))
-        retained_carrier = named.pop("retained_carrier")
-        merged, levels = self.encode(**named)
-        # T from a shape, so the EVS reshape stays symbolic in the graph.
-        return merged, levels, named["video_grid_thw"].shape[0], retained_carrier
-
-    def forward(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return self.select(*self.tower_outputs(*inputs))
-
-    def host_inputs(self, grid_thw: Sequence[int], retained: int) -> dict[str, np.ndarray]:
-        return self.host_inputs_fn(self.vision_config, grid_thw, retained)
-
-    def symbols(self, grid_thw: Sequence[int], retained: int) -> dict[str, int]:
-        return self.symbols_fn(self.vision_config, grid_thw, retained)
-
-    def dummy_inputs(self, grid_thw: Sequence[int], retained: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    def dummy_inputs(self, grid_hw: Sequence[int], frames: int, seed: int = 0) -> dict[str, torch.Tensor]:
         """Random ``pixel_values`` plus the host inputs, as tensors in graph order (export examples)."""
-        symbols = self.symbols(grid_thw, retained)
+        symbols = self.symbols(grid_hw, frames)
         dtype = next(self.visual.parameters()).dtype
         generator = torch.Generator().manual_seed(seed)
-        pixels = torch.randn(symbols["grid_height"], symbols["grid_width"], generator=generator).to(dtype)
-        host = {name: torch.from_numpy(array) for name, array in self.host_inputs(grid_thw, retained).items()}
+        pixels = torch.randn(symbols[PATCH_ROWS], symbols[PATCH_WIDTH], generator=generator).to(dtype)
+        host = {name: torch.from_numpy(array) for name, array in self.host_inputs(grid_hw, frames).items()}
         return {"pixel_values": pixels, **host}
 
-    def run(self, pixel_values: torch.Tensor, grid_thw: Sequence[int], retained: int):
-        """Eager forward for one video, host inputs built here (the PyTorch reference backend's call)."""
+    def run(self, pixel_values: torch.Tensor, host_inputs: dict[str, np.ndarray]):
+        """Eager forward of one call (the PyTorch reference backend's call)."""
         device = pixel_values.device
-        host = [torch.from_numpy(array).to(device) for array in self.host_inputs(grid_thw, retained).values()]
+        host = [torch.from_numpy(np.asarray(array)).to(device) for array in host_inputs.values()]
         with torch.no_grad():
             return self(pixel_values, *host)
+
+
+def encoder_host_inputs(vision_config, frame_inputs_fn, grid_hw: Sequence[int], frames: int) -> dict[str, np.ndarray]:
+    """The F carrier, then one frame's index inputs (the graph tiles them over the F frames)."""
+    big_h, big_w = frame_grid(vision_config, grid_hw)
+    return {"video_grid_thw": np.zeros((check_frames(frames), big_h, big_w), dtype=np.int64),
+            **frame_inputs_fn(vision_config, (big_h, big_w))}
+
+
+def tiled(frame_input: torch.Tensor, frames: int | torch.Tensor) -> torch.Tensor:
+    """A per-patch input of one frame ``(H*W, ...)`` repeated for ``frames`` frames."""
+    return frame_input.repeat(frames, *([1] * (frame_input.dim() - 1)))
+
+
+# ---------------------------------------------------------------------------------------------
+# EVS graph
+# ---------------------------------------------------------------------------------------------
+
+
+def evs_graph_spec(deepstack: bool) -> VisionGraphSpec:
+    inputs = {"merged_embeds": {0: VIDEO_TOKENS}}
+    outputs = {"vision_embeds": {0: RETAINED}}
+    if deepstack:
+        inputs["merged_deepstack"] = {1: VIDEO_TOKENS}
+        outputs["deepstack_features"] = {1: RETAINED}
+    inputs.update(time_carrier={0: TIME}, retained_carrier={0: RETAINED})
+    outputs["retained_indices"] = {0: RETAINED}
+    return VisionGraphSpec(inputs=inputs, outputs=outputs)
+
+
+def check_retained(merged_grid: Sequence[int], retained: int) -> None:
+    t, h, w = (int(v) for v in merged_grid)
+    if not 1 <= int(retained) <= t * h * w:
+        raise ValueError(
+            f"retained count {retained} is outside [1, {t * h * w}] for merged grid {(t, h, w)}; "
+            "compute it with evs.retained_token_count(h*w, T, q)")
+
+
+def evs_host_inputs(merged_grid: Sequence[int], retained: int) -> dict[str, np.ndarray]:
+    """The EVS graph's two shape-only carriers: lengths T and K, values unused."""
+    check_retained(merged_grid, retained)
+    return {"time_carrier": np.zeros(int(merged_grid[0]), dtype=np.int64),
+            "retained_carrier": np.zeros(int(retained), dtype=np.int64)}
+
+
+def evs_symbols(merged_grid: Sequence[int], retained: int) -> dict[str, int]:
+    """The symbols an EVS specialization binds, for one merged grid ``(T, h, w)`` and K."""
+    check_retained(merged_grid, retained)
+    t, h, w = (int(v) for v in merged_grid)
+    return {TIME: t, VIDEO_TOKENS: t * h * w, RETAINED: int(retained)}
+
+
+class EVSSelection(nn.Module):
+    """The EVS graph: a whole video's merged rows in, the K retained rows and their indices out.
+
+    The dissimilarity is computed in float32 whatever the I/O precision (DESIGN §11: compiled without
+    fp16 conversion, its cosine must not overflow); rows are gathered from the inputs unchanged.
+    Qwen3-VL scores ``[merger | deepstack levels]`` (``deepstack=True``) and prunes every level alike.
+    """
+
+    def __init__(self, deepstack: bool = False) -> None:
+        super().__init__()
+        self.deepstack = deepstack
+        self.graph_spec = evs_graph_spec(deepstack)
+
+    def forward(self, merged_embeds: torch.Tensor, *rest: torch.Tensor):
+        if self.deepstack:
+            merged_deepstack, time_carrier, retained_carrier = rest
+            # [level 0 | level 1 | ...] along features, as vLLM concatenates them after the merger rows.
+            extra = merged_deepstack.float().permute(1, 0, 2).reshape(merged_deepstack.shape[1], -1)
+        else:
+            time_carrier, retained_carrier = rest
+            extra = None
+        rows, indices = evs.select_retained(merged_embeds.float(), time_carrier.shape[0], retained_carrier, extra=extra)
+        kept = rows.to(merged_embeds.dtype)
+        if self.deepstack:
+            return kept, merged_deepstack.index_select(1, indices), indices
+        return kept, indices
+
+    def dummy_inputs(self, merged_grid: Sequence[int], retained: int, hidden: int, levels: int = 0,
+                     seed: int = 0) -> dict[str, torch.Tensor]:
+        t, h, w = (int(v) for v in merged_grid)
+        generator = torch.Generator().manual_seed(seed)
+        inputs = {"merged_embeds": torch.randn(t * h * w, hidden, generator=generator)}
+        if self.deepstack:
+            inputs["merged_deepstack"] = torch.randn(levels, t * h * w, hidden, generator=generator)
+        inputs.update({k: torch.from_numpy(v) for k, v in evs_host_inputs(merged_grid, retained).items()})
+        return inputs

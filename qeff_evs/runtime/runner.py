@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -10,10 +11,11 @@ import numpy as np
 import torch
 from transformers import AutoConfig, AutoTokenizer
 
+from qeff_evs import evs
 from qeff_evs.manifest import MODEL_CONFIG_DIR, LanguageShape, Manifest, read_manifest
 from qeff_evs.models.protocol import SAMPLING_FPS, ModelFamily, MediaInput
 from qeff_evs.models.registry import family_for_config
-from qeff_evs.runtime.engine.executor import EngineConfig
+from qeff_evs.runtime.engine.executor import EngineConfig, retained_count
 from qeff_evs.runtime.engine.single_request import Engine, GenerationResult
 from qeff_evs.runtime.inputs.processor import (
     SampledFrames,
@@ -24,8 +26,9 @@ from qeff_evs.runtime.inputs.processor import (
     sample_frame_indices,
 )
 from qeff_evs.runtime.inputs.prompt import video_question_pieces
-from qeff_evs.runtime.backends.ort import OrtLanguageSession, OrtVisionSession
-from qeff_evs.runtime.backends.torch_reference import TorchLanguageSession, TorchVisionSession
+from qeff_evs.runtime.backends.ort import OrtEncoderSession, OrtEVSSession, OrtLanguageSession
+from qeff_evs.runtime.backends.torch_reference import TorchEncoderSession, TorchEVSSession, TorchLanguageSession
+from qeff_evs.runtime.backends.vision import VisionPipeline
 from qeff_evs.runtime.inputs.video_io import load_video, probe_video, validate_frames
 
 BACKENDS = ("ort", "torch", "qaic")
@@ -139,26 +142,101 @@ def video_from_patches(pixel_values_path: str | Path, grid_thw: tuple[int, int, 
     return MediaInput(pixels, (t, h, w), float(fps), frame_times)
 
 
-def sessions_for(bundle: ExportBundle, backend: str, device: str | None = None):
+def vision_pipeline(bundle: ExportBundle, backend: str, device: str | None = None,
+                    checkpoint=None) -> VisionPipeline:
+    """The encoder and EVS sessions of ``backend`` (ort or torch) over the export, at its frames per call."""
+    m, root = bundle.manifest, bundle.export_dir
     if backend == "ort":
-        return (OrtVisionSession(bundle.manifest.path(bundle.export_dir, "vision")),
-                OrtLanguageSession(bundle.manifest.path(bundle.export_dir, "language"), bundle.language_shape))
+        encoder, selection = OrtEncoderSession(m.path(root, "encoder")), OrtEVSSession(m.path(root, "evs"))
+    elif backend == "torch":
+        from qeff_evs.models.checkpoint import load_checkpoint
+
+        checkpoint = checkpoint or load_checkpoint(m.model_dir)
+        encoder = TorchEncoderSession(bundle.family.encoder(checkpoint.model), device)
+        selection = TorchEVSSession(bundle.family.evs_selection(), device)
+    elif backend == "qaic":
+        from qeff_evs.runtime.backends.qaic import qaic_vision_pipeline
+
+        return qaic_vision_pipeline(bundle, device_id=int(device) if device else None)
+    else:
+        raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    return VisionPipeline(bundle.family, encoder, selection, m.frames_per_call)
+
+
+def sessions_for(bundle: ExportBundle, backend: str, device: str | None = None):
+    """``(VisionPipeline, language session)`` of ``backend`` over the export."""
+    m, root = bundle.manifest, bundle.export_dir
+    if backend == "ort":
+        return vision_pipeline(bundle, backend), OrtLanguageSession(m.path(root, "language"), bundle.language_shape)
     if backend == "torch":
         from qeff_evs.models.checkpoint import load_checkpoint
         from qeff_evs.models.language import ExportableLanguageGraph, LanguageGraph
 
-        checkpoint = load_checkpoint(bundle.manifest.model_dir)
+        checkpoint = load_checkpoint(m.model_dir)
         language = ExportableLanguageGraph(
             LanguageGraph(checkpoint.model, bundle.family.special_tokens().media_pads,
-                          bundle.manifest.language_shape.rope_positions),
-            continuous_batching=bundle.manifest.language_shape.continuous_batching)
-        return (TorchVisionSession(bundle.family.vision_wrapper(checkpoint.model), device),
+                          m.language_shape.rope_positions),
+            continuous_batching=m.language_shape.continuous_batching)
+        return (vision_pipeline(bundle, backend, device, checkpoint),
                 TorchLanguageSession(language, bundle.language_shape, device))
     if backend == "qaic":
         from qeff_evs.runtime.backends.qaic import qaic_sessions
 
         return qaic_sessions(bundle, device_id=int(device) if device else None)
     raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+
+
+@dataclass(frozen=True)
+class EncodeReport:
+    """What ``qeff-evs encode`` prints: the vision side of one video, without the language model."""
+
+    frames: int  # sampled frames
+    resolution: tuple[int, int]  # (height, width) in pixels the encoder saw
+    merged_grid: tuple[int, int, int]  # (T, h, w)
+    frames_per_call: int
+    retained_indices: np.ndarray  # (K,) int64, ascending raster indices
+    seconds: dict[str, float]  # encoder, evs, total
+
+    @property
+    def retained_tokens_per_frame(self) -> list[int]:
+        t, h, w = self.merged_grid
+        return evs.tokens_per_frame_kept(self.retained_indices, t, h * w)
+
+    def kept_map(self) -> list[str]:
+        """Per temporal patch, its h rows of w marks: ``#`` kept, ``.`` pruned."""
+        t, h, w = self.merged_grid
+        keep = np.zeros(t * h * w, dtype=bool)
+        keep[self.retained_indices] = True
+        lines = []
+        for f, frame in enumerate(keep.reshape(t, h, w)):
+            lines.append(f"temporal patch {f}: {int(frame.sum())}/{h * w} kept")
+            lines += ["  " + "".join("#" if k else "." for k in row) for row in frame]
+        return lines
+
+    def to_json(self) -> dict:
+        return {"frames": self.frames, "resolution": list(self.resolution), "merged_grid": list(self.merged_grid),
+                "frames_per_call": self.frames_per_call, "retained_tokens": int(len(self.retained_indices)),
+                "retained_tokens_per_frame": self.retained_tokens_per_frame,
+                "retained_indices": self.retained_indices.tolist(), "seconds": dict(self.seconds)}
+
+
+def encode_video(bundle: ExportBundle, video: MediaInput, backend: str = "ort", device: str | None = None,
+                 progress: Progress | None = None) -> EncodeReport:
+    """Only the vision side of one video: encoder calls of F temporal patches, then the EVS graph."""
+    bundle.manifest.evs_entry(video.grid_thw)  # fails clearly when no specialization serves this grid
+    vision = vision_pipeline(bundle, backend, device)
+    retained = retained_count(bundle.family, video, bundle.manifest.video_pruning_rate)
+    started = time.perf_counter()
+    merged = vision.merged_rows(video, progress)
+    encoded = time.perf_counter()
+    result = vision.prune(video, merged, retained)
+    done = time.perf_counter()
+    t, big_h, big_w = video.grid_thw
+    patch = bundle.preprocess.patch_size
+    frames = len(video.frame_times) or t * bundle.preprocess.temporal_patch_size
+    return EncodeReport(frames, (big_h * patch, big_w * patch), bundle.family.merged_grid(video.grid_thw),
+                        vision.frames_per_call, result.retained_indices.astype(np.int64),
+                        {"encoder": encoded - started, "evs": done - encoded, "total": done - started})
 
 
 def build_engine(bundle: ExportBundle, backend: str = "ort", max_new_tokens: int = 16,
@@ -176,7 +254,7 @@ def stop_ids(bundle: ExportBundle) -> tuple[int, ...]:
 
 
 def answer(bundle: ExportBundle, engine: Engine, video: MediaInput, question: str) -> GenerationResult:
-    bundle.manifest.vision_entry(video.grid_thw)  # fails clearly when no specialization serves this grid
+    bundle.manifest.evs_entry(video.grid_thw)  # fails clearly when no specialization serves this grid
     pieces = video_question_pieces(bundle.tokenizer, question)
     prompt = engine.prepare(pieces, [video])
     return engine.generate(prompt, eos_ids=stop_ids(bundle))
@@ -198,7 +276,7 @@ def build_serving_engine(bundle: ExportBundle, backend: str = "ort", max_num_seq
     seqs = shape.full_batch_size if max_num_seqs is None else max_num_seqs
     budget = m.prefill_seq_len * seqs if max_num_batched_tokens is None else max_num_batched_tokens
     # As vLLM's compute_encoder_budget: the encoder budget and cache hold at least the largest item.
-    largest_item = max((e.retained for e in m.vision_entries), default=0)
+    largest_item = max((e.retained for e in m.evs_entries), default=0)
     rows = max(budget, largest_item) if encoder_cache_rows is None else encoder_cache_rows
     scheduler = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=seqs,
                                 prefill_seq_len=m.prefill_seq_len, ctx_len=m.ctx_len,
@@ -238,7 +316,7 @@ def requests_from_jsonl(path: str | Path, bundle: ExportBundle):
                 if not isinstance(grid, list) or len(grid) != 3:
                     raise ValueError(f"'video_grid_thw' must be [T, H, W] with 'pixel_values_videos', got {grid!r}")
                 video = video_from_patches(entry["pixel_values_videos"], tuple(int(v) for v in grid), fps, bundle)
-            bundle.manifest.vision_entry(video.grid_thw)
+            bundle.manifest.evs_entry(video.grid_thw)
         except (ValueError, TypeError) as error:
             raise ValueError(f"{where}: {error}") from None
         requests.append(ServeRequest(str(entry.get("id", f"request-{number}")),

@@ -8,7 +8,7 @@
 * :mod:`.artifacts` -- all of the above for one exported graph, check first.
 """
 
-from .artifacts import CUSTOM_IO_FILE, QPC_DIR, SPECIALIZATIONS_FILE, prepare_graph_compile
+from .artifacts import CUSTOM_IO_FILE, QPC_DIR, SPECIALIZATIONS_FILE, compile_file_name, prepare_graph_compile
 from .compile_command import (
     HW_VERSIONS,
     CompileCommand,
@@ -24,6 +24,7 @@ from .custom_io import (
     MXINT8,
     RETAINED_SUFFIX,
     custom_io_precisions,
+    evs_custom_io,
     language_custom_io,
     read_custom_io_yaml,
     vision_custom_io,
@@ -31,6 +32,8 @@ from .custom_io import (
 )
 from .files import parse_specializations, read_specializations_json, write_specializations_json
 from .sets import (
+    DEFAULT_FRAMES_PER_CALL,
+    EncoderTarget,
     Specialization,
     VisionTarget,
     language_specializations,
@@ -51,10 +54,14 @@ __all__ = [
     "CompileOptions",
     "HW_VERSIONS",
     "detect_aic_hw_version",
+    "DEFAULT_FRAMES_PER_CALL",
+    "EncoderTarget",
     "Specialization",
     "VisionTarget",
     "check_specializations",
+    "compile_file_name",
     "custom_io_precisions",
+    "evs_custom_io",
     "find_qaic_compile",
     "graph_symbols",
     "language_custom_io",

@@ -28,6 +28,11 @@ CUSTOM_IO_FILE = "custom_io.yaml"
 QPC_DIR = "qpc"
 
 
+def compile_file_name(name: str, stem: str | None = None) -> str:
+    """``name`` (one of the three above) for the graph ``stem`` when a folder holds several graphs."""
+    return name if stem is None else f"{stem}_{name}"
+
+
 def prepare_graph_compile(
     onnx_path: str | Path,
     graph_dir: str | Path,
@@ -43,11 +48,13 @@ def prepare_graph_compile(
     relative_to: str | Path | None = None,
     aic_hw_version: str = DEFAULT_HW_VERSION,
     num_devices: int = 1,
+    stem: str | None = None,
 ) -> CompileCommand:
     """Check ``specs`` against the graph, write its compile inputs into ``graph_dir``, return the command.
 
     Files: ``graph_dir/specializations.json``, ``graph_dir/custom_io.yaml``; the QPC goes to
-    ``graph_dir/qpc``. With ``relative_to`` (the folder ``compile.sh`` lives in) the command's
+    ``graph_dir/qpc``; each name prefixed ``<stem>_`` when ``stem`` is given (the encoder and EVS
+    graphs share the ``vision`` folder). With ``relative_to`` (the folder ``compile.sh`` lives in) the command's
     paths are relative to it, so the build folder can be copied to a machine with the SDK.
     ``num_devices > 1`` also writes ``graph_dir/mdp_ts_<N>.json`` (multi-device partitioning).
     """
@@ -58,8 +65,9 @@ def prepare_graph_compile(
     check_retained_pairs(precisions, io_names)
 
     graph_dir = Path(graph_dir)
-    json_path = write_specializations_json(graph_dir / SPECIALIZATIONS_FILE, specs, style)
-    yaml_path = write_custom_io_yaml(graph_dir / CUSTOM_IO_FILE, precisions) if precisions else None
+    json_path = write_specializations_json(graph_dir / compile_file_name(SPECIALIZATIONS_FILE, stem), specs, style)
+    yaml_path = (write_custom_io_yaml(graph_dir / compile_file_name(CUSTOM_IO_FILE, stem), precisions)
+                 if precisions else None)
     mdp_path = write_mdp_partition_config(graph_dir, num_devices, num_cores) if num_devices > 1 else None
 
     def shown(path: Path | str | None) -> str | None:
@@ -71,7 +79,7 @@ def prepare_graph_compile(
         shown(onnx_path),
         shown(json_path),
         shown(yaml_path),
-        shown(graph_dir / QPC_DIR),
+        shown(graph_dir / compile_file_name(QPC_DIR, stem)),
         graph=graph,
         num_cores=num_cores,
         mxfp6_matmul=mxfp6_matmul,

@@ -9,10 +9,13 @@ Flags, as QEfficient passes them (``QEFFBaseModel._compile``)::
 Choices made here:
 
 * ``-retained-state`` only for the language graph: it makes each ``X_RetainedState``
-  output alias input ``X`` (KV cache, vision embeds); the vision graph has no such pair and
-  QEfficient compiles it without the flag.
-* ``-mxfp6-matmul`` is never emitted for the vision graph, whatever the caller asks
+  output alias input ``X`` (KV cache, vision embeds); the vision graphs have no such pair and
+  QEfficient compiles its vision graph without the flag.
+* ``-mxfp6-matmul`` is never emitted for the vision graphs, whatever the caller asks
   (QEfficient pins the vision QPC to ``mxfp6_matmul=False``).
+* ``-convert-to-fp16`` for the encoder and the language graph, never for the EVS graph: its
+  cosine dissimilarity overflows in fp16 (DESIGN §11), so it computes in fp32 and only its I/O is
+  fp16 (custom IO; the compiler converts at the graph's edge).
 * ``-compile-only`` is not passed: QEfficient 1.21 did, later versions dropped it as
   deprecated. ``-aic-perf-metrics`` is not passed either (QEfficient never does). Anything
   else (``-mos=1``, ``-aic-enable-depth-first``, ...) goes through ``extra_flags``.
@@ -44,8 +47,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, TextIO
 
-GraphKind = Literal["vision", "language"]
-GRAPH_KINDS: tuple[str, ...] = ("vision", "language")
+GraphKind = Literal["encoder", "evs", "language"]
+GRAPH_KINDS: tuple[str, ...] = ("encoder", "evs", "language")
+FP32_GRAPHS: tuple[str, ...] = ("evs",)  # compiled without -convert-to-fp16
 COMPILER_NAME = "qaic-compile"
 SDK_COMPILER_PATH = Path("/opt/qti-aic/exec/qaic-compile")
 DEFAULT_HW_VERSION = "ai100"
@@ -153,7 +157,9 @@ def qaic_compile_command(
         arguments.append(f"-mdp-load-partition-config={mdp_partition_config}")
         if allow_mxint8_mdp_io:
             arguments.append("-allow-mxint8-mdp-io")
-    arguments += [f"-aic-num-cores={num_cores}", "-convert-to-fp16"]
+    arguments.append(f"-aic-num-cores={num_cores}")
+    if graph not in FP32_GRAPHS:
+        arguments.append("-convert-to-fp16")
     if graph == "language":
         arguments.append("-retained-state")
         if mxfp6_matmul:

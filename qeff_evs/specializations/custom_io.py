@@ -4,7 +4,9 @@
 any IO not listed keeps the ONNX dtype (fp32 here). QEfficient lists:
 
 * vision graph: ``pixel_values`` and ``vision_embeds`` (+ ``deepstack_features``) as
-  ``float16`` -- halves the transfer of the largest buffers;
+  ``float16`` -- halves the transfer of the largest buffers; here the encoder graph, and the EVS
+  graph's ``merged_embeds`` (+ ``merged_deepstack``) in and kept rows out (the EVS graph computes
+  in fp32: the compiler converts fp16 I/O at the graph's edge);
 * language graph: ``vision_embeds`` (+ ``deepstack_features``) and their ``_RetainedState``
   twins as ``float16``; every ``past_key.{i}`` / ``past_value.{i}`` and its
   ``_RetainedState`` as ``float16`` or ``mxint8`` (``mxint8`` is not a compiler flag, only
@@ -28,7 +30,7 @@ KV_PRECISIONS: tuple[str, ...] = (FLOAT16, MXINT8)
 RETAINED_SUFFIX = "_RetainedState"
 
 # Embedding-like IOs kept in fp16 on both graphs.
-FP16_EMBEDDING_NAMES: tuple[str, ...] = ("vision_embeds", "deepstack_features")
+FP16_EMBEDDING_NAMES: tuple[str, ...] = ("vision_embeds", "deepstack_features", "merged_embeds", "merged_deepstack")
 _KV_NAME = re.compile(r"^past_(key|value)\.\d+$")
 
 
@@ -61,6 +63,12 @@ def vision_custom_io(has_deepstack: bool, pixel_values_fp16: bool = True) -> dic
     """Custom IO of the vision(+EVS) graph, from the names the design fixes (§5)."""
     names = ["pixel_values", "vision_embeds"] + (["deepstack_features"] if has_deepstack else [])
     return custom_io_precisions(names, pixel_values_fp16=pixel_values_fp16)
+
+
+def evs_custom_io(has_deepstack: bool) -> dict[str, str]:
+    """Custom IO of the EVS graph (§5): the whole video's merged rows in, the kept rows out."""
+    names = ["merged_embeds", "vision_embeds"] + (["merged_deepstack", "deepstack_features"] if has_deepstack else [])
+    return custom_io_precisions(names, pixel_values_fp16=False)
 
 
 def language_custom_io(num_layers: int, has_deepstack: bool, kv_precision: str = FLOAT16) -> dict[str, str]:

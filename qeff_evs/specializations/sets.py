@@ -12,9 +12,11 @@ Two sets exist per model:
   With continuous batching both also bind ``full_batch_size`` (the KV cache rows); prefill
   runs ``batch_size = 1`` (one request into its row) and decode ``batch_size = full_batch_size``
   (or a chosen decode batch), QEfficient's CB layout;
-* vision: one entry per distinct symbol binding; several (resolution, frames, q) requests
-  can share one entry (e.g. two pruning rates that keep the same count), and the entry
-  remembers which requests it serves so the manifest and the host can find it again.
+* vision, two graphs (DESIGN §5): the encoder, one entry per (resolution, frames per call F)
+  (``EncoderTarget``), whatever the video's length; the EVS graph, one entry per distinct
+  symbol binding of (resolution, frames, q) (``VisionTarget``): several requests can share one
+  entry (e.g. two pruning rates that keep the same count), and the entry remembers which
+  requests it serves so the manifest and the host can find it again.
 """
 
 from __future__ import annotations
@@ -26,6 +28,13 @@ from dataclasses import dataclass, field
 PREFILL_NAME = "Prefill"
 DECODE_NAME = "Decode"
 VISION_NAME = "Vision"
+
+# Temporal patches per encoder call. Measured on this machine (README "Performance"): Qwen2.5-VL-3B
+# vision widths at 448x448, ONNX Runtime CPU time per temporal patch for F = 1, 2, 4, 8 was 0.82,
+# 0.74, 0.82, 0.88 s; a call's memory grows with F and a short last batch pads up to F - 1 zero
+# frames. With 2, every multiple of 4 sampled frames runs unpadded.
+DEFAULT_FRAMES_PER_CALL = 2
+
 
 
 def _check_dimension(symbol: str, value: object, context: str) -> int:
@@ -68,12 +77,28 @@ class VisionTarget:
 
 
 @dataclass(frozen=True)
+class EncoderTarget:
+    """One encoder call shape: ``frames_per_call`` temporal patches of ``height`` x ``width`` pixels."""
+
+    height: int
+    width: int
+    frames_per_call: int
+
+    def __post_init__(self) -> None:
+        for label in ("height", "width", "frames_per_call"):
+            _check_dimension(label, getattr(self, label), "EncoderTarget")
+
+    def to_dict(self) -> dict[str, int]:
+        return {"height": self.height, "width": self.width, "frames_per_call": self.frames_per_call}
+
+
+@dataclass(frozen=True)
 class Specialization:
     """A named binding of ONNX dimension symbols to integers; ``serves`` lists the vision targets it covers."""
 
     name: str
     symbols: Mapping[str, int]
-    serves: tuple[VisionTarget, ...] = field(default=())
+    serves: tuple[VisionTarget | EncoderTarget, ...] = field(default=())
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -178,7 +203,7 @@ def _continuous_batching_sizes(
 
 
 def vision_specializations(
-    entries: Iterable[tuple[VisionTarget, Mapping[str, int]]],
+    entries: Iterable[tuple[VisionTarget | EncoderTarget, Mapping[str, int]]],
 ) -> list[Specialization]:
     """De-duplicate per-target vision symbol bindings, keeping which targets each one serves.
 
@@ -186,13 +211,14 @@ def vision_specializations(
     (``grid_h``, ``grid_w``, ``grid_height``, ``grid_width``, ``time``, ``vision_size``,
     ``retained_size``, ...). Identical bindings collapse into one specialization, in first-seen
     order; names follow QEfficient: ``Vision`` when there is one, else ``Vision_0``, ``Vision_1``...
+    (for the encoder and the EVS graph alike; encoder entries pair ``EncoderTarget``s).
     """
     # Keyed by the sorted binding (so symbol order does not matter); the first-seen dict is kept for output.
-    groups: dict[tuple[tuple[str, int], ...], tuple[dict[str, int], list[VisionTarget]]] = {}
+    groups: dict[tuple[tuple[str, int], ...], tuple[dict[str, int], list[VisionTarget | EncoderTarget]]] = {}
     first_keys: set[str] | None = None
     for target, symbols in entries:
-        if not isinstance(target, VisionTarget):
-            raise ValueError(f"vision entries pair a VisionTarget with its symbols, got {target!r}")
+        if not isinstance(target, (VisionTarget, EncoderTarget)):
+            raise ValueError(f"vision entries pair a VisionTarget or EncoderTarget with its symbols, got {target!r}")
         checked = Specialization(VISION_NAME, symbols).symbols
         keys = set(checked)
         if first_keys is None:

@@ -84,7 +84,7 @@ def process_media(bundle: ExportBundle, videos: Sequence[Any], images: Sequence[
             frames, fps = _frames_and_fps(item)
             try:
                 video = video_from_frames(frames, fps, bundle)
-                bundle.manifest.vision_entry(video.grid_thw)
+                bundle.manifest.evs_entry(video.grid_thw)
             except ValueError as error:
                 raise ValueError(f"video {number}: {error}") from None
             media.append(video)
@@ -129,7 +129,7 @@ class QeffEvsProcessingInfo(BaseProcessingInfo):
     def get_mm_max_tokens_per_item(self, seq_len: int, mm_counts: Mapping[str, int]) -> Mapping[str, int]:
         """Encoder rows of the largest item the export serves (vLLM sizes its encoder cache with them)."""
         m, factor = self.bundle.manifest, self.bundle.preprocess.factor
-        videos = [e.retained for e in m.vision_entries if e.frames > 1] or [0]
+        videos = [e.retained for e in m.evs_entries if e.frames > 1] or [0]
         images = [(h // factor) * (w // factor) for h, w in m.resolutions]
         return {"video": max(videos), "image": max(images)}
 

@@ -1,5 +1,9 @@
 """Backends behind one interface: ONNX Runtime (default), the PyTorch reference, and QAIC.
 
+The vision side is two sessions (DESIGN §5): an encoder session runs one call of F temporal
+patches, an EVS session prunes a whole video's merged rows; ``vision.VisionPipeline`` drives both
+for a media item and is what the engines call (``VisionSession``).
+
 A language session owns its retained state (KV cache, last vision window) the way a QAIC
 program does with ``-retained-state``: the engine sends only the per-call inputs, and the session
 feeds each ``*_RetainedState`` output back as the next call's input.
@@ -39,6 +43,14 @@ class LanguageInputs:
 
 
 @dataclass(frozen=True)
+class MergedRows:
+    """Merger output of encoder calls (one call, or a whole item): rows in raster (t, row, col) order."""
+
+    rows: np.ndarray  # (N, hidden)
+    deepstack: np.ndarray | None = None  # (levels, N, hidden)
+
+
+@dataclass(frozen=True)
 class VisionResult:
     rows: np.ndarray  # (K, hidden)
     retained_indices: np.ndarray  # (K,) int64
@@ -55,8 +67,19 @@ class DecodeRow:
     mrope_position: int  # rows 1..3 of position_ids (text: t = h = w)
 
 
+class EncoderSession(Protocol):
+    def encode(self, pixel_values: np.ndarray, host_inputs: dict[str, np.ndarray]) -> MergedRows:
+        """One encoder call: ``(F*H*W, patch_dim)`` pixels + one frame's index inputs -> ``F*h*w`` rows."""
+
+
+class EVSSession(Protocol):
+    def select(self, merged: MergedRows, host_inputs: dict[str, np.ndarray]) -> VisionResult:
+        """A whole video's merged rows + the T/K carriers -> the K retained rows and their indices."""
+
+
 class VisionSession(Protocol):
-    def run(self, pixel_values: np.ndarray, host_inputs: dict[str, np.ndarray]) -> VisionResult: ...
+    def encode(self, media, retained: int) -> VisionResult:
+        """One media item's retained rows (all rows of an image), ``retained`` = K."""
 
 
 class LanguageSession(Protocol):

@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 
 from qeff_evs.manifest import LanguageShape
-from qeff_evs.runtime.backends.base import HostStateSession, VisionResult
+from qeff_evs.runtime.backends.base import HostStateSession, MergedRows, VisionResult
 
 
 def open_ort_session(path: Path):
@@ -26,20 +26,44 @@ def _session(graph):
     return open_ort_session(graph) if isinstance(graph, (str, Path)) else graph
 
 
-class OrtVisionSession:
-    """The vision graph in ONNX Runtime; ``graph`` is its path or an opened ``InferenceSession``."""
+class OrtGraph:
+    """One graph in ONNX Runtime, fed by input name; ``graph`` is its path or an opened ``InferenceSession``."""
 
-    def __init__(self, graph):
+    def __init__(self, graph, label: str):
         self.session = _session(graph)
-        self.input_names = {i.name for i in self.session.get_inputs()}
+        self.label = label
+        self.input_names = [i.name for i in self.session.get_inputs()]
         self.output_names = [o.name for o in self.session.get_outputs()]
 
-    def run(self, pixel_values: np.ndarray, host_inputs: dict[str, np.ndarray]) -> VisionResult:
-        feeds = {"pixel_values": np.asarray(pixel_values, dtype=np.float32), **host_inputs}
-        missing = self.input_names - feeds.keys()
+    def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        missing = [name for name in self.input_names if name not in feeds]
         if missing:
-            raise ValueError(f"vision graph inputs {sorted(missing)} were not provided")
-        out = dict(zip(self.output_names, self.session.run(None, {k: feeds[k] for k in self.input_names})))
+            raise ValueError(f"{self.label} inputs {missing} were not provided")
+        return dict(zip(self.output_names, self.session.run(None, {k: feeds[k] for k in self.input_names})))
+
+
+class OrtEncoderSession(OrtGraph):
+    """The encoder graph: one call of F temporal patches."""
+
+    def __init__(self, graph):
+        super().__init__(graph, "encoder graph")
+
+    def encode(self, pixel_values: np.ndarray, host_inputs: dict[str, np.ndarray]) -> MergedRows:
+        out = self.run({"pixel_values": np.asarray(pixel_values, dtype=np.float32), **host_inputs})
+        return MergedRows(out["vision_embeds"], out.get("deepstack_features"))
+
+
+class OrtEVSSession(OrtGraph):
+    """The EVS graph: a whole video's merged rows -> the K retained rows and their indices."""
+
+    def __init__(self, graph):
+        super().__init__(graph, "EVS graph")
+
+    def select(self, merged: MergedRows, host_inputs: dict[str, np.ndarray]) -> VisionResult:
+        feeds = {"merged_embeds": np.asarray(merged.rows, dtype=np.float32), **host_inputs}
+        if merged.deepstack is not None:
+            feeds["merged_deepstack"] = np.asarray(merged.deepstack, dtype=np.float32)
+        out = self.run(feeds)
         return VisionResult(out["vision_embeds"], out["retained_indices"].astype(np.int64),
                             out.get("deepstack_features"))
 

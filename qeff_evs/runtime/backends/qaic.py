@@ -1,6 +1,7 @@
 """QAIC backend: run the compiled QPCs on a Cloud AI 100 card through the Apps SDK's ``qaicrt``.
 
-``qeff-evs compile`` puts one QPC per graph into ``<export>/vision/qpc`` and ``<export>/language/qpc``.
+``qeff-evs compile`` puts one QPC per graph into ``<export>/vision/encoder_qpc``, ``<export>/vision/evs_qpc``
+and ``<export>/language/qpc``.
 A ``QaicProgram`` is one loaded QPC: its bindings (name, direction, device dtype, dims), the shapes
 each compiled specialization allows, and ``run(inputs, skip)``. Every call hands the runtime one
 buffer per binding; an *empty* buffer means "skip": an input keeps what the device holds, an output
@@ -32,8 +33,9 @@ import numpy as np
 
 from qeff_evs.models.graph_io import BATCH_INDEX, RETAINED_SUFFIX
 from qeff_evs.manifest import LanguageShape
-from qeff_evs.runtime.backends.base import RetainedStateSession, VisionResult, state_shapes
-from qeff_evs.specializations import QPC_DIR
+from qeff_evs.runtime.backends.base import MergedRows, RetainedStateSession, VisionResult, state_shapes
+from qeff_evs.runtime.backends.vision import VisionPipeline
+from qeff_evs.specializations import QPC_DIR, compile_file_name
 
 DEFAULT_SDK_ROOT = Path("/opt/qti-aic")
 QPC_FILE = "programqpc.bin"  # what qaic-compile writes into -aic-binary-dir
@@ -263,21 +265,45 @@ class QaicProgram:
 # sessions
 
 
-class QaicVisionSession:
-    """The vision(+EVS) QPC: pixels and grid index tensors in, retained rows and indices out."""
+class QaicGraph:
+    """A vision QPC (encoder or EVS) fed by input name; outputs come back as float32 / int64."""
 
-    def __init__(self, program: QaicProgram):
+    def __init__(self, program: QaicProgram, label: str):
         self.program = program
+        self.label = label
 
-    def run(self, pixel_values: np.ndarray, host_inputs: dict[str, np.ndarray]) -> VisionResult:
-        feeds = {"pixel_values": pixel_values, **host_inputs}
+    def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         missing = [name for name in self.program.input_names if name not in feeds]
         if missing:
-            raise ValueError(f"vision QPC inputs {missing} were not provided")
+            raise ValueError(f"{self.label} QPC inputs {missing} were not provided")
         out = self.program.run({name: feeds[name] for name in self.program.input_names})
-        deepstack = out.get("deepstack_features")
-        return VisionResult(out["vision_embeds"].astype(np.float32), out["retained_indices"].astype(np.int64),
-                            None if deepstack is None else deepstack.astype(np.float32))
+        return {name: value.astype(np.int64 if np.issubdtype(value.dtype, np.integer) else np.float32)
+                for name, value in out.items()}
+
+
+class QaicEncoderSession(QaicGraph):
+    """The encoder QPC: one call of F temporal patches (the specialization of its resolution and F)."""
+
+    def __init__(self, program: QaicProgram):
+        super().__init__(program, "encoder")
+
+    def encode(self, pixel_values: np.ndarray, host_inputs: dict[str, np.ndarray]) -> MergedRows:
+        out = self.run({"pixel_values": pixel_values, **host_inputs})
+        return MergedRows(out["vision_embeds"], out.get("deepstack_features"))
+
+
+class QaicEVSSession(QaicGraph):
+    """The EVS QPC (fp32 compute, fp16 I/O): a whole video's merged rows -> the K retained rows."""
+
+    def __init__(self, program: QaicProgram):
+        super().__init__(program, "EVS")
+
+    def select(self, merged: MergedRows, host_inputs: dict[str, np.ndarray]) -> VisionResult:
+        feeds = {"merged_embeds": merged.rows, **host_inputs}
+        if merged.deepstack is not None:
+            feeds["merged_deepstack"] = merged.deepstack
+        out = self.run(feeds)
+        return VisionResult(out["vision_embeds"], out["retained_indices"], out.get("deepstack_features"))
 
 
 def retained_inputs(program: QaicProgram) -> list[str]:
@@ -345,8 +371,9 @@ class QaicLanguageSession(RetainedStateSession):
 
 
 def qpc_dir(bundle, graph: str) -> Path:
-    """``<export>/<graph>/qpc``, checked to hold a compiled program."""
-    folder = bundle.manifest.path(bundle.export_dir, graph).parent / QPC_DIR
+    """The compiled program of ``graph`` (``vision/encoder_qpc``, ``vision/evs_qpc``, ``language/qpc``), checked."""
+    folder = bundle.manifest.path(bundle.export_dir, graph).parent / compile_file_name(
+        QPC_DIR, None if graph == "language" else graph)
     if not (folder / QPC_FILE).is_file():
         raise ValueError(
             f"no compiled {graph} QPC at {folder} ({QPC_FILE} missing); run `qeff-evs compile "
@@ -354,10 +381,22 @@ def qpc_dir(bundle, graph: str) -> Path:
     return folder
 
 
+def qaic_vision_pipeline(bundle, device_id: int | None = None,
+                         sdk_root: str | Path = DEFAULT_SDK_ROOT) -> VisionPipeline:
+    """The encoder and EVS QPCs of the export (``qeff-evs compile``), at its frames per call."""
+    return _vision_pipeline(bundle, load_sdk(sdk_root), device_id)
+
+
+def _vision_pipeline(bundle, sdk: QaicSdk, device_id: int | None) -> VisionPipeline:
+    encoder = QaicEncoderSession(QaicProgram(qpc_dir(bundle, "encoder"), sdk, device_id))
+    selection = QaicEVSSession(QaicProgram(qpc_dir(bundle, "evs"), sdk, device_id))
+    return VisionPipeline(bundle.family, encoder, selection, bundle.manifest.frames_per_call)
+
+
 def qaic_sessions(bundle, device_id: int | None = None,
-                  sdk_root: str | Path = DEFAULT_SDK_ROOT) -> tuple[QaicVisionSession, QaicLanguageSession]:
-    """Vision and language sessions over the export's compiled QPCs (``qeff-evs compile``)."""
+                  sdk_root: str | Path = DEFAULT_SDK_ROOT) -> tuple[VisionPipeline, QaicLanguageSession]:
+    """The vision pipeline and language session over the export's compiled QPCs (``qeff-evs compile``)."""
     sdk = load_sdk(sdk_root)
-    vision_qpc, language_qpc = qpc_dir(bundle, "vision"), qpc_dir(bundle, "language")
-    return (QaicVisionSession(QaicProgram(vision_qpc, sdk, device_id)),
-            QaicLanguageSession(QaicProgram(language_qpc, sdk, device_id), bundle.language_shape))
+    vision = _vision_pipeline(bundle, sdk, device_id)
+    language = QaicProgram(qpc_dir(bundle, "language"), sdk, device_id)
+    return vision, QaicLanguageSession(language, bundle.language_shape)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from qeff_evs.manifest import LanguageShape
-from qeff_evs.runtime.backends.base import HostStateSession, VisionResult
+from qeff_evs.runtime.backends.base import HostStateSession, MergedRows, VisionResult
 
 
 def torch_device(prefer: str | None = None):
@@ -17,21 +17,38 @@ def torch_device(prefer: str | None = None):
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-class TorchVisionSession:
-    """The exportable vision wrapper run eagerly: same inputs as the graph, stable-sort EVS."""
+class TorchEncoderSession:
+    """The exportable encoder wrapper run eagerly: same inputs as the graph."""
 
     def __init__(self, wrapper, device=None):
         self.device = torch_device(device)
         self.wrapper = wrapper.to(self.device).eval()
 
-    def run(self, pixel_values: np.ndarray, host_inputs: dict[str, np.ndarray]) -> VisionResult:
+    def encode(self, pixel_values: np.ndarray, host_inputs: dict[str, np.ndarray]) -> MergedRows:
         import torch
 
-        feeds = [torch.as_tensor(np.asarray(pixel_values, dtype=np.float32)).to(self.device)]
-        feeds += [torch.from_numpy(np.asarray(a)).to(self.device) for a in host_inputs.values()]
+        pixels = torch.as_tensor(np.asarray(pixel_values, dtype=np.float32)).to(self.device)
+        outputs = self.wrapper.run(pixels, host_inputs)
+        outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+        rows, *deepstack = [o.cpu().numpy() for o in outputs]
+        return MergedRows(rows, deepstack[0] if deepstack else None)
+
+
+class TorchEVSSession:
+    """The EVS module run eagerly (its selection is the stable-sort reference order)."""
+
+    def __init__(self, selection, device=None):
+        self.device = torch_device(device)
+        self.selection = selection.to(self.device).eval()
+
+    def select(self, merged: MergedRows, host_inputs: dict[str, np.ndarray]) -> VisionResult:
+        import torch
+
+        arrays = [merged.rows] + ([] if merged.deepstack is None else [merged.deepstack]) + list(host_inputs.values())
         with torch.no_grad():
-            outputs = [o.cpu().numpy() for o in self.wrapper(*feeds)]
-        if len(outputs) == 3:  # embeds, deepstack, indices
+            outputs = [o.cpu().numpy() for o in self.selection(*(torch.from_numpy(np.asarray(a)).to(self.device)
+                                                                  for a in arrays))]
+        if len(outputs) == 3:  # rows, deepstack, indices
             return VisionResult(outputs[0], outputs[2].astype(np.int64), outputs[1])
         return VisionResult(outputs[0], outputs[1].astype(np.int64))
 

@@ -53,9 +53,8 @@ def retained_count(family: ModelFamily, media: MediaInput, q: float) -> int:
 
 
 def encode_media(family: ModelFamily, vision: VisionSession, media: MediaInput, q: float) -> EncodedMedia:
-    """Run the vision graph once for one item: its K retained rows, their indices and per-frame counts."""
-    k = retained_count(family, media, q)
-    result = vision.run(media.pixel_values.numpy(), family.vision_host_inputs(media.grid_thw, k))
+    """Encode one item (encoder calls, then EVS once): its K retained rows, their indices and per-frame counts."""
+    result = vision.encode(media, retained_count(family, media, q))
     t, h, w = family.merged_grid(media.grid_thw)
     retained = result.retained_indices.astype(np.int64)
     kept = evs.tokens_per_frame_kept(retained, t, h * w)

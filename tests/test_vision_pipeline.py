@@ -1,0 +1,114 @@
+"""The vision side end to end, both families: encoder calls of F temporal patches, then EVS once.
+
+Every result is checked against the stock transformers forward over the whole video + the EVS mask
+(``reference_vision_evs``), whose mask is vLLM's own: retained indices exactly, rows (and Qwen3-VL
+deepstack) within 1e-4 in fp32. Cases cover odd T, non-square grids, images, T not a multiple of F
+and q in {0, 0.5, 0.75}; one encoder specialization (fixed F and resolution) serves 4 to 128 frames.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from vision_cases import (
+    RecordingEncoder,
+    RecordingEVS,
+    assert_matches_reference,
+    export_family,
+    media,
+    random_video,
+    retained_for,
+)
+
+from qeff_evs.models.qwen2_5_vl import reference_vision_evs as reference_qwen2_5
+from qeff_evs.models.qwen3_vl import reference_vision_evs as reference_qwen3
+from qeff_evs.runtime.backends.torch_reference import TorchEncoderSession, TorchEVSSession
+from qeff_evs.runtime.backends.vision import VisionPipeline
+
+FAMILIES = ("qwen2_5_vl", "qwen3_vl")
+REFERENCE = {"qwen2_5_vl": reference_qwen2_5, "qwen3_vl": reference_qwen3}
+# (grid, frames per call): square, non-square, odd T, T not a multiple of F, F larger than T.
+GRIDS = [((4, 8, 8), 2), ((5, 12, 8), 2), ((3, 4, 16), 2), ((7, 8, 12), 3), ((2, 8, 8), 4)]
+RATES = [0.0, 0.5, 0.75]
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def exported(request, tmp_path_factory):
+    return export_family(request.param, tmp_path_factory.mktemp(request.param))
+
+
+def reference(exported, pixels, grid, q):
+    return REFERENCE[exported.family.name](exported.visual, pixels, grid, q)
+
+
+@pytest.mark.parametrize("grid,frames_per_call", GRIDS, ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple) else f"F{v}")
+@pytest.mark.parametrize("q", RATES)
+def test_onnx_pipeline_matches_stock_tower_and_evs(exported, grid, frames_per_call, q):
+    pixels = random_video(exported.model, grid, seed=sum(grid) + int(100 * q))
+    result = exported.ort_pipeline(frames_per_call).encode(media(pixels, grid), retained_for(grid, q))
+    assert_matches_reference(result, reference(exported, pixels, grid, q))
+
+
+@pytest.mark.parametrize("grid,frames_per_call,q", [((5, 12, 8), 2, 0.5), ((3, 4, 16), 2, 0.75)])
+def test_torch_pipeline_matches_stock_tower_and_evs(exported, grid, frames_per_call, q):
+    pixels = random_video(exported.model, grid, seed=7 * sum(grid))
+    pipeline = VisionPipeline(exported.family, TorchEncoderSession(exported.encoder, device="cpu"),
+                              TorchEVSSession(exported.family.evs_selection(), device="cpu"), frames_per_call)
+    result = pipeline.encode(media(pixels, grid), retained_for(grid, q))
+    assert_matches_reference(result, reference(exported, pixels, grid, q))
+
+
+@pytest.mark.parametrize("grid", [(1, 8, 8), (1, 12, 8)])
+def test_image_skips_evs_and_keeps_every_row(exported, grid):
+    pixels = random_video(exported.model, grid, seed=5)
+    pipeline = exported.ort_pipeline(2)
+    spy = RecordingEVS(pipeline.evs)
+    pipeline.evs = spy
+    result = pipeline.encode(media(pixels, grid, kind="image"), retained_for(grid, 0.75))
+    assert spy.seen == []
+    assert_matches_reference(result, reference(exported, pixels, grid, 0.0))
+
+
+def test_padding_frames_never_reach_evs(exported):
+    """T = 5 at F = 2: the last call carries one zero frame whose rows are dropped before EVS."""
+    grid, q = (5, 8, 8), 0.5
+    pixels = random_video(exported.model, grid, seed=9)
+    pipeline = exported.ort_pipeline(2)
+    pipeline.encoder, pipeline.evs = RecordingEncoder(pipeline.encoder), RecordingEVS(pipeline.evs)
+    pipeline.encode(media(pixels, grid), retained_for(grid, q))
+    assert pipeline.encoder.calls == [(2 * 64, pixels.shape[1])] * 3  # every call has F frames
+    (merged,) = pipeline.evs.seen
+    with torch.no_grad():
+        stock = exported.visual(pixels, grid_thw=torch.tensor([grid]))
+    np.testing.assert_allclose(merged.rows, stock.pooler_output.numpy(), rtol=0, atol=1e-4)  # T*h*w rows exactly
+
+
+@pytest.mark.parametrize("frames", [4, 8, 16, 32, 64, 128])
+def test_one_encoder_specialization_serves_4_to_128_frames(exported, frames):
+    """F = 2 at one small resolution: every call has the same shapes, whatever the video's length."""
+    grid = (frames // 2, 4, 4)
+    pixels = random_video(exported.model, grid, seed=frames)
+    pipeline = exported.ort_pipeline(2)
+    pipeline.encoder = RecordingEncoder(pipeline.encoder)
+    result = pipeline.encode(media(pixels, grid), retained_for(grid, 0.5))
+    assert set(pipeline.encoder.calls) == {(2 * 16, pixels.shape[1])}
+    assert len(pipeline.encoder.calls) == frames // 4
+    assert_matches_reference(result, reference(exported, pixels, grid, 0.5))
+
+
+def test_pipeline_rejects_bad_inputs(exported):
+    with pytest.raises(ValueError, match="frames_per_call must be a positive integer"):
+        exported.ort_pipeline(0)
+    pipeline = exported.ort_pipeline(2)
+    pixels = random_video(exported.model, (2, 8, 8), seed=0)
+    with pytest.raises(ValueError, match="do not hold the 192 patches"):
+        pipeline.encode(media(pixels, (3, 8, 8)), 10)
+    image = media(random_video(exported.model, (1, 8, 8), seed=0), (1, 8, 8), kind="image")
+    with pytest.raises(ValueError, match="an image keeps all 16"):
+        pipeline.encode(image, 8)
+
+
+def test_export_reports_progress(exported):
+    assert any("encoder graph" in m for m in exported.messages)
+    assert any("EVS graph" in m for m in exported.messages)
