@@ -41,20 +41,23 @@ def test_flags_reach_compile_sh(build, capsys):
     code = main(["compile", str(build), "--aic-hw-version", "ai200", "--num-devices", "2", "--num-cores", "14",
                  "--extra-flags", "-mos=1 -aic-enable-depth-first -node-precision-info=fp32_nodes.yaml"])
     assert code == 0, capsys.readouterr().err
-    vision, language = compile_lines(build)
-    for line in (vision, language):
+    encoder, selection, language = compile_lines(build)
+    for line in (encoder, selection, language):
         assert "-aic-hw-version=ai200" in line and "-aic-num-cores=14" in line
         assert "-mos=1" in line and "-aic-enable-depth-first" in line
-    assert "-mdp-load-partition-config=vision/mdp_ts_2.json" in vision
+    for vision in (encoder, selection):
+        assert "-mdp-load-partition-config=vision/mdp_ts_2.json" in vision
+        assert "node-precision" not in vision
     assert "-mdp-load-partition-config=language/mdp_ts_2.json" in language
-    assert "-node-precision-info=fp32_nodes.yaml" in language and "node-precision" not in vision
+    assert "-node-precision-info=fp32_nodes.yaml" in language
     assert "-allow-mxint8-mdp-io" not in language  # fp16 KV
     assert json.loads((build / "language" / "mdp_ts_2.json").read_text()) == {
         "connections": [{"devices": [0, 1], "type": "p2p"}],
         "partitions": [{"name": "Partition0", "devices": [{"deviceId": 0, "numCores": 14},
                                                           {"deviceId": 1, "numCores": 14}]}]}
     script = (build / "compile.sh").read_text()
-    assert script.index("rm -rf vision/qpc") < script.index("-m=vision/vision.onnx")
+    assert script.index("rm -rf vision/encoder_qpc") < script.index("-m=vision/encoder.onnx")
+    assert script.index("rm -rf vision/evs_qpc") < script.index("-m=vision/evs.onnx")
     assert script.index("rm -rf language/qpc") < script.index("-m=language/language.onnx")
 
 
@@ -63,8 +66,8 @@ def test_mxint8_kv_on_several_devices_allows_mxint8_mdp_io(build, capsys):
     manifest["kv_precision"] = "mxint8"
     (build / "manifest.json").write_text(json.dumps(manifest))
     assert main(["compile", str(build), "--num-devices", "4"]) == 0
-    vision, language = compile_lines(build)
-    assert "-allow-mxint8-mdp-io" in language and "-allow-mxint8-mdp-io" not in vision
+    *vision, language = compile_lines(build)
+    assert "-allow-mxint8-mdp-io" in language and not any("-allow-mxint8-mdp-io" in line for line in vision)
     assert main(["compile", str(build)]) == 0  # one device: no partition config, no mxint8 MDP I/O
     assert not any("mdp" in line for line in compile_lines(build))
 

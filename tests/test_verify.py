@@ -46,7 +46,9 @@ def test_round_to_fp16_saturates_finite_values_and_keeps_infinities():
 
 
 def test_compile_lines_follow_compile_sh(tiny_export):
-    assert compile_lines(tiny_export) == {"vision/vision.onnx": True, "language/language.onnx": True}
+    # The EVS graph alone keeps fp32 arithmetic (DESIGN §11).
+    assert compile_lines(tiny_export) == {"vision/encoder.onnx": True, "vision/evs.onnx": False,
+                                          "language/language.onnx": True}
 
 
 def test_evs_arithmetic_collapses_in_fp16_and_agrees_in_fp32(tiny_export):
@@ -79,14 +81,14 @@ def test_hidden_states_of_magnitude_1e3_stay_finite(report):
 
 
 def test_every_graph_is_reported_without_inf_or_nan(report, tiny_export):
-    assert set(report.graphs) == {"vision", "language"}
-    vision = next(c for c in report.comparisons if c.name == "vision")
-    assert vision.kept_token_agreement is not None and vision.kept_token_agreement >= 0.9
+    assert set(report.graphs) == {"encoder", "evs", "language"}
+    selection = next(c for c in report.comparisons if c.name == "evs")
+    assert selection.kept_token_agreement is not None and selection.kept_token_agreement >= 0.9
     assert report.problems == []
 
 
 def test_cli_verify_json(tiny_export, capsys):
     assert main(["verify", str(tiny_export), "--json"]) == 0
     document = json.loads(capsys.readouterr().out)
-    assert document["fp16"] is False and set(document["graphs"]) == {"vision", "language"}
-    assert {c["name"] for c in document["comparisons"]} >= {"vision", "positions@10", "magnitude_1e3"}
+    assert document["fp16"] is False and set(document["graphs"]) == {"encoder", "evs", "language"}
+    assert {c["name"] for c in document["comparisons"]} >= {"encoder", "evs", "positions@10", "magnitude_1e3"}

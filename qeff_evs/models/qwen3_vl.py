@@ -166,7 +166,7 @@ class Qwen3_VLEncoder(EncoderWrapper):
     def deepstack_levels(self) -> int:
         return len(self.visual.deepstack_merger_list)
 
-    def encode(
+    def forward(
         self,
         pixel_values: torch.Tensor,
         video_grid_thw: torch.Tensor,
