@@ -60,7 +60,7 @@ def custom_io_precisions(
 
 
 def vision_custom_io(has_deepstack: bool, pixel_values_fp16: bool = True) -> dict[str, str]:
-    """Custom IO of the vision(+EVS) graph, from the names the design fixes (§5)."""
+    """Custom IO of the encoder graph (pixels in, merged rows out), from the names the design fixes (§5)."""
     names = ["pixel_values", "vision_embeds"] + (["deepstack_features"] if has_deepstack else [])
     return custom_io_precisions(names, pixel_values_fp16=pixel_values_fp16)
 
