@@ -39,14 +39,19 @@ class _ExportInterface(nn.Module):
             return "<|vision_start|><|video_pad|><|vision_end|>"
         raise ValueError(f"qeff-evs exports take images and videos, not {modality!r}")
 
+    # The graphs run in qeff-evs's worker; nothing may call the torch side of this interface.
     def embed_input_ids(self, input_ids, *args, **kwargs):
-        raise NotImplementedError("qeff-evs exports run in the qeff-evs worker, not as a torch module")
+        _never_run()
 
     def forward(self, input_ids, positions, *args, **kwargs):
-        raise NotImplementedError("qeff-evs exports run in the qeff-evs worker, not as a torch module")
+        _never_run()
 
     def compute_logits(self, hidden_states):
-        raise NotImplementedError("qeff-evs exports run in the qeff-evs worker, not as a torch module")
+        _never_run()
+
+
+def _never_run():
+    raise RuntimeError("qeff-evs exports run in the qeff-evs worker (QEFF_EVS_BACKEND), not as a torch module")
 
 
 @_with_our_processor
