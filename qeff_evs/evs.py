@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 
 FIRST_FRAME_SENTINEL = 255.0
+# The exported cosine runs over this many runs of frame pairs (a smaller peak; see _chunked_cosine).
+COSINE_CHUNKS = 4
 
 
 def validate_pruning_rate(q: float) -> float:
@@ -65,12 +67,29 @@ def merged_grid(grid_thw: Sequence[int] | torch.Tensor, spatial_merge_size: int)
     return t, h // m, w // m
 
 
+def _chunked_cosine(frames: torch.Tensor) -> torch.Tensor:
+    """Export form of ``cosine_similarity(frames[1:], frames[:-1], dim=-1)``, a few frames at a time.
+
+    Each chunk is the same cosine (the same ops per element, in the same order) over a consecutive run
+    of frame pairs. ONNX Runtime materialises every Slice, so the whole-video form holds two shifted
+    copies of the video plus a product at its peak; in chunks that working set is divided by
+    ``COSINE_CHUNKS``. Bounds follow the traced T; a chunk may be empty when T - 1 < COSINE_CHUNKS.
+    """
+    pairs = frames.shape[0] - 1
+    bounds = [1 + pairs * i // COSINE_CHUNKS for i in range(COSINE_CHUNKS + 1)]
+    return torch.cat([F.cosine_similarity(frames[lo:hi], frames[lo - 1:hi - 1], dim=-1)
+                      for lo, hi in zip(bounds, bounds[1:])])
+
+
 def frame_dissimilarity(frames: torch.Tensor) -> torch.Tensor:
     """``(T, hw, D)`` -> ``(T, hw)``: 1 - cosine with the previous frame, frame 0 = 255.
 
     Runs in the input dtype, with PyTorch's cosine definition (eps 1e-8), as vLLM does.
     """
-    similarity = F.cosine_similarity(frames[1:], frames[:-1], dim=-1)
+    if _exporting():
+        similarity = _chunked_cosine(frames)
+    else:
+        similarity = F.cosine_similarity(frames[1:], frames[:-1], dim=-1)
     sentinel = torch.full_like(frames[:1, :, 0], FIRST_FRAME_SENTINEL)
     return torch.cat([sentinel, 1 - similarity], dim=0)
 

@@ -97,6 +97,35 @@ def test_one_encoder_specialization_serves_4_to_128_frames(exported, frames):
     assert_matches_reference(result, reference(exported, pixels, grid, 0.5))
 
 
+class HostRecordingEncoder(RecordingEncoder):
+    """... and the host index inputs it was handed, by identity."""
+
+    def __init__(self, inner):
+        super().__init__(inner)
+        self.hosts: list[dict] = []
+
+    def encode(self, pixel_values, host_inputs):
+        self.hosts.append(host_inputs)
+        return super().encode(pixel_values, host_inputs)
+
+
+def test_host_inputs_are_built_once_per_resolution(exported):
+    """Videos of two resolutions in turn through one pipeline: each matches its reference, and a
+    resolution seen before gets the very host inputs it had (built once, not per video)."""
+    pipeline = exported.ort_pipeline(2)
+    pipeline.encoder = HostRecordingEncoder(pipeline.encoder)
+    hosts = []
+    for grid in [(4, 8, 8), (3, 4, 16), (4, 8, 8)]:
+        pixels = random_video(exported.model, grid, seed=sum(grid))
+        del pipeline.encoder.hosts[:]
+        result = pipeline.encode(media(pixels, grid), retained_for(grid, 0.5))
+        assert_matches_reference(result, reference(exported, pixels, grid, 0.5))
+        assert all(h is pipeline.encoder.hosts[0] for h in pipeline.encoder.hosts)
+        hosts.append(pipeline.encoder.hosts[0])
+    assert hosts[2] is hosts[0] and hosts[1] is not hosts[0]
+    assert hosts[1]["video_grid_thw"].shape != hosts[0]["video_grid_thw"].shape
+
+
 def test_pipeline_rejects_bad_inputs(exported):
     with pytest.raises(ValueError, match="frames_per_call must be a positive integer"):
         exported.ort_pipeline(0)

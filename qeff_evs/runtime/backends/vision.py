@@ -8,7 +8,7 @@ videos that keep every token (q = 0), skip the EVS graph: its selection would ke
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -27,6 +27,9 @@ class VisionPipeline:
     encoder: EncoderSession
     evs: EVSSession
     frames_per_call: int
+    # The encoder's host index inputs per frame grid (H, W): the same for every video of that
+    # resolution at this F, so they are built once, not per video.
+    _host_inputs: dict[tuple[int, int], dict[str, np.ndarray]] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.frames_per_call, bool) or int(self.frames_per_call) != self.frames_per_call \
@@ -42,7 +45,9 @@ class VisionPipeline:
         if pixels.ndim != 2 or pixels.shape[0] != t * patches:
             raise ValueError(f"pixel_values of shape {pixels.shape} do not hold the {t * patches} patches of grid "
                              f"{tuple(media.grid_thw)}; pass the processor's output for this grid")
-        host = self.family.encoder_host_inputs((big_h, big_w), f)
+        host = self._host_inputs.get((big_h, big_w))
+        if host is None:
+            host = self._host_inputs[(big_h, big_w)] = self.family.encoder_host_inputs((big_h, big_w), f)
         rows = deepstack = None
         for start in range(0, t, f):
             count = min(f, t - start)
