@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import json
 import shutil
+import warnings
 
 import numpy as np
 import onnx
@@ -248,3 +249,35 @@ def test_run_refuses_a_request_beyond_the_rope_table(tiny_export, video_npy, que
     err = capsys.readouterr().err
     assert code == 2
     assert "RoPE tables cover positions [0, 20)" in err and "--rope-positions" in err
+
+
+def test_rms_norm_rewrite_reads_external_data_beside_the_graph(tmp_path, monkeypatch):
+    """A graph over 2 GB keeps its initializers in files beside it (a 3B checkpoint's language graph): the
+    rewrite must find its scalars there, whatever the working directory, and leave the weights in place."""
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
+
+    from qeff_evs.export.onnx_graph import ONNX_OPSET, add_compiler_functions
+
+    norm = Qwen2RMSNorm(16, eps=1e-6).eval()
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    x = torch.randn(3, 16)
+    folder = tmp_path / "graph"
+    folder.mkdir()
+    path = folder / "norm.onnx"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # the legacy exporter's notice, as legacy_export does
+        torch.onnx.export(norm, (x,), str(path), input_names=["x"], output_names=["y"], opset_version=ONNX_OPSET,
+                          dynamo=False)
+    onnx.save(onnx.load(str(path)), str(path), save_as_external_data=True, all_tensors_to_one_file=False,
+              size_threshold=0, convert_attribute=True)  # Constant values too, as torch does for RoPE tables
+    saved = onnx.load(str(path), load_external_data=False).graph
+    assert any(init.data_location == TensorProto.EXTERNAL for init in saved.initializer)
+    assert any(n.attribute[0].t.data_location == TensorProto.EXTERNAL for n in saved.node if n.op_type == "Constant")
+    monkeypatch.chdir(tmp_path)  # not the graph's folder
+    add_compiler_functions(path)
+    model = onnx.load(str(path))
+    assert [n.op_type for n in model.graph.node if n.domain == RMS_NORM_DOMAIN] == [CUSTOM_RMS_NORM]
+    (y,) = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"x": x.numpy()})
+    with torch.no_grad():
+        np.testing.assert_allclose(y, norm(x).numpy(), rtol=0, atol=1e-5)

@@ -49,6 +49,7 @@ bodies; what is left over "before" is the reads (gather + zeroing), see ``benchm
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 
 import numpy as np
@@ -242,11 +243,18 @@ def attach_functions(model: onnx.ModelProto) -> onnx.ModelProto:
     return model
 
 
-def _constant_values(model: onnx.ModelProto) -> dict[str, np.ndarray]:
-    values = {init.name: numpy_helper.to_array(init) for init in model.graph.initializer}
+def _constant_values(model: onnx.ModelProto, base_dir: str = "") -> dict[str, np.ndarray]:
+    """Scalar initializers and every Constant node's value (the matcher only asks about scalars).
+
+    A model over 2 GB keeps its tensors (initializers, and Constant values such as the RoPE tables) in
+    files beside it (``base_dir``); only scalars are read, never a weight or a table.
+    """
+    values = {init.name: numpy_helper.to_array(init, base_dir=base_dir) for init in model.graph.initializer
+              if math.prod(init.dims) == 1}
     for node in model.graph.node:
-        if node.op_type == "Constant" and node.attribute and node.attribute[0].name == "value":
-            values[node.output[0]] = numpy_helper.to_array(node.attribute[0].t)
+        if node.op_type == "Constant" and node.attribute and node.attribute[0].name == "value" \
+                and math.prod(node.attribute[0].t.dims) == 1:
+            values[node.output[0]] = numpy_helper.to_array(node.attribute[0].t, base_dir=base_dir)
     return values
 
 
@@ -255,7 +263,7 @@ def _is_scalar(values: dict, name: str, expected: float | None = None) -> bool:
     return value is not None and value.size == 1 and (expected is None or float(value.reshape(())) == expected)
 
 
-def rewrite_rms_norms(model: onnx.ModelProto) -> int:
+def rewrite_rms_norms(model: onnx.ModelProto, base_dir: str = "") -> int:
     """Replace every traced RMSNorm subgraph with a ``CustomRMSNorm`` node; returns how many.
 
     Matched chain (what transformers' Qwen RMSNorms trace to, every link the only consumer of the
@@ -263,7 +271,7 @@ def rewrite_rms_norms(model: onnx.ModelProto) -> int:
     Div(1, .) -> Mul(x, .) -> [Cast] -> Mul(weight, .)``. Anything else is left as it is.
     """
     graph = model.graph
-    values = _constant_values(model)
+    values = _constant_values(model, base_dir)
     consumers: dict[str, list[onnx.NodeProto]] = {}
     for node in graph.node:
         for name in node.input:

@@ -46,7 +46,7 @@ def add_compiler_functions(path: Path) -> None:
     Only nodes and functions change, so weights stored as external data stay where they are.
     """
     model = onnx.load(str(path), load_external_data=False)
-    rewrite_rms_norms(model)
+    rewrite_rms_norms(model, base_dir=str(Path(path).parent))
     attach_functions(model)
     onnx.save(model, str(path))
 
