@@ -133,6 +133,34 @@ def test_render_rebuilds_the_same_results(smoke_run, tmp_path):
     assert (tmp_path / "results.md").read_text() == (out / "results.md").read_text()
 
 
+def test_only_one_phase_keeps_the_others_of_the_base_run(smoke_run, tmp_path):
+    """--only vision_sweep --base: that phase is measured again, every other one is the base run's, as saved."""
+    out, results = smoke_run
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert cli.main(["bench", "--smoke", "--only", "vision_sweep", "--base", str(out / "results.json"),
+                         "-o", str(tmp_path)]) == 0
+    partial = json.loads((tmp_path / "results.json").read_text())
+    for phase in ("pruning_sweep", "window_sweep", "evs_overhead"):
+        assert partial[phase] == results[phase]
+        assert partial["phase_runs"][phase] == results["phase_runs"][phase]
+    assert partial["vision_sweep"]["samples"] != results["vision_sweep"]["samples"]  # timed again
+    assert [r["frames"] for r in partial["vision_sweep"]["rows"]] == list(SMOKE.vision_sweep_frames)
+    assert partial["vision_sweep"]["call_peak_mb"] is not None
+    assert (tmp_path / "results.md").read_text().count("Measured: ") == 4
+
+
+def test_only_refuses_a_base_run_of_other_graphs(smoke_run, tmp_path, capsys):
+    out, _ = smoke_run
+    code = cli.main(["bench", "--smoke", "--vision-layers", "3", "--only", "vision_sweep",
+                     "--base", str(out / "results.json"), "-o", str(tmp_path)])
+    assert code == 2
+    assert "vision_layers (2 there, 3 here)" in capsys.readouterr().err
+    assert cli.main(["bench", "--smoke", "--only", "vision_sweep", "-o", str(tmp_path)]) == 2
+    assert cli.main(["bench", "--smoke", "--only", "speed", "--base", str(out / "results.json"),
+                     "-o", str(tmp_path)]) == 2
+
+
 def test_qwen3_smoke_sends_deepstack_rows_too(tmp_path):
     """Qwen3-VL: presets scale to 32-px tokens; each window row carries its deepstack rows as well."""
     with warnings.catch_warnings():

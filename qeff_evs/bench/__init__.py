@@ -28,6 +28,10 @@ def _ints(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"expected integers separated by commas, got {text!r}") from None
 
 
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(v for v in text.replace(",", " ").split())
+
+
 # argparse dest -> BenchConfig field, for the flags that override a preset.
 _OVERRIDES = {
     "family": "family", "text_layers": "text_layers", "vision_layers": "vision_layers", "frames": "frames",
@@ -51,6 +55,12 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                         help="folder for results.json, results.md and the PNG plots")
     parser.add_argument("--render", type=Path, default=None, metavar="RESULTS_JSON",
                         help="measure nothing: re-render results.md and the plots of a saved results.json")
+    parser.add_argument("--only", type=_names, default=None, metavar="PHASES",
+                        help="measure only these phases (pruning_sweep, window_sweep, vision_sweep, evs_overhead) "
+                             "and keep the others from --base")
+    parser.add_argument("--base", type=Path, default=None, metavar="RESULTS_JSON",
+                        help="with --only: the saved results.json whose other phases are kept (each section says "
+                             "which run measured it)")
     parser.add_argument("--workdir", type=Path, default=None,
                         help="keep the exported graphs here (default: a temporary folder, removed)")
     parser.add_argument("--family", choices=FAMILIES, default=None, help=f"model family (default {full.family})")
@@ -109,6 +119,7 @@ def run_bench(args: argparse.Namespace, progress) -> int:
     if args.render is not None:
         results = render_saved(args.render, args.output)
     else:
-        results = run_suite(config_from_args(args), args.output, args.workdir, progress)
+        results = run_suite(config_from_args(args), args.output, args.workdir, progress,
+                            only=args.only, base=args.base)
     print(markdown(results))
     return 0

@@ -84,7 +84,7 @@ class BenchGraphs:
     encoder: object  # ort.InferenceSession of the encoder graph
     evs: object  # ... of the EVS graph
     whole_video: object | None  # ... of the whole-video baseline (Qwen2.5-VL only), for the vision sweep
-    language: object
+    language: object | None  # None when the run measures no language phase
     files: dict[str, str]
     frames_per_call: int
 
@@ -101,8 +101,9 @@ class BenchGraphs:
                               self.frames_per_call)
 
 
-def build_graphs(config: BenchConfig, workdir: Path, progress: Progress) -> BenchGraphs:
-    """Build the random model, export its three graphs under ``workdir`` and open them in ORT."""
+def build_graphs(config: BenchConfig, workdir: Path, progress: Progress, language: bool = True) -> BenchGraphs:
+    """Build the random model, export its graphs under ``workdir`` and open them in ORT (the language
+    graph only with ``language``: the vision phases do not run it)."""
     workdir = Path(workdir)
     hf_config = model_config(config)
     vc = hf_config.vision_config
@@ -115,7 +116,6 @@ def build_graphs(config: BenchConfig, workdir: Path, progress: Progress) -> Benc
     files = {
         "encoder": workdir / "vision" / "encoder.onnx",
         "evs": workdir / "vision" / "evs.onnx",
-        "language": workdir / "language" / "language.onnx",
     }
     progress("exporting the encoder and EVS graphs")
     export_encoder_graph(family.encoder(model), EXAMPLE_GRID_HW, 2, files["encoder"], progress=lambda m: None)
@@ -125,8 +125,10 @@ def build_graphs(config: BenchConfig, workdir: Path, progress: Progress) -> Benc
     if config.family == "qwen2_5_vl":  # the vision sweep's baseline: the pre-issue-10 whole-video graph
         files["whole_video"] = export_whole_video_graph(family.encoder(model), family.evs_selection(),
                                                         workdir / "whole_video" / "vision.onnx")
-    progress("exporting the language graph")
-    export_language_graph(model, files["language"], media_token_ids=family.special_tokens().media_pads)
+    if language:
+        progress("exporting the language graph")
+        files["language"] = workdir / "language" / "language.onnx"
+        export_language_graph(model, files["language"], media_token_ids=family.special_tokens().media_pads)
     del model
     gc.collect()
 
@@ -144,7 +146,7 @@ def build_graphs(config: BenchConfig, workdir: Path, progress: Progress) -> Benc
         encoder=open_inference_session(files["encoder"]),
         evs=open_inference_session(files["evs"]),
         whole_video=open_inference_session(files["whole_video"]) if "whole_video" in files else None,
-        language=open_inference_session(files["language"]),
+        language=open_inference_session(files["language"]) if language else None,
         files={name: str(path) for name, path in files.items()},
         frames_per_call=config.frames_per_call,
     )

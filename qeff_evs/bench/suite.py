@@ -69,26 +69,58 @@ def render_saved(results_json: Path, output: Path) -> dict:
     return results
 
 
-def run_suite(config: BenchConfig, output: Path, workdir: Path | None, progress: Progress) -> dict:
-    """Run every measurement of ``config``; write results.json, results.md and the PNGs to ``output``."""
+# Fields that decide the graphs and the shared clip: a partial run must match its base run on them.
+GRAPH_FIELDS = ("family", "widths", "text_layers", "vision_layers", "frame_size", "prefill_seq_len", "ctx_len",
+                "user_vision_size", "frames_per_call", "seed")
+MEASURE = {"pruning_sweep": run_pruning_sweep, "window_sweep": run_window_sweep,
+           "vision_sweep": run_vision_sweep, "evs_overhead": run_evs_overhead}
+LANGUAGE_PHASES = ("pruning_sweep", "window_sweep")  # the others run the vision graphs only
+
+
+def load_base(config: BenchConfig, only: tuple[str, ...], base: Path) -> dict:
+    """The saved run whose phases outside ``only`` a partial run keeps; raises unless it fits ``config``."""
+    unknown = [phase for phase in only if phase not in report.PHASES]
+    if unknown or not only:
+        raise ValueError(f"--only takes phases among {', '.join(report.PHASES)}, got {', '.join(only) or 'none'}")
+    saved = json.loads(Path(base).read_text())
+    differs = [f"{name} ({saved['config'].get(name)!r} there, {getattr(config, name)!r} here)"
+               for name in GRAPH_FIELDS if saved["config"].get(name) != getattr(config, name)]
+    if differs:
+        raise ValueError(f"--base {base} was measured with other graphs: {'; '.join(differs)}; "
+                         "pass the same settings or re-run every phase")
+    return saved
+
+
+def run_suite(config: BenchConfig, output: Path, workdir: Path | None, progress: Progress,
+              only: tuple[str, ...] | None = None, base: Path | None = None) -> dict:
+    """Run every measurement of ``config`` (or the phases ``only``, keeping the others of the saved run
+    ``base``); write results.json, results.md and the PNGs to ``output``."""
     hf_config = model_config(config)
     vc = hf_config.vision_config
     validate(config, vc.patch_size, vc.spatial_merge_size, vc.temporal_patch_size)
+    if (only is None) != (base is None):
+        raise ValueError("--only and --base go together: the phases to measure, and the results.json that "
+                         "holds the others")
+    saved = load_base(config, only, base) if only is not None else None
     output = Path(output)
     output.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="qeff-evs-bench-") as scratch:
         graphs_dir = Path(workdir) if workdir else Path(scratch)
         started = time.perf_counter()
-        graphs = build_graphs(config, graphs_dir, progress)
+        phases = only or report.PHASES
+        graphs = build_graphs(config, graphs_dir, progress, language=any(p in LANGUAGE_PHASES for p in phases))
         phase_seconds = {"build_export_open": time.perf_counter() - started}
-        measured = {}
-        for phase, run in (("pruning_sweep", run_pruning_sweep), ("window_sweep", run_window_sweep),
-                           ("vision_sweep", run_vision_sweep), ("evs_overhead", run_evs_overhead)):
+        measured, phase_runs = {}, {}
+        if saved is not None:
+            measured, phase_runs = report.measured_from_json(saved), report.saved_phase_runs(saved)
+            phase_seconds = {**saved["phase_seconds"], **phase_seconds}
+        for phase in phases:
             started = time.perf_counter()
-            measured[phase] = run(config, graphs, progress)
+            measured[phase] = MEASURE[phase](config, graphs, progress)
             phase_seconds[phase] = time.perf_counter() - started
-        results = report.build_results(config, model_summary(hf_config), phase_seconds, measured["pruning_sweep"],
-                                       measured["window_sweep"], measured["vision_sweep"], measured["evs_overhead"])
+            phase_runs[phase] = report.run_stamp()
+        results = report.build_results(config, model_summary(hf_config), phase_seconds,
+                                       *(measured[phase] for phase in report.PHASES), phase_runs=phase_runs)
         del graphs  # close the ORT sessions before their files go
     (output / RESULTS_JSON).write_text(json.dumps(results, indent=1) + "\n")
     write_reports(results, output)
