@@ -172,6 +172,16 @@ def _family_from(model_config: Any, processor_config: Mapping[str, Any]) -> str:
     )
 
 
+# (spec field, processor-config key, type) read as they are, when the processor config sets them.
+_PROCESSOR_FIELDS = (
+    ("image_mean", "image_mean", tuple),
+    ("image_std", "image_std", tuple),
+    ("rescale_factor", "rescale_factor", float),
+    ("resample", "resample", int),
+    ("target_fps", "fps", float),
+)
+
+
 def _pixel_limits(config: Mapping[str, Any]) -> dict[str, int]:
     limits: dict[str, int] = {}
     size = config.get("size") or {}
@@ -220,16 +230,9 @@ def spec_from_pretrained_dir(path: str | Path, model_config: Any = None) -> Visi
         if chosen is not None:
             overrides[spec_key] = int(chosen)
 
-    if processor_config.get("image_mean") is not None:
-        overrides["image_mean"] = tuple(processor_config["image_mean"])
-    if processor_config.get("image_std") is not None:
-        overrides["image_std"] = tuple(processor_config["image_std"])
-    if processor_config.get("rescale_factor") is not None:
-        overrides["rescale_factor"] = float(processor_config["rescale_factor"])
-    if processor_config.get("resample") is not None:
-        overrides["resample"] = int(processor_config["resample"])
-    if processor_config.get("fps") is not None:
-        overrides["target_fps"] = float(processor_config["fps"])
+    for spec_key, processor_key, cast in _PROCESSOR_FIELDS:
+        if processor_config.get(processor_key) is not None:
+            overrides[spec_key] = cast(processor_config[processor_key])
     overrides.update(_pixel_limits(processor_config))
     # Switched-off steps become identity values, so the arithmetic stays the same code path.
     if processor_config.get("do_rescale") is False:
