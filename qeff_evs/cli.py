@@ -23,6 +23,19 @@ def _int_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected integers separated by commas, got {text!r}") from None
 
 
+def _per_graph(text: str | None, option: str):
+    """``--num-cores`` / ``--num-devices``: one value for every graph, or role=value pairs (None: not given)."""
+    from qeff_evs.specializations.placement import parse_per_graph
+
+    return None if text is None else parse_per_graph(text, option)
+
+
+def _device_ids(args: argparse.Namespace):
+    from qeff_evs.specializations.placement import parse_device_ids
+
+    return None if args.device_ids is None else parse_device_ids(args.device_ids, "--device-ids")
+
+
 def _grid(text: str) -> tuple[int, int, int]:
     values = _int_list(text)
     if len(values) != 3:
@@ -53,7 +66,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         ctx_len=args.ctx_len,
         user_vision_size=args.user_vision_size,
         kv_precision=args.kv_precision,
-        num_cores=args.num_cores,
+        num_cores=_per_graph(args.num_cores, "--num-cores"),
         mxfp6_matmul=args.mxfp6,
         full_batch_size=args.full_batch_size,
         rope_positions=args.rope_positions,
@@ -83,10 +96,14 @@ def cmd_compile(args: argparse.Namespace) -> int:
     except ValueError as error:
         raise ValueError(f"--extra-flags {args.extra_flags!r} is not a valid shell word list ({error})") from None
     hw = detect_aic_hw_version() if args.aic_hw_version == "auto" else args.aic_hw_version
-    options = CompileOptions(num_cores=args.num_cores, mxfp6_matmul=args.mxfp6, aic_hw_version=hw,
-                             num_devices=args.num_devices, extra_flags=extra,
+    options = CompileOptions(num_cores=_per_graph(args.num_cores, "--num-cores"), mxfp6_matmul=args.mxfp6,
+                             aic_hw_version=hw, num_devices=_per_graph(args.num_devices, "--num-devices"),
+                             extra_flags=extra,
                              specializations_layout=args.specializations_layout)
-    _progress(f"compiling for {hw} on {args.num_devices} device(s), {args.num_cores} cores each")
+    cores, devices = options.cores, options.devices
+    _progress(f"compiling for {hw}: " + ", ".join(
+        f"{graph} {cores[graph]} cores" + (f" on each of {devices[graph]} devices" if devices[graph] > 1 else "")
+        for graph in cores))
     return compile_export(Path(args.export_dir), options, progress=_progress)
 
 
@@ -196,7 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--user-vision-size", type=int, default=None,
                    help="vision rows per prefill chunk (default: the prefill length)")
     p.add_argument("--kv-precision", choices=(FLOAT16, MXINT8), default=FLOAT16)
-    p.add_argument("--num-cores", type=int, default=16, help="cores in the generated compile.sh")
+    p.add_argument("--num-cores", default=None, help="cores per graph in the generated compile.sh (as for compile)")
     p.add_argument("--mxfp6", action="store_true", help="-mxfp6-matmul for the language graph")
     p.add_argument("--full-batch-size", type=int, default=None,
                    help="continuous batching: KV cache rows (requests served at once) and a batch_index input")
@@ -210,12 +227,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("compile", help="run qaic-compile where the SDK is installed, else print the commands")
     p.add_argument("export_dir", type=Path)
-    p.add_argument("--num-cores", type=int, default=16)
+    p.add_argument("--num-cores", default=None,
+                   help="cores of each graph's program: N for every graph, or e.g. encoder=6,evs=1,language=9 "
+                        "(the default: the three fit one 16-core device, all active together)")
     p.add_argument("--mxfp6", action="store_true")
     p.add_argument("--aic-hw-version", choices=("auto", "ai100", "ai200"), default="auto",
                    help="-aic-hw-version (auto: what qaic-util -q reports, else ai100)")
-    p.add_argument("--num-devices", type=int, default=1,
-                   help="cards per program: > 1 writes QEfficient's MDP partition config and passes it")
+    p.add_argument("--num-devices", default="1",
+                   help="devices per program: N for every graph or e.g. language=2; > 1 writes QEfficient's MDP "
+                        "partition config and passes it")
     p.add_argument("--extra-flags", default="",
                    help='more qaic-compile flags, e.g. "-mos=1 -aic-enable-depth-first -node-precision-info=x.yaml" '
                         "(a node-precision file goes to the language graph only)")

@@ -33,6 +33,7 @@ EXPORT_FILES = dict(
     encoder_custom_io="vision/encoder_custom_io.yaml", evs_custom_io="vision/evs_custom_io.yaml",
     language_custom_io="language/custom_io.yaml",
     compile_script="compile.sh",
+    placement="placement.json",  # each graph's cores and devices, as compile.sh compiles it
     serving_config="config.json", generation_config="generation_config.json",
 )
 

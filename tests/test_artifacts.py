@@ -290,7 +290,8 @@ def test_compile_script_has_one_qaic_compile_line_per_graph(tiny_export):
         for key in ("-m", "-network-specialization-config", "-custom-IO-list-file"):
             assert (tiny_export / options[key]).is_file()
         assert options["-aic-hw-version"] == "ai100" and "-aic-hw" in options
-        assert options["-aic-num-cores"] == "16"
+        # The default split: all three programs active on one 16-core device together.
+        assert options["-aic-num-cores"] == {"encoder": "6", "evs": "1", "language": "9"}[graph]
         # The EVS graph's cosine would overflow in fp16 (DESIGN §11): it alone keeps fp32 compute.
         assert ("-convert-to-fp16" in options) == (graph != "evs")
         assert options["-aic-binary-dir"] == str(Path(onnx_file).parent / ("qpc" if graph == "language" else f"{graph}_qpc"))

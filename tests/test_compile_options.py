@@ -45,8 +45,8 @@ def test_flags_reach_compile_sh(build, capsys):
     for line in (encoder, selection, language):
         assert "-aic-hw-version=ai200" in line and "-aic-num-cores=14" in line
         assert "-mos=1" in line and "-aic-enable-depth-first" in line
-    for vision in (encoder, selection):
-        assert "-mdp-load-partition-config=vision/mdp_ts_2.json" in vision
+    for graph, vision in (("encoder", encoder), ("evs", selection)):  # each vision graph its own cores
+        assert f"-mdp-load-partition-config=vision/{graph}_mdp_ts_2.json" in vision
         assert "node-precision" not in vision
     assert "-mdp-load-partition-config=language/mdp_ts_2.json" in language
     assert "-node-precision-info=fp32_nodes.yaml" in language
@@ -110,7 +110,7 @@ def test_hw_version_detection(tmp_path):
 
 def test_bad_compile_options_exit_2(build, capsys):
     assert main(["compile", str(build), "--num-devices", "0"]) == 2
-    assert "num_devices" in capsys.readouterr().err
+    assert "--num-devices must be a positive integer, got 0" in capsys.readouterr().err
     assert main(["compile", str(build), "--extra-flags", "mos=1"]) == 2
     assert "must start with '-'" in capsys.readouterr().err
     with pytest.raises(ValueError, match="aic_hw_version"):

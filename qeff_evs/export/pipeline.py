@@ -14,6 +14,7 @@ Layout of the export folder::
     language/custom_io.yaml
     tokenizer/                    the checkpoint's tokenizer (and chat template)
     compile.sh                    the qaic-compile command lines
+    placement.json                each graph's cores and devices, as compile.sh compiles it
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ from qeff_evs.specializations import (
     write_compile_script,
     write_specializations_json,
 )
+from qeff_evs.specializations.placement import PerGraph, write_placement_record
 
 Progress = Callable[[str], None]
 PREPROCESSOR_FILES = ("preprocessor_config.json", "video_preprocessor_config.json")
@@ -108,7 +110,7 @@ class ExportOptions:
     ctx_len: int
     user_vision_size: int | None = None
     kv_precision: str = FLOAT16
-    num_cores: int = 16
+    num_cores: PerGraph | None = None  # cores per graph in compile.sh; None: the one-device split (placement.py)
     mxfp6_matmul: bool = False
     rope_positions: int | None = None  # RoPE table rows; None: positions.rope_table_length(ctx_len, q)
     full_batch_size: int | None = None  # continuous batching: KV rows + batch_index input (QEfficient CB)
@@ -142,8 +144,10 @@ def vision_grid(height: int, width: int, frames: int, patch_size: int, temporal_
 
 def compile_commands(export_dir: Path, options: CompileOptions, kv_precision: str,
                      specs: Mapping[str, Sequence[Specialization]]) -> list[CompileCommand]:
-    """Check each graph (``GRAPHS``) against its specializations, write its compile inputs, return the commands."""
+    """Check each graph (``GRAPHS``) against its specializations, write its compile inputs and
+    ``placement.json``, return the commands."""
     commands = []
+    cores, devices = options.cores, options.devices
     for graph in GRAPHS:
         onnx_path = export_dir / EXPORT_FILES[graph]
         graph_dir = onnx_path.parent
@@ -151,10 +155,11 @@ def compile_commands(export_dir: Path, options: CompileOptions, kv_precision: st
         stem = None if graph == "language" else graph
         commands.append(prepare_graph_compile(
             onnx_path, graph_dir, specs[graph], graph=graph, kv_precision=kv_precision,
-            style=options.specializations_layout, num_cores=options.num_cores,
+            style=options.specializations_layout, num_cores=cores[graph],
             mxfp6_matmul=options.mxfp6_matmul, extra_flags=options.flags_for(graph), relative_to=export_dir,
-            aic_hw_version=options.aic_hw_version, num_devices=options.num_devices, stem=stem))
+            aic_hw_version=options.aic_hw_version, num_devices=devices[graph], stem=stem))
         write_specializations_json(export_dir / EXPORT_FILES[f"{graph}_specializations_named"], specs[graph], "named")
+    write_placement_record(export_dir, cores, devices)
     return commands
 
 

@@ -15,6 +15,7 @@ from .compile_command import (
     DEFAULT_NUM_CORES,
     CompileCommand,
     GraphKind,
+    mdp_file_name,
     qaic_compile_command,
     write_mdp_partition_config,
 )
@@ -56,7 +57,8 @@ def prepare_graph_compile(
     ``graph_dir/qpc``; each name prefixed ``<stem>_`` when ``stem`` is given (the encoder and EVS
     graphs share the ``vision`` folder). With ``relative_to`` (the folder ``compile.sh`` lives in) the command's
     paths are relative to it, so the build folder can be copied to a machine with the SDK.
-    ``num_devices > 1`` also writes ``graph_dir/mdp_ts_<N>.json`` (multi-device partitioning).
+    ``num_devices > 1`` also writes ``graph_dir/[<stem>_]mdp_ts_<N>.json`` (multi-device partitioning: the
+    encoder and EVS graphs may differ in cores, so each has its own).
     """
     proto, label = load_graph(onnx_path)
     check_specializations(proto, specs, label=label)  # before writing anything
@@ -68,7 +70,8 @@ def prepare_graph_compile(
     json_path = write_specializations_json(graph_dir / compile_file_name(SPECIALIZATIONS_FILE, stem), specs, style)
     yaml_path = (write_custom_io_yaml(graph_dir / compile_file_name(CUSTOM_IO_FILE, stem), precisions)
                  if precisions else None)
-    mdp_path = write_mdp_partition_config(graph_dir, num_devices, num_cores) if num_devices > 1 else None
+    mdp_path = (write_mdp_partition_config(graph_dir / compile_file_name(mdp_file_name(num_devices), stem),
+                                           num_devices, num_cores) if num_devices > 1 else None)
 
     def shown(path: Path | str | None) -> str | None:
         if path is None or relative_to is None:

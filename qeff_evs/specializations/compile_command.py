@@ -19,9 +19,11 @@ Choices made here:
 * ``-compile-only`` is not passed: QEfficient 1.21 did, later versions dropped it as
   deprecated. ``-aic-perf-metrics`` is not passed either (QEfficient never does). Anything
   else (``-mos=1``, ``-aic-enable-depth-first``, ...) goes through ``extra_flags``.
+* Cores and devices are per graph (``placement.py``): by default the split that keeps every program
+  active on one 16-core device together.
 * ``--num-devices N > 1`` (multi-device partitioning, QEfficient's ``mdp_ts_num_devices``): a
-  ``mdp_ts_<N>.json`` next to the graph (one ``Partition0`` over devices ``0..N-1``, p2p, every device
-  with ``num_cores`` cores) passed as ``-mdp-load-partition-config``, and ``-allow-mxint8-mdp-io``
+  ``[<graph>_]mdp_ts_<N>.json`` next to the graph (one ``Partition0`` over devices ``0..N-1``, p2p, every
+  device with the graph's cores) passed as ``-mdp-load-partition-config``, and ``-allow-mxint8-mdp-io``
   for a language graph whose KV cache is mxint8 (QEfficient's compile helper does the same).
 * ``-aic-hw-version``: ``ai100`` or ``ai200``; by default what ``qaic-util -q`` reports for the first
   card (``FW IMAGE_VARIANT`` containing AIC200 means ai200, as QEfficient detects it), else ai100.
@@ -46,6 +48,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, TextIO
+
+from .placement import DEFAULT_GRAPH_CORES, DEFAULT_GRAPH_DEVICES, PerGraph, per_graph
 
 GraphKind = Literal["encoder", "evs", "language"]
 GRAPH_KINDS: tuple[str, ...] = ("encoder", "evs", "language")
@@ -79,8 +83,12 @@ def mdp_partition_config(num_devices: int, num_cores: int) -> dict:
                             "devices": [{"deviceId": d, "numCores": num_cores} for d in devices]}]}
 
 
-def write_mdp_partition_config(folder: str | Path, num_devices: int, num_cores: int) -> Path:
-    path = Path(folder) / f"mdp_ts_{num_devices}.json"
+def mdp_file_name(num_devices: int) -> str:
+    return f"mdp_ts_{num_devices}.json"
+
+
+def write_mdp_partition_config(path: str | Path, num_devices: int, num_cores: int) -> Path:
+    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(mdp_partition_config(num_devices, num_cores), indent=4) + "\n")
     return path
@@ -88,22 +96,36 @@ def write_mdp_partition_config(folder: str | Path, num_devices: int, num_cores: 
 
 @dataclass(frozen=True)
 class CompileOptions:
-    """What ``qeff-evs compile`` (and ``compile.sh``) choose for every graph of an export."""
+    """What ``qeff-evs compile`` (and ``compile.sh``) choose for every graph of an export.
 
-    num_cores: int = DEFAULT_NUM_CORES
+    ``num_cores`` / ``num_devices``: one value for every graph or values by graph role (the others keep
+    their default); ``num_cores=None`` is ``placement.DEFAULT_GRAPH_CORES``.
+    """
+
+    num_cores: PerGraph | None = None
     mxfp6_matmul: bool = False
     aic_hw_version: str = DEFAULT_HW_VERSION
-    num_devices: int = 1
+    num_devices: PerGraph = 1
     extra_flags: tuple[str, ...] = ()
     specializations_layout: str = "named"  # QEfficient >= 1.22; "flat" for older SDKs
 
     def __post_init__(self) -> None:
         if self.aic_hw_version not in HW_VERSIONS:
             raise ValueError(f"aic_hw_version must be one of {HW_VERSIONS}, got {self.aic_hw_version!r}")
-        if isinstance(self.num_devices, bool) or not isinstance(self.num_devices, int) or self.num_devices < 1:
-            raise ValueError(f"num_devices must be a positive integer, got {self.num_devices!r}")
+        per_graph(self.num_cores, DEFAULT_GRAPH_CORES, "num_cores")  # raise now, not at the first use
+        per_graph(self.num_devices, DEFAULT_GRAPH_DEVICES, "num_devices")
         if self.specializations_layout not in ("named", "flat"):
             raise ValueError(f"specializations layout must be 'named' or 'flat', got {self.specializations_layout!r}")
+
+    @property
+    def cores(self) -> dict[str, int]:
+        """Cores of each graph's program (``-aic-num-cores``), by graph role."""
+        return per_graph(self.num_cores, DEFAULT_GRAPH_CORES, "num_cores")
+
+    @property
+    def devices(self) -> dict[str, int]:
+        """Devices of each graph's program (> 1: multi-device partitioning), by graph role."""
+        return per_graph(self.num_devices, DEFAULT_GRAPH_DEVICES, "num_devices")
 
     def flags_for(self, graph: str) -> tuple[str, ...]:
         """``extra_flags`` for one graph: a node-precision file names language-graph nodes only."""
