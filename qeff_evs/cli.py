@@ -127,8 +127,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     video = _video(args, bundle)
     if args.prompt is None:
         raise ValueError("--prompt is required with --video / --pixel-values-videos")
-    engine = build_engine(bundle, args.backend, args.max_new_tokens, progress=_progress)
-    result = answer(bundle, engine, video, args.prompt)
+    engine = build_engine(bundle, args.backend, args.max_new_tokens, progress=_progress, device_ids=_device_ids(args))
+    try:
+        result = answer(bundle, engine, video, args.prompt)
+    finally:
+        engine.close()
     if args.json:
         print(json.dumps(result.to_json()))
     else:
@@ -142,7 +145,7 @@ def cmd_encode(args: argparse.Namespace) -> int:
     from qeff_evs.runtime.runner import encode_video, open_export
 
     bundle = open_export(args.export_dir)
-    report = encode_video(bundle, _video(args, bundle), args.backend, progress=_progress)
+    report = encode_video(bundle, _video(args, bundle), args.backend, progress=_progress, device_ids=_device_ids(args))
     if args.json:
         print(json.dumps(report.to_json()))
         return 0
@@ -162,16 +165,19 @@ def _serve_requests(args: argparse.Namespace, bundle) -> int:
 
     requests = requests_from_jsonl(args.requests, bundle)
     engine = build_serving_engine(bundle, args.backend, args.max_num_seqs, args.max_num_batched_tokens,
-                                  args.encoder_cache_rows, progress=_progress)
-    for request in requests:
-        engine.add_request(request)
-    tokens: dict[str, list[int]] = {}
-    while engine.has_unfinished():
-        for event in engine.step():
-            tokens.setdefault(event.request_id, []).append(event.token_id)
-            if event.finish_reason is not None:
-                print(json.dumps({"id": event.request_id, "generated_token_ids": tokens[event.request_id],
-                                  "finish_reason": event.finish_reason.value}), flush=True)
+                                  args.encoder_cache_rows, progress=_progress, device_ids=_device_ids(args))
+    try:
+        for request in requests:
+            engine.add_request(request)
+        tokens: dict[str, list[int]] = {}
+        while engine.has_unfinished():
+            for event in engine.step():
+                tokens.setdefault(event.request_id, []).append(event.token_id)
+                if event.finish_reason is not None:
+                    print(json.dumps({"id": event.request_id, "generated_token_ids": tokens[event.request_id],
+                                      "finish_reason": event.finish_reason.value}), flush=True)
+    finally:
+        engine.close()
     return 0
 
 
@@ -193,6 +199,13 @@ def _add_video_arguments(p: argparse.ArgumentParser, source) -> None:
     source.add_argument("--pixel-values-videos", help=".npy of patchified pixels (rows, C*tp*p*p)")
     p.add_argument("--video-grid-thw", type=_grid, default=None, help="T,H,W patch grid for --pixel-values-videos")
     p.add_argument("--fps", type=float, default=None, help="sampling rate (default: the checkpoint's, 2)")
+
+
+def _add_device_ids_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device-ids", default=None,
+                   help="--backend qaic: the devices each graph's program opens on: 0 (every graph), or e.g. "
+                        "encoder=1,evs=1,language=0 (a multi-device program: language=0+1); default 0 "
+                        "(0..N-1 for a program compiled for N devices)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -262,6 +275,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--encoder-cache-rows", type=int, default=None, help="--requests: encoder cache size in rows")
     p.add_argument("--max-new-tokens", type=int, default=16)
     p.add_argument("--backend", choices=("ort", "torch", "qaic"), default="ort")
+    _add_device_ids_argument(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_run)
 
@@ -269,6 +283,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("export_dir", type=Path)
     _add_video_arguments(p, p.add_mutually_exclusive_group(required=True))
     p.add_argument("--backend", choices=("ort", "torch", "qaic"), default="ort")
+    _add_device_ids_argument(p)
     p.add_argument("--json", action="store_true",
                    help="print one JSON object (adds retained_indices, frame count, resolution, timings)")
     p.set_defaults(func=cmd_encode)

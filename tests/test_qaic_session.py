@@ -1,24 +1,29 @@
 """The QAIC backend (``qeff_evs.runtime.backends.qaic``) against a fake Apps SDK that runs the real graphs.
 
 No card and no SDK here, so ``qaicrt`` and ``QAicApi_pb2`` are replaced (through ``sys.modules``) by a
-fake that behaves like a device: a "compile" step records the graph, its specializations and its
-custom IO next to the QPC folder; loading it yields an IoDesc whose bindings carry the device dtypes
-(fp16 where custom_io.yaml says so) and one allowed shape set per specialization; a run checks the
-buffer shapes against those sets, keeps ``*_RetainedState`` outputs as device state (in the device
-dtype), serves a skipped (empty) input from that state and fails if the host skips one it never
-uploaded, and computes the outputs with ONNX Runtime. Every ``setData`` is recorded.
+fake that behaves like a card: a "compile" step records the graph, its specializations, its custom IO
+and the cores and devices ``compile.sh`` compiles it for next to the QPC folder; loading it yields an
+IoDesc whose bindings carry the device dtypes (fp16 where custom_io.yaml says so) and one allowed shape
+set per specialization; a run checks the buffer shapes against those sets, keeps ``*_RetainedState``
+outputs as device state (in the device dtype), serves a skipped (empty) input from that state and fails
+if the host skips one it never uploaded, and computes the outputs with ONNX Runtime. Devices have cores
+and memory: a program's load takes its size on each of its devices (its QPC's declared size, else its
+weights and retained state), its activation its compiled cores, and either fails when a device runs out;
+a program compiled for N devices opens only on N device ids. Every ``setData`` is recorded with the
+bytes each binding moves host->device and device->host, every load/activate/deactivate/unload as an event.
 
 Checks: the missing-SDK and missing-QPC errors; greedy tokens equal the ONNX Runtime backend's, for a
-single request (plain and continuous-batching exports) and for the serving engine; KV buffers are
-uploaded once per reset, ``*_RetainedState`` outputs are skipped on every call, a prefill chunk
-uploads its own fp16 vision window and a decode call none; a shape no specialization serves raises
-before anything reaches the device.
+single request (plain and continuous-batching exports) and for the serving engine; KV buffers go up once
+per program load (never per request), ``*_RetainedState`` outputs are skipped on every call, and each
+prefill chunk and decode call moves exactly its inputs, its window of vision rows and its logits; a shape
+no specialization serves raises before anything reaches the device. Placement: ``test_qaic_placement.py``.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import shlex
 import sys
 import types
 import warnings
@@ -60,36 +65,76 @@ ONNX_DTYPE = {onnx.TensorProto.FLOAT: np.float32, onnx.TensorProto.INT64: np.int
 RETAINED = "_RetainedState"
 
 
-def fake_compile(export: Path, graph: str) -> Path:
+DEVICE_MEMORY = 32 << 30  # bytes of DDR per fake device (an AI 100 Pro card's)
+
+
+def compiled_for(export: Path, onnx_file: str) -> tuple[int, int]:
+    """``(-aic-num-cores, devices)`` of the graph's line in ``compile.sh`` (what a real QPC would carry)."""
+    for line in (export / "compile.sh").read_text().splitlines():
+        argv = shlex.split(line)
+        if f"-m={onnx_file}" in argv:
+            options = dict(a.split("=", 1) for a in argv if a.startswith("-") and "=" in a)
+            mdp = options.get("-mdp-load-partition-config")
+            devices = len(json.loads((export / mdp).read_text())["connections"][0]["devices"]) if mdp else 1
+            return int(options["-aic-num-cores"]), devices
+    raise AssertionError(f"compile.sh has no line for {onnx_file}")
+
+
+def fake_compile(export: Path, graph: str, size_bytes: int | None = None) -> Path:
     """What qaic-compile would consume, written as the QPC folder's program file (the fake loads it).
 
     The encoder and EVS graphs share ``vision/``: their files (and QPC folders) carry the graph's name.
+    Cores and devices come from the graph's ``compile.sh`` line; ``size_bytes`` declares the program's
+    device memory (default: its weights and retained state).
     """
     folder, prefix = (export / "language", "") if graph == "language" else (export / "vision", f"{graph}_")
     qpc = folder / f"{prefix}qpc"
     qpc.mkdir(exist_ok=True)
     specs = [spec.symbols for spec in read_specializations_json(folder / f"{prefix}specializations.json")]
+    cores, devices = compiled_for(export, str((folder / f"{graph}.onnx").relative_to(export)))
     program = {"onnx": str(folder / f"{graph}.onnx"), "specializations": specs,
-               "custom_io": read_custom_io_yaml(folder / f"{prefix}custom_io.yaml")}
+               "custom_io": read_custom_io_yaml(folder / f"{prefix}custom_io.yaml"),
+               "num_cores": cores, "num_devices": devices, "size_bytes": size_bytes}
     (qpc / QPC_FILE).write_text(json.dumps(program))
     return qpc
 
 
 @dataclass
 class Call:
-    """One ``setData``: per binding the bytes sent (0 = skipped) and the dims passed."""
+    """One ``setData``: per binding the bytes it moves (0 = skipped) each way, and the dims passed."""
 
     qpc: str
-    sent: dict[str, int]
+    to_device: dict[str, int]  # inputs uploaded, host -> device
+    to_host: dict[str, int]  # outputs copied back, device -> host
     dims: dict[str, list[int]]
 
 
 @dataclass
 class FakeDevice:
+    """The fake card: its devices' cores and memory, every call and every program event."""
+
+    num_devices: int = 2
+    cores: int = 16
+    memory: int = DEVICE_MEMORY
     calls: list[Call] = field(default_factory=list)
+    events: list[tuple[str, str, tuple[int, ...]]] = field(default_factory=list)  # (what, qpc, devices)
+    cores_used: dict[int, int] = field(default_factory=dict)
+    memory_used: dict[int, int] = field(default_factory=dict)
+    timeouts: list[int] = field(default_factory=list)  # dataPathTimeoutMs of each program made
 
     def language_calls(self) -> list[Call]:
         return [c for c in self.calls if c.qpc.endswith("language/qpc")]
+
+    def take(self, table: dict[int, int], devices: tuple[int, ...], amount: int, limit: int) -> bool:
+        if any(d not in range(self.num_devices) or table.get(d, 0) + amount > limit for d in devices):
+            return False
+        for d in devices:
+            table[d] = table.get(d, 0) + amount
+        return True
+
+    def give(self, table: dict[int, int], devices: tuple[int, ...], amount: int) -> None:
+        for d in devices:
+            table[d] -= amount
 
 
 def build_fake_sdk(device: FakeDevice) -> tuple[types.ModuleType, types.ModuleType]:
@@ -124,6 +169,7 @@ def build_fake_sdk(device: FakeDevice) -> tuple[types.ModuleType, types.ModuleTy
             program = json.loads((Path(path) / QPC_FILE).read_text())
             self.model = onnx.load(program["onnx"], load_external_data=False)
             self.onnx_path = program["onnx"]
+            self.num_cores, self.num_devices = program["num_cores"], program["num_devices"]
             custom = program["custom_io"]
             values = [(v, INPUT) for v in self.model.graph.input] + [(v, OUTPUT) for v in self.model.graph.output]
             self.bindings = []
@@ -139,6 +185,15 @@ def build_fake_sdk(device: FakeDevice) -> tuple[types.ModuleType, types.ModuleTy
                 self.allowed.append([(b["type"], [symbols[d] if isinstance(d, str) else d for d in b["symbolic"]])
                                      for b in self.bindings])
             self.output_names = {b["name"] for b in self.bindings if b["dir"] == OUTPUT}
+            # Device memory: declared, else the weights (ONNX file and external data) and the retained state.
+            onnx_file = Path(self.onnx_path)
+            external = {entry.value for t in self.model.graph.initializer for entry in t.external_data
+                        if entry.key == "location"}
+            weights = onnx_file.stat().st_size + sum((onnx_file.parent / name).stat().st_size for name in external)
+            retained = sum(math.prod(dims) * np.dtype(DEVICE_DTYPE[t]).itemsize
+                           for b, (t, dims) in zip(self.bindings, self.allowed[0])
+                           if b["dir"] == INPUT and b["name"] + RETAINED in self.output_names)
+            self.size = program["size_bytes"] or weights + retained
 
         def getIoDescriptor(self):  # noqa: N802
             first = self.allowed[0]
@@ -147,24 +202,65 @@ def build_fake_sdk(device: FakeDevice) -> tuple[types.ModuleType, types.ModuleTy
                         for b, (_, dims) in zip(self.bindings, first)]
             return SUCCESS, json.dumps({"bindings": bindings, "allowed": self.allowed}).encode()
 
+    class QAicProgramProperties:
+        __slots__ = ("dataPathTimeoutMs", "devMapping")  # a fixed set of fields, as in the SDK's binding
+
+        def __init__(self):
+            self.dataPathTimeoutMs, self.devMapping = 0, ""
+
+    class Context:
+        def __init__(self, devices=None):
+            self.devices = tuple(devices or ())
+
     class Program:
         def __init__(self, context, device_id, qpc: Qpc, properties):
             self.qpc = qpc
+            mapped = tuple(int(d) for d in properties.devMapping.split(":")) if properties.devMapping else ()
+            self.devices = mapped if device_id is None else (device_id,)
+            assert (device_id is None) == bool(mapped), "one device id, or a devMapping of several (QEfficient)"
+            assert set(self.devices) <= set(context.devices), "the context spans the program's devices"
+            device.timeouts.append(properties.dataPathTimeoutMs)
             options = ort.SessionOptions()
             options.log_severity_level = 3
             self.session = ort.InferenceSession(qpc.onnx_path, options, providers=["CPUExecutionProvider"])
             self.state: dict[str, np.ndarray] = {}  # retained inputs, in device dtype
-            self.active = False
+            self.loaded = self.active = False
+
+        def _event(self, what: str) -> None:
+            device.events.append((what, self.qpc.path, self.devices))
 
         def load(self):
+            share = -(-self.qpc.size // self.qpc.num_devices)  # a multi-device program splits over its devices
+            if self.loaded or len(self.devices) != self.qpc.num_devices or \
+                    not device.take(device.memory_used, self.devices, share, device.memory):
+                return FAILURE
+            self.loaded = True
+            self._event("load")
+            return SUCCESS
+
+        def unload(self):
+            if self.active or not self.loaded:
+                return FAILURE
+            device.give(device.memory_used, self.devices, -(-self.qpc.size // self.qpc.num_devices))
+            self.loaded = False
+            self._event("unload")
             return SUCCESS
 
         def activate(self):
+            if not self.loaded or self.active or \
+                    not device.take(device.cores_used, self.devices, self.qpc.num_cores, device.cores):
+                return FAILURE
             self.active = True
+            self._event("activate")
             return SUCCESS
 
         def deactivate(self):
+            if not self.active:
+                return FAILURE
+            device.give(device.cores_used, self.devices, self.qpc.num_cores)
             self.active = False
+            self._event("deactivate")
+            return SUCCESS
 
     class ExecObj:
         def __init__(self, context, program: Program):
@@ -174,8 +270,9 @@ def build_fake_sdk(device: FakeDevice) -> tuple[types.ModuleType, types.ModuleTy
         def setData(self, buffers, dims):  # noqa: N802
             self.buffers, self.dims = list(buffers), list(dims.items)
             qpc = self.program.qpc
-            device.calls.append(Call(qpc.path, {b["name"]: buffers[b["index"]].size for b in qpc.bindings},
-                                     {b["name"]: list(dims.items[b["index"]][1]) for b in qpc.bindings}))
+            device.calls.append(Call(qpc.path,
+                                     {b["name"]: buffers[b["index"]].size for b in qpc.bindings if b["dir"] == INPUT},
+                                     {}, {b["name"]: list(dims.items[b["index"]][1]) for b in qpc.bindings}))
             return SUCCESS
 
         def waitForCompletion(self):  # noqa: N802
@@ -213,6 +310,7 @@ def build_fake_sdk(device: FakeDevice) -> tuple[types.ModuleType, types.ModuleTy
                     if dims != list(value.shape) or buffer.size != value.nbytes:
                         return FAILURE  # output buffer of the wrong size
                     self.results[b["index"]] = value.tobytes()
+                device.calls[-1].to_host[b["name"]] = len(self.results[b["index"]])
             return SUCCESS
 
         def getData(self):  # noqa: N802
@@ -224,16 +322,14 @@ def build_fake_sdk(device: FakeDevice) -> tuple[types.ModuleType, types.ModuleTy
 
     class Queue:
         def __init__(self, context, device_id):
-            pass
+            assert device_id in context.devices, "the queue sits on one of the context's devices"
 
         def enqueue(self, exec_obj):
             return SUCCESS
 
     rt.QBuffer, rt.Qpc, rt.Program, rt.ExecObj, rt.Queue = QBuffer, Qpc, Program, ExecObj, Queue
-    rt.BufferDimensionsVecRef = BufferDimensionsVecRef
-    rt.Context = lambda *devices: object()
+    rt.BufferDimensionsVecRef, rt.Context, rt.QAicProgramProperties = BufferDimensionsVecRef, Context, QAicProgramProperties
     rt.QIDList = list
-    rt.QAicProgramProperties = types.SimpleNamespace
     return rt, api
 
 
@@ -343,38 +439,55 @@ def test_tokens_equal_onnx_runtime_backend(compiled, device, video_npy, kind):
     assert len(got.generated_token_ids) > 1  # decode calls ran, not only the prefill
 
 
+def language_call_bytes(shape, seq_len: int, rows: int, continuous_batching: bool) -> tuple[dict, dict]:
+    """``(host->device, device->host)`` bytes per binding of one language call of ``rows`` x ``seq_len`` tokens:
+    the per-call inputs (int64), a prefill's window of vision rows (fp16), the logits (fp32) and image_idx_output.
+    No term depends on ``ctx_len``: a KV buffer crossing the link would break the equality."""
+    up = {"input_ids": 8 * rows * seq_len, "position_ids": 8 * 4 * rows * seq_len, "image_idx": 8}
+    if continuous_batching:
+        up["batch_index"] = 8 * rows
+    if seq_len > 1:  # prefill: its own window of U rows (decode keeps the device's copy)
+        up["vision_embeds"] = 2 * shape.vision_size * shape.hidden
+        if shape.deepstack_levels:
+            up["deepstack_features"] = 2 * shape.deepstack_levels * shape.vision_size * shape.hidden
+    return up, {"logits": 4 * rows * shape.vocab, "image_idx_output": 8}
+
+
+def moved(table: dict[str, int]) -> dict[str, int]:
+    return {name: size for name, size in table.items() if size}
+
+
 @pytest.mark.parametrize("kind", ["plain", "cb"])
-def test_retained_state_crosses_the_bus_once(compiled, device, video_npy, kind):
+def test_kv_goes_up_once_per_load_and_each_call_moves_only_its_inputs(compiled, device, video_npy, kind):
     bundle = open_export(compiled[kind])
     engine = engine_for(bundle, "qaic")
-    shape = bundle.language_shape
+    shape, prefill_len = bundle.language_shape, bundle.manifest.prefill_seq_len
     kv_names = [f"past_{kv}.{i}" for i in range(shape.num_layers) for kv in ("key", "value")]
-    for request in range(2):  # a second request resets: zeros go up once more
+    fp16_kv = 2 * shape.full_batch_size * shape.kv_heads * shape.ctx_len * shape.head_dim
+    prefill_bytes = language_call_bytes(shape, prefill_len, 1, shape.continuous_batching)
+    decode_bytes = language_call_bytes(shape, 1, shape.decode_rows, shape.continuous_batching)
+    for request in range(2):  # the second request finds the first one's KV on the device: nothing re-zeroed
         start = len(device.language_calls())
         result = generate(bundle, engine, video_npy)
         calls = device.language_calls()[start:]
         prefill, decode = calls[: result.num_prefill_chunks], calls[result.num_prefill_chunks:]
         assert len(decode) == len(result.generated_token_ids) - 1 > 0
-        fp16_kv = 2 * shape.full_batch_size * shape.kv_heads * shape.ctx_len * shape.head_dim
         for number, call in enumerate(calls):
-            for name in kv_names:
-                assert call.sent[name] == (fp16_kv if number == 0 else 0), (request, number, name)
-            retained_outputs = [n for n in call.sent if n.endswith("_RetainedState")]
-            assert sorted(retained_outputs) == sorted([n + "_RetainedState" for n in kv_names + ["vision_embeds"]])
-            assert all(call.sent[n] == 0 for n in retained_outputs), (request, number)
-            assert call.sent["logits"] > 0
-        window_fp16 = 2 * shape.vision_size * shape.hidden
-        assert [c.sent["vision_embeds"] for c in prefill] == [window_fp16] * len(prefill)
-        assert [c.sent["vision_embeds"] for c in decode] == [0] * len(decode)
-        assert [c.dims["input_ids"][1] for c in prefill] == [bundle.manifest.prefill_seq_len] * len(prefill)
+            up, down = prefill_bytes if call in prefill else decode_bytes
+            if request == 0 and number == 0:  # the first call after the program's load: zeros, once
+                up = {**up, **dict.fromkeys(kv_names, fp16_kv)}
+            assert moved(call.to_device) == up, (request, number)
+            assert moved(call.to_host) == down, (request, number)  # *_RetainedState never comes back
+        assert [c.dims["input_ids"][1] for c in prefill] == [prefill_len] * len(prefill)
     # Per request: the video's 4 temporal patches in encoder calls of 2, then EVS once.
     encoder_calls = [c for c in device.calls if c.qpc.endswith("vision/encoder_qpc")]
     evs_calls = [c for c in device.calls if c.qpc.endswith("vision/evs_qpc")]
     assert (len(encoder_calls), len(evs_calls)) == (2 * 2, 2)
     grid_height, grid_width = encoder_calls[0].dims["pixel_values"]
-    assert encoder_calls[0].sent["pixel_values"] == 2 * grid_height * grid_width  # fp16 per custom_io.yaml
+    assert encoder_calls[0].to_device["pixel_values"] == 2 * grid_height * grid_width  # fp16 per custom_io.yaml
+    assert moved(encoder_calls[0].to_host) == {"vision_embeds": 2 * math.prod(encoder_calls[0].dims["vision_embeds"])}
     rows, hidden = evs_calls[0].dims["merged_embeds"]
-    assert evs_calls[0].sent["merged_embeds"] == 2 * rows * hidden
+    assert evs_calls[0].to_device["merged_embeds"] == 2 * rows * hidden
 
 
 def test_unserved_shape_lists_the_compiled_ones(compiled, device, video_npy):

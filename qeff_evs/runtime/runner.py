@@ -26,6 +26,7 @@ from qeff_evs.runtime.inputs.processor import (
     sample_frame_indices,
 )
 from qeff_evs.runtime.inputs.prompt import video_question_pieces
+from qeff_evs.runtime.backends.base import close_session
 from qeff_evs.runtime.backends.ort import OrtEncoderSession, OrtEVSSession, OrtLanguageSession
 from qeff_evs.runtime.backends.torch_reference import TorchEncoderSession, TorchEVSSession, TorchLanguageSession
 from qeff_evs.runtime.backends.vision import VisionPipeline
@@ -142,10 +143,19 @@ def video_from_patches(pixel_values_path: str | Path, grid_thw: tuple[int, int, 
     return MediaInput(pixels, (t, h, w), float(fps), frame_times)
 
 
+def _check_device_ids(backend: str, device_ids) -> None:
+    if device_ids is not None and backend != "qaic":
+        raise ValueError(f"device ids place the programs of the qaic backend on AI 100 devices; the {backend} "
+                         "backend does not use them: drop --device-ids (or QEFF_EVS_DEVICE_IDS)")
+
+
 def vision_pipeline(bundle: ExportBundle, backend: str, device: str | None = None,
-                    checkpoint=None) -> VisionPipeline:
-    """The encoder and EVS sessions of ``backend`` (ort or torch) over the export, at its frames per call."""
+                    checkpoint=None, device_ids=None) -> VisionPipeline:
+    """The encoder and EVS sessions of ``backend`` over the export, at its frames per call.
+
+    ``device_ids`` (qaic only, ``placement.DeviceIdsSpec``): the devices each program opens on."""
     m, root = bundle.manifest, bundle.export_dir
+    _check_device_ids(backend, device_ids)
     if backend == "ort":
         encoder, selection = OrtEncoderSession(m.path(root, "encoder")), OrtEVSSession(m.path(root, "evs"))
     elif backend == "torch":
@@ -157,15 +167,17 @@ def vision_pipeline(bundle: ExportBundle, backend: str, device: str | None = Non
     elif backend == "qaic":
         from qeff_evs.runtime.backends.qaic import qaic_vision_pipeline
 
-        return qaic_vision_pipeline(bundle, device_id=int(device) if device else None)
+        return qaic_vision_pipeline(bundle, device_ids)
     else:
         raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     return VisionPipeline(bundle.family, encoder, selection, m.frames_per_call)
 
 
-def sessions_for(bundle: ExportBundle, backend: str, device: str | None = None):
-    """``(VisionPipeline, language session)`` of ``backend`` over the export."""
+def sessions_for(bundle: ExportBundle, backend: str, device: str | None = None, device_ids=None):
+    """``(VisionPipeline, language session)`` of ``backend`` over the export; ``device_ids`` as for
+    :func:`vision_pipeline` (every program of the export is loaded and activated once, here)."""
     m, root = bundle.manifest, bundle.export_dir
+    _check_device_ids(backend, device_ids)
     if backend == "ort":
         return vision_pipeline(bundle, backend), OrtLanguageSession(m.path(root, "language"), bundle.language_shape)
     if backend == "torch":
@@ -182,7 +194,7 @@ def sessions_for(bundle: ExportBundle, backend: str, device: str | None = None):
     if backend == "qaic":
         from qeff_evs.runtime.backends.qaic import qaic_sessions
 
-        return qaic_sessions(bundle, device_id=int(device) if device else None)
+        return qaic_sessions(bundle, device_ids)
     raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
 
 
@@ -221,16 +233,19 @@ class EncodeReport:
 
 
 def encode_video(bundle: ExportBundle, video: MediaInput, backend: str = "ort", device: str | None = None,
-                 progress: Progress | None = None) -> EncodeReport:
+                 progress: Progress | None = None, device_ids=None) -> EncodeReport:
     """Only the vision side of one video: encoder calls of F temporal patches, then the EVS graph."""
     bundle.manifest.evs_entry(video.grid_thw)  # fails clearly when no specialization serves this grid
-    vision = vision_pipeline(bundle, backend, device)
+    vision = vision_pipeline(bundle, backend, device, device_ids=device_ids)
     retained = retained_count(bundle.family, video, bundle.manifest.video_pruning_rate)
-    started = time.perf_counter()
-    merged = vision.merged_rows(video, progress)
-    encoded = time.perf_counter()
-    result = vision.prune(video, merged, retained)
-    done = time.perf_counter()
+    try:
+        started = time.perf_counter()
+        merged = vision.merged_rows(video, progress)
+        encoded = time.perf_counter()
+        result = vision.prune(video, merged, retained)
+        done = time.perf_counter()
+    finally:
+        vision.close()
     t, big_h, big_w = video.grid_thw
     patch = bundle.preprocess.patch_size
     frames = len(video.frame_times) or t * bundle.preprocess.temporal_patch_size
@@ -240,11 +255,11 @@ def encode_video(bundle: ExportBundle, video: MediaInput, backend: str = "ort", 
 
 
 def build_engine(bundle: ExportBundle, backend: str = "ort", max_new_tokens: int = 16,
-                 progress: Progress | None = None, device: str | None = None) -> Engine:
+                 progress: Progress | None = None, device: str | None = None, device_ids=None) -> Engine:
     m = bundle.manifest
     config = EngineConfig(m.prefill_seq_len, m.ctx_len, m.user_vision_size, m.video_pruning_rate,
                           max_new_tokens=max_new_tokens)
-    vision, language = sessions_for(bundle, backend, device)
+    vision, language = sessions_for(bundle, backend, device, device_ids)
     return Engine(bundle.family, vision, language, config, progress)
 
 
@@ -262,7 +277,7 @@ def answer(bundle: ExportBundle, engine: Engine, video: MediaInput, question: st
 
 def build_serving_engine(bundle: ExportBundle, backend: str = "ort", max_num_seqs: int | None = None,
                          max_num_batched_tokens: int | None = None, encoder_cache_rows: int | None = None,
-                         progress: Progress | None = None, device: str | None = None):
+                         progress: Progress | None = None, device: str | None = None, device_ids=None):
     """A continuous-batching serving engine over an export made with ``--full-batch-size``."""
     from qeff_evs.runtime.engine.scheduler import SchedulerConfig
     from qeff_evs.runtime.engine.serving import ServingEngine
@@ -281,9 +296,14 @@ def build_serving_engine(bundle: ExportBundle, backend: str = "ort", max_num_seq
     scheduler = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=seqs,
                                 prefill_seq_len=m.prefill_seq_len, ctx_len=m.ctx_len,
                                 encoder_compute_budget=rows, encoder_cache_size=rows)
-    vision, language = sessions_for(bundle, backend, device)
+    vision, language = sessions_for(bundle, backend, device, device_ids)
     config = EngineConfig(m.prefill_seq_len, m.ctx_len, m.user_vision_size, m.video_pruning_rate)
-    return ServingEngine(bundle.family, vision, language, config, scheduler, stop_ids(bundle), progress)
+    try:
+        return ServingEngine(bundle.family, vision, language, config, scheduler, stop_ids(bundle), progress)
+    except ValueError:  # e.g. max_num_seqs above the export's rows: give the devices back before failing
+        close_session(vision)
+        close_session(language)
+        raise
 
 
 def requests_from_jsonl(path: str | Path, bundle: ExportBundle):

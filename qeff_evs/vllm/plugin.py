@@ -14,6 +14,10 @@ import os
 from importlib.metadata import entry_points
 
 BACKEND_ENV = "QEFF_EVS_BACKEND"
+# The devices each graph's program opens on (qaic): "0", "encoder=1,evs=1,language=0+2" (placement.py), or
+# the same under "device_ids" in --additional-config (a string, a list of ids, or a mapping of graph to ids).
+DEVICE_IDS_ENV = "QEFF_EVS_DEVICE_IDS"
+DEVICE_IDS_KEY = "device_ids"
 BACKENDS = ("ort", "qaic", "torch")
 PLATFORM_PLUGIN_NAME = "qeff_evs"
 PLATFORM_CLASS = "qeff_evs.vllm.platform.QeffEvsPlatform"

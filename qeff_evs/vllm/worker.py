@@ -6,9 +6,15 @@ prepared), the driver runs the scheduled encoder items, prefill chunks (window r
 the request's KV row) and decodes over the backend's sessions and returns logits, and vLLM's sampler
 picks the tokens. Encoder outputs are dropped when vLLM's encoder cache frees them, KV rows when vLLM
 finishes or aborts a request.
+
+On the qaic backend every program of the export is loaded once, on the devices ``QEFF_EVS_DEVICE_IDS`` or
+``--additional-config '{"device_ids": ...}'`` name (refused before loading if they over-subscribe a device),
+stays active while the engine serves, and is released when vLLM shuts the worker down.
 """
 
 from __future__ import annotations
+
+import os
 
 import numpy as np
 import torch
@@ -21,7 +27,8 @@ from qeff_evs.runtime.engine.executor import EngineConfig
 from qeff_evs.runtime.engine.request import PromptPiece
 from qeff_evs.runtime.runner import open_export, sessions_for
 from qeff_evs.vllm.driver import VllmDriver
-from qeff_evs.vllm.plugin import active_backend
+from qeff_evs.specializations.placement import DeviceIdsSpec, parse_device_ids
+from qeff_evs.vllm.plugin import DEVICE_IDS_ENV, DEVICE_IDS_KEY, active_backend
 from qeff_evs.vllm.processing import media_from_fields
 from qeff_evs.vllm.sampling import VllmSampling
 
@@ -43,6 +50,21 @@ def prompt_pieces(prompt_ids: list[int], features) -> list[PromptPiece]:
     return pieces
 
 
+def configured_device_ids(vllm_config) -> DeviceIdsSpec | None:
+    """The device ids of ``QEFF_EVS_DEVICE_IDS`` or of ``--additional-config``'s ``device_ids`` (not both)."""
+    from_env = os.environ.get(DEVICE_IDS_ENV, "").strip()
+    additional = vllm_config.additional_config if isinstance(vllm_config.additional_config, dict) else {}
+    from_config = additional.get(DEVICE_IDS_KEY)
+    if from_env and from_config is not None:
+        raise ValueError(f"device ids are given twice, {DEVICE_IDS_ENV}={from_env!r} and --additional-config "
+                         f"{DEVICE_IDS_KEY}={from_config!r}; keep one")
+    if from_env:
+        return parse_device_ids(from_env, DEVICE_IDS_ENV)
+    if from_config is not None:
+        return parse_device_ids(from_config, f"--additional-config {DEVICE_IDS_KEY}")
+    return None
+
+
 class QeffEvsWorker(WorkerBase):
     def init_device(self) -> None:
         self.device = torch.device("cpu")
@@ -52,7 +74,8 @@ class QeffEvsWorker(WorkerBase):
         m = bundle.manifest
         config = EngineConfig(m.prefill_seq_len, m.ctx_len, m.user_vision_size, m.video_pruning_rate)
         self.bundle = bundle
-        self.driver = VllmDriver(bundle.family, *sessions_for(bundle, active_backend()), config)
+        sessions = sessions_for(bundle, active_backend(), device_ids=configured_device_ids(self.vllm_config))
+        self.driver = VllmDriver(bundle.family, *sessions, config)
         self.sampling: VllmSampling | None = None
 
     def get_model(self) -> torch.nn.Module:
@@ -114,4 +137,8 @@ class QeffEvsWorker(WorkerBase):
         return
 
     def shutdown(self) -> None:
-        return
+        """Release the export's programs (on QAIC: deactivate and unload them from their devices)."""
+        driver = getattr(self, "driver", None)  # None when the engine stopped before load_model
+        if driver is not None:
+            self.driver = None
+            driver.executor.close()

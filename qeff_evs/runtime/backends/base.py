@@ -15,6 +15,12 @@ request's chunk into its row; ``decode(rows)`` runs the next token of several re
 are all -1: the graph skips their KV writes (QEfficient's INT32_MAX index), so they change no cache
 row, whatever ``batch_index`` they carry (-1, vllm-qaic's convention, included), and their logits are
 dropped. ``run(step)`` is the single-request case (cache row 0).
+
+The KV cache is zeroed once, when a session (its program) is made, never per request: a new request in
+a used row finds the earlier requests' keys and values in its slots, finite, and never reads them (a
+step reads only the slots up to its own last position, all written by its own request, and zeroes the
+reads past it; the mask hides them too). ``reset`` stays for callers that want a clean state on purpose.
+``close`` releases what the session holds (a QAIC program on its device); the host backends hold nothing.
 """
 
 from __future__ import annotations
@@ -101,6 +107,13 @@ class BatchedLanguageSession(LanguageSession, Protocol):
         """Next-token logits ``(len(rows), vocab)`` of several running requests."""
 
 
+def close_session(session: object) -> None:
+    """``session.close()`` where the session has one (ONNX Runtime and torch sessions hold no device)."""
+    close = getattr(session, "close", None)
+    if close is not None:
+        close()
+
+
 def state_shapes(shape: LanguageShape) -> dict[str, tuple[int, ...]]:
     """Dims of every retained input of the language graph (KV cache rows = ``full_batch_size``)."""
     kv = (shape.full_batch_size, shape.kv_heads, shape.ctx_len, shape.head_dim)
@@ -142,7 +155,10 @@ class RetainedStateSession(abc.ABC):
 
     @abc.abstractmethod
     def reset(self) -> None:
-        """Forget every request: zero KV cache and vision window."""
+        """Zero the KV cache and vision window (done once, at construction; never needed per request)."""
+
+    def close(self) -> None:
+        """Release the session's device resources (nothing on the host backends)."""
 
     @abc.abstractmethod
     def _call(self, inputs: dict[str, np.ndarray]) -> np.ndarray:

@@ -15,6 +15,11 @@ is not copied back. That is how retained state works with ``-retained-state``: t
 Device dtypes follow ``custom_io.yaml`` (fp16 vision embeddings and pixels, fp16 KV): the host
 converts inputs to the binding's dtype and outputs back to float32, so the engine sees the same
 types as with ONNX Runtime. The SDK is imported only when a session is built.
+
+Placement: every program of the export is loaded and activated once, on the device ids it is given
+(``specializations.placement``: checked against each device's cores before anything is loaded), and stays
+active until ``close``; the SDK calls that open and release it live in ``qaic_device``. The KV cache goes
+up as zeros once, with the first call after the language program is loaded, never per request.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import importlib
 import math
 import platform
 import sys
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -32,10 +37,17 @@ from types import ModuleType
 import numpy as np
 
 from qeff_evs.models.graph_io import BATCH_INDEX, RETAINED_SUFFIX
-from qeff_evs.manifest import LanguageShape
+from qeff_evs.manifest import GRAPHS, LanguageShape
 from qeff_evs.runtime.backends.base import MergedRows, RetainedStateSession, VisionResult, state_shapes
+from qeff_evs.runtime.backends.qaic_device import DATA_PATH_TIMEOUT_MS, open_program
 from qeff_evs.runtime.backends.vision import VisionPipeline
 from qeff_evs.specializations import QPC_DIR, compile_file_name
+from qeff_evs.specializations.placement import (
+    DeviceIdsSpec,
+    check_device_cores,
+    place_programs,
+    read_placement_record,
+)
 
 DEFAULT_SDK_ROOT = Path("/opt/qti-aic")
 QPC_FILE = "programqpc.bin"  # what qaic-compile writes into -aic-binary-dir
@@ -134,31 +146,20 @@ def _fmt_shapes(shapes: Mapping[str, tuple[int, ...]]) -> str:
 
 
 class QaicProgram:
-    """One QPC loaded and activated on a device; ``run`` executes it once."""
+    """One QPC loaded and activated on its device(s); ``run`` executes it once, ``close`` releases it."""
 
-    def __init__(self, qpc_dir: str | Path, sdk: QaicSdk, device_id: int | None = None):
+    def __init__(self, qpc_dir: str | Path, sdk: QaicSdk, device_ids: Sequence[int] = (0,),
+                 timeout_ms: int = DATA_PATH_TIMEOUT_MS):
         self.qpc_dir = Path(qpc_dir)
         self.sdk = sdk
         rt = sdk.qaicrt
-        if device_id is None:
-            self.context = rt.Context()
-            queue_device = 0
-        else:
-            self.context = rt.Context(rt.QIDList([device_id]))
-            queue_device = device_id
-        self.queue = rt.Queue(self.context, queue_device)
         qpc = rt.Qpc(str(self.qpc_dir))
         status, raw = qpc.getIoDescriptor()
         sdk.check(status, f"reading the IO descriptor of {self.qpc_dir}")
         iodesc = sdk.aicapi.IoDesc()
         iodesc.ParseFromString(bytes(raw))
         self._read_iodesc(iodesc)
-        self.program = rt.Program(self.context, device_id, qpc, rt.QAicProgramProperties())
-        sdk.check(self.program.load(), f"loading {self.qpc_dir}")
-        activated = self.program.activate()
-        if activated is not None:
-            sdk.check(activated, f"activating {self.qpc_dir}")
-        self.exec_obj = rt.ExecObj(self.context, self.program)
+        self.device_program = open_program(sdk, qpc, device_ids, str(self.qpc_dir), timeout_ms)
 
     def _read_iodesc(self, iodesc) -> None:
         dtypes = self.sdk.dtypes()
@@ -243,10 +244,13 @@ class QaicProgram:
             else:  # an output to copy back, sized by the chosen specialization
                 size = b.itemsize * math.prod(shapes[b.name])
                 buffers[b.index], dims[b.index] = rt.QBuffer(bytes(size)), (b.itemsize, list(shapes[b.name]))
-        self.sdk.check(self.exec_obj.setData(buffers, rt.BufferDimensionsVecRef(dims)), "setData")
-        self.sdk.check(self.queue.enqueue(self.exec_obj), "enqueue")
-        self.sdk.check(self.exec_obj.waitForCompletion(), f"running {self.qpc_dir}")
-        status, results = self.exec_obj.getData()
+        exec_obj = self.device_program.exec_obj
+        if exec_obj is None:
+            raise ValueError(f"{self.qpc_dir} was released (close); open the sessions again to run it")
+        self.sdk.check(exec_obj.setData(buffers, rt.BufferDimensionsVecRef(dims)), "setData")
+        self.sdk.check(self.device_program.queue.enqueue(exec_obj), "enqueue")
+        self.sdk.check(exec_obj.waitForCompletion(), f"running {self.qpc_dir}")
+        status, results = exec_obj.getData()
         self.sdk.check(status, "getData")
         outputs = {}
         for b in self.bindings:
@@ -256,9 +260,8 @@ class QaicProgram:
         return outputs
 
     def close(self) -> None:
-        """Release the device (deactivate the program)."""
-        self.exec_obj = None
-        self.program.deactivate()
+        """Release the program: deactivate and unload it (its cores and memory go back to the devices)."""
+        self.device_program.release()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -271,6 +274,9 @@ class QaicGraph:
     def __init__(self, program: QaicProgram, label: str):
         self.program = program
         self.label = label
+
+    def close(self) -> None:
+        self.program.close()
 
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         missing = [name for name in self.program.input_names if name not in feeds]
@@ -348,8 +354,11 @@ class QaicLanguageSession(RetainedStateSession):
                         f"manifest says {expected[name]}; compile this export again (qeff-evs compile)")
 
     def reset(self) -> None:
-        """Forget the device state: the next call uploads zeros for every retained input."""
+        """The next call uploads zeros for every retained input (at construction: once per program load)."""
         self._stale = set(self.retained)
+
+    def close(self) -> None:
+        self.program.close()
 
     def _call(self, inputs: dict[str, np.ndarray]) -> np.ndarray:
         inputs = dict(inputs)
@@ -381,22 +390,49 @@ def qpc_dir(bundle, graph: str) -> Path:
     return folder
 
 
-def qaic_vision_pipeline(bundle, device_id: int | None = None,
+def load_programs(bundle, graphs: Sequence[str], device_ids: DeviceIdsSpec | None = None,
+                  sdk_root: str | Path = DEFAULT_SDK_ROOT) -> dict[str, QaicProgram]:
+    """The programs of ``graphs``, loaded and activated on their devices, by graph role.
+
+    Checked before anything is loaded: the SDK, every QPC folder, and the placement (each program on as many
+    ids as it was compiled for, each device's cores enough for all its programs at once). A load that fails
+    releases the programs loaded before it.
+    """
+    sdk = load_sdk(sdk_root)
+    folders = {graph: qpc_dir(bundle, graph) for graph in graphs}
+    placements = place_programs(read_placement_record(bundle.export_dir), device_ids, graphs)
+    check_device_cores(placements)
+    programs: dict[str, QaicProgram] = {}
+    try:
+        for placement in placements:
+            programs[placement.graph] = QaicProgram(folders[placement.graph], sdk, placement.device_ids)
+    except BaseException:
+        for program in programs.values():
+            program.close()
+        raise
+    return programs
+
+
+def _vision_pipeline(bundle, programs: dict[str, QaicProgram]) -> VisionPipeline:
+    return VisionPipeline(bundle.family, QaicEncoderSession(programs["encoder"]), QaicEVSSession(programs["evs"]),
+                          bundle.manifest.frames_per_call)
+
+
+def qaic_vision_pipeline(bundle, device_ids: DeviceIdsSpec | None = None,
                          sdk_root: str | Path = DEFAULT_SDK_ROOT) -> VisionPipeline:
     """The encoder and EVS QPCs of the export (``qeff-evs compile``), at its frames per call."""
-    return _vision_pipeline(bundle, load_sdk(sdk_root), device_id)
+    vision_graphs = tuple(graph for graph in GRAPHS if graph != "language")
+    return _vision_pipeline(bundle, load_programs(bundle, vision_graphs, device_ids, sdk_root))
 
 
-def _vision_pipeline(bundle, sdk: QaicSdk, device_id: int | None) -> VisionPipeline:
-    encoder = QaicEncoderSession(QaicProgram(qpc_dir(bundle, "encoder"), sdk, device_id))
-    selection = QaicEVSSession(QaicProgram(qpc_dir(bundle, "evs"), sdk, device_id))
-    return VisionPipeline(bundle.family, encoder, selection, bundle.manifest.frames_per_call)
-
-
-def qaic_sessions(bundle, device_id: int | None = None,
+def qaic_sessions(bundle, device_ids: DeviceIdsSpec | None = None,
                   sdk_root: str | Path = DEFAULT_SDK_ROOT) -> tuple[VisionPipeline, QaicLanguageSession]:
-    """The vision pipeline and language session over the export's compiled QPCs (``qeff-evs compile``)."""
-    sdk = load_sdk(sdk_root)
-    vision = _vision_pipeline(bundle, sdk, device_id)
-    language = QaicProgram(qpc_dir(bundle, "language"), sdk, device_id)
-    return vision, QaicLanguageSession(language, bundle.language_shape)
+    """The vision pipeline and language session over the export's compiled QPCs (``qeff-evs compile``), every
+    program active on its devices until the sessions are closed."""
+    programs = load_programs(bundle, GRAPHS, device_ids, sdk_root)
+    try:
+        return _vision_pipeline(bundle, programs), QaicLanguageSession(programs["language"], bundle.language_shape)
+    except BaseException:  # e.g. a QPC compiled for another ctx_len: give the devices back before failing
+        for program in programs.values():
+            program.close()
+        raise

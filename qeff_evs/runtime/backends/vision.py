@@ -14,7 +14,7 @@ import numpy as np
 
 from qeff_evs.models.protocol import MediaInput, ModelFamily
 from qeff_evs.models.vision_common import evs_host_inputs
-from qeff_evs.runtime.backends.base import EncoderSession, EVSSession, MergedRows, VisionResult
+from qeff_evs.runtime.backends.base import EncoderSession, EVSSession, MergedRows, VisionResult, close_session
 
 Progress = Callable[[str], None]
 
@@ -80,3 +80,8 @@ class VisionPipeline:
 
     def encode(self, media: MediaInput, retained: int, progress: Progress | None = None) -> VisionResult:
         return self.prune(media, self.merged_rows(media, progress), retained)
+
+    def close(self) -> None:
+        """Release both sessions' programs (QAIC); nothing to do on the host backends."""
+        close_session(self.encoder)
+        close_session(self.evs)

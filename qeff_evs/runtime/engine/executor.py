@@ -9,6 +9,8 @@ and every decode of a step in one batch (the sessions' ``decode``); frees encode
 Sampling is greedy, or the caller's (``prefill_logits``/``decode_logits``, then ``accept``: the vLLM
 plugin samples with vLLM's sampler). A language graph with one KV cache row (``full_batch_size`` 1, with or without
 ``batch_index``) is called through ``run``; more rows need a continuous-batching session.
+The executor never resets the language session: its KV cache was zeroed once, when it was made, and a
+request in a used row never reads what earlier requests left there (``backends.base``).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import numpy as np
 
 from qeff_evs import evs
 from qeff_evs.models.protocol import MediaInput, ModelFamily
-from qeff_evs.runtime.backends.base import DecodeRow, LanguageSession, VisionSession, decode_batch
+from qeff_evs.runtime.backends.base import DecodeRow, LanguageSession, VisionSession, close_session, decode_batch
 from qeff_evs.runtime.engine.request import EncodedMedia, PromptPiece, PromptPlan, plan_prompt
 from qeff_evs.runtime.engine.steps import prefill_step
 
@@ -103,7 +105,13 @@ class Executor:
         self.progress = progress or (lambda message: None)
         self.requests: dict[str, ExecutorRequest] = {}
         self.encoder_outputs: dict[str, EncodedMedia] = {}  # by content hash
-        self.language.reset()
+
+    def close(self) -> None:
+        """Release the sessions' programs (on QAIC: deactivate and unload them); the executor is done."""
+        try:
+            close_session(self.vision)
+        finally:
+            close_session(self.language)
 
     # -- requests ---------------------------------------------------------------------------------
     def retained_count(self, media: MediaInput) -> int:

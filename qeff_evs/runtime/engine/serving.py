@@ -106,6 +106,10 @@ class ServingEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    def close(self) -> None:
+        """Release the sessions' programs (QAIC); call once, when the engine stops serving."""
+        self.executor.close()
+
     # -- one step ---------------------------------------------------------------------------------
     def step(self) -> list[TokenEvent]:
         out = self.scheduler.schedule()

@@ -15,7 +15,7 @@ import numpy as np
 
 from qeff_evs.models.protocol import ModelFamily, MediaInput
 from qeff_evs.positions import check_rope_range
-from qeff_evs.runtime.backends.base import LanguageSession, VisionSession
+from qeff_evs.runtime.backends.base import LanguageSession, VisionSession, close_session
 from qeff_evs.runtime.engine.executor import EngineConfig, encode_media, retained_count
 from qeff_evs.runtime.engine.request import EncodedMedia, PreparedPrompt, PromptPiece, PromptPlan, plan_prompt
 from qeff_evs.runtime.engine.scheduler import SchedulerConfig, check_fits_context
@@ -55,6 +55,13 @@ class Engine:
 
     def __post_init__(self) -> None:
         self.progress = self.progress or (lambda message: None)
+
+    def close(self) -> None:
+        """Release the sessions' programs (QAIC); the engine serves no request after this."""
+        try:
+            close_session(self.vision)
+        finally:
+            close_session(self.language)
 
     def encode(self, video: MediaInput) -> EncodedMedia:
         return encode_media(self.family, self.vision, video, self.config.video_pruning_rate)
