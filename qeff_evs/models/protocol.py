@@ -28,6 +28,11 @@ class VideoPreprocessing:
 
     ``min_pixels``/``max_pixels`` bound the resized frame: per frame (Qwen2.5-VL), or over the whole
     clip, frames x height x width, with ``pixel_limits_per_video`` (Qwen3-VL), as HF's video processors do.
+
+    Frame sampling is HF's video processor's: ``video_processor`` names its class (vLLM picks its video
+    loader by that name and ``runtime/inputs/frame_sampling.py`` its sampling rule), and the class
+    defaults follow: ``do_sample_frames``, ``sampling_fps`` (``fps``; ``None`` where the class has none),
+    ``num_frames``, ``min_frames``, ``max_frames``.
     """
 
     patch_size: int
@@ -38,6 +43,12 @@ class VideoPreprocessing:
     min_pixels: int
     max_pixels: int
     pixel_limits_per_video: bool = False
+    video_processor: str = "Qwen2VLVideoProcessor"
+    do_sample_frames: bool = False
+    sampling_fps: float | None = None
+    num_frames: int | None = None
+    min_frames: int = 4
+    max_frames: int = 768
 
 
 @dataclass(frozen=True)

@@ -66,6 +66,7 @@ CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 PREPROCESS_DEFAULTS = VideoPreprocessing(
     patch_size=14, temporal_patch_size=2, merge_size=2, image_mean=CLIP_MEAN, image_std=CLIP_STD,
     min_pixels=128 * 28 * 28, max_pixels=768 * 28 * 28, pixel_limits_per_video=False,
+    video_processor="Qwen2VLVideoProcessor", do_sample_frames=False, sampling_fps=None,
 )
 PROCESSOR_CLASS = "Qwen2_5_VL"  # how transformers spells the family in its processor class names
 

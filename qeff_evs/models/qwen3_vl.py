@@ -44,7 +44,7 @@ from qeff_evs import evs
 from qeff_evs.models.attention import EqualSegments
 from qeff_evs.models.family import QwenVLFamily
 from qeff_evs.models.graph_io import VisionGraphSpec
-from qeff_evs.models.protocol import MediaInput, MediaLayout, VideoPreprocessing
+from qeff_evs.models.protocol import SAMPLING_FPS, MediaInput, MediaLayout, VideoPreprocessing
 from qeff_evs.models.vision_common import (
     FRAME_PATCHES,
     FRAMES_PER_CALL,
@@ -66,6 +66,7 @@ from qeff_evs.positions import MediaBlock
 PREPROCESS_DEFAULTS = VideoPreprocessing(
     patch_size=16, temporal_patch_size=2, merge_size=2, image_mean=(0.5, 0.5, 0.5), image_std=(0.5, 0.5, 0.5),
     min_pixels=128 * 32 * 32, max_pixels=768 * 32 * 32, pixel_limits_per_video=True,
+    video_processor="Qwen3VLVideoProcessor", do_sample_frames=True, sampling_fps=SAMPLING_FPS,
 )
 PROCESSOR_CLASS = "Qwen3VL"  # how transformers spells the family in its processor class names
 
