@@ -6,6 +6,10 @@ one the vision graph was exported for), pick the exported frame size closest in 
 1/255, normalise, repeat the last frame up to a multiple of ``temporal_patch_size`` and cut the clip
 into patches in HF's order.
 
+:func:`video_file_frames` / :func:`delivered_video_frames` pick the frames vLLM 0.32 would encode instead
+(any count up to the export's limit; ``frame_sampling.py``) and :func:`video_size` says how the exported
+size compares with HF's; the runtime moves to them with the frame-bucketed pruning graph.
+
 Numerics follow transformers' PIL image processor (``Qwen2VLImageProcessorPil``) exactly: PIL
 resampling on uint8, rescale in float64 then cast to float32, normalise in float32. HF's *video*
 processors resize with torchvision instead, whose bicubic differs from PIL's by a few grey levels;
@@ -33,7 +37,24 @@ from PIL import Image
 
 from qeff_evs.models.protocol import SAMPLING_FPS, VideoPreprocessing
 from qeff_evs.models.registry import FAMILIES, family_module, preprocess_defaults
-from qeff_evs.runtime.inputs.video_io import validate_frames
+from qeff_evs.runtime.inputs.frame_sampling import (
+    ClipMetadata,
+    LoaderSettings,
+    ProcessorSettings,
+    SampledClip,
+    frame_rule,
+    loader_frame_indices,
+    loader_metadata,
+    sample_clip,
+    vllm_loader_failure,
+)
+from qeff_evs.runtime.inputs.video_io import (
+    ARRAY_SUFFIX,
+    decode_video_frames,
+    load_video,
+    read_video_source,
+    validate_frames,
+)
 
 PIL_BICUBIC = int(Image.Resampling.BICUBIC)  # 3, what every Qwen-VL checkpoint asks for
 MAX_ASPECT_RATIO = 200  # HF refuses frames more elongated than this
@@ -84,6 +105,13 @@ class VisionPreprocessSpec(VideoPreprocessing):
             raise ValueError(f"rescale_factor must be > 0, got {self.rescale_factor!r}")
         if not self.target_fps > 0:
             raise ValueError(f"target_fps must be > 0, got {self.target_fps!r}")
+        frame_rule(self.video_processor)
+        for name in ("min_frames", "max_frames", "num_frames"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.sampling_fps is not None and not self.sampling_fps > 0:
+            raise ValueError(f"the processor's fps must be > 0, got {self.sampling_fps!r}")
 
     @property
     def in_channels(self) -> int:
@@ -173,12 +201,18 @@ def _family_from(model_config: Any, processor_config: Mapping[str, Any]) -> str:
 
 
 # (spec field, processor-config key, type) read as they are, when the processor config sets them.
+# ``fps`` feeds both today's sampler (target_fps) and HF's sampling rule (sampling_fps).
 _PROCESSOR_FIELDS = (
     ("image_mean", "image_mean", tuple),
     ("image_std", "image_std", tuple),
     ("rescale_factor", "rescale_factor", float),
     ("resample", "resample", int),
     ("target_fps", "fps", float),
+    ("sampling_fps", "fps", float),
+    ("do_sample_frames", "do_sample_frames", bool),
+    ("num_frames", "num_frames", int),
+    ("min_frames", "min_frames", int),
+    ("max_frames", "max_frames", int),
 )
 
 
@@ -514,3 +548,106 @@ def preprocess_image(image: np.ndarray, size: Sequence[int], spec: VisionPreproc
         raise ValueError(f"image must be a (H, W, 3) uint8 array, got shape {shape}; use preprocess_video for clips")
     # A one-frame clip is padded with copies of itself up to temporal_patch_size: exactly HF's image path.
     return preprocess_video(image[None], size, spec)
+
+
+# ---------------------------------------------------------------------------------------------
+# frames and size as vLLM 0.32 picks them (frame_sampling.py), for the runtime's frame buckets
+
+
+@dataclass(frozen=True)
+class VideoFrames:
+    """A video's frames as vLLM 0.32's processor would encode them.
+
+    ``frames``: (n, H, W, 3) uint8, in order. ``clip``: their source indices, times and sampled rate (and
+    ``vllm_fails`` for a short clip vLLM itself fails on). ``metadata``: what the processor was handed
+    (vLLM's loader's metadata for a file).
+    """
+
+    frames: np.ndarray
+    clip: SampledClip
+    metadata: ClipMetadata
+
+
+def video_file_frames(
+    path: str | Path,
+    spec: VisionPreprocessSpec,
+    *,
+    media_io_kwargs: Mapping[str, Any] | None = None,
+    mm_processor_kwargs: Mapping[str, Any] | None = None,
+    max_frames: int | None = None,
+    array_fps: float | None = None,
+    reader: str | None = None,
+) -> VideoFrames:
+    """The frames vLLM 0.32 encodes for ``video_url`` of this file with these kwargs, for ``spec``'s model.
+
+    ``media_io_kwargs``: vLLM's ``--media-io-kwargs`` video entry (loader, ``num_frames``, ``fps``,
+    ``max_frames``...; the loader defaults to the one vLLM resolves for the model). ``mm_processor_kwargs``:
+    the video processor's (``fps``, ``num_frames``, ``do_sample_frames``, ``min_frames``, ``max_frames``).
+    ``max_frames``: the export's limit (frame_sampling.py's docstring). ``reader``: ``"opencv"`` /
+    ``"pyav"`` (default: OpenCV when installed). A ``.npy`` array is every frame of a clip at
+    ``array_fps`` (default 2), as an ``LLM.generate`` caller passing all frames would describe it.
+    """
+    rule = frame_rule(spec.video_processor)
+    if Path(path).suffix.lower() == ARRAY_SUFFIX:
+        decoded = load_video(path, fps=array_fps)
+        return delivered_video_frames(
+            decoded.frames,
+            {"total_num_frames": decoded.num_frames, "fps": decoded.fps, "do_sample_frames": True},
+            spec, mm_processor_kwargs=mm_processor_kwargs, max_frames=max_frames)
+    loader = LoaderSettings.from_media_io_kwargs(media_io_kwargs, default_loader=rule.vllm_loader)
+    loader = loader.limited_to(max_frames)
+    processor = ProcessorSettings.from_kwargs(spec, mm_processor_kwargs)
+    source = read_video_source(path, reader=reader)
+    decoded = decode_video_frames(path, source, loader_frame_indices(source, loader), reader=reader)
+    metadata = loader_metadata(source, loader, decoded.source_indices.tolist())
+    clip = sample_clip(metadata, rule, processor, max_frames=max_frames,
+                       vllm_fails=vllm_loader_failure(source, loader))
+    return VideoFrames(np.ascontiguousarray(decoded.frames[list(clip.positions)]), clip, metadata)
+
+
+def delivered_video_frames(
+    frames: np.ndarray,
+    metadata: Mapping[str, Any],
+    spec: VisionPreprocessSpec,
+    *,
+    mm_processor_kwargs: Mapping[str, Any] | None = None,
+    max_frames: int | None = None,
+) -> VideoFrames:
+    """The frames vLLM 0.32's processor encodes out of delivered ``frames`` (T, H, W, 3) uint8 and their
+    vLLM ``metadata`` dict (``total_num_frames``, ``fps``, ``frames_indices``, ``do_sample_frames``): what a
+    vLLM frontend hands a model's processor after its loader ran, or an ``LLM.generate`` caller's video."""
+    frames = validate_frames(frames)
+    delivered = ClipMetadata.from_vllm(metadata, len(frames))
+    clip = sample_clip(delivered, frame_rule(spec.video_processor),
+                       ProcessorSettings.from_kwargs(spec, mm_processor_kwargs), max_frames=max_frames)
+    return VideoFrames(np.ascontiguousarray(frames[list(clip.positions)]), clip, delivered)
+
+
+@dataclass(frozen=True)
+class VideoSize:
+    """The frame size a video is resized to.
+
+    ``hf``: what HF's video processor would resize to (its ``smart_resize``: per frame for Qwen2.5-VL,
+    over frames x pixels for Qwen3-VL); ``None`` where HF refuses the clip (Qwen3-VL, under two frames).
+    ``exported``: the size we resize to: ``hf`` when the export compiled it, else the exported size
+    closest in aspect ratio (:func:`choose_resolution`), since the encoder runs only compiled sizes.
+    """
+
+    hf: tuple[int, int] | None
+    exported: tuple[int, int]
+
+    @property
+    def matches_hf(self) -> bool:
+        return self.hf == self.exported
+
+
+def video_size(video: VideoFrames, spec: VisionPreprocessSpec, exported: Sequence[Sequence[int]]) -> VideoSize:
+    """HF's size for ``video``'s frames and the exported size we use (see :class:`VideoSize`)."""
+    _, height, width, _ = video.frames.shape
+    hf: tuple[int, int] | None = None
+    if not (spec.pixel_limits_per_video and video.clip.num_frames < spec.temporal_patch_size):
+        hf = spec.natural_size(height, width, video.clip.num_frames)
+    sizes = [_check_exported_size(size, spec.factor) for size in exported]
+    if hf in sizes:
+        return VideoSize(hf, hf)
+    return VideoSize(hf, choose_resolution(height, width, sizes, spec.factor))

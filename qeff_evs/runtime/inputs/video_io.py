@@ -12,10 +12,23 @@ already sampled at 2 fps passes through the sampler unchanged. For a container `
 the rate the container reports (useful when it is missing or wrong).
 
 Rotation metadata is ignored: frames come back as stored.
+
+**As vLLM reads them.** :func:`read_video_source` and :func:`decode_video_frames` read a container the way
+vLLM 0.32's video loader does (``vllm/multimodal/video_decoders/opencv.py``), so the frame indices of
+``frame_sampling.py`` mean the same frames: with OpenCV (``opencv-python-headless``, the ``vllm`` extra)
+when it is installed, the same calls on the same bytes; without it (the base install), PyAV computing
+OpenCV's numbers: the stream's average frame rate, the header's frame count (else duration x rate,
+rounded), lowered to the demuxed frame count when that is 2+ lower (OpenCV finds it by seeking to the
+end). The PyAV numbers equal OpenCV's for files whose header counts frames (mp4, mov) and for
+constant-rate mkv/webm; a variable-rate file without a header count can differ (OpenCV numbers frames
+from timestamps when it seeks), and PyAV does not apply rotation metadata where OpenCV does.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import io
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,9 +36,11 @@ from pathlib import Path
 import numpy as np
 
 from qeff_evs.models.protocol import SAMPLING_FPS
+from qeff_evs.runtime.inputs.frame_sampling import SourceVideo
 
 DEFAULT_ARRAY_FPS = SAMPLING_FPS  # an array taken as already sampled passes the sampler unchanged
 ARRAY_SUFFIX = ".npy"
+VIDEO_READERS = ("opencv", "pyav")  # how read_video_source / decode_video_frames read a container
 
 
 @dataclass(frozen=True)
@@ -243,3 +258,154 @@ def load_video(
         # Bounds are checked against the decoded count (headers can be wrong); only the form here.
         wanted = _check_indices(frame_indices, np.iinfo(np.int64).max, path)
     return _decode_container(path, fps, wanted)
+
+
+# ---------------------------------------------------------------------------------------------
+# containers as vLLM 0.32's OpenCV loader reads them
+
+
+def video_reader(reader: str | None = None) -> str:
+    """``reader`` checked, or the default: ``"opencv"`` (vLLM's decoder) when installed, else ``"pyav"``."""
+    if reader is None:
+        return "opencv" if importlib.util.find_spec("cv2") is not None else "pyav"
+    if reader not in VIDEO_READERS:
+        raise ValueError(f"video reader must be one of {VIDEO_READERS}, got {reader!r}")
+    return reader
+
+
+def _opencv_capture(path: Path, buffer: io.BytesIO):
+    """An OpenCV capture over ``buffer`` (the file's bytes) through the stream-buffered backend vLLM 0.32
+    opens video bytes with (the first one available whose plugin API is 1.2 or newer). The caller keeps
+    ``buffer`` alive until it releases the capture: OpenCV reads it without holding a reference."""
+    import cv2
+
+    registry = cv2.videoio_registry
+    backend = None
+    for candidate in registry.getStreamBufferedBackends():
+        if not registry.hasBackend(candidate):
+            continue
+        if not registry.isBackendBuiltIn(candidate):
+            _, abi, api = registry.getStreamBufferedBackendPluginVersion(candidate)
+            if (abi, api) < (1, 2):
+                continue
+        backend = candidate
+        break
+    if backend is None:
+        raise ValueError("this OpenCV build cannot decode video from memory; install opencv-python-headless "
+                         "or read with reader='pyav'")
+    capture = cv2.VideoCapture(buffer, backend, [])
+    if not capture.isOpened():
+        raise ValueError(f"cannot decode {path} as a video (OpenCV could not open it)")
+    return capture
+
+
+def _opencv_source(path: Path) -> SourceVideo:
+    import cv2
+
+    buffer = io.BytesIO(path.read_bytes())
+    capture = _opencv_capture(path, buffer)
+    try:
+        total = int(capture.get(cv2.CAP_PROP_FRAME_COUNT))
+        fps = float(capture.get(cv2.CAP_PROP_FPS))
+        # An edit list can hide decoded frames the header counts; the position after seeking to the end is
+        # the presentable count, trusted when the stream really ends there and it is 2+ lower.
+        if total > 0 and capture.set(cv2.CAP_PROP_POS_AVI_RATIO, 1.0):
+            visible = int(capture.get(cv2.CAP_PROP_POS_FRAMES))
+            if not capture.grab() and 0 < visible < total - 1:
+                total = visible
+    finally:
+        capture.release()
+    return SourceVideo.of(total, fps)
+
+
+def _opencv_frames(path: Path, wanted: set[int]) -> tuple[list[np.ndarray], list[int]]:
+    import cv2
+
+    # A fresh capture: vLLM reads through the one it probed, which a one-frame file leaves at its end.
+    buffer = io.BytesIO(path.read_bytes())
+    capture = _opencv_capture(path, buffer)
+    frames, decoded = [], []
+    try:
+        for index in range(max(wanted) + 1):
+            if not capture.grab():
+                continue  # an unreadable frame is skipped, as vLLM does
+            if index in wanted:
+                ok, frame = capture.retrieve()
+                if ok:
+                    frames.append(cv2.cvtColor(frame, cv2.COLOR_BGR2RGB))
+                    decoded.append(index)
+    finally:
+        capture.release()
+    return frames, decoded
+
+
+def _pyav_source(path: Path) -> SourceVideo:
+    container = _open_container(path)
+    try:
+        stream = container.streams.video[0]
+        fps = float(stream.average_rate) if stream.average_rate else 0.0  # OpenCV's CAP_PROP_FPS
+        total = int(stream.frames)
+        if total == 0:  # no count in the header: OpenCV rounds duration x rate
+            if container.duration:
+                seconds = container.duration / 1_000_000  # AV_TIME_BASE
+            else:
+                seconds = float(stream.duration * stream.time_base) if stream.duration else 0.0
+            total = math.floor(seconds * fps + 0.5)
+        visible = sum(1 for packet in container.demux(stream) if packet.size and not packet.is_discard)
+    finally:
+        container.close()
+    if total > 0 and 0 < visible < total - 1:
+        total = visible
+    return SourceVideo.of(total, fps)
+
+
+def _pyav_frames(path: Path, wanted: set[int]) -> tuple[list[np.ndarray], list[int]]:
+    import av
+
+    container = _open_container(path)
+    frames, decoded, last = [], [], max(wanted)
+    try:
+        for index, frame in enumerate(container.decode(container.streams.video[0])):
+            if index in wanted:
+                frames.append(frame.to_ndarray(format="rgb24"))
+                decoded.append(index)
+            if index >= last:
+                break
+    except av.FFmpegError as error:
+        raise ValueError(f"cannot decode {path} as a video: {error}") from error
+    finally:
+        container.close()
+    return frames, decoded
+
+
+def read_video_source(path: str | Path, *, reader: str | None = None) -> SourceVideo:
+    """Frame count, rate and duration of a video file as vLLM 0.32's OpenCV loader reads them.
+
+    ``reader``: ``"opencv"`` or ``"pyav"`` (default: :func:`video_reader`); see the module docstring for
+    where the two can differ.
+    """
+    path = _existing_path(path)
+    if path.suffix.lower() == ARRAY_SUFFIX:
+        raise ValueError(f"{path} is an array of frames, not a container; load it with load_video")
+    return _opencv_source(path) if video_reader(reader) == "opencv" else _pyav_source(path)
+
+
+def decode_video_frames(
+    path: str | Path, source: SourceVideo, frame_indices: Sequence[int], *, reader: str | None = None
+) -> DecodedVideo:
+    """The frames at ``frame_indices`` (ascending source indices) that decode, as vLLM's loader gets them.
+
+    Frames are read in order up to the last index asked for; one that does not decode is left out, as
+    vLLM leaves it out (``source_indices`` says which came back). ``source`` gives the rate. Raises
+    ``ValueError`` when none decodes.
+    """
+    path = _existing_path(path)
+    wanted = set(int(i) for i in frame_indices)
+    if not wanted or min(wanted) < 0:
+        raise ValueError(f"frame_indices must be non-empty and non-negative, got {list(frame_indices)[:8]}")
+    read = _opencv_frames if video_reader(reader) == "opencv" else _pyav_frames
+    frames, decoded = read(path, wanted)
+    if not frames:
+        raise ValueError(f"{path} decoded none of the {len(wanted)} frames asked for (of {source.total_frames})")
+    return DecodedVideo(frames=validate_frames(np.stack(frames), what=str(path)), fps=source.fps,
+                        source_indices=np.asarray(decoded, dtype=np.int64))
