@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from qeff_evs.export.pipeline import ExportOptions, export_checkpoint
+from qeff_evs.models.registry import DEFAULT_FAMILY
 from qeff_evs.models.tiny import save_tiny_checkpoint
 from qeff_evs.runtime.inputs.prompt import video_question_pieces
 from qeff_evs.runtime.runner import build_engine, open_export, stop_ids, video_from_file
@@ -42,7 +43,7 @@ def run_demo(workdir: Path | None = None, backend: str = "ort",
         root = Path(workdir) if workdir else Path(scratch)
         root.mkdir(parents=True, exist_ok=True)
         progress(f"saving a tiny random Qwen2.5-VL checkpoint to {root / 'checkpoint'}")
-        checkpoint = save_tiny_checkpoint("qwen2_5_vl", root / "checkpoint", seed=0)
+        checkpoint = save_tiny_checkpoint(DEFAULT_FAMILY, root / "checkpoint", seed=0)
         options = ExportOptions(video_pruning_rate=DEMO_Q, frames=(DEMO_FRAMES,),
                                 resolutions=((DEMO_SIZE, DEMO_SIZE),), prefill_seq_len=64, ctx_len=1024)
         export_checkpoint(checkpoint, root / "export", options, progress=progress)
@@ -52,7 +53,8 @@ def run_demo(workdir: Path | None = None, backend: str = "ort",
         bundle = open_export(root / "export")
         engine = build_engine(bundle, backend, max_new_tokens=12, progress=progress)
         video = video_from_file(video_path, bundle)
-        prompt = engine.prepare(video_question_pieces(bundle.tokenizer, DEMO_QUESTION), [video])
+        pieces = video_question_pieces(bundle.tokenizer, DEMO_QUESTION, bundle.family.token_strings)
+        prompt = engine.prepare(pieces, [video])
         result = engine.generate(prompt, eos_ids=stop_ids(bundle))
 
         grid = bundle.family.merged_grid(video.grid_thw)

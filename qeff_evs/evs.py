@@ -171,7 +171,8 @@ def select_retained(
     """Keep the EVS-selected rows of ``embeds`` (``(T*hw, D)``); returns ``(rows (K, D), indices (K,))``.
 
     The dissimilarity is taken over ``embeds`` concatenated with ``extra`` along features
-    (Qwen3-VL's deepstack levels) when given; callers gather ``extra`` with the same indices.
+    (a family's extra rows, e.g. Qwen3-VL's multi-level features) when given; callers gather ``extra``
+    with the same indices.
     """
     if not _exporting():
         # Under export these sizes are symbols; in eager mode catch what TopK would

@@ -12,10 +12,6 @@ from pathlib import Path
 
 MANIFEST_NAME = "manifest.json"
 MODEL_CONFIG_DIR = "model_config"  # the checkpoint's config and preprocessor files, without weights
-# The folder is also a vLLM model folder: config.json at its top names qeff-evs's interface class for the
-# family (qeff_evs/vllm/model.py), never Hugging Face's architecture, so vLLM builds nothing of its own.
-SERVING_ARCHITECTURES = {"qwen2_5_vl": "QeffEvsQwen2_5_VLForConditionalGeneration",
-                         "qwen3_vl": "QeffEvsQwen3_VLForConditionalGeneration"}
 
 # The three graphs, in compile order. The encoder and the EVS graph share the vision folder, so their
 # compile inputs carry the graph's name (``vision/encoder_specializations.json``, ``vision/evs_qpc``).
@@ -40,7 +36,11 @@ EXPORT_FILES = dict(
 
 @dataclass(frozen=True)
 class SpecialTokens:
-    """The ids the host and the language graph look for; ``eos`` also holds generation_config.json's."""
+    """The ids the host and the language graph look for; ``eos`` also holds generation_config.json's.
+
+    The field names are manifest.json's keys; code outside the family reads ``media_pads``,
+    ``media_pad(modality)`` and ``ids``.
+    """
 
     image_pad: int
     video_pad: int
@@ -51,6 +51,17 @@ class SpecialTokens:
     @property
     def media_pads(self) -> tuple[int, int]:
         return (self.image_pad, self.video_pad)
+
+    def media_pad(self, modality: str) -> int:
+        """The pad id the language graph merges an item of ``modality`` ("image" or "video") at."""
+        if modality not in ("image", "video"):
+            raise ValueError(f"qeff-evs exports take images and videos, not {modality!r}")
+        return self.image_pad if modality == "image" else self.video_pad
+
+    @property
+    def ids(self) -> tuple[int, ...]:
+        """Every special id: the pads, the markers around media, the stop ids."""
+        return (self.image_pad, self.video_pad, self.vision_start, self.vision_end, *self.eos)
 
 
 @dataclass(frozen=True)
@@ -63,7 +74,8 @@ class LanguageShape:
     hidden: int
     ctx_len: int
     vision_size: int  # user_vision_size
-    deepstack_levels: int = 0
+    # The family's extra rows beside vision_embeds (qeff_evs.models.protocol.ExtraRows): name -> levels.
+    extras: dict[str, int] = field(default_factory=dict)
     full_batch_size: int = 1  # KV cache rows; > 1 needs a graph exported with continuous batching
     decode_batch_size: int | None = None  # rows per decode call (the Decode specialization); None: full_batch_size
     vocab: int | None = None
@@ -207,6 +219,9 @@ def read_manifest(export_dir: Path) -> Manifest:
     shape = dict(raw.pop("language_shape"))
     for field_name, key in _TOP_LEVEL_SHAPE.items():
         shape[field_name] = raw.pop(key)
+    if "deepstack_levels" in shape:  # exports written before the family extras were one mapping
+        levels = shape.pop("deepstack_levels")
+        shape["extras"] = {"deepstack_features": levels} if levels else {}
     tokens = dict(raw.pop("special_tokens"))
     tokens["eos"] = tuple(tokens.get("eos", ()))
     raw["frames"] = tuple(raw["frames"])

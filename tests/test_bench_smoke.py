@@ -197,9 +197,9 @@ def test_qefficient_steps_image_idx_counts_media_tokens():
 
     family = family_for_config(model_config(SMOKE))
     clip = synthetic_clip(VisionPreprocessSpec.for_family("qwen2_5_vl"), 8, 112, seed=0)
-    prompt = language_prompt(family, clip, 0.5, tuple(range(10, 18)), TINY_HIDDEN, 0, TINY_MERGE, seed=0)
+    prompt = language_prompt(family, clip, 0.5, tuple(range(10, 18)), TINY_HIDDEN, {}, TINY_MERGE, seed=0)
     video_pad = family.special_tokens().video_pad
-    steps = qefficient_steps(prompt, SMOKE, TINY_HIDDEN, 0, family.special_tokens().media_pads)
+    steps = qefficient_steps(prompt, SMOKE, TINY_HIDDEN, {}, family.special_tokens().media_pads)
     seen = 0
     for number, step in enumerate(steps):
         assert int(step.image_idx[0, 0]) == seen

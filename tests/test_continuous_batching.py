@@ -102,7 +102,8 @@ def prefill_chunks(request: Request, video_id: int, hidden: int, levels: int) ->
         if levels:
             deep = np.zeros((levels, 1, SEQ_LEN, hidden), np.float32)
             deep[:, 0, : last - first] = request.deepstack[:, first:last]
-        steps.append(LanguageInputs(ids, positions, window, deep, np.zeros((1, 1), np.int64), last - first))
+        extras = {} if deep is None else {"deepstack_features": deep}
+        steps.append(LanguageInputs(ids, positions, window, extras, np.zeros((1, 1), np.int64), last - first))
     return steps
 
 
@@ -112,7 +113,7 @@ def decode_row(request: Request, cache_row: int, token: int, step: int) -> Decod
 
 def single_decode_step(row: DecodeRow) -> LanguageInputs:
     positions = np.array([row.kv_slot] + [row.mrope_position] * 3, np.int64).reshape(4, 1, 1)
-    return LanguageInputs(np.array([[row.token_id]], np.int64), positions, None, None, np.zeros((1, 1), np.int64), 0)
+    return LanguageInputs(np.array([[row.token_id]], np.int64), positions, None, {}, np.zeros((1, 1), np.int64), 0)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -160,7 +161,7 @@ class Family:
     def shape(self, full_batch_size: int = 1, decode_batch_size: int | None = None) -> LanguageShape:
         spec = language_spec(self.model)
         return LanguageShape(spec.num_layers, spec.kv_heads, spec.head_dim, spec.hidden_size, CTX_LEN, SEQ_LEN,
-                             spec.deepstack_levels, full_batch_size, decode_batch_size)
+                             spec.extras, full_batch_size, decode_batch_size)
 
     def request(self, seed: int, before: int, frames: int, after: int) -> Request:
         return make_request(self.tokens, self.hidden, self.levels, seed, before, frames, after)
@@ -178,7 +179,7 @@ def build_family(name: str, tmp_path_factory) -> Family:
     folder = tmp_path_factory.mktemp(f"cb_{name}")
     single = export_language_graph(model, folder / "single.onnx")
     cb = export_language_graph(model, folder / "cb.onnx", continuous_batching=True)
-    return Family(model, tokens, spec.hidden_size, spec.deepstack_levels, spec.num_layers, single, cb)
+    return Family(model, tokens, spec.hidden_size, spec.extras.get("deepstack_features", 0), spec.num_layers, single, cb)
 
 
 @pytest.fixture(scope="module")
@@ -286,10 +287,10 @@ def test_cb_graph_io_and_symbols(q25):
     model = onnx.load(str(q25.cb_onnx))
     dims = {v.name: [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim]
             for v in [*model.graph.input, *model.graph.output]}
-    inputs, outputs = language_io_names(q25.layers, deepstack=False, continuous_batching=True)
+    inputs, outputs = language_io_names(q25.layers, extras=(), continuous_batching=True)
     assert [v.name for v in model.graph.input] == inputs
     assert [v.name for v in model.graph.output] == outputs
-    assert inputs[-1] == "batch_index" and outputs == language_io_names(q25.layers, deepstack=False)[1]
+    assert inputs[-1] == "batch_index" and outputs == language_io_names(q25.layers, extras=())[1]
     assert dims["batch_index"] == ["batch_size", 1]
     assert model.graph.input[-1].type.tensor_type.elem_type == onnx.TensorProto.INT64
     spec = language_spec(q25.model)

@@ -241,7 +241,7 @@ def test_pruned_greedy_tokens_equal_hf_on_pruned_inputs(bundle, sessions, video,
                                                         backend, q):
     ref = pruned_references[q]
     engine = make_engine(bundle, sessions, backend, q)
-    prompt = engine.prepare(video_question_pieces(bundle.tokenizer, question), [video])
+    prompt = engine.prepare(video_question_pieces(bundle.tokenizer, question, bundle.family.token_strings), [video])
     # The pieces the language graph sees, each against the reference's own construction.
     np.testing.assert_array_equal(prompt.encoded[0].retained_indices, ref.retained_indices.numpy())
     np.testing.assert_array_equal(prompt.ids, ref.ids[0].numpy())
@@ -262,7 +262,7 @@ def test_ort_and_torch_backends_agree(bundle, sessions, video, question):
     results = {}
     for backend in BACKENDS:
         engine = make_engine(bundle, sessions, backend, q)
-        results[backend] = engine.generate(engine.prepare(video_question_pieces(bundle.tokenizer, question), [video]))
+        results[backend] = engine.generate(engine.prepare(video_question_pieces(bundle.tokenizer, question, bundle.family.token_strings), [video]))
     ort, torch_ = results["ort"], results["torch"]
     assert ort.prompt_token_ids == torch_.prompt_token_ids
     assert ort.generated_token_ids == torch_.generated_token_ids
@@ -308,7 +308,7 @@ def chunked_runs(bundle, sessions, video, question):
                                                                shape))
         config = EngineConfig(seq_len, bundle.manifest.ctx_len, vision_size, q, max_new_tokens=DECODE_STEPS)
         engine = Engine(bundle.family, sessions["ort"][0], language, config)
-        prompt = engine.prepare(video_question_pieces(bundle.tokenizer, question), [video])
+        prompt = engine.prepare(video_question_pieces(bundle.tokenizer, question, bundle.family.token_strings), [video])
         result = engine.generate(prompt, eos_ids=())
         runs[seq_len] = (prompt, result, language.logits[result.num_prefill_chunks - 1])
     return runs
@@ -349,4 +349,4 @@ def test_engine_rejects_a_prompt_that_does_not_fit_ctx_len(bundle, sessions, vid
     small = EngineConfig(m.prefill_seq_len, 64, m.user_vision_size, 0.0, max_new_tokens=4)
     engine = Engine(bundle.family, vision, language, small)
     with pytest.raises(ValueError, match=r"the prompt \(\d+ tokens\) plus max_new_tokens \(4\).*ctx_len is 64"):
-        engine.prepare(video_question_pieces(bundle.tokenizer, question), [video])
+        engine.prepare(video_question_pieces(bundle.tokenizer, question, bundle.family.token_strings), [video])

@@ -354,7 +354,7 @@ def test_the_template_keeps_the_outer_vision_markers(single, tokenizer, bundle):
     template, _, _ = single
     vs, ve = bundle.family.config.vision_start_token_id, bundle.family.config.vision_end_token_id
     assert template[0][-1] == vs and template[2][0] == ve
-    assert our_pieces(template) == video_question_pieces(tokenizer, QUESTION)
+    assert our_pieces(template) == video_question_pieces(tokenizer, QUESTION, bundle.family.token_strings)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -532,7 +532,7 @@ def test_ort_and_torch_backends_agree(bundle, sessions, multi):
         np.testing.assert_array_equal(e_ort.retained_indices, e_torch.retained_indices)
         # The tiny checkpoint's vision rows reach |x| ~ 30 (initializer 0.3), where fp32 op-order
         # noise alone is ~1e-5 relative; the 1e-4 tolerance applies per unit of magnitude.
-        for ours, theirs in ((e_ort.rows, e_torch.rows), (e_ort.deepstack, e_torch.deepstack)):
+        for ours, theirs in ((e_ort.rows, e_torch.rows), (e_ort.extras["deepstack_features"], e_torch.extras["deepstack_features"])):
             scale = max(1.0, float(np.abs(theirs).max()))
             np.testing.assert_allclose(ours, theirs, atol=ATOL * scale, rtol=0)
     assert ort.generated_token_ids == torch_.generated_token_ids

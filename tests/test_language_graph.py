@@ -321,7 +321,7 @@ def test_io_names_and_symbols_follow_the_contract(q25_onnx):
     assert dims["logits"] == ["batch_size", 1, 1000]
     assert dims["past_key.1"] == dims["past_value.0_RetainedState"] == kv
     assert model.opset_import[0].version == 17
-    assert language_io_names(LAYERS, deepstack=False) == (
+    assert language_io_names(LAYERS, extras=()) == (
         [v.name for v in model.graph.input], [v.name for v in model.graph.output]
     )
 
@@ -500,7 +500,7 @@ def q3_ort(q3, tmp_path_factory):
 
 
 def test_qwen3_vl_io_names():
-    inputs, outputs = language_io_names(1, deepstack=True)
+    inputs, outputs = language_io_names(1, extras=("deepstack_features",))
     assert inputs == ["input_ids", "vision_embeds", "deepstack_features", "position_ids", "image_idx",
                       "past_key.0", "past_value.0"]
     assert outputs == ["logits", "vision_embeds_RetainedState", "deepstack_features_RetainedState",

@@ -387,7 +387,7 @@ def engine_for(bundle, backend: str, prefill_seq_len: int | None = None) -> Engi
 
 
 def generate(bundle, engine: Engine, video_npy: Path):
-    prompt = engine.prepare(video_question_pieces(bundle.tokenizer, QUESTION), [video_from_file(video_npy, bundle)])
+    prompt = engine.prepare(video_question_pieces(bundle.tokenizer, QUESTION, bundle.family.token_strings), [video_from_file(video_npy, bundle)])
     return engine.generate(prompt, eos_ids=stop_ids(bundle))
 
 
@@ -493,7 +493,7 @@ def test_kv_goes_up_once_per_load_and_each_call_moves_only_its_inputs(compiled, 
 def test_unserved_shape_lists_the_compiled_ones(compiled, device, video_npy):
     bundle = open_export(compiled["plain"])
     engine = engine_for(bundle, "qaic", prefill_seq_len=16)  # the QPC was compiled for chunks of 32
-    prompt = engine.prepare(video_question_pieces(bundle.tokenizer, QUESTION), [video_from_file(video_npy, bundle)])
+    prompt = engine.prepare(video_question_pieces(bundle.tokenizer, QUESTION, bundle.family.token_strings), [video_from_file(video_npy, bundle)])
     before = len(device.calls)
     with pytest.raises(ValueError, match=r"no compiled specialization .*input_ids \(1, 16\)") as error:
         engine.generate(prompt)
@@ -518,7 +518,7 @@ def test_serving_engine_tokens_equal_onnx_runtime(compiled, device, video_npy):
     def serve(backend: str) -> dict[str, list[int]]:
         engine = build_serving_engine(bundle, backend)
         for i, question in enumerate(questions):
-            engine.add_request(ServeRequest(f"r{i}", video_question_pieces(bundle.tokenizer, question), [video],
+            engine.add_request(ServeRequest(f"r{i}", video_question_pieces(bundle.tokenizer, question, bundle.family.token_strings), [video],
                                             max_new_tokens=DECODE_STEPS - 2 * i))
         return engine.run_to_completion()
 

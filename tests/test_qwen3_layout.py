@@ -176,7 +176,7 @@ class Scenario:
         for i, m in enumerate(self.media):
             k = len(m.retained)
             rows = np.stack([np.full(HIDDEN, 1000.0 * (i + 1) + r, dtype=np.float32) for r in range(k)])
-            out.append(EncodedMedia(rows, m.retained, -rows[None].copy()))
+            out.append(EncodedMedia(rows, m.retained, {"deepstack_features": -rows[None].copy()}))
         return out
 
 
@@ -420,7 +420,7 @@ def test_any_chunking_feeds_exactly_the_request_positions_and_rows(scenarios, hf
             chunks = random_chunking(rng, total, seq_len)
             mrope, slots = [], []
             for computed, scheduled in chunks:
-                step = prefill_step(prepared, computed, scheduled, seq_len, seq_len, HIDDEN, LEVELS)
+                step = prefill_step(prepared, computed, scheduled, seq_len, seq_len, HIDDEN, {"deepstack_features": LEVELS})
                 assert step.position_ids.shape == (4, 1, seq_len) and step.position_ids.dtype == np.int64
                 assert (step.position_ids[:, 0, scheduled:] == PAD_POSITION).all()
                 assert int(step.image_idx[0, 0]) == 0
@@ -432,7 +432,7 @@ def test_any_chunking_feeds_exactly_the_request_positions_and_rows(scenarios, hf
                 window = step.vision_embeds[0]
                 if expected:
                     np.testing.assert_array_equal(window[:len(expected)], np.stack(expected))
-                    np.testing.assert_array_equal(step.deepstack[0, 0, :len(expected)], -np.stack(expected))
+                    np.testing.assert_array_equal(step.extras["deepstack_features"][0, 0, :len(expected)], -np.stack(expected))
                 assert not window[len(expected):].any()
             np.testing.assert_array_equal(np.concatenate(mrope, axis=1), unpruned[:, sc.keep])
             np.testing.assert_array_equal(np.concatenate(slots), np.arange(total))

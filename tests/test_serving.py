@@ -31,6 +31,7 @@ from qeff_evs.models.protocol import MediaInput
 from qeff_evs.models.tiny import save_tiny_checkpoint
 from qeff_evs.runtime.engine.single_request import Engine, EngineConfig
 from qeff_evs.runtime.engine.request import PromptPiece
+from qeff_evs.models.qwen_vl import QWEN_TOKENS
 from qeff_evs.runtime.inputs.prompt import chat_pieces as user_turn_pieces
 from qeff_evs.runtime.runner import (
     ExportBundle,
@@ -169,7 +170,8 @@ def q3(tmp_path_factory) -> Served:
 
 def chat_pieces(tokenizer, kinds: Sequence[str], question: str) -> list[PromptPiece]:
     """The chat template for ``kinds`` media then ``question``, split at its media pads."""
-    return user_turn_pieces(tokenizer, [{"type": kind} for kind in kinds] + [{"type": "text", "text": question}])
+    return user_turn_pieces(tokenizer, [{"type": kind} for kind in kinds] + [{"type": "text", "text": question}],
+                            QWEN_TOKENS)
 
 
 def random_video(served: Served, rng: np.random.Generator, seed: int) -> MediaInput:

@@ -331,7 +331,7 @@ def test_unknown_style_raises(tmp_path):
 
 
 def test_language_custom_io_yaml_lists_kv_and_vision_precisions(tmp_path):
-    path = write_custom_io_yaml(tmp_path / "custom_io.yaml", language_custom_io(2, True, "mxint8"))
+    path = write_custom_io_yaml(tmp_path / "custom_io.yaml", language_custom_io(2, ["deepstack_features"], "mxint8"))
     records = yaml.safe_load(path.read_text())
     assert all(set(r) == {"IOName", "Precision"} for r in records)
     assert {r["IOName"]: r["Precision"] for r in records} == {
@@ -346,7 +346,7 @@ def test_language_custom_io_yaml_lists_kv_and_vision_precisions(tmp_path):
 
 
 def test_language_custom_io_defaults_to_fp16_kv_without_deepstack():
-    assert language_custom_io(1, False) == {
+    assert language_custom_io(1) == {
         "vision_embeds": "float16", "vision_embeds_RetainedState": "float16",
         "past_key.0": "float16", "past_key.0_RetainedState": "float16",
         "past_value.0": "float16", "past_value.0_RetainedState": "float16",
@@ -354,14 +354,14 @@ def test_language_custom_io_defaults_to_fp16_kv_without_deepstack():
 
 
 def test_vision_custom_io_is_fp16_embeds():
-    assert vision_custom_io(True) == {
+    assert vision_custom_io(["deepstack_features"]) == {
         "pixel_values": "float16", "vision_embeds": "float16", "deepstack_features": "float16"}
-    assert vision_custom_io(False, pixel_values_fp16=False) == {"vision_embeds": "float16"}
+    assert vision_custom_io((), pixel_values_fp16=False) == {"vision_embeds": "float16"}
 
 
 def test_bad_kv_precision_raises():
     with pytest.raises(ValueError, match="int4"):
-        language_custom_io(1, False, "int4")
+        language_custom_io(1, (), "int4")
 
 
 # ----------------------------------------------------------------- compile commands

@@ -14,13 +14,12 @@ from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2Config, Qwen3V
 
 from qeff_evs.bench.realistic import realistic_config
 from qeff_evs.models.checkpoint import LoadedCheckpoint, detect_family, load_checkpoint
-from qeff_evs.models.registry import FAMILIES
+from qeff_evs.models.qwen_vl import SPECIAL_TOKENS, special_token_ids
+from qeff_evs.models.registry import family_names
 from qeff_evs.models.tiny import (
-    SPECIAL_TOKENS,
     build_tiny_model,
     build_tokenizer,
     save_tiny_checkpoint,
-    special_token_ids,
     tiny_config,
 )
 
@@ -45,7 +44,7 @@ def tokenizer():
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("tiny_ckpts")
-    return {family: save_tiny_checkpoint(family, root / family) for family in FAMILIES}
+    return {family: save_tiny_checkpoint(family, root / family) for family in family_names()}
 
 
 def _ids(tokenizer, text):
@@ -124,7 +123,7 @@ def test_chat_template_image_and_no_generation_prompt(tokenizer):
 # ---------------------------------------------------------------- configs
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", family_names())
 def test_tiny_config_takes_ids_from_tokenizer(tokenizer, family):
     config = tiny_config(family, tokenizer)
     assert config.model_type == family
@@ -155,7 +154,7 @@ def test_unknown_family_is_rejected(tokenizer, tmp_path):
         save_tiny_checkpoint("llava", tmp_path / "x")
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", family_names())
 def test_realistic_config_is_consistent(family):
     config = realistic_config(family, text_layers=1, vision_layers=3)
     text, vision = config.text_config, config.vision_config
@@ -207,7 +206,7 @@ def _video_inputs(family, tokenizer, seed=1):
     }
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", family_names())
 def test_saved_checkpoint_folder_is_complete(checkpoints, family):
     folder = checkpoints[family]
     for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
@@ -226,7 +225,7 @@ def test_saved_checkpoint_folder_is_complete(checkpoints, family):
     )
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", family_names())
 def test_load_checkpoint_round_trip(checkpoints, tokenizer, family):
     loaded = load_checkpoint(checkpoints[family])
     assert isinstance(loaded, LoadedCheckpoint)
@@ -262,7 +261,7 @@ def test_seed_changes_the_weights(tokenizer):
     assert not torch.equal(a.lm_head.weight, b.lm_head.weight)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", family_names())
 def test_greedy_decoding_is_varied_and_well_separated(tokenizer, family):
     # Parity tests compare greedy tokens across backends: argmaxes must not hinge on float noise.
     model = build_tiny_model(family, tokenizer, seed=0)

@@ -81,7 +81,7 @@ def test_padding_frames_never_reach_evs(exported):
     (merged,) = pipeline.evs.seen
     with torch.no_grad():
         stock = exported.visual(pixels, grid_thw=torch.tensor([grid]))
-    np.testing.assert_allclose(merged.rows, stock.pooler_output.numpy(), rtol=0, atol=1e-4)  # T*h*w rows exactly
+    np.testing.assert_allclose(merged["merged_embeds"], stock.pooler_output.numpy(), rtol=0, atol=1e-4)  # T*h*w rows exactly
 
 
 @pytest.mark.parametrize("frames", [4, 8, 16, 32, 64, 128])

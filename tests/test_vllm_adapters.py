@@ -145,12 +145,14 @@ def test_deepstack_rows_follow_the_same_slices():
     g = torch.Generator().manual_seed(3)
     main = {"a": torch.randn(3, HIDDEN, generator=g), "b": torch.randn(4, HIDDEN, generator=g)}
     deep = {"a": torch.randn(2, 3, HIDDEN, generator=g), "b": torch.randn(2, 4, HIDDEN, generator=g)}
-    window = adapters.gather_feature_window(features, main, 4, 5, 8, HIDDEN, 2, deep)
+    window = adapters.gather_feature_window(features, main, 4, 5, 8, HIDDEN, {"deepstack_features": 2},
+                                            {"deepstack_features": deep})
+    deepstack = window.extras["deepstack_features"]
     # chunk [4, 9): a's positions 3..4 -> row 2; b's positions 0..1 -> rows 0..1
     np.testing.assert_array_equal(window.vision_embeds[0, :3], torch.cat([main["a"][2:3], main["b"][0:2]]).numpy())
-    np.testing.assert_array_equal(window.deepstack[:, 0, :3],
+    np.testing.assert_array_equal(deepstack[:, 0, :3],
                                   torch.cat([deep["a"][:, 2:3], deep["b"][:, 0:2]], dim=1).numpy())
-    assert window.deepstack.shape == (2, 1, 8, HIDDEN) and not window.deepstack[:, :, 3:].any()
+    assert deepstack.shape == (2, 1, 8, HIDDEN) and not deepstack[:, :, 3:].any()
 
 
 def test_gather_errors_name_the_fix():

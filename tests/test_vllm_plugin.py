@@ -101,7 +101,7 @@ class Served:
             ([video, text("colour?")], ["short"], []),
             ([video, text("frame 7 why")], ["eight"], []),
         ]
-        self.pieces = [chat_pieces(tok, content) for content, _, _ in self.requests]
+        self.pieces = [chat_pieces(tok, content, self.bundle.family.token_strings) for content, _, _ in self.requests]
 
     def media(self, index: int):
         _, videos, images = self.requests[index]

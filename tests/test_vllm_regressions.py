@@ -182,7 +182,7 @@ class Case:
                 pieces.append(PromptPiece(video=len(media)))
                 media.append(item.as_input())
                 rows = np.zeros((len(item.retained), HIDDEN), dtype=np.float32)
-                encoded.append(EncodedMedia(rows, item.retained, rows[None]))
+                encoded.append(EncodedMedia(rows, item.retained, {"deepstack_features": rows[None]}))
             if after:
                 pieces.append(PromptPiece(ids=tuple(after)))
         return prepare_prompt(pieces, media, encoded, family)
@@ -271,7 +271,7 @@ def vllm_positions(case: Case, hf_model, chunks=None, bf16: bool = True):
 
 def chunk_positions(prompt, chunks) -> np.ndarray:
     """Rows 1..3 of the language-graph inputs of every chunk, concatenated."""
-    steps = [prefill_step(prompt, c, n, n, n, HIDDEN, 1) for c, n in chunks]
+    steps = [prefill_step(prompt, c, n, n, n, HIDDEN, {"deepstack_features": 1}) for c, n in chunks]
     return np.concatenate([s.position_ids[1:, 0, :n] for s, (_, n) in zip(steps, chunks)], axis=1)
 
 
@@ -440,7 +440,7 @@ def language_session(tokenizer, tmp_path_factory):
 def run_chunks(session, spec, steps, ctx_len: int = 64) -> tuple[np.ndarray, list[int]]:
     """Feed ``steps`` (dicts of input_ids, position_ids, vision_embeds, deepstack_features,
     image_idx or None = carry image_idx_output) through the raw ONNX graph with its KV cache."""
-    inputs, outputs = language_io_names(spec.num_layers, spec.has_deepstack)
+    inputs, outputs = language_io_names(spec.num_layers, spec.extras)
     kv = {name: np.zeros((1, spec.kv_heads, ctx_len, spec.head_dim), np.float32)
           for name in inputs if name.startswith("past_")}
     image_idx = np.zeros((1, 1), np.int64)
@@ -469,17 +469,17 @@ def test_image_idx_survives_a_text_only_chunk(language_session, tokenizer, q3_co
     rng = np.random.default_rng(0)
     rows = [rng.normal(size=(len(item.retained), spec.hidden_size)).astype(np.float32) for item in case.items]
     for encoded, item_rows in zip(prompt.encoded, rows):
-        encoded.rows, encoded.deepstack = item_rows, -item_rows[None]
+        encoded.rows, encoded.extras = item_rows, {"deepstack_features": -item_rows[None]}
     total = len(prompt.ids)
     chunks = [(c, min(seq_len, total - c)) for c in range(0, total, seq_len)]
-    windowed = [prefill_step(prompt, c, n, seq_len, seq_len, spec.hidden_size, 1) for c, n in chunks]
+    windowed = [prefill_step(prompt, c, n, seq_len, seq_len, spec.hidden_size, spec.extras) for c, n in chunks]
     pads = np.isin(prompt.ids, (q3_config.image_token_id, q3_config.video_token_id))
     assert any(not pads[c:c + n].any() for c, n in chunks[1:-1]), "the prompt needs a text-only chunk between media"
 
     # the windowed scheme (ours): each chunk carries its own rows, image_idx = 0
     def as_feeds(step, image_idx):
         return dict(input_ids=step.input_ids, position_ids=step.position_ids, vision_embeds=step.vision_embeds,
-                    deepstack_features=step.deepstack, image_idx=image_idx)
+                    deepstack_features=step.extras["deepstack_features"], image_idx=image_idx)
 
     windowed_logits, _ = run_chunks(session, spec, [as_feeds(s, s.image_idx) for s in windowed])
 
@@ -500,7 +500,7 @@ def test_image_idx_survives_a_text_only_chunk(language_session, tokenizer, q3_co
 
 def test_image_idx_output_counts_the_chunks_media_tokens(language_session, q3_config):
     session, spec = language_session
-    inputs, outputs = language_io_names(spec.num_layers, spec.has_deepstack)
+    inputs, outputs = language_io_names(spec.num_layers, spec.extras)
     seq_len, vision_size, ctx_len = 6, 10, 16
     for media in (0, 3):
         ids = np.full((1, seq_len), 30, np.int64)
@@ -509,7 +509,7 @@ def test_image_idx_output_counts_the_chunks_media_tokens(language_session, q3_co
                  for name in inputs if name.startswith("past_")}
         feeds.update(input_ids=ids, position_ids=np.arange(seq_len).reshape(1, 1, -1).repeat(4, 0),
                      vision_embeds=np.zeros((1, vision_size, spec.hidden_size), np.float32),
-                     deepstack_features=np.zeros((spec.deepstack_levels, 1, vision_size, spec.hidden_size), np.float32),
+                     deepstack_features=np.zeros((spec.extras["deepstack_features"], 1, vision_size, spec.hidden_size), np.float32),
                      image_idx=np.array([[5]], np.int64))
         result = dict(zip(outputs, session.run(None, feeds)))
         assert int(result["image_idx_output"][0, 0]) == 5 + media

@@ -126,7 +126,7 @@ def export_family(family_name: str, folder: Path) -> Exported:
                                         progress=messages.append)
     _, h, w = family.merged_grid((2, *EXAMPLE_GRID_HW))
     evs_path = export_evs_graph(family.evs_selection(), (2, h, w), h * w + 3, model.config.vision_config.out_hidden_size,
-                                family.deepstack_levels, folder / "evs.onnx", progress=messages.append)
+                                family.extras, folder / "evs.onnx", progress=messages.append)
     return Exported(model, family, encoder, encoder_path, evs_path, messages)
 
 
@@ -137,9 +137,9 @@ def assert_matches_reference(result, reference) -> None:
     np.testing.assert_array_equal(result.retained_indices, ref_indices.numpy())
     np.testing.assert_allclose(result.rows, ref_rows[0].numpy(), rtol=0, atol=ATOL)
     if len(ref_rows) > 1:
-        np.testing.assert_allclose(result.deepstack, ref_rows[1].numpy(), rtol=0, atol=ATOL)
+        np.testing.assert_allclose(result.extras["deepstack_features"], ref_rows[1].numpy(), rtol=0, atol=ATOL)
     else:
-        assert result.deepstack is None
+        assert not result.extras
 
 
 class RecordingEncoder:
@@ -159,8 +159,8 @@ class RecordingEVS:
 
     def __init__(self, inner):
         self.inner = inner
-        self.seen: list[MergedRows] = []
+        self.seen: list[dict] = []  # the EVS graph's feeds by input name
 
-    def select(self, merged: MergedRows, host_inputs):
-        self.seen.append(merged)
-        return self.inner.select(merged, host_inputs)
+    def select(self, feeds):
+        self.seen.append(feeds)
+        return self.inner.select(feeds)

@@ -11,7 +11,18 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from qeff_evs.bench.config import FAMILIES, PRESETS, BenchConfig, preset
+from qeff_evs.bench.config import PRESETS, BenchConfig, preset
+from qeff_evs.models.registry import family_names
+
+
+class _Families:
+    """``--family`` choices, read from the registry only when parsing (importing the families takes seconds)."""
+
+    def __contains__(self, name: object) -> bool:
+        return name in family_names()
+
+    def __iter__(self):
+        return iter(family_names())
 
 
 def _floats(text: str) -> tuple[float, ...]:
@@ -63,12 +74,13 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                              "which run measured it)")
     parser.add_argument("--workdir", type=Path, default=None,
                         help="keep the exported graphs here (default: a temporary folder, removed)")
-    parser.add_argument("--family", choices=FAMILIES, default=None, help=f"model family (default {full.family})")
+    parser.add_argument("--family", choices=_Families(), default=None, help=f"model family (default {full.family})")
     parser.add_argument("--text-layers", type=int, default=None, help=f"default {full.text_layers}")
     parser.add_argument("--vision-layers", type=int, default=None, help=f"default {full.vision_layers} (>= 2)")
     parser.add_argument("--frames", type=int, default=None, help=f"pruning-sweep frames (default {full.frames})")
     parser.add_argument("--size", type=int, default=None,
-                        help=f"language-side frame side in pixels (default {full.frame_size}; x32/28 for qwen3_vl)")
+                        help=f"language-side frame side in pixels (default {full.frame_size}; scaled to the "
+                        "family's merged-token size)")
     parser.add_argument("--question-tokens", type=int, default=None, help=f"default {full.question_tokens}")
     parser.add_argument("--pruning-rates", type=_floats, default=None,
                         help="q values, e.g. 0,0.25,0.5,0.75,0.9 (q=0 is always added)")

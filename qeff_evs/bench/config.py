@@ -11,17 +11,17 @@ import dataclasses
 from dataclasses import dataclass
 
 from qeff_evs import evs
-from qeff_evs.models.registry import FAMILIES, preprocess_defaults
+from qeff_evs.models.registry import DEFAULT_FAMILY, family_names, preprocess_defaults
 from qeff_evs.specializations import DEFAULT_FRAMES_PER_CALL
 WIDTHS = ("realistic", "tiny")  # realistic: released-checkpoint widths; tiny: the test checkpoints' widths
 
-# Prompt text around the video: <|vision_start|> and <|vision_end|> besides the question.
+# Prompt ids around the video besides the question: the plain layout's marker before and after it.
 VISION_MARKERS = 2
 
 
 @dataclass(frozen=True)
 class BenchConfig:
-    family: str = "qwen2_5_vl"
+    family: str = DEFAULT_FAMILY
     widths: str = "realistic"
     text_layers: int = 2
     vision_layers: int = 2
@@ -86,12 +86,12 @@ PRESETS = {
 _PRESET_TOKEN_PIXELS = 28
 
 
-def preset(name: str, family: str = "qwen2_5_vl") -> BenchConfig:
+def preset(name: str, family: str = DEFAULT_FAMILY) -> BenchConfig:
     """A preset for ``family``: the same merged-token grids whatever the family's patch size."""
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
-    if family not in FAMILIES:
-        raise ValueError(f"--family {family!r} is not one of {', '.join(FAMILIES)}")
+    if family not in family_names():
+        raise ValueError(f"--family {family!r} is not one of {', '.join(family_names())}")
     base = PRESETS[name]
     defaults = preprocess_defaults(family)
     pixels = defaults.patch_size * defaults.merge_size
@@ -112,8 +112,8 @@ def tokens_per_temporal_patch(size: int, patch_size: int, merge_size: int) -> in
 
 def validate(config: BenchConfig, patch_size: int, merge_size: int, temporal_patch_size: int) -> BenchConfig:
     """Raise ``ValueError`` naming the flag to change when the config cannot run; returns it."""
-    if config.family not in FAMILIES:
-        raise ValueError(f"--family {config.family!r} is not one of {', '.join(FAMILIES)}")
+    if config.family not in family_names():
+        raise ValueError(f"--family {config.family!r} is not one of {', '.join(family_names())}")
     if config.widths not in WIDTHS:
         raise ValueError(f"widths {config.widths!r} is not one of {', '.join(WIDTHS)}")
     for name in ("text_layers", "vision_layers", "frames", "frame_size", "prefill_seq_len", "ctx_len",

@@ -20,12 +20,12 @@ import torch
 from qeff_evs.bench.config import BenchConfig
 from qeff_evs.bench.realistic import realistic_config
 from qeff_evs.bench.sessions import open_inference_session
-from qeff_evs.bench.whole_video import export_whole_video_graph
+from qeff_evs.bench.whole_video import export_whole_video_graph, whole_video_serves
 from qeff_evs.export.language import export_language_graph
 from qeff_evs.export.vision import export_encoder_graph, export_evs_graph
 from qeff_evs.models.language import language_spec
 from qeff_evs.models.protocol import ModelFamily
-from qeff_evs.models.registry import family_for_config, family_module
+from qeff_evs.models.registry import family_class, family_for_config
 from qeff_evs.runtime.inputs.processor import VisionPreprocessSpec
 from qeff_evs.manifest import LanguageShape
 from qeff_evs.runtime.backends.ort import OrtEncoderSession, OrtEVSSession
@@ -46,11 +46,8 @@ def model_config(config: BenchConfig):
 
     if config.widths == "realistic":
         return realistic_config(config.family, text_layers=config.text_layers, vision_layers=config.vision_layers)
-    vision = {"depth": config.vision_layers}
-    if config.family == "qwen2_5_vl":
-        vision["fullatt_block_indexes"] = [config.vision_layers - 1]
-    return tiny_config(config.family, build_tokenizer(), text_config={"num_hidden_layers": config.text_layers},
-                       vision_config=vision)
+    return tiny_config(config.family, build_tokenizer(config.family), text_layers=config.text_layers,
+                       vision_layers=config.vision_layers)
 
 
 def random_model(hf_config, family: str, seed: int) -> torch.nn.Module:
@@ -59,7 +56,7 @@ def random_model(hf_config, family: str, seed: int) -> torch.nn.Module:
 
     # transformers' own switch for skipping its (slow, normal_) init; we fill the weights below.
     with no_init_weights():
-        model = family_module(family).MODEL_CLASS(hf_config)
+        model = family_class(family).model_class(hf_config)
     model.tie_weights()  # tying lives in the skipped init
     generator = torch.Generator().manual_seed(seed)
     bound = WEIGHT_STD * math.sqrt(3.0)
@@ -83,14 +80,14 @@ class BenchGraphs:
     language_shape: LanguageShape  # vision_size is per way; see with_vision_size
     encoder: object  # ort.InferenceSession of the encoder graph
     evs: object  # ... of the EVS graph
-    whole_video: object | None  # ... of the whole-video baseline (Qwen2.5-VL only), for the vision sweep
+    whole_video: object | None  # ... of the whole-video baseline (windowed towers only), for the vision sweep
     language: object | None  # None when the run measures no language phase
     files: dict[str, str]
     frames_per_call: int
 
     @property
     def merge_size(self) -> int:
-        return int(self.hf_config.vision_config.spatial_merge_size)
+        return self.family.normalized_config.merge_size
 
     def with_vision_size(self, vision_size: int) -> LanguageShape:
         return dataclasses.replace(self.language_shape, vision_size=vision_size)
@@ -104,14 +101,16 @@ class BenchGraphs:
 def build_graphs(config: BenchConfig, workdir: Path, progress: Progress, language: bool = True) -> BenchGraphs:
     """Build the random model, export its graphs under ``workdir`` and open them in ORT (the language
     graph only with ``language``: the vision phases do not run it)."""
+    from qeff_evs.models.tiny import build_tokenizer
+
     workdir = Path(workdir)
     hf_config = model_config(config)
-    vc = hf_config.vision_config
     progress(f"building a random {config.family} model ({config.widths} widths, {config.text_layers} text / "
              f"{config.vision_layers} vision layers)")
     model = random_model(hf_config, config.family, config.seed)
-    # Qwen3-VL's family tokenizes its timestamp text; the tiny tokenizer serves for timing.
-    family = family_for_config(hf_config, _timestamp_tokenizer(config.family))
+    # A family may tokenize prompt text of its own (timestamps); the tiny tokenizer serves for timing.
+    family = family_for_config(hf_config, build_tokenizer(config.family))
+    vc = family.normalized_config
     spec = language_spec(model)
     files = {
         "encoder": workdir / "vision" / "encoder.onnx",
@@ -120,10 +119,11 @@ def build_graphs(config: BenchConfig, workdir: Path, progress: Progress, languag
     progress("exporting the encoder and EVS graphs")
     export_encoder_graph(family.encoder(model), EXAMPLE_GRID_HW, 2, files["encoder"], progress=lambda m: None)
     _, h, w = family.merged_grid((2, *EXAMPLE_GRID_HW))
-    export_evs_graph(family.evs_selection(), (2, h, w), h * w, vc.out_hidden_size, family.deepstack_levels,
+    export_evs_graph(family.evs_selection(), (2, h, w), h * w, vc.vision_hidden, family.extras,
                      files["evs"], progress=lambda m: None)
-    if config.family == "qwen2_5_vl":  # the vision sweep's baseline: the pre-issue-10 whole-video graph
-        files["whole_video"] = export_whole_video_graph(family.encoder(model), family.evs_selection(),
+    encoder = family.encoder(model)
+    if whole_video_serves(encoder, family):  # the vision sweep's baseline: the pre-issue-10 whole-video graph
+        files["whole_video"] = export_whole_video_graph(encoder, family.evs_selection(),
                                                         workdir / "whole_video" / "vision.onnx")
     if language:
         progress("exporting the language graph")
@@ -134,10 +134,10 @@ def build_graphs(config: BenchConfig, workdir: Path, progress: Progress, languag
 
     progress("opening the graphs in ONNX Runtime")
     shape = LanguageShape(spec.num_layers, spec.kv_heads, spec.head_dim, spec.hidden_size, config.ctx_len,
-                          config.vision_rows_per_chunk, spec.deepstack_levels)
+                          config.vision_rows_per_chunk, dict(spec.extras))
     preprocess = VisionPreprocessSpec.for_family(
         config.family, patch_size=vc.patch_size, temporal_patch_size=vc.temporal_patch_size,
-        merge_size=vc.spatial_merge_size)
+        merge_size=vc.merge_size)
     return BenchGraphs(
         family=family,
         hf_config=hf_config,
@@ -150,11 +150,3 @@ def build_graphs(config: BenchConfig, workdir: Path, progress: Progress, languag
         files={name: str(path) for name, path in files.items()},
         frames_per_call=config.frames_per_call,
     )
-
-
-def _timestamp_tokenizer(family: str):
-    if family != "qwen3_vl":
-        return None
-    from qeff_evs.models.tiny import build_tokenizer
-
-    return build_tokenizer()

@@ -12,7 +12,7 @@ interleaved chunk by chunk (``run_interleaved``).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -66,10 +66,11 @@ def sweep_rates(config: BenchConfig) -> list[float]:
     return sorted({0.0, *(float(q) for q in config.pruning_rates)})
 
 
-def prefill_steps(prompt: PreparedPrompt, config: BenchConfig, hidden: int, levels: int) -> list[LanguageInputs]:
+def prefill_steps(prompt: PreparedPrompt, config: BenchConfig, hidden: int,
+                  extras: Mapping[str, int]) -> list[LanguageInputs]:
     """Every prefill chunk of ``prompt`` with its ``user_vision_size`` window (runtime.chunks)."""
     return [prefill_step(prompt, computed, scheduled, config.prefill_seq_len, config.vision_rows_per_chunk,
-                         hidden, levels)
+                         hidden, extras)
             for computed, scheduled in prefill_chunks(len(prompt.ids), config.prefill_seq_len)]
 
 
@@ -87,16 +88,16 @@ def _cases(config: BenchConfig, graphs: BenchGraphs, language_clip: Clip, vision
     vt, vh, vw = family.merged_grid(vision_clip.grid_thw)
     cases = []
     for q in sweep_rates(config):
-        prompt = language_prompt(family, language_clip, q, question, shape.hidden, shape.deepstack_levels,
+        prompt = language_prompt(family, language_clip, q, question, shape.hidden, shape.extras,
                                  merge, config.seed)
         k = evs.retained_token_count(lh * lw, lt, q)
         vision_k = evs.retained_token_count(vh * vw, vt, q)
-        steps = prefill_steps(prompt, config, shape.hidden, shape.deepstack_levels)
+        steps = prefill_steps(prompt, config, shape.hidden, shape.extras)
         point = PruningPoint(
             q=q, video_tokens=lt * lh * lw, retained_tokens=k, text_tokens=len(prompt.ids) - k,
             prompt_tokens=len(prompt.ids), prefill_chunks=len(steps),
             vision_video_tokens=vt * vh * vw, vision_retained_tokens=vision_k,
-            encoder_cache_bytes=k * shape.hidden * 4 * (1 + shape.deepstack_levels),
+            encoder_cache_bytes=k * shape.hidden * 4 * (1 + sum(shape.extras.values())),
         )
         cases.append(_Case(point, steps, vision_k))
     return cases

@@ -18,6 +18,7 @@ from qeff_evs.bench.pruning import run_pruning_sweep
 from qeff_evs.bench.vision_sweep import run_vision_sweep
 from qeff_evs.bench.window_sweep import run_window_sweep
 from qeff_evs.bench.workload import synthetic_clip
+from qeff_evs.models.registry import family_class
 from qeff_evs.runtime.inputs.processor import VisionPreprocessSpec
 
 Progress = Callable[[str], None]
@@ -43,9 +44,9 @@ def write_reports(results: dict, output: Path) -> list[Path]:
     output.mkdir(parents=True, exist_ok=True)
     (output / RESULTS_MD).write_text(report.markdown(results))
     config = report.config_from_json(results["config"])
-    vc = model_config(config).vision_config
+    vc = family_class(config.family).config_paths.read(model_config(config))
     spec = VisionPreprocessSpec.for_family(config.family, patch_size=vc.patch_size,
-                                           temporal_patch_size=vc.temporal_patch_size, merge_size=vc.spatial_merge_size)
+                                           temporal_patch_size=vc.temporal_patch_size, merge_size=vc.merge_size)
     sweep = results["pruning_sweep"]
     clip = synthetic_clip(spec, config.vision_frames, config.vision_frame_size, config.seed)
     kept = {s["q"]: np.asarray(s["vision_retained_indices"]) for s in sweep["samples"]}
@@ -55,7 +56,7 @@ def write_reports(results: dict, output: Path) -> list[Path]:
         plots.plot_window_sweep(results, output / WINDOW_PNG),
         plots.plot_vision_sweep(results, output / VISION_PNG),
         plots.plot_kept_tokens(clip.frames, tuple(sweep["vision_merged_grid"]), kept,
-                               vc.patch_size * vc.spatial_merge_size, vc.temporal_patch_size, output / KEPT_PNG),
+                               vc.patch_size * vc.merge_size, vc.temporal_patch_size, output / KEPT_PNG),
     ]
 
 

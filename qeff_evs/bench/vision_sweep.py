@@ -8,7 +8,7 @@ and untimed, records the peak resident memory above the loaded graphs, to set ag
 vision side must hold (issue 10, "one batch's activations plus the accumulated rows"): the peak of one
 encoder call of F temporal patches, measured first (after a warm-up call: a session's first run
 allocates more), plus the bytes of merged rows the host accumulates (``T*h*w`` rows of ``hidden``
-floats, + deepstack).
+floats, + the family's extra rows).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ class VisionSweepPoint:
     temporal_patches: int
     video_tokens: int
     retained_tokens: int
-    accumulated_bytes: int  # the merged rows (+ deepstack) the host keeps, float32
+    accumulated_bytes: int  # the merged rows (+ extra rows) the host keeps, float32
     samples: dict[str, Samples] = field(default_factory=dict)
     peak_above_start_mb: dict[str, float | None] = field(default_factory=dict)
 
@@ -70,7 +70,7 @@ def run_vision_sweep(config: BenchConfig, graphs: BenchGraphs, progress: Progres
     progress(f"vision sweep: one encoder call of {graphs.frames_per_call} temporal patches (warm-up, peak memory)")
     pipeline.merged_rows(one_call)
     call_peak = _peak_above(lambda: pipeline.merged_rows(one_call))
-    hidden = graphs.language_shape.hidden * (1 + graphs.language_shape.deepstack_levels)
+    hidden = graphs.language_shape.hidden * (1 + sum(graphs.language_shape.extras.values()))
     cases = []
     for frames in config.vision_sweep_frames:
         clip = synthetic_clip(graphs.preprocess, frames, config.frame_size, config.seed)

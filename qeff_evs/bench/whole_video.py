@@ -4,7 +4,8 @@ Before issue 10 one graph took a whole video: the tower attended over all ``S = 
 dense ``(S, S)`` block mask built from ``cu_seqlens`` (cost and memory ``S^2`` per head), then EVS. It
 is composed here from production pieces, never as a switch in them: a weight-sharing copy of the
 family encoder's tower given the block-mask attention below, followed by the family's ``EVSSelection``.
-Qwen2.5-VL only (the benchmark's default family).
+It rebuilds a windowed tower's whole-video inputs and carries no extra rows (``whole_video_serves``):
+the benchmark's default family.
 """
 
 from __future__ import annotations
@@ -28,6 +29,12 @@ INPUTS = {
     "retained_carrier": {0: "retained_size"},
 }
 OUTPUTS = {"vision_embeds": {0: "retained_size"}, "retained_indices": {0: "retained_size"}}
+
+
+def whole_video_serves(encoder: EncoderWrapper, family) -> bool:
+    """Whether the baseline can stand in for this family: a windowed tower (its encoder takes window
+    indices, which the baseline rebuilds for the whole video) whose rows carry no extra rows."""
+    return "window_index" in encoder.graph_spec.inputs and not family.extras
 
 
 def block_mask_attention(module, query, key, value, attention_mask=None, scaling=None, dropout=0.0,

@@ -15,7 +15,7 @@ the two ways run interleaved chunk by chunk. Both ways must produce the same fir
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -71,25 +71,25 @@ def media_before(prompt: PreparedPrompt, position: int, media_ids: tuple[int, ..
     return int(np.isin(prompt.ids[:position], media_ids).sum())
 
 
-def qefficient_steps(prompt: PreparedPrompt, config: BenchConfig, hidden: int, levels: int,
+def qefficient_steps(prompt: PreparedPrompt, config: BenchConfig, hidden: int, extras: Mapping[str, int],
                      media_ids: tuple[int, ...]) -> list[LanguageInputs]:
     """Every prefill chunk the QEfficient way: all K rows each time, ``image_idx`` = rows consumed so far."""
     encoded = prompt.encoded[0]
     rows = np.ascontiguousarray(encoded.rows[None], dtype=np.float32)
-    deepstack = None if encoded.deepstack is None else np.ascontiguousarray(encoded.deepstack[:, None])
+    extra = {name: np.ascontiguousarray(value[:, None]) for name, value in encoded.extras.items()}
     steps = []
     for computed, scheduled in prefill_chunks(len(prompt.ids), config.prefill_seq_len):
         # ids and positions exactly as in our way; only the vision inputs differ.
-        base = prefill_step(prompt, computed, scheduled, config.prefill_seq_len, rows.shape[1], hidden, levels)
+        base = prefill_step(prompt, computed, scheduled, config.prefill_seq_len, rows.shape[1], hidden, extras)
         image_idx = np.array([[media_before(prompt, computed, media_ids)]], dtype=np.int64)
-        steps.append(dataclasses.replace(base, vision_embeds=rows, deepstack=deepstack, image_idx=image_idx,
+        steps.append(dataclasses.replace(base, vision_embeds=rows, extras=extra, image_idx=image_idx,
                                          vision_rows=rows.shape[1]))
     return steps
 
 
 def vision_bytes(step: LanguageInputs) -> int:
     """Bytes of the vision inputs a chunk sends to the graph."""
-    return int(step.vision_embeds.nbytes) + (0 if step.deepstack is None else int(step.deepstack.nbytes))
+    return int(step.vision_embeds.nbytes) + sum(int(value.nbytes) for value in step.extras.values())
 
 
 def run_window_sweep(config: BenchConfig, graphs: BenchGraphs, progress: Progress) -> WindowSweep:
@@ -100,11 +100,11 @@ def run_window_sweep(config: BenchConfig, graphs: BenchGraphs, progress: Progres
     plans = []
     for frames in config.window_frames:
         clip = synthetic_clip(graphs.preprocess, frames, config.frame_size, config.seed)
-        prompt = language_prompt(family, clip, q, question, shape.hidden, shape.deepstack_levels, merge, config.seed)
+        prompt = language_prompt(family, clip, q, question, shape.hidden, shape.extras, merge, config.seed)
         t, h, w = family.merged_grid(clip.grid_thw)
         k = evs.retained_token_count(h * w, t, q)
-        steps = {USER_VISION_SIZE: prefill_steps(prompt, config, shape.hidden, shape.deepstack_levels),
-                 QEFFICIENT: qefficient_steps(prompt, config, shape.hidden, shape.deepstack_levels, media_ids)}
+        steps = {USER_VISION_SIZE: prefill_steps(prompt, config, shape.hidden, shape.extras),
+                 QEFFICIENT: qefficient_steps(prompt, config, shape.hidden, shape.extras, media_ids)}
         ways = {way: WayMeasurement(vision_size=steps[way][0].vision_embeds.shape[1],
                                     bytes_per_chunk=[vision_bytes(s) for s in steps[way]]) for way in WAYS}
         sessions = {way: OrtLanguageSession(graphs.language, graphs.with_vision_size(ways[way].vision_size))

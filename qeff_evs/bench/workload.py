@@ -9,6 +9,7 @@ timings do not depend on that choice; the retained *count* is exactly the produc
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -66,30 +67,31 @@ def question_ids(num_tokens: int, first_special_id: int, seed: int) -> tuple[int
 
 
 def prompt_pieces(family: ModelFamily, question: tuple[int, ...]) -> list[PromptPiece]:
-    """``<|vision_start|>`` video ``<|vision_end|>`` question, the plain layout of ``runtime.prompt``."""
-    special = family.special_tokens()
-    return [PromptPiece(ids=(special.vision_start,)), PromptPiece(video=0),
-            PromptPiece(ids=(special.vision_end, *question))]
+    """The family's plain video block (markers around the video), then the question (``runtime.prompt``'s
+    plain layout)."""
+    before, after = family.video_block_ids()
+    return [PromptPiece(ids=before), PromptPiece(video=0), PromptPiece(ids=(*after, *question))]
 
 
-def random_rows(num_rows: int, hidden: int, seed: int, levels: int = 0) -> tuple[np.ndarray, np.ndarray | None]:
-    """Stand-in vision embeddings ``(K, hidden)`` (and deepstack ``(levels, K, hidden)``), float32."""
+def random_rows(num_rows: int, hidden: int, seed: int,
+                extras: Mapping[str, int] | None = None) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """Stand-in vision embeddings ``(K, hidden)`` and extra rows ``(levels, K, hidden)`` by name, float32."""
     rng = np.random.default_rng(seed)
     rows = rng.standard_normal((num_rows, hidden), dtype=np.float32)
-    deepstack = rng.standard_normal((levels, num_rows, hidden), dtype=np.float32) if levels else None
-    return rows, deepstack
+    extra = {name: rng.standard_normal((levels, num_rows, hidden), dtype=np.float32)
+             for name, levels in (extras or {}).items() if levels}
+    return rows, extra
 
 
 def language_prompt(family: ModelFamily, clip: Clip, q: float, question: tuple[int, ...], hidden: int,
-                    levels: int, merge_size: int, seed: int) -> PreparedPrompt:
+                    extras: Mapping[str, int], merge_size: int, seed: int) -> PreparedPrompt:
     """Final ids and int64 positions of the clip pruned at ``q`` followed by the question."""
     indices = pixel_retained_indices(clip.video, merge_size, q)
-    rows, deepstack = random_rows(len(indices), hidden, seed, levels)
+    rows, extra = random_rows(len(indices), hidden, seed, extras)
     t, h, w = family.merged_grid(clip.grid_thw)
-    encoded = EncodedMedia(rows, indices, deepstack, tuple(evs.tokens_per_frame_kept(indices, t, h * w)))
+    encoded = EncodedMedia(rows, indices, extra, tuple(evs.tokens_per_frame_kept(indices, t, h * w)))
     return prepare_prompt(prompt_pieces(family, question), [clip.video], [encoded], family)
 
 
 def first_special_id(family: ModelFamily) -> int:
-    special = family.special_tokens()
-    return min(special.image_pad, special.video_pad, special.vision_start, special.vision_end, *special.eos)
+    return min(family.special_tokens().ids)

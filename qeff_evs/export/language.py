@@ -18,7 +18,8 @@ from torch import nn
 
 from qeff_evs.export.onnx_graph import check_named_axes, check_static_ops, legacy_export
 from qeff_evs.models.graph_io import BATCH_INDEX, LanguageGraphIO
-from qeff_evs.models.language import ExportableLanguageGraph, LanguageGraph, LanguageSpec
+from qeff_evs.models.language import ExportableLanguageGraph, LanguageSpec
+from qeff_evs.models.registry import family_for_config
 
 _LOG = logging.getLogger(__name__)
 
@@ -45,7 +46,7 @@ def language_dummy_inputs(
             f"example full_batch_size {full_batch_size} is below batch_size {batch_size}; a call's rows need "
             "distinct cache rows, so choose full_batch_size >= batch_size"
         )
-    io = LanguageGraphIO(spec.num_layers, spec.has_deepstack, full_batch_size is not None)
+    io = LanguageGraphIO(spec.num_layers, tuple(spec.extras), full_batch_size is not None)
     media = min(seq_len // 2, vision_size)
     input_ids = torch.zeros(batch_size, seq_len, dtype=torch.int64)
     input_ids[:, 1 : 1 + media] = spec.media_token_ids[-1]
@@ -54,7 +55,8 @@ def language_dummy_inputs(
     values = {
         "input_ids": input_ids,
         "vision_embeds": torch.zeros(1, vision_size, spec.hidden_size, dtype=dtype),
-        "deepstack_features": torch.zeros(spec.deepstack_levels, 1, vision_size, spec.hidden_size, dtype=dtype),
+        **{name: torch.zeros(levels, 1, vision_size, spec.hidden_size, dtype=dtype)
+           for name, levels in spec.extras.items()},
         "position_ids": positions,
         "image_idx": torch.zeros(1, 1, dtype=torch.int64),
     }
@@ -83,7 +85,9 @@ def export_language_graph(
     value is only traced with; the specializations choose the real one). ``rope_positions`` is the
     length of the RoPE cos/sin tables (default: the config's ``max_position_embeddings``).
     """
-    module = ExportableLanguageGraph(LanguageGraph(hf_model, media_token_ids, rope_positions), continuous_batching)
+    family = family_for_config(hf_model.config)
+    module = ExportableLanguageGraph(family.language_graph(hf_model, media_token_ids, rope_positions),
+                                     continuous_batching)
     io = module.io
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -98,9 +102,9 @@ def export_language_graph(
         full_batch_size=full_batch_size_example if continuous_batching else None,
     )
     _LOG.info(
-        "exporting language graph (%d layers, deepstack=%s, continuous_batching=%s) with example "
+        "exporting language graph (%d layers, extra rows %s, continuous_batching=%s) with example "
         "seq_len=%d ctx_len=%d -> %s",
-        module.spec.num_layers, io.deepstack, continuous_batching, seq_len_example, ctx_len_example, path,
+        module.spec.num_layers, list(io.extras), continuous_batching, seq_len_example, ctx_len_example, path,
     )
     legacy_export(module, list(inputs.values()), path, input_names=io.input_names, output_names=io.output_names,
                   dynamic_axes=io.dynamic_axes, ignore_messages=(

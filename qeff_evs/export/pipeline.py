@@ -35,7 +35,6 @@ from qeff_evs.manifest import (
     EXPORT_FILES,
     GRAPHS,
     MODEL_CONFIG_DIR,
-    SERVING_ARCHITECTURES,
     EncoderEntry,
     EVSEntry,
     LanguageShape,
@@ -43,9 +42,11 @@ from qeff_evs.manifest import (
 )
 from qeff_evs.models.checkpoint import load_checkpoint
 from qeff_evs.models.language import language_spec
+from qeff_evs.models.protocol import ModelFamily
 from qeff_evs.models.registry import family_for_config
 from qeff_evs.specializations import (
     DEFAULT_FRAMES_PER_CALL,
+    EMBEDDING_NAMES,
     FLOAT16,
     CompileCommand,
     CompileOptions,
@@ -73,10 +74,10 @@ def stop_token_ids(checkpoint, config_eos: tuple[int, ...]) -> list[int]:
     return ids + [int(i) for i in extra if int(i) not in ids]
 
 
-def save_serving_config(checkpoint, family: str, eos: list[int], ctx_len: int, folder: Path) -> None:
+def save_serving_config(checkpoint, family: ModelFamily, eos: list[int], ctx_len: int, folder: Path) -> None:
     """The export as a vLLM model folder: ``config.json`` and ``generation_config.json`` at its top.
 
-    The config names qeff-evs's interface class for the family (``SERVING_ARCHITECTURES``) instead of
+    The config names qeff-evs's interface class for the family (its ``serving_architecture``) instead of
     Hugging Face's, and the generation config stops on the same ids as ``qeff-evs run``. A copy of the
     config sits beside the tokenizer too: vLLM reads a model config next to the tokenizer it loads
     (the plugin points it at ``tokenizer/``). Its ``max_position_embeddings`` is the export's ``ctx_len``,
@@ -85,7 +86,7 @@ def save_serving_config(checkpoint, family: str, eos: list[int], ctx_len: int, f
     from transformers import GenerationConfig
 
     config = copy.deepcopy(checkpoint.config)
-    config.architectures = [SERVING_ARCHITECTURES[family]]
+    config.architectures = [family.serving_architecture]
     getattr(config, "text_config", config).max_position_embeddings = int(ctx_len)
     config.save_pretrained(folder)  # EXPORT_FILES["serving_config"]
     config.save_pretrained(folder / EXPORT_FILES["tokenizer"])
@@ -142,10 +143,17 @@ def vision_grid(height: int, width: int, frames: int, patch_size: int, temporal_
     return frames // temporal_patch_size, height // patch_size, width // patch_size
 
 
+def embedding_io_names(family: ModelFamily | type[ModelFamily]) -> tuple[str, ...]:
+    """Graph I/O kept in fp16 on the card (``custom_io.yaml``): vision rows and the family's extra rows."""
+    return (*EMBEDDING_NAMES, *(name for rows in family.extra_rows for name in (rows.name, rows.evs_input)))
+
+
 def compile_commands(export_dir: Path, options: CompileOptions, kv_precision: str,
-                     specs: Mapping[str, Sequence[Specialization]]) -> list[CompileCommand]:
+                     specs: Mapping[str, Sequence[Specialization]],
+                     embedding_names: Sequence[str]) -> list[CompileCommand]:
     """Check each graph (``GRAPHS``) against its specializations, write its compile inputs and
-    ``placement.json``, return the commands."""
+    ``placement.json``, return the commands. ``embedding_names``: the I/O kept in fp16 on the card
+    (``embedding_io_names``)."""
     commands = []
     cores, devices = options.cores, options.devices
     for graph in GRAPHS:
@@ -157,7 +165,8 @@ def compile_commands(export_dir: Path, options: CompileOptions, kv_precision: st
             onnx_path, graph_dir, specs[graph], graph=graph, kv_precision=kv_precision,
             style=options.specializations_layout, num_cores=cores[graph],
             mxfp6_matmul=options.mxfp6_matmul, extra_flags=options.flags_for(graph), relative_to=export_dir,
-            aic_hw_version=options.aic_hw_version, num_devices=devices[graph], stem=stem))
+            aic_hw_version=options.aic_hw_version, num_devices=devices[graph], stem=stem,
+            embedding_names=embedding_names))
         write_specializations_json(export_dir / EXPORT_FILES[f"{graph}_specializations_named"], specs[graph], "named")
     write_placement_record(export_dir, cores, devices)
     return commands
@@ -176,8 +185,8 @@ def export_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, 
     progress(f"loading checkpoint {model_dir}")
     checkpoint = load_checkpoint(model_dir)
     family = family_for_config(checkpoint.config, checkpoint.tokenizer)
-    vc = checkpoint.config.vision_config
-    check_frame_sizes(options, vc.patch_size, vc.spatial_merge_size, vc.temporal_patch_size)
+    vc = family.normalized_config
+    check_frame_sizes(options, vc.patch_size, vc.merge_size, vc.temporal_patch_size)
 
     encoder_targets, evs_targets = [], []
     for height, width in options.resolutions:
@@ -206,7 +215,7 @@ def export_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, 
     _, example_h, example_w = family.merged_grid((2, *example_hw))
     spec = language_spec(checkpoint.model)
     export_evs_graph(family.evs_selection(), (2, example_h, example_w), example_h * example_w,
-                     vc.out_hidden_size, family.deepstack_levels, out / EXPORT_FILES["evs"], progress=progress)
+                     vc.vision_hidden, family.extras, out / EXPORT_FILES["evs"], progress=progress)
     progress("exporting language graph")
     export_language_graph(checkpoint.model, out / "language" / "language.onnx",
                           media_token_ids=family.special_tokens().media_pads,
@@ -214,11 +223,11 @@ def export_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, 
 
     progress("checking specializations against the graphs and writing compile inputs")
     commands = compile_commands(out, CompileOptions(num_cores=options.num_cores, mxfp6_matmul=options.mxfp6_matmul),
-                                options.kv_precision, specs)
+                                options.kv_precision, specs, embedding_io_names(family))
     write_compile_script(out / "compile.sh", commands)
     checkpoint.tokenizer.save_pretrained(out / "tokenizer")
     save_model_config(checkpoint, out / MODEL_CONFIG_DIR)
-    save_serving_config(checkpoint, family.name, stop_token_ids(checkpoint, family.special_tokens().eos),
+    save_serving_config(checkpoint, family, stop_token_ids(checkpoint, family.special_tokens().eos),
                         options.ctx_len, out)
 
     specials = family.special_tokens()
@@ -232,7 +241,7 @@ def export_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, 
         special_tokens=dataclasses.replace(specials, eos=tuple(stop_token_ids(checkpoint, specials.eos))),
         language_shape=LanguageShape(
             num_layers=spec.num_layers, kv_heads=spec.kv_heads, head_dim=spec.head_dim, hidden=spec.hidden_size,
-            ctx_len=options.ctx_len, vision_size=options.vision_size, deepstack_levels=spec.deepstack_levels,
+            ctx_len=options.ctx_len, vision_size=options.vision_size, extras=dict(spec.extras),
             full_batch_size=options.full_batch_size or 1, vocab=spec.vocab_size,
             continuous_batching=options.full_batch_size is not None, rope_positions=rope_positions),
         files=dict(EXPORT_FILES),

@@ -151,8 +151,7 @@ class _LanguageRun:
         self.shape = manifest.language_shape
         self.tokens = manifest.special_tokens
         self.session = _session(manifest.path(export_dir, "language"))
-        self.io = LanguageGraphIO(self.shape.num_layers, self.shape.deepstack_levels > 0,
-                                  self.shape.continuous_batching)
+        self.io = LanguageGraphIO(self.shape.num_layers, tuple(self.shape.extras), self.shape.continuous_batching)
         self.reset()
 
     def reset(self) -> None:
@@ -160,8 +159,8 @@ class _LanguageRun:
         kv = np.zeros((s.full_batch_size, s.kv_heads, s.ctx_len, s.head_dim), np.float32)
         self.state = {name: kv for name in self.io.input_names if name.startswith("past_")}
         self.state["vision_embeds"] = np.zeros((1, s.vision_size, s.hidden), np.float32)
-        if s.deepstack_levels:
-            self.state["deepstack_features"] = np.zeros((s.deepstack_levels, 1, s.vision_size, s.hidden), np.float32)
+        for name, levels in s.extras.items():
+            self.state[name] = np.zeros((levels, 1, s.vision_size, s.hidden), np.float32)
 
     def run(self, input_ids: np.ndarray, positions: np.ndarray, **vision: np.ndarray) -> np.ndarray:
         feeds = {**self.state, **vision, "input_ids": input_ids, "position_ids": positions,
@@ -179,21 +178,21 @@ def _chunk(run: _LanguageRun, seq_len: int, offset: int, seed: int, media_rows: 
     """Feeds of a prefill chunk of ``seq_len`` tokens at KV slots 0.. and M-RoPE positions ``offset``.."""
     shape = run.shape
     rng = np.random.default_rng(seed)
-    special = set(run.tokens.media_pads) | set(run.tokens.eos) | {run.tokens.vision_start, run.tokens.vision_end}
+    special = set(run.tokens.ids)
     vocab = [i for i in range(min(shape.vocab or 256, 4096)) if i not in special]
     ids = rng.choice(vocab, size=(1, seq_len)).astype(np.int64)
     window = np.zeros((1, shape.vision_size, shape.hidden), np.float32)
     if media_rows is not None:
-        ids[0, 1:1 + len(media_rows)] = run.tokens.video_pad
+        ids[0, 1:1 + len(media_rows)] = run.tokens.media_pad("video")
         window[0, : len(media_rows)] = media_rows
     positions = np.empty((4, 1, seq_len), np.int64)
     positions[0, 0] = np.arange(seq_len)
     positions[1:, 0] = offset + np.arange(seq_len)
     vision = {"vision_embeds": window}
-    if shape.deepstack_levels:
-        deep = np.zeros((shape.deepstack_levels, 1, shape.vision_size, shape.hidden), np.float32)
-        deep[:, 0] = window[0]
-        vision["deepstack_features"] = deep
+    for name, levels in shape.extras.items():  # every level of an extra: the chunk's vision rows
+        extra = np.zeros((levels, 1, shape.vision_size, shape.hidden), np.float32)
+        extra[:, 0] = window[0]
+        vision[name] = extra
     return ids, positions, vision
 
 
@@ -257,12 +256,11 @@ def _vision_feeds(export_dir: Path, role: str, session, seed: int) -> dict[str, 
     manifest = read_manifest(export_dir)
     rng = np.random.default_rng(seed)
     if role == "encoder" and manifest.encoder_entries:
-        from transformers import AutoConfig
-
+        from qeff_evs.models.checkpoint import load_config
         from qeff_evs.models.registry import family_for_config
 
         entry = manifest.encoder_entries[0]
-        family = family_for_config(AutoConfig.from_pretrained(export_dir / MODEL_CONFIG_DIR, local_files_only=True))
+        family = family_for_config(load_config(export_dir / MODEL_CONFIG_DIR))
         host = family.encoder_host_inputs(entry.grid_hw, entry.frames_per_call)
         pixels = next(i for i in session.get_inputs() if i.name not in host)
         per_frame = int(np.prod(entry.grid_hw))
@@ -278,7 +276,7 @@ def _vision_feeds(export_dir: Path, role: str, session, seed: int) -> dict[str, 
         for value in session.get_inputs():
             if value.name == "merged_embeds":
                 feeds[value.name] = video_like_rows(t, tokens, value.shape[1], (8.0, 32.0), seed)
-            elif value.name == "merged_deepstack":
+            elif "float" in value.type and len(value.shape) == 3:  # a family's extra rows, (levels, rows, hidden)
                 feeds[value.name] = np.stack([video_like_rows(t, tokens, value.shape[2], (8.0, 32.0), seed + 1 + i)
                                               for i in range(value.shape[0])])
         return {**feeds, **evs_host_inputs((t, tokens, 1), entry.retained)}

@@ -44,12 +44,13 @@ def export_evs_graph(
     example_merged_grid: Sequence[int],
     example_retained: int,
     hidden: int,
-    levels: int,
+    levels: Mapping[str, int],
     path: str | Path,
     progress: Callable[[str], None] | None = None,
 ) -> Path:
     """Trace the EVS graph on one merged grid ``(T, h, w)`` and K; T, the row count and K stay symbols.
 
+    ``levels``: the level count of each of the selection's extra rows, by name (the family's ``extras``).
     Pick T > 1 and K < T*h*w so every op of the selection is traced.
     """
     inputs = selection.dummy_inputs(example_merged_grid, example_retained, hidden, levels)

@@ -1,7 +1,9 @@
 """The single loading path for Hugging Face checkpoint folders (users' and the tiny test ones alike).
 
 Local files only: nothing is downloaded. The model comes back in eval mode and fp32, whatever dtype
-the checkpoint was saved in, because export and the reference path both start from fp32.
+the checkpoint was saved in, because export and the reference path both start from fp32. The family
+(``config.json``'s ``model_type``, looked up in the registry) names the config and model classes that
+read the folder, so a registered family loads without transformers' Auto mappings knowing it.
 """
 
 from __future__ import annotations
@@ -12,9 +14,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoConfig, AutoModelForImageTextToText, AutoTokenizer, PretrainedConfig, PreTrainedModel
+from transformers import AutoTokenizer, PretrainedConfig, PreTrainedModel
 
-from qeff_evs.models.registry import FAMILIES
+from qeff_evs.models.registry import family_class, family_names
 
 # Any one of these means the folder carries a tokenizer AutoTokenizer can read.
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json")
@@ -45,12 +47,17 @@ def detect_family(model_dir: str | Path) -> str:
     """The family of the checkpoint in `model_dir`, from config.json's model_type."""
     model_dir = Path(model_dir)
     model_type = json.loads(_config_path(model_dir).read_text()).get("model_type")
-    if model_type not in FAMILIES:
+    names = family_names()
+    if model_type not in names:
         raise ValueError(
-            f"{model_dir} holds a model_type={model_type!r} checkpoint; qeff-evs supports "
-            f"{', '.join(FAMILIES)} (Qwen2.5-VL / Qwen3-VL)"
-        )
+            f"{model_dir} holds a model_type={model_type!r} checkpoint; qeff-evs supports {', '.join(names)}")
     return model_type
+
+
+def load_config(model_dir: str | Path) -> PretrainedConfig:
+    """The checkpoint's config, read by its family's config class."""
+    model_dir = Path(model_dir)
+    return family_class(detect_family(model_dir)).config_class.from_pretrained(model_dir, local_files_only=True)
 
 
 def _load_tokenizer(model_dir: Path):
@@ -75,9 +82,9 @@ def load_checkpoint(model_dir: str | Path, *, attn_implementation: str | None = 
     model_dir = Path(model_dir)
     family = detect_family(model_dir)
     tokenizer = _load_tokenizer(model_dir)
-    config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    config = load_config(model_dir)
     extra = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
-    model = AutoModelForImageTextToText.from_pretrained(
+    model = family_class(family).model_class.from_pretrained(
         model_dir, config=config, dtype=torch.float32, local_files_only=True, **extra
     )
     return LoadedCheckpoint(

@@ -3,19 +3,19 @@
 The language graph follows QEfficient's dual-QPC contract (DESIGN §6):
 
 Inputs, in order: ``input_ids (batch_size, seq_len)``, ``vision_embeds (1, vision_size, hidden)``,
-[``deepstack_features (levels, 1, vision_size, hidden)``], ``position_ids (4, batch_size, seq_len)``,
-``image_idx (1, 1)``, then ``past_key.{i}``, ``past_value.{i}`` per layer ``(batch_size, kv_heads,
-ctx_len, head_dim)``, and with continuous batching ``batch_index (batch_size, 1)``, the caches then
-having ``full_batch_size`` rows. Outputs: ``logits (batch_size, 1, vocab)``,
-``vision_embeds_RetainedState``, [``deepstack_features_RetainedState``], ``image_idx_output (1, 1)``,
-``past_key.{i}_RetainedState``, ``past_value.{i}_RetainedState``.
+then each of the family's extra rows (``ExtraRows``) by its name, ``(levels, 1, vision_size, hidden)``,
+``position_ids (4, batch_size, seq_len)``, ``image_idx (1, 1)``, then ``past_key.{i}``,
+``past_value.{i}`` per layer ``(batch_size, kv_heads, ctx_len, head_dim)``, and with continuous
+batching ``batch_index (batch_size, 1)``, the caches then having ``full_batch_size`` rows. Outputs:
+``logits (batch_size, 1, vocab)``, ``vision_embeds_RetainedState``, each extra's ``_RetainedState``,
+``image_idx_output (1, 1)``, ``past_key.{i}_RetainedState``, ``past_value.{i}_RetainedState``.
 
 A vision graph (encoder, EVS) declares its interface as a ``VisionGraphSpec``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -60,24 +60,29 @@ class LanguageGraphIO:
     """Names (in graph order) and dynamic axes of the language graph's inputs and outputs."""
 
     num_layers: int
-    deepstack: bool
+    extras: tuple[str, ...] = ()  # names of the family's extra rows (ExtraRows.name), in graph order
     continuous_batching: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "extras", tuple(self.extras))
 
     def _kv(self, suffix: str = "") -> list[str]:
         return [f"past_{kind}.{i}{suffix}" for i in range(self.num_layers) for kind in ("key", "value")]
 
     @property
+    def vision_inputs(self) -> list[str]:
+        """The retained vision window: ``vision_embeds`` and the extras."""
+        return ["vision_embeds", *self.extras]
+
+    @property
     def input_names(self) -> list[str]:
-        vision = ["vision_embeds"] + (["deepstack_features"] if self.deepstack else [])
         # batch_index follows the caches, as in QEfficient's forward signature.
         cb = [BATCH_INDEX] if self.continuous_batching else []
-        return ["input_ids", *vision, "position_ids", "image_idx", *self._kv(), *cb]
+        return ["input_ids", *self.vision_inputs, "position_ids", "image_idx", *self._kv(), *cb]
 
     @property
     def output_names(self) -> list[str]:
-        retained = [f"vision_embeds{RETAINED_SUFFIX}"]
-        if self.deepstack:
-            retained.append(f"deepstack_features{RETAINED_SUFFIX}")
+        retained = [f"{name}{RETAINED_SUFFIX}" for name in self.vision_inputs]
         return ["logits", *retained, "image_idx_output", *self._kv(RETAINED_SUFFIX)]
 
     @property
@@ -90,9 +95,9 @@ class LanguageGraphIO:
             "logits": {0: BATCH},
             f"vision_embeds{RETAINED_SUFFIX}": {1: VISION},
         }
-        if self.deepstack:
-            axes["deepstack_features"] = {2: VISION}
-            axes[f"deepstack_features{RETAINED_SUFFIX}"] = {2: VISION}
+        for name in self.extras:
+            axes[name] = {2: VISION}
+            axes[f"{name}{RETAINED_SUFFIX}"] = {2: VISION}
         if self.continuous_batching:
             axes[BATCH_INDEX] = {0: BATCH}
         for name in self._kv() + self._kv(RETAINED_SUFFIX):
@@ -101,10 +106,10 @@ class LanguageGraphIO:
 
 
 def language_io_names(
-    num_layers: int, deepstack: bool, continuous_batching: bool = False
+    num_layers: int, extras: Sequence[str] = (), continuous_batching: bool = False
 ) -> tuple[list[str], list[str]]:
-    """``(input_names, output_names)`` of the language graph, in graph order."""
-    io = LanguageGraphIO(num_layers, deepstack, continuous_batching)
+    """``(input_names, output_names)`` of the language graph, in graph order (``extras``: extra rows' names)."""
+    io = LanguageGraphIO(num_layers, tuple(extras), continuous_batching)
     return io.input_names, io.output_names
 
 

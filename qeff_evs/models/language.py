@@ -7,8 +7,8 @@ One step takes a chunk of ``seq_len`` tokens (a prefill chunk, or one decode tok
    decode step (seq_len 1) embeds every token as text, as QEfficient and Hugging Face do;
 2. runs the transformers decoder layers with rows 1..3 of ``position_ids`` as M-RoPE positions (cos/sin
    looked up in fp32 tables, ``qeff_evs.models.rope``) and row 0 as KV-cache slots
-   (``qeff_evs.models.kv_cache``); Qwen3-VL deepstack rows, gathered with the same indices, are added
-   after the first ``levels`` layers;
+   (``qeff_evs.models.kv_cache``); a family's extra rows (``ExtraRows``), gathered with the same
+   indices, add their level ``i`` to the media tokens after decoder layer ``i``;
 3. returns the logits of each row's last valid token, ``image_idx`` advanced by the chunk's media
    tokens, and the updated caches.
 
@@ -17,8 +17,9 @@ With ``batch_index`` (continuous batching, QEfficient's ``full_batch_size`` mode
 the rows no batch row names come back unchanged (``qeff_evs.models.kv_cache.SlotKVCache``).
 
 The module drives the family's own transformers submodules (embedding, decoder layers, norm,
-lm_head; the rotary embedding only to fill the tables) directly, so Qwen2.5-VL and Qwen3-VL share it, no class is swapped, and no
-boolean indexing (which would export as NonZero) is involved.
+lm_head; the rotary embedding only to fill the tables) directly, so every family with a standard decoder shares
+it, no class is swapped, and no boolean indexing (which would export as NonZero) is involved. What the family
+is (its config's names, its extra rows) comes from the family registry by the config's ``model_type``.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from torch import nn
 
 from qeff_evs.models.graph_io import BATCH_INDEX, LanguageGraphIO, check_batch_index
 from qeff_evs.models.kv_cache import SlotKVCache, cache_slots, slot_attention_mask
+from qeff_evs.models.registry import family_for_config
 from qeff_evs.models.rope import RopeTable
 
 
@@ -48,45 +50,29 @@ class LanguageSpec:
     kv_heads: int
     head_dim: int
     media_token_ids: tuple[int, ...]  # image pad, video pad
-    deepstack_levels: int  # 0 for Qwen2.5-VL
+    extras: dict[str, int]  # the family's extra rows: name -> levels (empty for most families)
     max_positions: int  # config.max_position_embeddings: the default RoPE table length
-
-    @property
-    def has_deepstack(self) -> bool:
-        return self.deepstack_levels > 0
 
 
 def language_spec(hf_model: nn.Module) -> LanguageSpec:
-    """Read the language-graph spec of a ``Qwen2_5_VL/Qwen3VL ...ForConditionalGeneration`` model."""
-    config = hf_model.config
-    text = getattr(config, "text_config", None)
-    if text is None:
-        raise ValueError(
-            f"{type(hf_model).__name__} has no config.text_config; pass a Qwen2.5-VL or Qwen3-VL "
-            "ForConditionalGeneration model"
-        )
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    media = tuple(
-        int(getattr(config, name))
-        for name in ("image_token_id", "video_token_id")
-        if getattr(config, name, None) is not None
-    )
+    """Read the language-graph spec of a registered family's ``...ForConditionalGeneration`` model."""
+    family = family_for_config(hf_model.config)
+    config = family.normalized_config
+    media = tuple(int(i) for i in (config.image_token_id, config.video_token_id) if i is not None)
     if not media:
         raise ValueError(
-            f"{type(config).__name__} sets neither image_token_id nor video_token_id; "
+            f"{type(hf_model.config).__name__} sets neither image_token_id nor video_token_id; "
             "the language graph needs the media pad ids to merge vision rows"
         )
-    vision = getattr(config, "vision_config", None)
-    deepstack = len(getattr(vision, "deepstack_visual_indexes", None) or ())
     return LanguageSpec(
-        num_layers=int(text.num_hidden_layers),
-        hidden_size=int(text.hidden_size),
-        vocab_size=int(text.vocab_size),
-        kv_heads=int(text.num_key_value_heads),
-        head_dim=int(head_dim),
+        num_layers=config.num_layers,
+        hidden_size=config.hidden_size,
+        vocab_size=config.vocab_size,
+        kv_heads=config.kv_heads,
+        head_dim=config.head_dim,
         media_token_ids=media,
-        deepstack_levels=deepstack,
-        max_positions=int(text.max_position_embeddings),
+        extras=dict(family.extras),
+        max_positions=config.max_positions,
     )
 
 
@@ -167,10 +153,12 @@ class LanguageGraph(nn.Module):
         image_idx: torch.Tensor,
         past_keys: Sequence[torch.Tensor],
         past_values: Sequence[torch.Tensor],
-        deepstack_features: torch.Tensor | None = None,
+        extras: Mapping[str, torch.Tensor] | None = None,
         batch_index: torch.Tensor | None = None,
     ) -> LanguageGraphOutput:
-        self._check_inputs(position_ids, past_keys, past_values, deepstack_features, batch_index)
+        """``extras``: each of the family's extra rows by name, ``(levels, 1, vision_size, hidden)``."""
+        extras = dict(extras or {})
+        self._check_inputs(position_ids, past_keys, past_values, extras, batch_index)
         text = self.text_model
         # Padding rows may carry id -1 (vllm-qaic); their embedding is never used, it only has to exist.
         hidden = text.embed_tokens(torch.where(input_ids < 0, 0, input_ids))
@@ -198,9 +186,10 @@ class LanguageGraph(nn.Module):
                 past_key_values=cache,
                 position_embeddings=rotary,
             )
-            if deepstack_features is not None and layer_idx < deepstack_features.shape[0]:
-                extra = deepstack_features[layer_idx, 0][merge.rows].to(hidden.dtype)
-                hidden = torch.where(media_mask, hidden + extra, hidden)
+            for name in self.spec.extras:
+                if layer_idx < extras[name].shape[0]:
+                    extra = extras[name][layer_idx, 0][merge.rows].to(hidden.dtype)
+                    hidden = torch.where(media_mask, hidden + extra, hidden)
 
         # Only each row's last valid token (largest slot; padding is -1) needs logits.
         last = slots.argmax(dim=1)
@@ -212,7 +201,7 @@ class LanguageGraph(nn.Module):
         image_idx_output = (image_idx.reshape(()) + merge.count.max()).reshape(1, 1)
         return LanguageGraphOutput(logits, image_idx_output, cache.keys, cache.values)
 
-    def _check_inputs(self, position_ids, past_keys, past_values, deepstack_features, batch_index) -> None:
+    def _check_inputs(self, position_ids, past_keys, past_values, extras, batch_index) -> None:
         if torch.jit.is_tracing():
             return
         if position_ids.dim() != 3 or position_ids.shape[0] != 4:
@@ -226,16 +215,13 @@ class LanguageGraph(nn.Module):
                 f"expected {layers} past keys and values (one per decoder layer), got "
                 f"{len(past_keys)} and {len(past_values)}"
             )
-        if self.spec.has_deepstack and deepstack_features is None:
-            raise ValueError(
-                f"this model has {self.spec.deepstack_levels} deepstack levels; pass deepstack_features "
-                "(levels, 1, vision_size, hidden)"
-            )
-        if deepstack_features is not None and deepstack_features.shape[0] != self.spec.deepstack_levels:
-            raise ValueError(
-                f"deepstack_features has {deepstack_features.shape[0]} levels, the model has "
-                f"{self.spec.deepstack_levels}; pass the vision graph's deepstack output unchanged"
-            )
+        for name, levels in self.spec.extras.items():
+            if name not in extras:
+                raise ValueError(
+                    f"this model has {levels} levels of {name}; pass {name} (levels, 1, vision_size, hidden)")
+            if extras[name].shape[0] != levels:
+                raise ValueError(f"{name} has {extras[name].shape[0]} levels, the model has {levels}; pass the "
+                                 f"vision graph's {name} output unchanged")
         if batch_index is not None:
             check_batch_index(batch_index, position_ids, cache_rows=past_keys[0].shape[0])
 
@@ -246,7 +232,7 @@ class ExportableLanguageGraph(nn.Module):
     def __init__(self, graph: LanguageGraph, continuous_batching: bool = False):
         super().__init__()
         self.graph = graph
-        self.io = LanguageGraphIO(graph.spec.num_layers, graph.spec.has_deepstack, continuous_batching)
+        self.io = LanguageGraphIO(graph.spec.num_layers, tuple(graph.spec.extras), continuous_batching)
 
     @property
     def spec(self) -> LanguageSpec:
@@ -265,12 +251,10 @@ class ExportableLanguageGraph(nn.Module):
             named["image_idx"],
             [named[f"past_key.{i}"] for i in layers],
             [named[f"past_value.{i}"] for i in layers],
-            deepstack_features=named.get("deepstack_features"),
+            extras={name: named[name] for name in self.io.extras},
             batch_index=named.get(BATCH_INDEX),
         )
-        retained = [named["vision_embeds"]]
-        if self.io.deepstack:
-            retained.append(named["deepstack_features"])
+        retained = [named[name] for name in self.io.vision_inputs]
         kv = [cache for i in layers for cache in (step.past_keys[i], step.past_values[i])]
         return (step.logits, *retained, step.image_idx_output, *kv)
 

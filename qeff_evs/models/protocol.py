@@ -1,16 +1,24 @@
-"""The small protocol a model family implements to plug into export and runtime.
+"""The small protocol a model family implements to plug into export, runtime, serving, tests and the bench.
 
-A family knows four things the shared pipeline does not: how to build its exportable
-encoder and language wrappers from a transformers model, which host-side index tensors
-its encoder takes for one frame of a grid, how a video is laid out in the prompt (before the
-encoder, where only the retained count K is known, and after it, where the per-frame split is),
-and how its released checkpoints preprocess video (``VideoPreprocessing``).
+A family is one module under ``qeff_evs.models`` holding one class that implements ``ModelFamily`` and
+registers itself with ``qeff_evs.models.registry.register_family``. The class says, as class
+attributes and class methods, what the family *is*: its transformers ``model_type`` and classes, the
+architecture name an export serves under, how its checkpoints preprocess video, how its tokenizer spells
+its media tokens, which extra per-row tensors its vision rows carry (``ExtraRows``), how its config names
+what the pipeline reads (``NormalizedConfig``), and its tiny test and realistic bench configs. An
+instance, built from one checkpoint's config (and tokenizer), is that checkpoint's adapter: its special
+ids, encoder and EVS graph wrappers, the encoder's host inputs and specialization symbols, and how a
+video is laid out in the prompt before the encoder (only the kept count K known) and after it.
+
+Nothing outside a family's module names the family: the pipeline reads every family-specific fact
+through this protocol.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Protocol, Sequence
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar, Protocol, Sequence
 
 import numpy as np
 import torch
@@ -18,16 +26,16 @@ import torch
 from qeff_evs.manifest import SpecialTokens
 from qeff_evs.positions import MediaBlock
 
-SAMPLING_FPS = 2.0  # both Qwen-VL families sample videos at 2 frames per second
+SAMPLING_FPS = 2.0  # every family qeff-evs serves samples videos at 2 frames per second
 
 
 @dataclass(frozen=True)
 class VideoPreprocessing:
-    """What differs by family in turning frames into patches; a family's ``PREPROCESS_DEFAULTS`` are its
+    """What differs by family in turning frames into patches; a family's ``preprocessing`` is its
     released checkpoints' values (a checkpoint's own processor config overrides them).
 
-    ``min_pixels``/``max_pixels`` bound the resized frame: per frame (Qwen2.5-VL), or over the whole
-    clip, frames x height x width, with ``pixel_limits_per_video`` (Qwen3-VL), as HF's video processors do.
+    ``min_pixels``/``max_pixels`` bound the resized frame: per frame, or over the whole clip,
+    frames x height x width, with ``pixel_limits_per_video``, as HF's video processors do.
 
     Frame sampling is HF's video processor's: ``video_processor`` names its class (vLLM picks its video
     loader by that name and ``runtime/inputs/frame_sampling.py`` its sampling rule), and the class
@@ -52,13 +60,121 @@ class VideoPreprocessing:
 
 
 @dataclass(frozen=True)
+class TokenStrings:
+    """How a family's tokenizer spells its media tokens, as its chat template writes them.
+
+    Example: a Qwen-VL family's are ``qeff_evs.models.qwen_vl.QWEN_TOKENS``.
+    """
+
+    image: str  # the pad a chat template emits once per image (the host expands it)
+    video: str  # ... once per video
+    image_block: str  # what a chat template writes for one image: markers around the pad
+    video_block: str  # ... for one video; also the plain (template-less) prompt's video
+
+    def pad(self, modality: str) -> str:
+        """The pad string of ``modality`` ("image" or "video")."""
+        return _by_modality(modality, self.image, self.video)
+
+    def block(self, modality: str) -> str:
+        """The placeholder block a chat template writes for one item of ``modality``."""
+        return _by_modality(modality, self.image_block, self.video_block)
+
+
+def _by_modality(modality: str, image, video):
+    if modality.startswith("image"):
+        return image
+    if modality.startswith("video"):
+        return video
+    raise ValueError(f"qeff-evs exports take images and videos, not {modality!r}")
+
+
+@dataclass(frozen=True)
+class ExtraRows:
+    """A family tensor that travels with a media item's vision rows, row for row (Qwen3-VL's multi-level rows).
+
+    On the host it is ``(levels, rows, hidden)`` beside the ``(rows, hidden)`` vision rows: the encoder
+    outputs it, the EVS graph keeps the same rows of it (scoring ``[rows | level 0 | level 1 | ...]``
+    along features), and each prefill chunk sends the language graph its window of it,
+    ``(levels, 1, window rows, hidden)``, whose level ``i`` is added to the media tokens' hidden states
+    after decoder layer ``i``. Everywhere between, it rides in an ``extras`` mapping under ``name``.
+    """
+
+    name: str  # encoder and EVS output, language input (with its ``_RetainedState`` twin)
+    evs_input: str  # the EVS graph's input holding a whole video's rows of it
+
+
+@dataclass(frozen=True)
+class NormalizedConfig:
+    """A checkpoint config read under the names the pipeline uses, whatever the family calls them.
+
+    As Optimum's ``NormalizedConfig``: a family declares where its config keeps each value
+    (``ConfigPaths``); everything outside the family reads these fields.
+    """
+
+    patch_size: int  # vision patch side, pixels
+    temporal_patch_size: int  # frames per temporal patch
+    merge_size: int  # patches per merged token, per side
+    vision_hidden: int  # width of the rows the vision side emits (the language model's input width)
+    num_layers: int  # decoder layers
+    hidden_size: int  # decoder width
+    vocab_size: int
+    kv_heads: int
+    head_dim: int
+    max_positions: int  # the RoPE table length the checkpoint was trained for
+    image_token_id: int | None
+    video_token_id: int | None
+
+
+@dataclass(frozen=True)
+class ConfigPaths:
+    """Where a family's config keeps each ``NormalizedConfig`` field: dotted attribute paths.
+
+    ``read`` takes a transformers config or the dict of its ``config.json`` alike. ``head_dim`` may be
+    absent from a config: it is then ``hidden_size // heads`` (``heads`` names the attention-head count).
+    """
+
+    patch_size: str
+    temporal_patch_size: str
+    merge_size: str
+    vision_hidden: str
+    num_layers: str
+    hidden_size: str
+    vocab_size: str
+    kv_heads: str
+    head_dim: str
+    heads: str
+    max_positions: str
+    image_token_id: str
+    video_token_id: str
+
+    def get(self, config: Any, name: str) -> Any:
+        """The value at field ``name``'s path, or None when any step of it is absent."""
+        value = config
+        for step in getattr(self, name).split("."):
+            value = value.get(step) if isinstance(value, Mapping) else getattr(value, step, None)
+            if value is None:
+                return None
+        return value
+
+    def read(self, config: Any) -> NormalizedConfig:
+        values = {f.name: self.get(config, f.name) for f in fields(NormalizedConfig)}
+        if values["head_dim"] is None and values["hidden_size"] is not None:
+            values["head_dim"] = int(values["hidden_size"]) // int(self.get(config, "heads"))
+        missing = [getattr(self, name) for name, value in values.items()
+                   if value is None and not name.endswith("token_id")]
+        if missing:
+            raise ValueError(f"{type(config).__name__} lacks {', '.join(missing)}; pass the checkpoint's full config")
+        return NormalizedConfig(**{name: None if value is None else int(value) for name, value in values.items()})
+
+
+@dataclass(frozen=True)
 class MediaInput:
     """A preprocessed video: patches in the family's order and its patch grid."""
 
     pixel_values: torch.Tensor  # (T*H*W, C*tp*p*p)
     grid_thw: tuple[int, int, int]  # patch grid (temporal patches, H patches, W patches)
     fps: float  # sampling rate of the frames the patches were made from
-    frame_times: tuple[float, ...] = ()  # seconds of each sampled frame (Qwen3-VL timestamps)
+    frame_times: tuple[float, ...] = ()  # seconds of each sampled frame (timestamp layouts need them)
     kind: str = "video"  # "video" (pruned by EVS) or "image" (grid T = 1, never pruned)
 
     def __post_init__(self) -> None:
@@ -85,28 +201,80 @@ class MediaLayout:
         return self.unpruned_ids[self.keep]
 
 
-def image_layout(image_pad: int, merged_grid: tuple[int, int, int]) -> MediaLayout:
-    """Images are never pruned: h*w image pads, one M-RoPE block, everything kept (both families)."""
+def image_layout(image_token_id: int, merged_grid: tuple[int, int, int]) -> MediaLayout:
+    """An image is never pruned: h*w image pads, one M-RoPE block, everything kept."""
     _, h, w = merged_grid
-    ids = np.full(h * w, image_pad, dtype=np.int64)
+    ids = np.full(h * w, image_token_id, dtype=np.int64)
     return MediaLayout(ids, np.ones(h * w, dtype=bool), (MediaBlock(1, h, w),))
 
 
 class ModelFamily(Protocol):
-    """What export and runtime need from Qwen2.5-VL or Qwen3-VL."""
+    """What export, runtime, serving, the tiny test checkpoints and the bench need from a model family.
 
-    name: str
-    deepstack_levels: int
+    Class attributes and class methods describe the family (``registry.register_family`` checks them);
+    an instance, ``Family(config, tokenizer)``, adapts one checkpoint.
+    """
+
+    # ---- the family itself ------------------------------------------------------------------------
+    model_type: ClassVar[str]  # transformers' model_type of its checkpoints; the family's name everywhere
+    hf_architectures: ClassVar[tuple[str, ...]]  # Hugging Face's architecture names of its checkpoints
+    serving_architecture: ClassVar[str]  # the name an export's config.json gives vLLM (our interface class)
+    hf_processor: ClassVar[str]  # how transformers spells the family in the processor class names it mirrors
+    config_class: ClassVar[type]  # transformers config class
+    model_class: ClassVar[type]  # transformers ...ForConditionalGeneration class
+    preprocessing: ClassVar[VideoPreprocessing]  # released checkpoints' video preprocessing
+    token_strings: ClassVar[TokenStrings]
+    config_paths: ClassVar[ConfigPaths]  # the config reader
+    extra_rows: ClassVar[tuple[ExtraRows, ...]]  # tensors its vision rows carry (empty for most)
+
+    @classmethod
+    def tiny_tokenizer(cls):
+        """The small tokenizer tests build in code: the family's special tokens and chat template."""
+
+    @classmethod
+    def tiny_config_kwargs(cls, tokenizer, text_layers: int, vision_layers: int) -> dict[str, Any]:
+        """``config_class`` kwargs of a tiny random test model (ids from ``tokenizer``)."""
+
+    @classmethod
+    def prepare_tiny_model(cls, model, tokenizer) -> None:
+        """Adjust a randomly initialised tiny model in place so greedy decoding behaves (no media tokens)."""
+
+    @classmethod
+    def tiny_generation_config(cls, tokenizer):
+        """The ``GenerationConfig`` a tiny checkpoint is saved with."""
+
+    @classmethod
+    def tiny_preprocessor_config(cls, config) -> dict[str, Any]:
+        """``preprocessor_config.json`` contents shaped like the released checkpoints' files."""
+
+    @classmethod
+    def realistic_config_kwargs(cls, text_layers: int, vision_layers: int) -> dict[str, Any]:
+        """``config_class`` kwargs of a released checkpoint's widths with these depths (the bench's models)."""
+
+    # ---- one checkpoint's adapter -----------------------------------------------------------------
+    name: str  # == model_type
+    config: Any  # the checkpoint's transformers config
+    normalized_config: NormalizedConfig
+    extras: Mapping[str, int]  # this checkpoint's extra rows: ExtraRows.name -> levels
+
+    def __init__(self, config, tokenizer=None) -> None: ...
 
     def special_tokens(self) -> SpecialTokens: ...
+
+    def video_block_ids(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Ids before and after the video slot in the plain (template-less) prompt layout."""
 
     def merged_grid(self, grid_thw: Sequence[int]) -> tuple[int, int, int]: ...
 
     def encoder(self, model: torch.nn.Module) -> torch.nn.Module:
-        """Exportable encoder: F temporal patches + one frame's host inputs in, merged rows [+ deepstack] out."""
+        """Exportable encoder: F temporal patches + one frame's host inputs in, merged rows [+ extras] out."""
 
     def evs_selection(self) -> torch.nn.Module:
-        """Exportable EVS graph: a whole video's merged rows in, (kept rows, [deepstack], indices) out."""
+        """Exportable EVS graph: a whole video's merged rows [+ extras] in, kept rows [+ extras] and indices out."""
+
+    def language_graph(self, model: torch.nn.Module, media_token_ids: Sequence[int] | None = None,
+                       rope_positions: int | None = None) -> torch.nn.Module:
+        """The language step the language ONNX is traced from (``models.language.LanguageGraph`` or its like)."""
 
     def encoder_host_inputs(self, grid_hw: Sequence[int], frames: int) -> dict[str, np.ndarray]:
         """Every encoder input except ``pixel_values``, for calls of ``frames`` patches of grid ``(H, W)``."""

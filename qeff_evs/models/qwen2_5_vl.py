@@ -31,6 +31,7 @@ window: ``frames_per_call * windows`` segments of ``window_len`` patches, never 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -40,9 +41,10 @@ from transformers.vision_utils import get_vision_window_index
 
 from qeff_evs import evs
 from qeff_evs.models.attention import EqualSegments, frame_windows, tile_per_frame
-from qeff_evs.models.family import QwenVLFamily
 from qeff_evs.models.graph_io import VisionGraphSpec
 from qeff_evs.models.protocol import MediaInput, MediaLayout, VideoPreprocessing
+from qeff_evs.models.qwen_vl import QwenVLFamily
+from qeff_evs.models.registry import register_family
 from qeff_evs.models.vision_common import (
     FRAME_PATCHES,
     FRAMES_PER_CALL,
@@ -68,7 +70,6 @@ PREPROCESS_DEFAULTS = VideoPreprocessing(
     min_pixels=128 * 28 * 28, max_pixels=768 * 28 * 28, pixel_limits_per_video=False,
     video_processor="Qwen2VLVideoProcessor", do_sample_frames=False, sampling_fps=None,
 )
-PROCESSOR_CLASS = "Qwen2_5_VL"  # how transformers spells the family in its processor class names
 
 # ---------------------------------------------------------------------------------------------
 # Encoder graph
@@ -194,6 +195,7 @@ def reference_vision_evs(
 # ---------------------------------------------------------------------------------------------
 
 
+@register_family
 class Qwen2_5_VLFamily(QwenVLFamily):
     """Qwen2.5-VL: ``<|vision_start|>`` + K video pads + ``<|vision_end|>``; one M-RoPE block per video.
 
@@ -201,8 +203,47 @@ class Qwen2_5_VLFamily(QwenVLFamily):
     ``second_per_grid = temporal_patch_size / fps`` (kept in double precision, never truncated).
     """
 
-    name = "qwen2_5_vl"
+    model_type = "qwen2_5_vl"
+    hf_architectures = ("Qwen2_5_VLForConditionalGeneration",)
+    serving_architecture = "QeffEvsQwen2_5_VLForConditionalGeneration"
+    hf_processor = "Qwen2_5_VL"  # how transformers spells the family in its processor class names
+    config_class = Qwen2_5_VLConfig
+    model_class = Qwen2_5_VLForConditionalGeneration
+    preprocessing = PREPROCESS_DEFAULTS
     wrapper = Qwen2_5_VLEncoder
+
+    # ---- tiny test checkpoints and realistic bench configs ----------------------------------------
+
+    @classmethod
+    def tiny_widths(cls, text: dict[str, Any], vision: dict[str, Any], vision_layers: int) -> None:
+        # mrope_section sums to head_dim // 2 = (64 // 4) // 2.
+        text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
+        # window 56 px = 2 merged tokens; the last block attends fully; tokens_per_second as released.
+        vision.update(patch_size=14, window_size=56, fullatt_block_indexes=[vision_layers - 1], tokens_per_second=2)
+
+    @classmethod
+    def released_pixel_limits(cls) -> dict[str, Any]:
+        return {"min_pixels": 3136, "max_pixels": 12845056}
+
+    @classmethod
+    def realistic_widths(cls, text_layers: int, vision_layers: int) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Qwen2.5-VL-3B widths."""
+        # The 3B model uses full attention on every 8th block (7, 15, 23, 31); keep at least the last one.
+        fullatt = [i for i in range(7, vision_layers, 8)] or [vision_layers - 1]
+        text = dict(
+            vocab_size=151936, hidden_size=2048, intermediate_size=11008, num_hidden_layers=text_layers,
+            num_attention_heads=16, num_key_value_heads=2, max_position_embeddings=128000, rms_norm_eps=1e-6,
+            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [16, 24, 24]},
+            tie_word_embeddings=True,
+        )
+        vision = dict(
+            depth=vision_layers, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=2048,
+            patch_size=14, temporal_patch_size=2, spatial_merge_size=2, window_size=112,
+            fullatt_block_indexes=fullatt, tokens_per_second=2, in_channels=3,
+        )
+        return text, vision
+
+    # ---- one checkpoint ----------------------------------------------------------------------------
 
     def time_factor(self, fps: float) -> float:
         second_per_grid = self.vision_config.temporal_patch_size / float(fps)
@@ -216,9 +257,3 @@ class Qwen2_5_VLFamily(QwenVLFamily):
         unpruned = np.full(t * h * w, self.config.video_token_id, dtype=np.int64)
         return MediaLayout(unpruned, self.kept_mask(video, retained_indices),
                            (MediaBlock(t, h, w, self.time_factor(video.fps)),))
-
-
-Family = Qwen2_5_VLFamily
-# The transformers classes of this family's checkpoints.
-CONFIG_CLASS = Qwen2_5_VLConfig
-MODEL_CLASS = Qwen2_5_VLForConditionalGeneration

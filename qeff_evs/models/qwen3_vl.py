@@ -5,7 +5,7 @@ graph (F temporal patches of one resolution per call, merged rows + deepstack ou
 ``frame_inputs`` / ``encoder_symbols`` give one frame's host-side index tensors and the
 specialization symbols; ``reference_vision_evs`` is the independent reference (stock transformers
 forward over the whole video, then the EVS mask over the deepstack-concatenated features). The
-EVS graph is the family-agnostic ``vision_common.EVSSelection`` with ``deepstack=True``.
+EVS graph is the family-agnostic ``vision_common.EVSSelection`` carrying ``DEEPSTACK``.
 
 What differs from Qwen2.5-VL: full attention within each temporal patch (no windows), learned
 position embeddings resampled bilinearly to the grid (the taps and weights are host inputs), and
@@ -33,6 +33,7 @@ deepstack_features     float   (levels, vision_size, out_hidden)   every deepsta
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -42,9 +43,10 @@ from transformers.vision_utils import get_vision_interpolation_indices_and_weigh
 
 from qeff_evs import evs
 from qeff_evs.models.attention import EqualSegments
-from qeff_evs.models.family import QwenVLFamily
 from qeff_evs.models.graph_io import VisionGraphSpec
-from qeff_evs.models.protocol import SAMPLING_FPS, MediaInput, MediaLayout, VideoPreprocessing
+from qeff_evs.models.protocol import SAMPLING_FPS, ExtraRows, MediaInput, MediaLayout, VideoPreprocessing
+from qeff_evs.models.qwen_vl import QwenVLFamily
+from qeff_evs.models.registry import register_family
 from qeff_evs.models.vision_common import (
     FRAME_PATCHES,
     FRAMES_PER_CALL,
@@ -68,7 +70,6 @@ PREPROCESS_DEFAULTS = VideoPreprocessing(
     min_pixels=128 * 32 * 32, max_pixels=768 * 32 * 32, pixel_limits_per_video=True,
     video_processor="Qwen3VLVideoProcessor", do_sample_frames=True, sampling_fps=SAMPLING_FPS,
 )
-PROCESSOR_CLASS = "Qwen3VL"  # how transformers spells the family in its processor class names
 
 # ---------------------------------------------------------------------------------------------
 # Encoder graph
@@ -235,20 +236,96 @@ def timestamp_text(seconds: float) -> str:
     return f"<{seconds:.1f} seconds>"
 
 
+# The deepstack levels travel beside the merged rows under this graph I/O name (encoder and EVS output,
+# language input + its _RetainedState); a whole video's levels enter the EVS graph as ``merged_deepstack``.
+DEEPSTACK = ExtraRows(name="deepstack_features", evs_input="merged_deepstack")
+
+# Qwen3 text attention normalises q and k per head; see _sharpen_qk_norm.
+QK_NORM_WEIGHT = 2.0
+
+
+def _sharpen_qk_norm(model) -> None:
+    """Set Qwen3's per-head q/k RMSNorm weights to QK_NORM_WEIGHT instead of 1.
+
+    Unit-RMS q and k bound every attention logit by sqrt(head_dim) = 4, so random attention stays
+    near uniform, the current token dominates the residual stream and greedy decoding falls into
+    short loops. Weight 2 bounds logits by 16, which gives varied greedy tokens.
+    """
+    with torch.no_grad():
+        for layer in model.model.language_model.layers:
+            layer.self_attn.q_norm.weight.fill_(QK_NORM_WEIGHT)
+            layer.self_attn.k_norm.weight.fill_(QK_NORM_WEIGHT)
+
+
+def _realistic_deepstack_levels(vision_layers: int) -> list[int]:
+    # The 2B/4B models tap blocks 5, 11, 17 of 24; with fewer blocks tap up to three spread evenly.
+    levels = [i for i in (5, 11, 17) if i < vision_layers]
+    return levels or sorted({(vision_layers - 1) * (j + 1) // 3 for j in range(min(3, vision_layers))})
+
+
+@register_family
 class Qwen3_VLFamily(QwenVLFamily):
     """Qwen3-VL: per temporal patch ``<t seconds> <|vision_start|> n_f pads <|vision_end|>``.
 
     Before encoding only K = sum(n_f) is known; the text per frame does not depend on the split, so
     the placeholder is built with the lumped split ``[K, 0, ..., 0]`` and rewritten after the encoder
-    to the real split, same length. Each frame is its own M-RoPE block (1, h, w).
+    to the real split, same length. Each frame is its own M-RoPE block (1, h, w). Its vision rows carry
+    the deepstack levels (``DEEPSTACK``).
     """
 
-    name = "qwen3_vl"
+    model_type = "qwen3_vl"
+    hf_architectures = ("Qwen3VLForConditionalGeneration",)
+    serving_architecture = "QeffEvsQwen3_VLForConditionalGeneration"
+    hf_processor = "Qwen3VL"  # how transformers spells the family in its processor class names
+    config_class = Qwen3VLConfig
+    model_class = Qwen3VLForConditionalGeneration
+    preprocessing = PREPROCESS_DEFAULTS
+    extra_rows = (DEEPSTACK,)
     wrapper = Qwen3_VLEncoder
 
     def __init__(self, config, tokenizer=None) -> None:
         super().__init__(config, tokenizer)
-        self.deepstack_levels = len(getattr(self.vision_config, "deepstack_visual_indexes", ()) or ())
+        levels = len(getattr(self.vision_config, "deepstack_visual_indexes", ()) or ())
+        self.deepstack_levels = levels
+        self.extras = {DEEPSTACK.name: levels} if levels else {}
+
+    # ---- tiny test checkpoints and realistic bench configs ----------------------------------------
+
+    @classmethod
+    def tiny_widths(cls, text: dict[str, Any], vision: dict[str, Any], vision_layers: int) -> None:
+        text["head_dim"] = 16
+        text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3],
+                                   "mrope_interleaved": True}
+        # num_position_embeddings must be a perfect square (8 x 8 learned grid).
+        vision.update(patch_size=16, num_position_embeddings=64, deepstack_visual_indexes=[0])
+
+    @classmethod
+    def prepare_tiny_model(cls, model, tokenizer) -> None:
+        super().prepare_tiny_model(model, tokenizer)
+        _sharpen_qk_norm(model)
+
+    @classmethod
+    def released_pixel_limits(cls) -> dict[str, Any]:
+        return {"size": {"shortest_edge": 65536, "longest_edge": 16777216}}
+
+    @classmethod
+    def realistic_widths(cls, text_layers: int, vision_layers: int) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Qwen3-VL-2B widths."""
+        text = dict(
+            vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=text_layers,
+            num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=262144,
+            rms_norm_eps=1e-6,
+            rope_parameters={"rope_type": "default", "rope_theta": 5000000.0, "mrope_section": [24, 20, 20],
+                             "mrope_interleaved": True},
+        )
+        vision = dict(
+            depth=vision_layers, hidden_size=1024, intermediate_size=4096, num_heads=16, out_hidden_size=2048,
+            patch_size=16, temporal_patch_size=2, spatial_merge_size=2, num_position_embeddings=2304,
+            deepstack_visual_indexes=_realistic_deepstack_levels(vision_layers), in_channels=3,
+        )
+        return text, vision
+
+    # ---- one checkpoint ----------------------------------------------------------------------------
 
     def timestamp_ids(self, video: MediaInput) -> list[np.ndarray]:
         if self.tokenizer is None:
@@ -279,9 +356,3 @@ class Qwen3_VLFamily(QwenVLFamily):
         keep = np.ones(len(unpruned), dtype=bool)
         keep[unpruned == self.config.video_token_id] = self.kept_mask(video, retained_indices)  # raster order
         return MediaLayout(unpruned, keep, tuple(MediaBlock(1, h, w) for _ in range(t)))
-
-
-Family = Qwen3_VLFamily
-# The transformers classes of this family's checkpoints.
-CONFIG_CLASS = Qwen3VLConfig
-MODEL_CLASS = Qwen3VLForConditionalGeneration

@@ -1,21 +1,22 @@
-"""What the Qwen2.5-VL and Qwen3-VL vision graphs share: the encoder plumbing and the EVS graph.
+"""What the Qwen-VL vision graphs share: the encoder plumbing and the EVS graph.
 
 The vision side is two graphs (DESIGN §5):
 
 * the **encoder** (one per family) takes ``F`` temporal patches of one resolution and returns their
-  merged rows (+ Qwen3-VL deepstack). It wraps a weight-sharing copy of the transformers tower whose
-  own config selects ``segment_attention``; every grid-derived index tensor comes from the host, for
-  ONE frame (they are the same for every frame of a resolution), and the graph tiles it over the F
-  frames whose count it reads from the shape of the carrier ``video_grid_thw (F, H, W)``;
-* the **EVS graph** (``EVSSelection``, family-agnostic) takes a whole video's merged rows and keeps K
-  of them with ``evs.select_retained``; T and K are the lengths of two carriers.
+  merged rows (+ the family's extra rows, ``ExtraRows``). It wraps a weight-sharing copy of the
+  transformers tower whose own config selects ``segment_attention``; every grid-derived index tensor
+  comes from the host, for ONE frame (they are the same for every frame of a resolution), and the
+  graph tiles it over the F frames whose count it reads from the shape of the carrier
+  ``video_grid_thw (F, H, W)``;
+* the **EVS graph** (``EVSSelection``, family-agnostic) takes a whole video's merged rows (+ extra rows)
+  and keeps K of them with ``evs.select_retained``; T and K are the lengths of two carriers.
 """
 
 from __future__ import annotations
 
 import copy
 import itertools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import torch
@@ -25,6 +26,7 @@ from transformers.vision_utils import get_vision_position_ids
 from qeff_evs import evs
 from qeff_evs.models.attention import register_segment_attention
 from qeff_evs.models.graph_io import VisionGraphSpec
+from qeff_evs.models.protocol import ExtraRows
 
 # Symbol names of the encoder graph (DESIGN §7): F, the patch grid of one frame, the rows of a call.
 FRAMES_PER_CALL, GRID_H, GRID_W = "frames_per_call", "grid_h", "grid_w"
@@ -149,14 +151,12 @@ def tiled(frame_input: torch.Tensor, frames: int | torch.Tensor) -> torch.Tensor
 # ---------------------------------------------------------------------------------------------
 
 
-def evs_graph_spec(deepstack: bool) -> VisionGraphSpec:
-    inputs = {"merged_embeds": {0: VIDEO_TOKENS}}
-    outputs = {"vision_embeds": {0: RETAINED}}
-    if deepstack:
-        inputs["merged_deepstack"] = {1: VIDEO_TOKENS}
-        outputs["deepstack_features"] = {1: RETAINED}
-    inputs.update(time_carrier={0: TIME}, retained_carrier={0: RETAINED})
-    outputs["retained_indices"] = {0: RETAINED}
+def evs_graph_spec(extras: Sequence[ExtraRows] = ()) -> VisionGraphSpec:
+    """Merged rows, each extra's whole-video rows and the T/K carriers in; kept rows, kept extras, indices out."""
+    inputs = {"merged_embeds": {0: VIDEO_TOKENS}, **{x.evs_input: {1: VIDEO_TOKENS} for x in extras},
+              "time_carrier": {0: TIME}, "retained_carrier": {0: RETAINED}}
+    outputs = {"vision_embeds": {0: RETAINED}, **{x.name: {1: RETAINED} for x in extras},
+               "retained_indices": {0: RETAINED}}
     return VisionGraphSpec(inputs=inputs, outputs=outputs)
 
 
@@ -186,35 +186,32 @@ class EVSSelection(nn.Module):
     """The EVS graph: a whole video's merged rows in, the K retained rows and their indices out.
 
     The dissimilarity is computed in float32 whatever the I/O precision (DESIGN §11: compiled without
-    fp16 conversion, its cosine must not overflow); rows are gathered from the inputs unchanged.
-    Qwen3-VL scores ``[merger | deepstack levels]`` (``deepstack=True``) and prunes every level alike.
+    fp16 conversion, its cosine must not overflow); rows are gathered from the inputs unchanged. A
+    family's extra rows (``extras``, each ``(levels, rows, hidden)``) are scored with the merged rows,
+    ``[merged | level 0 | level 1 | ...]`` along features, and kept alike.
     """
 
-    def __init__(self, deepstack: bool = False) -> None:
+    def __init__(self, extras: Sequence[ExtraRows] = ()) -> None:
         super().__init__()
-        self.deepstack = deepstack
-        self.graph_spec = evs_graph_spec(deepstack)
+        self.extras = tuple(extras)
+        self.graph_spec = evs_graph_spec(self.extras)
 
     def forward(self, merged_embeds: torch.Tensor, *rest: torch.Tensor):
-        if self.deepstack:
-            merged_deepstack, time_carrier, retained_carrier = rest
-            # [level 0 | level 1 | ...] along features, as vLLM concatenates them after the merger rows.
-            extra = merged_deepstack.float().permute(1, 0, 2).reshape(merged_deepstack.shape[1], -1)
-        else:
-            time_carrier, retained_carrier = rest
-            extra = None
-        rows, indices = evs.select_retained(merged_embeds.float(), time_carrier.shape[0], retained_carrier, extra=extra)
-        kept = rows.to(merged_embeds.dtype)
-        if self.deepstack:
-            return kept, merged_deepstack.index_select(1, indices), indices
-        return kept, indices
+        *extra_rows, time_carrier, retained_carrier = rest
+        # [level 0 | level 1 | ...] of each extra along features, after the merged rows (vLLM's order).
+        scored = [extra.float().permute(1, 0, 2).reshape(extra.shape[1], -1) for extra in extra_rows]
+        features = None if not scored else scored[0] if len(scored) == 1 else torch.cat(scored, dim=-1)
+        rows, indices = evs.select_retained(merged_embeds.float(), time_carrier.shape[0], retained_carrier,
+                                            extra=features)
+        return (rows.to(merged_embeds.dtype), *(extra.index_select(1, indices) for extra in extra_rows), indices)
 
-    def dummy_inputs(self, merged_grid: Sequence[int], retained: int, hidden: int, levels: int = 0,
-                     seed: int = 0) -> dict[str, torch.Tensor]:
+    def dummy_inputs(self, merged_grid: Sequence[int], retained: int, hidden: int,
+                     levels: Mapping[str, int] | None = None, seed: int = 0) -> dict[str, torch.Tensor]:
+        """Example inputs in graph order; ``levels`` gives each extra's level count (by ``ExtraRows.name``)."""
         t, h, w = (int(v) for v in merged_grid)
         generator = torch.Generator().manual_seed(seed)
         inputs = {"merged_embeds": torch.randn(t * h * w, hidden, generator=generator)}
-        if self.deepstack:
-            inputs["merged_deepstack"] = torch.randn(levels, t * h * w, hidden, generator=generator)
+        for extra in self.extras:
+            inputs[extra.evs_input] = torch.randn((levels or {})[extra.name], t * h * w, hidden, generator=generator)
         inputs.update({k: torch.from_numpy(v) for k, v in evs_host_inputs(merged_grid, retained).items()})
         return inputs

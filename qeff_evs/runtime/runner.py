@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from transformers import AutoConfig, AutoTokenizer
+from transformers import AutoTokenizer
 
 from qeff_evs import evs
 from qeff_evs.manifest import MODEL_CONFIG_DIR, LanguageShape, Manifest, read_manifest
@@ -70,7 +70,9 @@ def open_export(export_dir: str | Path) -> ExportBundle:
     tokenizer_dir = manifest.path(export_dir, "tokenizer")
     _require_any_file(config_dir, ("config.json",), "model config")
     _require_any_file(tokenizer_dir, TOKENIZER_FILES, "tokenizer")
-    config = AutoConfig.from_pretrained(config_dir, local_files_only=True)
+    from qeff_evs.models.checkpoint import load_config  # transformers' model code, needed from here on
+
+    config = load_config(config_dir)
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
     preprocess = VisionPreprocessSpec.from_pretrained_dir(config_dir, config)
     return ExportBundle(export_dir, manifest, family_for_config(config, tokenizer), tokenizer, preprocess)
@@ -182,12 +184,12 @@ def sessions_for(bundle: ExportBundle, backend: str, device: str | None = None, 
         return vision_pipeline(bundle, backend), OrtLanguageSession(m.path(root, "language"), bundle.language_shape)
     if backend == "torch":
         from qeff_evs.models.checkpoint import load_checkpoint
-        from qeff_evs.models.language import ExportableLanguageGraph, LanguageGraph
+        from qeff_evs.models.language import ExportableLanguageGraph
 
         checkpoint = load_checkpoint(m.model_dir)
         language = ExportableLanguageGraph(
-            LanguageGraph(checkpoint.model, bundle.family.special_tokens().media_pads,
-                          m.language_shape.rope_positions),
+            bundle.family.language_graph(checkpoint.model, bundle.family.special_tokens().media_pads,
+                                         m.language_shape.rope_positions),
             continuous_batching=m.language_shape.continuous_batching)
         return (vision_pipeline(bundle, backend, device, checkpoint),
                 TorchLanguageSession(language, bundle.language_shape, device))
@@ -270,7 +272,7 @@ def stop_ids(bundle: ExportBundle) -> tuple[int, ...]:
 
 def answer(bundle: ExportBundle, engine: Engine, video: MediaInput, question: str) -> GenerationResult:
     bundle.manifest.evs_entry(video.grid_thw)  # fails clearly when no specialization serves this grid
-    pieces = video_question_pieces(bundle.tokenizer, question)
+    pieces = video_question_pieces(bundle.tokenizer, question, bundle.family.token_strings)
     prompt = engine.prepare(pieces, [video])
     return engine.generate(prompt, eos_ids=stop_ids(bundle))
 
@@ -339,9 +341,8 @@ def requests_from_jsonl(path: str | Path, bundle: ExportBundle):
             bundle.manifest.evs_entry(video.grid_thw)
         except (ValueError, TypeError) as error:
             raise ValueError(f"{where}: {error}") from None
-        requests.append(ServeRequest(str(entry.get("id", f"request-{number}")),
-                                     video_question_pieces(bundle.tokenizer, entry["prompt"]), [video],
-                                     max_new_tokens))
+        pieces = video_question_pieces(bundle.tokenizer, entry["prompt"], bundle.family.token_strings)
+        requests.append(ServeRequest(str(entry.get("id", f"request-{number}")), pieces, [video], max_new_tokens))
     if not requests:
         raise ValueError(f"{path} holds no requests")
     return requests

@@ -20,6 +20,7 @@ from .compile_command import (
     write_compile_script,
 )
 from .custom_io import (
+    EMBEDDING_NAMES,
     FLOAT16,
     MXINT8,
     RETAINED_SUFFIX,
@@ -45,6 +46,7 @@ from .symbols import check_specializations, graph_symbols
 
 __all__ = [
     "CUSTOM_IO_FILE",
+    "EMBEDDING_NAMES",
     "FLOAT16",
     "MXINT8",
     "QPC_DIR",

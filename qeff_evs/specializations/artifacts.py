@@ -19,7 +19,14 @@ from .compile_command import (
     qaic_compile_command,
     write_mdp_partition_config,
 )
-from .custom_io import FLOAT16, MXINT8, check_retained_pairs, custom_io_precisions, write_custom_io_yaml
+from .custom_io import (
+    EMBEDDING_NAMES,
+    FLOAT16,
+    MXINT8,
+    check_retained_pairs,
+    custom_io_precisions,
+    write_custom_io_yaml,
+)
 from .files import DEFAULT_STYLE, SpecializationStyle, write_specializations_json
 from .sets import Specialization
 from .symbols import check_specializations, graph_symbols, load_graph
@@ -50,6 +57,7 @@ def prepare_graph_compile(
     aic_hw_version: str = DEFAULT_HW_VERSION,
     num_devices: int = 1,
     stem: str | None = None,
+    embedding_names: Sequence[str] = EMBEDDING_NAMES,
 ) -> CompileCommand:
     """Check ``specs`` against the graph, write its compile inputs into ``graph_dir``, return the command.
 
@@ -59,11 +67,13 @@ def prepare_graph_compile(
     paths are relative to it, so the build folder can be copied to a machine with the SDK.
     ``num_devices > 1`` also writes ``graph_dir/[<stem>_]mdp_ts_<N>.json`` (multi-device partitioning: the
     encoder and EVS graphs may differ in cores, so each has its own).
+    ``embedding_names``: the I/O kept in fp16 with their retained twins (vision rows, a family's extra rows).
     """
     proto, label = load_graph(onnx_path)
     check_specializations(proto, specs, label=label)  # before writing anything
     io_names = list(graph_symbols(proto))
-    precisions = custom_io_precisions(io_names, kv_precision=kv_precision, pixel_values_fp16=pixel_values_fp16)
+    precisions = custom_io_precisions(io_names, kv_precision=kv_precision, pixel_values_fp16=pixel_values_fp16,
+                                      embedding_names=embedding_names)
     check_retained_pairs(precisions, io_names)
 
     graph_dir = Path(graph_dir)

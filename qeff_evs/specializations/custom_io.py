@@ -3,23 +3,24 @@
 ``qaic-compile -custom-IO-list-file=`` takes a YAML list of ``{IOName, Precision}`` records;
 any IO not listed keeps the ONNX dtype (fp32 here). QEfficient lists:
 
-* vision graph: ``pixel_values`` and ``vision_embeds`` (+ ``deepstack_features``) as
+* vision graph: ``pixel_values`` and ``vision_embeds`` (+ a family's extra rows) as
   ``float16`` -- halves the transfer of the largest buffers; here the encoder graph, and the EVS
-  graph's ``merged_embeds`` (+ ``merged_deepstack``) in and kept rows out (the EVS graph computes
+  graph's ``merged_embeds`` (+ extra rows) in and kept rows out (the EVS graph computes
   in fp32: the compiler converts fp16 I/O at the graph's edge);
-* language graph: ``vision_embeds`` (+ ``deepstack_features``) and their ``_RetainedState``
+* language graph: ``vision_embeds`` (+ extra rows) and their ``_RetainedState``
   twins as ``float16``; every ``past_key.{i}`` / ``past_value.{i}`` and its
   ``_RetainedState`` as ``float16`` or ``mxint8`` (``mxint8`` is not a compiler flag, only
   this precision). A retained-state output must have the same precision as its input.
 
 The builders read the IO names from the exported graph itself, so the list can never name
-an IO the graph lacks or miss one it has.
+an IO the graph lacks or miss one it has; which of them are embeddings the caller says
+(``embedding_names``: ``EMBEDDING_NAMES`` plus the family's extra rows).
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
 import yaml
@@ -29,8 +30,8 @@ MXINT8 = "mxint8"
 KV_PRECISIONS: tuple[str, ...] = (FLOAT16, MXINT8)
 RETAINED_SUFFIX = "_RetainedState"
 
-# Embedding-like IOs kept in fp16 on both graphs.
-FP16_EMBEDDING_NAMES: tuple[str, ...] = ("vision_embeds", "deepstack_features", "merged_embeds", "merged_deepstack")
+# Embedding-like IOs every export has, kept in fp16 (a family's extra rows are added to these).
+EMBEDDING_NAMES: tuple[str, ...] = ("vision_embeds", "merged_embeds")
 _KV_NAME = re.compile(r"^past_(key|value)\.\d+$")
 
 
@@ -39,11 +40,12 @@ def _base_name(io_name: str) -> str:
 
 
 def custom_io_precisions(
-    io_names: Iterable[str], kv_precision: str = FLOAT16, pixel_values_fp16: bool = True
+    io_names: Iterable[str], kv_precision: str = FLOAT16, pixel_values_fp16: bool = True,
+    embedding_names: Sequence[str] = EMBEDDING_NAMES,
 ) -> dict[str, str]:
     """``{io name: precision}`` for the IOs among ``io_names`` that get a custom precision.
 
-    Works for both graphs: embeddings (and their retained twins) -> float16, KV cache (and
+    Works for every graph: ``embedding_names`` (and their retained twins) -> float16, KV cache (and
     retained twins) -> ``kv_precision``, ``pixel_values`` -> float16 when ``pixel_values_fp16``.
     Other names (ids, positions, index tensors, logits, retained_indices) are left out.
     """
@@ -52,33 +54,35 @@ def custom_io_precisions(
     precisions: dict[str, str] = {}
     for name in io_names:
         base = _base_name(name)
-        if base in FP16_EMBEDDING_NAMES or (pixel_values_fp16 and name == "pixel_values"):
+        if base in embedding_names or (pixel_values_fp16 and name == "pixel_values"):
             precisions[name] = FLOAT16
         elif _KV_NAME.match(base):
             precisions[name] = kv_precision
     return precisions
 
 
-def vision_custom_io(has_deepstack: bool, pixel_values_fp16: bool = True) -> dict[str, str]:
-    """Custom IO of the encoder graph (pixels in, merged rows out), from the names the design fixes (§5)."""
-    names = ["pixel_values", "vision_embeds"] + (["deepstack_features"] if has_deepstack else [])
-    return custom_io_precisions(names, pixel_values_fp16=pixel_values_fp16)
+def vision_custom_io(extras: Sequence[str] = (), pixel_values_fp16: bool = True) -> dict[str, str]:
+    """Custom IO of the encoder graph (pixels in, merged rows and the family's ``extras`` out), from the
+    names the design fixes (§5)."""
+    names = ["pixel_values", "vision_embeds", *extras]
+    return custom_io_precisions(names, pixel_values_fp16=pixel_values_fp16, embedding_names=(*EMBEDDING_NAMES, *extras))
 
 
-def evs_custom_io(has_deepstack: bool) -> dict[str, str]:
-    """Custom IO of the EVS graph (§5): the whole video's merged rows in, the kept rows out."""
-    names = ["merged_embeds", "vision_embeds"] + (["merged_deepstack", "deepstack_features"] if has_deepstack else [])
-    return custom_io_precisions(names, pixel_values_fp16=False)
+def evs_custom_io(extras: Sequence[str] = ()) -> dict[str, str]:
+    """Custom IO of the EVS graph (§5): the whole video's merged rows in, the kept rows out; ``extras``
+    names the family's extra rows on both sides."""
+    names = ["merged_embeds", "vision_embeds", *extras]
+    return custom_io_precisions(names, pixel_values_fp16=False, embedding_names=(*EMBEDDING_NAMES, *extras))
 
 
-def language_custom_io(num_layers: int, has_deepstack: bool, kv_precision: str = FLOAT16) -> dict[str, str]:
-    """Custom IO of the language graph, from the names the design fixes (§6)."""
+def language_custom_io(num_layers: int, extras: Sequence[str] = (), kv_precision: str = FLOAT16) -> dict[str, str]:
+    """Custom IO of the language graph, from the names the design fixes (§6); ``extras``: the family's extra rows."""
     if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
         raise ValueError(f"num_layers must be a positive integer, got {num_layers!r}")
-    inputs = ["vision_embeds"] + (["deepstack_features"] if has_deepstack else [])
+    inputs = ["vision_embeds", *extras]
     inputs += [f"past_{kind}.{i}" for i in range(num_layers) for kind in ("key", "value")]
     names = [n for name in inputs for n in (name, name + RETAINED_SUFFIX)]
-    return custom_io_precisions(names, kv_precision=kv_precision)
+    return custom_io_precisions(names, kv_precision=kv_precision, embedding_names=(*EMBEDDING_NAMES, *extras))
 
 
 def check_retained_pairs(precisions: Mapping[str, str], io_names: Iterable[str]) -> None:

@@ -83,22 +83,25 @@ class FeatureRows:
     """One cached vLLM encoder output as host arrays."""
 
     rows: np.ndarray  # (rows, hidden)
-    deepstack: np.ndarray | None  # (levels, rows, hidden)
+    extras: Mapping[str, np.ndarray]  # the family's extra rows by name, (levels, rows, hidden)
 
 
 def gather_feature_window(features: Sequence[Any], encoder_outputs: Mapping[str, Any], computed: int,
-                          scheduled: int, user_vision_size: int, hidden: int, deepstack_levels: int = 0,
-                          deepstack_outputs: Mapping[str, Any] | None = None) -> VisionWindow:
+                          scheduled: int, user_vision_size: int, hidden: int,
+                          extras: Mapping[str, int] | None = None,
+                          extra_outputs: Mapping[str, Mapping[str, Any]] | None = None) -> VisionWindow:
     """The chunk's vision rows (``gather_window``) from vLLM features and encoder outputs by identifier.
 
-    ``encoder_outputs[identifier]`` is an item's ``(rows, hidden)`` output; with ``deepstack_levels``
-    (Qwen3-VL), ``deepstack_outputs[identifier]`` holds its ``(levels, rows, hidden)`` deepstack rows.
+    ``encoder_outputs[identifier]`` is an item's ``(rows, hidden)`` output; for each of the family's
+    extra rows (``extras``: name -> levels), ``extra_outputs[name][identifier]`` holds its
+    ``(levels, rows, hidden)`` rows.
     """
-    deep = deepstack_outputs or {}
-    outputs = {key: FeatureRows(_as_array(value), _as_array(deep[key]) if key in deep else None)
+    extra_outputs = extra_outputs or {}
+    outputs = {key: FeatureRows(_as_array(value), {name: _as_array(by_key[key])
+                                                   for name, by_key in extra_outputs.items() if key in by_key})
                for key, value in encoder_outputs.items()}
     return gather_window(feature_placeholders(features), [str(f.identifier) for f in features], outputs,
-                         computed, scheduled, user_vision_size, hidden, deepstack_levels)
+                         computed, scheduled, user_vision_size, hidden, extras)
 
 
 def _as_array(value: Any) -> np.ndarray:
@@ -128,7 +131,7 @@ class EvsReservation:
 def evs_reservation(family: ModelFamily, media: MediaInput, q: float) -> EvsReservation:
     """The family's own provisional placeholder (the one our engine puts in the prompt), sized by K.
 
-    Qwen2.5-VL: K video pads. Qwen3-VL: the lumped layout ``[K, 0, ..., 0]``, ``L = sum_f(len(ts_f) + 2) + K``,
+    E.g. Qwen2.5-VL: K video pads; Qwen3-VL: the lumped layout ``[K, 0, ..., 0]``, ``L = sum_f(len(ts_f) + 2) + K``,
     whose length is the real layout's too, whatever split EVS picks; only its pads are embedding rows.
     """
     k = retained_count(family, media, q)

@@ -4,17 +4,21 @@ vLLM resolves ``config.json``'s ``architectures`` to a model class and inspects 
 M-RoPE, EVS support) in every process; our worker runs the ONNX / QAIC / torch sessions and never
 instantiates these. They are registered under qeff-evs's own architecture names (the export's
 ``config.json`` names them), not over Hugging Face's: registering is process-global, and taking
-``Qwen2_5_VLForConditionalGeneration`` would change what any other vLLM engine in the same process
-builds for a real checkpoint. Each class carries the multimodal processor that sizes EVS placeholders.
+Hugging Face's architecture would change what any other vLLM engine in the same process builds for a
+real checkpoint. Each class carries the multimodal processor that sizes EVS placeholders. There is one
+class per registered model family (``interface_class``), named after its ``serving_architecture``.
 """
 
 from __future__ import annotations
+
+import functools
 
 from torch import nn
 from vllm import ModelRegistry
 from vllm.multimodal import MULTIMODAL_REGISTRY
 
-from qeff_evs.manifest import SERVING_ARCHITECTURES
+from qeff_evs.models.protocol import ModelFamily
+from qeff_evs.models.registry import family_classes
 from qeff_evs.vllm.processing import QeffEvsDummyInputs, QeffEvsProcessingInfo, QeffEvsProcessor
 
 _with_our_processor = MULTIMODAL_REGISTRY.register_processor(
@@ -27,17 +31,14 @@ class _ExportInterface(nn.Module):
     supports_multimodal = True
     supports_multimodal_pruning = True
     supports_mrope = True
+    family: type[ModelFamily]  # set on each family's class
 
     def __init__(self, *, vllm_config=None, prefix: str = ""):
         super().__init__()
 
     @classmethod
     def get_placeholder_str(cls, modality: str, i: int) -> str | None:
-        if modality.startswith("image"):
-            return "<|vision_start|><|image_pad|><|vision_end|>"
-        if modality.startswith("video"):
-            return "<|vision_start|><|video_pad|><|vision_end|>"
-        raise ValueError(f"qeff-evs exports take images and videos, not {modality!r}")
+        return cls.family.token_strings.block(modality)
 
     # The graphs run in qeff-evs's worker; nothing may call the torch side of this interface.
     def embed_input_ids(self, input_ids, *args, **kwargs):
@@ -54,20 +55,16 @@ def _never_run():
     raise RuntimeError("qeff-evs exports run in the qeff-evs worker (QEFF_EVS_BACKEND), not as a torch module")
 
 
-@_with_our_processor
-class QeffEvsQwen2_5_VL(_ExportInterface):
-    """A qeff-evs Qwen2.5-VL export."""
-
-
-@_with_our_processor
-class QeffEvsQwen3_VL(_ExportInterface):
-    """A qeff-evs Qwen3-VL export."""
-
-
-MODEL_CLASSES = {"qwen2_5_vl": QeffEvsQwen2_5_VL, "qwen3_vl": QeffEvsQwen3_VL}
+@functools.cache
+def interface_class(family: type[ModelFamily]) -> type[_ExportInterface]:
+    """The interface class of a qeff-evs export of ``family`` (one per family and process)."""
+    name = family.serving_architecture
+    cls = type(name, (_ExportInterface,), {"__doc__": f"A qeff-evs {family.model_type} export.", "family": family,
+                                           "__module__": __name__, "__qualname__": name})
+    return _with_our_processor(cls)
 
 
 def register_models() -> None:
     """Register each family's class under its export architecture name (vLLM loads plugins once per process)."""
-    for family, cls in MODEL_CLASSES.items():
-        ModelRegistry.register_model(SERVING_ARCHITECTURES[family], cls)
+    for family in family_classes():
+        ModelRegistry.register_model(family.serving_architecture, interface_class(family))

@@ -3,9 +3,9 @@
 vLLM's frontend calls this for every request with images or videos (``LLM.generate``'s
 ``multi_modal_data``, the OpenAI server's ``image_url`` / ``video_url``). It runs the same host logic as
 ``qeff-evs run``: videos are sampled to an exported frame count at the checkpoint's rate and resized to
-the exported resolution closest in aspect ratio; images likewise. Each ``<|video_pad|>`` /
-``<|image_pad|>`` the chat template emits becomes the family's placeholder sized by the EVS count K
-before the encoder runs (Qwen3-VL: timestamps and the lumped layout). Everything a request can get
+the exported resolution closest in aspect ratio; images likewise. Each video or image pad the chat
+template emits (the family's ``token_strings``) becomes the family's placeholder sized by the EVS count K
+before the encoder runs (e.g. Qwen3-VL: timestamps and the lumped layout). Everything a request can get
 wrong is checked here, in the frontend, where an error becomes a 400 for that request: an exception
 inside the worker would take vLLM's engine down.
 
@@ -138,8 +138,8 @@ class QeffEvsDummyInputs(BaseDummyInputsBuilder[QeffEvsProcessingInfo]):
     """The largest video and image the export serves (vLLM's profiling input)."""
 
     def get_dummy_text(self, mm_counts: Mapping[str, int]) -> str:
-        return ("<|vision_start|><|video_pad|><|vision_end|>" * mm_counts.get("video", 0)
-                + "<|vision_start|><|image_pad|><|vision_end|>" * mm_counts.get("image", 0))
+        tokens = self.info.bundle.family.token_strings
+        return tokens.video_block * mm_counts.get("video", 0) + tokens.image_block * mm_counts.get("image", 0)
 
     def get_dummy_mm_data(self, seq_len: int, mm_counts: Mapping[str, int], mm_options=None):
         m = self.info.bundle.manifest
@@ -185,8 +185,7 @@ class QeffEvsProcessor(BaseMultiModalProcessor[QeffEvsProcessingInfo]):
                 return PromptUpdateDetails.select_token_id([int(i) for i in ids], pad)
             return replacement
 
-        return [PromptReplacement(modality="video", target=[tokens.video_pad],
-                                  replacement=placeholder("video", tokens.video_pad)),
-                PromptReplacement(modality="image", target=[tokens.image_pad],
-                                  replacement=placeholder("image", tokens.image_pad))]
+        return [PromptReplacement(modality=modality, target=[tokens.media_pad(modality)],
+                                  replacement=placeholder(modality, tokens.media_pad(modality)))
+                for modality in ("video", "image")]
 

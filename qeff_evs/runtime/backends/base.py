@@ -2,7 +2,9 @@
 
 The vision side is two sessions (DESIGN §5): an encoder session runs one call of F temporal
 patches, an EVS session prunes a whole video's merged rows; ``vision.VisionPipeline`` drives both
-for a media item and is what the engines call (``VisionSession``).
+for a media item and is what the engines call (``VisionSession``). Sessions read graph outputs by
+name: ``vision_embeds`` (and the EVS graph's ``retained_indices``) are the rows, every other output is
+one of the family's extra rows (``ExtraRows``) and travels under its name in an ``extras`` mapping.
 
 A language session owns its retained state (KV cache, last vision window) the way a QAIC
 program does with ``-retained-state``: the engine sends only the per-call inputs, and the session
@@ -26,8 +28,8 @@ reads past it; the mask hides them too). ``reset`` stays for callers that want a
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
@@ -43,7 +45,7 @@ class LanguageInputs:
     input_ids: np.ndarray  # (1, S) int64
     position_ids: np.ndarray  # (4, 1, S) int64: KV slot, then M-RoPE t/h/w; padding -1
     vision_embeds: np.ndarray | None  # (1, U, hidden) or None (decode: keep the retained buffer)
-    deepstack: np.ndarray | None  # (levels, 1, U, hidden)
+    extras: Mapping[str, np.ndarray]  # the family's extra rows by name, (levels, 1, U, hidden); {} in decode
     image_idx: np.ndarray  # (1, 1) int64
     vision_rows: int  # how many real rows the window carries
 
@@ -53,14 +55,28 @@ class MergedRows:
     """Merger output of encoder calls (one call, or a whole item): rows in raster (t, row, col) order."""
 
     rows: np.ndarray  # (N, hidden)
-    deepstack: np.ndarray | None = None  # (levels, N, hidden)
+    extras: Mapping[str, np.ndarray] = field(default_factory=dict)  # by name, (levels, N, hidden)
 
 
 @dataclass(frozen=True)
 class VisionResult:
     rows: np.ndarray  # (K, hidden)
     retained_indices: np.ndarray  # (K,) int64
-    deepstack: np.ndarray | None = None  # (levels, K, hidden)
+    extras: Mapping[str, np.ndarray] = field(default_factory=dict)  # by name, (levels, K, hidden)
+
+
+VISION_ROWS, RETAINED_INDICES = "vision_embeds", "retained_indices"
+
+
+def merged_rows(outputs: Mapping[str, np.ndarray]) -> MergedRows:
+    """An encoder call's outputs by name: ``vision_embeds``, and every other output an extra row tensor."""
+    return MergedRows(outputs[VISION_ROWS], {k: v for k, v in outputs.items() if k != VISION_ROWS})
+
+
+def vision_result(outputs: Mapping[str, np.ndarray]) -> VisionResult:
+    """An EVS call's outputs by name: kept ``vision_embeds``, ``retained_indices`` (int64), kept extras."""
+    extras = {k: v for k, v in outputs.items() if k not in (VISION_ROWS, RETAINED_INDICES)}
+    return VisionResult(outputs[VISION_ROWS], np.asarray(outputs[RETAINED_INDICES]).astype(np.int64), extras)
 
 
 @dataclass(frozen=True)
@@ -79,8 +95,9 @@ class EncoderSession(Protocol):
 
 
 class EVSSession(Protocol):
-    def select(self, merged: MergedRows, host_inputs: dict[str, np.ndarray]) -> VisionResult:
-        """A whole video's merged rows + the T/K carriers -> the K retained rows and their indices."""
+    def select(self, feeds: Mapping[str, np.ndarray]) -> VisionResult:
+        """The EVS graph's inputs by name (a whole video's merged rows and extras, the T/K carriers)
+        -> the K retained rows, their indices and extras."""
 
 
 class VisionSession(Protocol):
@@ -118,8 +135,8 @@ def state_shapes(shape: LanguageShape) -> dict[str, tuple[int, ...]]:
     """Dims of every retained input of the language graph (KV cache rows = ``full_batch_size``)."""
     kv = (shape.full_batch_size, shape.kv_heads, shape.ctx_len, shape.head_dim)
     dims = {"vision_embeds": (1, shape.vision_size, shape.hidden)}
-    if shape.deepstack_levels:
-        dims["deepstack_features"] = (shape.deepstack_levels, 1, shape.vision_size, shape.hidden)
+    for name, levels in shape.extras.items():
+        dims[name] = (levels, 1, shape.vision_size, shape.hidden)
     for i in range(shape.num_layers):
         dims[f"past_key.{i}"] = kv
         dims[f"past_value.{i}"] = kv
@@ -214,8 +231,7 @@ class RetainedStateSession(abc.ABC):
             inputs[BATCH_INDEX] = batch_index
         if step.vision_embeds is not None:
             inputs["vision_embeds"] = step.vision_embeds
-        if step.deepstack is not None:
-            inputs["deepstack_features"] = step.deepstack
+        inputs.update(step.extras)
         return self._call(inputs)
 
 
@@ -227,7 +243,7 @@ class HostStateSession(RetainedStateSession):
 
     def _call(self, inputs: dict[str, np.ndarray]) -> np.ndarray:
         feeds = {**self.state, **inputs}
-        for name in ("vision_embeds", "deepstack_features"):
+        for name in ("vision_embeds", *self.shape.extras):
             if name in inputs:
                 feeds[name] = np.asarray(inputs[name], dtype=np.float32)
         outputs = dict(zip(self.output_names, self._execute(feeds)))
@@ -263,5 +279,5 @@ def decode_batch(rows: Sequence[DecodeRow], width: int, cache_rows: int,
         position_ids[0, b, 0] = r.kv_slot
         position_ids[1:, b, 0] = r.mrope_position
         batch_index[b] = r.cache_row
-    step = LanguageInputs(input_ids, position_ids, None, None, np.zeros((1, 1), dtype=np.int64), 0)
+    step = LanguageInputs(input_ids, position_ids, None, {}, np.zeros((1, 1), dtype=np.int64), 0)
     return step, batch_index

@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 
 from qeff_evs.manifest import LanguageShape
-from qeff_evs.runtime.backends.base import HostStateSession, MergedRows, VisionResult
+from qeff_evs.runtime.backends.base import HostStateSession, MergedRows, VisionResult, merged_rows, vision_result
 
 
 def open_ort_session(path: Path):
@@ -49,8 +49,7 @@ class OrtEncoderSession(OrtGraph):
         super().__init__(graph, "encoder graph")
 
     def encode(self, pixel_values: np.ndarray, host_inputs: dict[str, np.ndarray]) -> MergedRows:
-        out = self.run({"pixel_values": np.asarray(pixel_values, dtype=np.float32), **host_inputs})
-        return MergedRows(out["vision_embeds"], out.get("deepstack_features"))
+        return merged_rows(self.run({"pixel_values": np.asarray(pixel_values, dtype=np.float32), **host_inputs}))
 
 
 class OrtEVSSession(OrtGraph):
@@ -59,13 +58,10 @@ class OrtEVSSession(OrtGraph):
     def __init__(self, graph):
         super().__init__(graph, "EVS graph")
 
-    def select(self, merged: MergedRows, host_inputs: dict[str, np.ndarray]) -> VisionResult:
-        feeds = {"merged_embeds": np.asarray(merged.rows, dtype=np.float32), **host_inputs}
-        if merged.deepstack is not None:
-            feeds["merged_deepstack"] = np.asarray(merged.deepstack, dtype=np.float32)
-        out = self.run(feeds)
-        return VisionResult(out["vision_embeds"], out["retained_indices"].astype(np.int64),
-                            out.get("deepstack_features"))
+    def select(self, feeds: dict[str, np.ndarray]) -> VisionResult:
+        # Floats (rows, extras) as the graph's float32; the int64 carriers as they are.
+        return vision_result(self.run({name: np.asarray(value, dtype=np.float32) if value.dtype.kind == "f" else value
+                                       for name, value in feeds.items()}))
 
 
 class OrtLanguageSession(HostStateSession):

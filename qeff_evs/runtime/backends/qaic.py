@@ -38,7 +38,14 @@ import numpy as np
 
 from qeff_evs.models.graph_io import BATCH_INDEX, RETAINED_SUFFIX
 from qeff_evs.manifest import GRAPHS, LanguageShape
-from qeff_evs.runtime.backends.base import MergedRows, RetainedStateSession, VisionResult, state_shapes
+from qeff_evs.runtime.backends.base import (
+    MergedRows,
+    RetainedStateSession,
+    VisionResult,
+    merged_rows,
+    state_shapes,
+    vision_result,
+)
 from qeff_evs.runtime.backends.qaic_device import DATA_PATH_TIMEOUT_MS, open_program
 from qeff_evs.runtime.backends.vision import VisionPipeline
 from qeff_evs.specializations import QPC_DIR, compile_file_name
@@ -294,8 +301,7 @@ class QaicEncoderSession(QaicGraph):
         super().__init__(program, "encoder")
 
     def encode(self, pixel_values: np.ndarray, host_inputs: dict[str, np.ndarray]) -> MergedRows:
-        out = self.run({"pixel_values": pixel_values, **host_inputs})
-        return MergedRows(out["vision_embeds"], out.get("deepstack_features"))
+        return merged_rows(self.run({"pixel_values": pixel_values, **host_inputs}))
 
 
 class QaicEVSSession(QaicGraph):
@@ -304,12 +310,8 @@ class QaicEVSSession(QaicGraph):
     def __init__(self, program: QaicProgram):
         super().__init__(program, "EVS")
 
-    def select(self, merged: MergedRows, host_inputs: dict[str, np.ndarray]) -> VisionResult:
-        feeds = {"merged_embeds": merged.rows, **host_inputs}
-        if merged.deepstack is not None:
-            feeds["merged_deepstack"] = merged.deepstack
-        out = self.run(feeds)
-        return VisionResult(out["vision_embeds"], out["retained_indices"], out.get("deepstack_features"))
+    def select(self, feeds: dict[str, np.ndarray]) -> VisionResult:
+        return vision_result(self.run(feeds))
 
 
 def retained_inputs(program: QaicProgram) -> list[str]:

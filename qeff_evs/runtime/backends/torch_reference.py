@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from qeff_evs.manifest import LanguageShape
-from qeff_evs.runtime.backends.base import HostStateSession, MergedRows, VisionResult
+from qeff_evs.runtime.backends.base import HostStateSession, MergedRows, VisionResult, merged_rows, vision_result
 
 
 def torch_device(prefer: str | None = None):
@@ -30,8 +30,7 @@ class TorchEncoderSession:
         pixels = torch.as_tensor(np.asarray(pixel_values, dtype=np.float32)).to(self.device)
         outputs = self.wrapper.run(pixels, host_inputs)
         outputs = outputs if isinstance(outputs, tuple) else (outputs,)
-        rows, *deepstack = [o.cpu().numpy() for o in outputs]
-        return MergedRows(rows, deepstack[0] if deepstack else None)
+        return merged_rows({name: o.cpu().numpy() for name, o in zip(self.wrapper.graph_spec.output_names, outputs)})
 
 
 class TorchEVSSession:
@@ -41,16 +40,14 @@ class TorchEVSSession:
         self.device = torch_device(device)
         self.selection = selection.to(self.device).eval()
 
-    def select(self, merged: MergedRows, host_inputs: dict[str, np.ndarray]) -> VisionResult:
+    def select(self, feeds: dict[str, np.ndarray]) -> VisionResult:
         import torch
 
-        arrays = [merged.rows] + ([] if merged.deepstack is None else [merged.deepstack]) + list(host_inputs.values())
+        spec = self.selection.graph_spec
         with torch.no_grad():
-            outputs = [o.cpu().numpy() for o in self.selection(*(torch.from_numpy(np.asarray(a)).to(self.device)
-                                                                  for a in arrays))]
-        if len(outputs) == 3:  # rows, deepstack, indices
-            return VisionResult(outputs[0], outputs[2].astype(np.int64), outputs[1])
-        return VisionResult(outputs[0], outputs[1].astype(np.int64))
+            outputs = self.selection(*(torch.from_numpy(np.asarray(feeds[name])).to(self.device)
+                                       for name in spec.input_names))
+        return vision_result({name: o.cpu().numpy() for name, o in zip(spec.output_names, outputs)})
 
 
 class TorchLanguageSession(HostStateSession):

@@ -37,7 +37,7 @@ class VisionPipeline:
             raise ValueError(f"frames_per_call must be a positive integer, got {self.frames_per_call!r}")
 
     def merged_rows(self, media: MediaInput, progress: Progress | None = None) -> MergedRows:
-        """The item's merged rows ``(T*h*w, hidden)`` (+ deepstack), encoded F temporal patches per call."""
+        """The item's merged rows ``(T*h*w, hidden)`` (+ extras), encoded F temporal patches per call."""
         t, big_h, big_w = (int(v) for v in media.grid_thw)
         _, h, w = self.family.merged_grid(media.grid_thw)
         f, patches, tokens = self.frames_per_call, big_h * big_w, h * w
@@ -48,7 +48,7 @@ class VisionPipeline:
         host = self._host_inputs.get((big_h, big_w))
         if host is None:
             host = self._host_inputs[(big_h, big_w)] = self.family.encoder_host_inputs((big_h, big_w), f)
-        rows = deepstack = None
+        rows, extras = None, {}
         for start in range(0, t, f):
             count = min(f, t - start)
             batch = pixels[start * patches:(start + count) * patches]
@@ -57,26 +57,28 @@ class VisionPipeline:
             out = self.encoder.encode(batch, host)
             if rows is None:  # sized once the hidden width is known; the item's rows, nothing more
                 rows = np.empty((t * tokens, out.rows.shape[-1]), dtype=out.rows.dtype)
-                if out.deepstack is not None:
-                    deepstack = np.empty((out.deepstack.shape[0], t * tokens, out.deepstack.shape[-1]),
-                                         dtype=out.deepstack.dtype)
+                extras = {name: np.empty((*value.shape[:-2], t * tokens, value.shape[-1]), dtype=value.dtype)
+                          for name, value in out.extras.items()}
             kept = slice(start * tokens, (start + count) * tokens)
             rows[kept] = out.rows[:count * tokens]
-            if deepstack is not None:
-                deepstack[:, kept] = out.deepstack[:, :count * tokens]
+            for name, value in extras.items():  # rows are the second-to-last axis of every extra
+                value[..., kept, :] = out.extras[name][..., :count * tokens, :]
             if progress is not None:
                 progress(f"encoded temporal patches {start + count}/{t}")
-        return MergedRows(rows, deepstack)
+        return MergedRows(rows, extras)
 
     def prune(self, media: MediaInput, merged: MergedRows, retained: int) -> VisionResult:
         """The EVS graph over a video keeping K < T*h*w tokens; otherwise every row, in order."""
         grid = self.family.merged_grid(media.grid_thw)
         total = grid[0] * grid[1] * grid[2]
         if retained == total:
-            return VisionResult(merged.rows, np.arange(total, dtype=np.int64), merged.deepstack)
+            return VisionResult(merged.rows, np.arange(total, dtype=np.int64), merged.extras)
         if media.kind == "image":
             raise ValueError(f"an image keeps all {total} of its tokens, asked to keep {retained}")
-        return self.evs.select(merged, evs_host_inputs(grid, retained))
+        # The EVS graph's inputs by name: each extra enters under its family-declared input name.
+        extras = {rows.evs_input: merged.extras[rows.name] for rows in self.family.extra_rows
+                  if rows.name in merged.extras}
+        return self.evs.select({"merged_embeds": merged.rows, **extras, **evs_host_inputs(grid, retained)})
 
     def encode(self, media: MediaInput, retained: int, progress: Progress | None = None) -> VisionResult:
         return self.prune(media, self.merged_rows(media, progress), retained)

@@ -60,7 +60,7 @@ def encode_media(family: ModelFamily, vision: VisionSession, media: MediaInput, 
     t, h, w = family.merged_grid(media.grid_thw)
     retained = result.retained_indices.astype(np.int64)
     kept = evs.tokens_per_frame_kept(retained, t, h * w)
-    return EncodedMedia(result.rows, retained, result.deepstack, tuple(kept))
+    return EncodedMedia(result.rows, retained, result.extras, tuple(kept))
 
 
 def media_hash(media: MediaInput, q: float) -> str:
@@ -185,7 +185,7 @@ class Executor:
             request.cache_row = self.free_cache_row()
         self._fill(request, computed, scheduled)
         inputs = prefill_step(request.plan, computed, scheduled, cfg.prefill_seq_len, cfg.user_vision_size,
-                              shape.hidden, shape.deepstack_levels, cfg.pad_token_id)
+                              shape.hidden, shape.extras, cfg.pad_token_id)
         request.vision_rows_per_chunk.append(inputs.vision_rows)
         self.progress(f"prefill {request_id} [{computed}, {computed + scheduled}): {inputs.vision_rows} vision rows")
         if shape.full_batch_size == 1:  # one KV cache row: graphs without batch_index address it implicitly

@@ -8,6 +8,7 @@ as the unpruned positions restricted to the retained tokens.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -22,7 +23,7 @@ from qeff_evs.runtime.inputs.prompt import PromptPiece
 class EncodedMedia:
     rows: np.ndarray  # (K, hidden)
     retained_indices: np.ndarray  # (K,) int64, ascending flat indices on the merged grid
-    deepstack: np.ndarray | None = None  # (levels, K, hidden)
+    extras: Mapping[str, np.ndarray] = field(default_factory=dict)  # the family's extra rows, (levels, K, hidden)
     kept_per_frame: tuple[int, ...] = ()
 
 

@@ -24,7 +24,7 @@ class EncodedRows(Protocol):
     """An encoded media item as the window reads it (``EncodedMedia`` is one)."""
 
     rows: np.ndarray  # (K, hidden)
-    deepstack: np.ndarray | None  # (levels, K, hidden)
+    extras: Mapping[str, np.ndarray]  # the family's extra rows by name, (levels, K, hidden)
 
 
 class ChunkPrompt(Protocol):
@@ -41,18 +41,20 @@ class VisionWindow:
     """Language-graph vision inputs of one prefill chunk."""
 
     vision_embeds: np.ndarray  # (1, user_vision_size, hidden), real rows first, zeros after
-    deepstack: np.ndarray | None  # (levels, 1, user_vision_size, hidden)
+    extras: Mapping[str, np.ndarray]  # by name, (levels, 1, user_vision_size, hidden), same rows
     image_idx: np.ndarray  # (1, 1) int64, always 0: the chunk's k-th media token takes row k
     num_rows: int
 
 
 def gather_window(placeholders: Sequence[Placeholder], keys: Sequence[Hashable],
                   outputs: Mapping[Hashable, EncodedRows], computed: int, scheduled: int,
-                  user_vision_size: int, hidden: int, levels: int = 0) -> VisionWindow:
+                  user_vision_size: int, hidden: int, extras: Mapping[str, int] | None = None) -> VisionWindow:
     """Rows of every media item overlapping ``[computed, computed+scheduled)``, in prompt order, zero-padded to U.
 
-    Item ``i`` sits at ``placeholders[i]`` and its encoder output is ``outputs[keys[i]]``.
+    Item ``i`` sits at ``placeholders[i]`` and its encoder output is ``outputs[keys[i]]``. ``extras``
+    (the family's extra rows: name -> levels) are windowed alike.
     """
+    extras = dict(extras or {})
     slices = window_slices(list(placeholders), computed, scheduled)
     num_rows = sum(s.num_rows for s in slices)
     if num_rows > user_vision_size:
@@ -60,25 +62,30 @@ def gather_window(placeholders: Sequence[Placeholder], keys: Sequence[Hashable],
             f"chunk [{computed}, {computed + scheduled}) needs {num_rows} vision rows but user_vision_size is "
             f"{user_vision_size}; export with --user-vision-size >= --prefill-seq-len")
     used = [keys[s.item] for s in slices]
-    missing = [k for k in used if k not in outputs or (levels and outputs[k].deepstack is None)]
+    missing = [k for k in used if k not in outputs or any(name not in outputs[k].extras for name in extras)]
     if missing:
         raise ValueError(f"encoder outputs missing for {missing}; encode those items before the chunk that uses them")
     dtype = outputs[used[0]].rows.dtype if used else np.float32
     window = np.zeros((1, user_vision_size, hidden), dtype=dtype)
-    deepstack = np.zeros((levels, 1, user_vision_size, hidden), dtype=dtype) if levels else None
+    extra_windows = {name: np.zeros((levels, 1, user_vision_size, hidden), dtype=dtype)
+                     for name, levels in extras.items()}
     at = 0
     for s, key in zip(slices, used):
         encoded = outputs[key]
         window[0, at:at + s.num_rows] = encoded.rows[s.row_start:s.row_end]
-        if deepstack is not None:
-            deepstack[:, 0, at:at + s.num_rows] = encoded.deepstack[:, s.row_start:s.row_end]
+        for name, extra in extra_windows.items():
+            extra[:, 0, at:at + s.num_rows] = encoded.extras[name][:, s.row_start:s.row_end]
         at += s.num_rows
-    return VisionWindow(window, deepstack, np.zeros((1, 1), dtype=np.int64), num_rows)
+    return VisionWindow(window, extra_windows, np.zeros((1, 1), dtype=np.int64), num_rows)
 
 
 def prefill_step(prompt: ChunkPrompt, computed: int, scheduled: int, seq_len: int,
-                 user_vision_size: int, hidden: int, levels: int, pad_token_id: int = 0) -> LanguageInputs:
-    """The padded chunk ``[computed, computed+scheduled)`` as the prefill specialization wants it."""
+                 user_vision_size: int, hidden: int, extras: Mapping[str, int] | None = None,
+                 pad_token_id: int = 0) -> LanguageInputs:
+    """The padded chunk ``[computed, computed+scheduled)`` as the prefill specialization wants it.
+
+    ``extras``: the family's extra rows (name -> levels), windowed with the vision rows.
+    """
     if scheduled > seq_len:
         raise ValueError(f"chunk of {scheduled} tokens exceeds the prefill length {seq_len}")
     ids = np.full((1, seq_len), pad_token_id, dtype=np.int64)
@@ -88,6 +95,6 @@ def prefill_step(prompt: ChunkPrompt, computed: int, scheduled: int, seq_len: in
     position_ids[1:, 0, :scheduled] = prompt.positions[:, computed:computed + scheduled]
     encoded = {item: e for item, e in enumerate(prompt.encoded) if e is not None}
     window = gather_window(prompt.placeholders, range(len(prompt.placeholders)), encoded, computed, scheduled,
-                           user_vision_size, hidden, levels)
-    return LanguageInputs(ids, position_ids, window.vision_embeds, window.deepstack, window.image_idx,
+                           user_vision_size, hidden, extras)
+    return LanguageInputs(ids, position_ids, window.vision_embeds, window.extras, window.image_idx,
                           window.num_rows)

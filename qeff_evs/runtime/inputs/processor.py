@@ -36,7 +36,7 @@ import torch
 from PIL import Image
 
 from qeff_evs.models.protocol import SAMPLING_FPS, VideoPreprocessing
-from qeff_evs.models.registry import FAMILIES, family_module, preprocess_defaults
+from qeff_evs.models.registry import family_class, family_classes, family_names, preprocess_defaults
 from qeff_evs.runtime.inputs.frame_sampling import (
     ClipMetadata,
     LoaderSettings,
@@ -82,8 +82,8 @@ class VisionPreprocessSpec(VideoPreprocessing):
     target_fps: float = SAMPLING_FPS
 
     def __post_init__(self) -> None:
-        if self.family not in FAMILIES:
-            raise ValueError(f"family must be one of {FAMILIES}, got {self.family!r}")
+        if self.family not in family_names():
+            raise ValueError(f"family must be one of {family_names()}, got {self.family!r}")
         for name in ("patch_size", "temporal_patch_size", "merge_size", "min_pixels", "max_pixels"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -129,9 +129,9 @@ class VisionPreprocessSpec(VideoPreprocessing):
 
     @classmethod
     def for_family(cls, family: str, /, **overrides: Any) -> VisionPreprocessSpec:
-        """The family's released-checkpoint preprocessing (its ``PREPROCESS_DEFAULTS``), with ``overrides``."""
-        if family not in FAMILIES:
-            raise ValueError(f"unknown model family {family!r}; expected one of {FAMILIES}")
+        """The family's released-checkpoint preprocessing (its ``preprocessing``), with ``overrides``."""
+        if family not in family_names():
+            raise ValueError(f"unknown model family {family!r}; expected one of {family_names()}")
         return replace(cls(family=family, **asdict(preprocess_defaults(family))), **overrides)
 
     @classmethod
@@ -184,19 +184,19 @@ def _field(obj: Any, key: str) -> Any:
 
 def _family_from(model_config: Any, processor_config: Mapping[str, Any]) -> str:
     model_type = str(_field(model_config, "model_type") or "")
-    for family in FAMILIES:
-        if model_type.startswith(family):  # qwen3_vl_moe preprocesses as qwen3_vl
+    for family in family_names():
+        if model_type.startswith(family):  # a variant ("<family>_moe") preprocesses as its family
             return family
     names = " ".join(
         str(processor_config.get(key, ""))
         for key in ("processor_class", "video_processor_type", "image_processor_type")
     )
-    for family in FAMILIES:
-        if family_module(family).PROCESSOR_CLASS in names:
-            return family
+    for family in family_classes():
+        if family.hf_processor in names:
+            return family.model_type
     raise ValueError(
         f"cannot tell the model family from model_type {model_type!r} or processor classes {names.strip()!r}; "
-        f"pass a model config whose model_type is one of {FAMILIES}"
+        f"pass a model config whose model_type is one of {family_names()}"
     )
 
 
@@ -246,19 +246,19 @@ def spec_from_pretrained_dir(path: str | Path, model_config: Any = None) -> Visi
             processor_config.update(_read_json(directory / name))
 
     family = _family_from(model_config, processor_config)
-    vision_config = _field(model_config, "vision_config")
+    paths = family_class(family).config_paths
     overrides: dict[str, Any] = {}
-    for spec_key, processor_key, vision_key in (
-        ("patch_size", "patch_size", "patch_size"),
-        ("temporal_patch_size", "temporal_patch_size", "temporal_patch_size"),
-        ("merge_size", "merge_size", "spatial_merge_size"),
+    for spec_key, processor_key in (
+        ("patch_size", "patch_size"),
+        ("temporal_patch_size", "temporal_patch_size"),
+        ("merge_size", "merge_size"),
     ):
         from_processor = processor_config.get(processor_key)
-        from_vision = _field(vision_config, vision_key)
+        from_vision = paths.get(model_config, spec_key)
         if from_processor is not None and from_vision is not None and int(from_processor) != int(from_vision):
             raise ValueError(
                 f"{processor_key}={from_processor} in the processor config of {directory} contradicts "
-                f"vision_config.{vision_key}={from_vision}; fix the checkpoint's processor config"
+                f"{getattr(paths, spec_key)}={from_vision}; fix the checkpoint's processor config"
             )
         chosen = from_processor if from_processor is not None else from_vision
         if chosen is not None:

@@ -1,13 +1,15 @@
 """Turns a question about a video into prompt pieces: text ids around one video slot.
 
 With a chat template the user turn is rendered the way the checkpoint expects, then split at the
-video pad the template emits; the family later expands that slot into its own layout. Without a
-template the plain layout ``<|vision_start|><|video_pad|><|vision_end|>question`` is used.
+video pad the template emits (the family's ``TokenStrings``); the family later expands that slot into
+its own layout. Without a template the family's plain video block, then the question, is used.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from qeff_evs.models.protocol import TokenStrings
 
 
 @dataclass(frozen=True)
@@ -18,24 +20,20 @@ class PromptPiece:
     video: int | None = None
 
 
-VIDEO_PAD = "<|video_pad|>"
-PLAIN_VIDEO = "<|vision_start|><|video_pad|><|vision_end|>"
-
-
-def render_video_question(tokenizer, question: str) -> str:
+def render_video_question(tokenizer, question: str, tokens: TokenStrings) -> str:
     if getattr(tokenizer, "chat_template", None):
         messages = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": question}]}]
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return PLAIN_VIDEO + question
+    return tokens.video_block + question
 
 
-def video_question_pieces(tokenizer, question: str) -> list[PromptPiece]:
-    """``[text before the video pad, the video, text after]`` as token-id pieces."""
-    rendered = render_video_question(tokenizer, question)
-    if rendered.count(VIDEO_PAD) != 1:
-        raise ValueError(
-            f"the rendered prompt must hold exactly one {VIDEO_PAD}, found {rendered.count(VIDEO_PAD)}: {rendered!r}")
-    before, _, after = rendered.partition(VIDEO_PAD)
+def video_question_pieces(tokenizer, question: str, tokens: TokenStrings) -> list[PromptPiece]:
+    """``[text before the video pad, the video, text after]`` as token-id pieces (``tokens``: the family's)."""
+    rendered = render_video_question(tokenizer, question, tokens)
+    pad = tokens.video
+    if rendered.count(pad) != 1:
+        raise ValueError(f"the rendered prompt must hold exactly one {pad}, found {rendered.count(pad)}: {rendered!r}")
+    before, _, after = rendered.partition(pad)
 
     def encode(text: str) -> tuple[int, ...]:
         return tuple(tokenizer.encode(text, add_special_tokens=False)) if text else ()
@@ -43,16 +41,16 @@ def video_question_pieces(tokenizer, question: str) -> list[PromptPiece]:
     return [PromptPiece(ids=encode(before)), PromptPiece(video=0), PromptPiece(ids=encode(after))]
 
 
-def chat_pieces(tokenizer, content: list[dict]) -> list[PromptPiece]:
+def chat_pieces(tokenizer, content: list[dict], tokens: TokenStrings) -> list[PromptPiece]:
     """One user turn (OpenAI-style ``content``: text, ``{"type": "video"}``, ``{"type": "image"}``) as pieces.
 
-    The chat template renders the turn, which is then split at every image or video pad it emits;
-    media slots are numbered in prompt order (the order of the request's media list).
+    The chat template renders the turn, which is then split at every image or video pad it emits (the
+    family's ``tokens``); media slots are numbered in prompt order (the order of the request's media list).
     """
     text = tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
                                          add_generation_prompt=True)
     pieces = []
-    for item, part in enumerate(text.replace("<|image_pad|>", VIDEO_PAD).split(VIDEO_PAD)):
+    for item, part in enumerate(text.replace(tokens.image, tokens.video).split(tokens.video)):
         if item:
             pieces.append(PromptPiece(video=item - 1))
         if part:
