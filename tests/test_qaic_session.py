@@ -448,8 +448,8 @@ def language_call_bytes(shape, seq_len: int, rows: int, continuous_batching: boo
         up["batch_index"] = 8 * rows
     if seq_len > 1:  # prefill: its own window of U rows (decode keeps the device's copy)
         up["vision_embeds"] = 2 * shape.vision_size * shape.hidden
-        if shape.deepstack_levels:
-            up["deepstack_features"] = 2 * shape.deepstack_levels * shape.vision_size * shape.hidden
+        for name, levels in shape.extras.items():  # the family's extra rows, windowed alike
+            up[name] = 2 * levels * shape.vision_size * shape.hidden
     return up, {"logits": 4 * rows * shape.vocab, "image_idx_output": 8}
 
 

@@ -10,6 +10,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from qeff_evs.models.protocol import TokenStrings
+from qeff_evs.models.registry import DEFAULT_FAMILY, family_class
+
+
+def _tokens(tokens: TokenStrings | None) -> TokenStrings:
+    """The family's token strings; None: the default family's (what a bare ``qeff-evs`` run assumes)."""
+    return family_class(DEFAULT_FAMILY).token_strings if tokens is None else tokens
 
 
 @dataclass(frozen=True)
@@ -20,15 +26,17 @@ class PromptPiece:
     video: int | None = None
 
 
-def render_video_question(tokenizer, question: str, tokens: TokenStrings) -> str:
+def render_video_question(tokenizer, question: str, tokens: TokenStrings | None = None) -> str:
+    tokens = _tokens(tokens)
     if getattr(tokenizer, "chat_template", None):
         messages = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": question}]}]
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     return tokens.video_block + question
 
 
-def video_question_pieces(tokenizer, question: str, tokens: TokenStrings) -> list[PromptPiece]:
+def video_question_pieces(tokenizer, question: str, tokens: TokenStrings | None = None) -> list[PromptPiece]:
     """``[text before the video pad, the video, text after]`` as token-id pieces (``tokens``: the family's)."""
+    tokens = _tokens(tokens)
     rendered = render_video_question(tokenizer, question, tokens)
     pad = tokens.video
     if rendered.count(pad) != 1:
@@ -41,12 +49,13 @@ def video_question_pieces(tokenizer, question: str, tokens: TokenStrings) -> lis
     return [PromptPiece(ids=encode(before)), PromptPiece(video=0), PromptPiece(ids=encode(after))]
 
 
-def chat_pieces(tokenizer, content: list[dict], tokens: TokenStrings) -> list[PromptPiece]:
+def chat_pieces(tokenizer, content: list[dict], tokens: TokenStrings | None = None) -> list[PromptPiece]:
     """One user turn (OpenAI-style ``content``: text, ``{"type": "video"}``, ``{"type": "image"}``) as pieces.
 
     The chat template renders the turn, which is then split at every image or video pad it emits (the
     family's ``tokens``); media slots are numbered in prompt order (the order of the request's media list).
     """
+    tokens = _tokens(tokens)
     text = tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
                                          add_generation_prompt=True)
     pieces = []
