@@ -64,6 +64,13 @@ class _CtxScatterCB(torch.autograd.Function):
         return g.op(f"{KV_DOMAIN}::{CTX_SCATTER_CB}", data, batch_index, position_ids, updates).setType(data.type())
 
 
+def _read_type(data):
+    """A read's ONNX type: the cache's dtype and rank, sizes unknown. Its rows are the call's batch and its
+    length ``comp_ctx_len``, not the cache's; typed as the cache, ONNX Runtime may plan to reuse its buffer
+    for a cache-sized tensor (a continuous-batching call with fewer rows than the cache then fails)."""
+    return data.type().with_sizes([None] * data.type().dim())
+
+
 def _gather(data: torch.Tensor, rows: torch.Tensor, ctx_indices: torch.Tensor) -> torch.Tensor:
     """``(B, H, L, D)``: slot ``ctx_indices[b, 0, l]`` of row ``rows[b]``; skipped indices read slot/row 0."""
     slots = torch.where(_inside(ctx_indices, data.shape[2]), ctx_indices, 0)  # (B, 1, L)
@@ -79,7 +86,7 @@ class _CtxGather(torch.autograd.Function):
 
     @staticmethod
     def symbolic(g, data, ctx_indices, comp_ctx_len):
-        return g.op(f"{KV_DOMAIN}::{CTX_GATHER}", data, ctx_indices, comp_ctx_len).setType(data.type())
+        return g.op(f"{KV_DOMAIN}::{CTX_GATHER}", data, ctx_indices, comp_ctx_len).setType(_read_type(data))
 
 
 class _CtxGatherCB(torch.autograd.Function):
@@ -89,7 +96,8 @@ class _CtxGatherCB(torch.autograd.Function):
 
     @staticmethod
     def symbolic(g, data, batch_index, ctx_indices, comp_ctx_len):
-        return g.op(f"{KV_DOMAIN}::{CTX_GATHER_CB}", data, batch_index, ctx_indices, comp_ctx_len).setType(data.type())
+        return g.op(f"{KV_DOMAIN}::{CTX_GATHER_CB}", data, batch_index, ctx_indices, comp_ctx_len).setType(
+            _read_type(data))
 
 
 def ctx_scatter(data: torch.Tensor, position_ids: torch.Tensor, updates: torch.Tensor) -> torch.Tensor:
