@@ -133,3 +133,22 @@ def test_causal_conv_carries_the_last_valid_inputs():
     assert torch.equal(state, stream[..., -(width - 1):])
     _, kept = gd.causal_conv(torch.randn(1, channels, chunk_len, generator=gen), state, weight, torch.tensor([0]))
     assert torch.equal(kept, state)  # a row without valid tokens keeps its state
+
+
+def test_log1p_and_expm1_keep_small_arguments_in_fp16():
+    # A slow head: softplus(a + dt_bias) ~ 1e-4 and g ~ -1e-4 per token. In fp16 1 + 1e-4 == 1 and
+    # exp(-1e-4) == 1: the plain forms lose the decay entirely; ours keep it to fp16 precision.
+    small = torch.logspace(-7, 0, 400)
+    torch.testing.assert_close(gd.log1p(small), torch.log1p(small), atol=0, rtol=1e-6)
+    half = small.half()
+    half = half[half > 0]
+    exact = torch.log1p(half.double())
+    assert ((torch.log(1 + half).double() - exact) / exact).abs().max() > 0.5
+    assert ((gd.log1p(half).double() - exact) / exact).abs().max() < 2e-3
+    g = -torch.logspace(-7, 2, 400)
+    torch.testing.assert_close(gd.expm1(g), torch.expm1(g), atol=0, rtol=1e-6)
+    half = g.half()
+    exact = torch.expm1(half.double())
+    assert ((torch.exp(half) - 1).double().sub(exact).div(exact).abs().max() > 0.5)
+    assert ((gd.expm1(half).double() - exact) / exact).abs().max() < 2e-3
+    assert torch.equal(gd.decay(torch.ones(3), torch.zeros(3)), torch.ones(3))  # g = 0 (padding) is exact

@@ -27,7 +27,8 @@ stable as a triangular solve: ``T <- T - T O T`` where ``T`` inverts the diagona
 For ``qaic-compile -convert-to-fp16`` (DESIGN §11) nothing here overflows: only non-positive log-decay
 differences are exponentiated (positive ones are clamped to 0 before ``exp`` and masked after it --
 no ``-inf``, whose product with a zero mask would be NaN); the L2 norm divides by the vector's largest
-entry before squaring; softplus is written as ``relu(x) + log(1 + exp(-|x|))``.
+entry before squaring; softplus is written as ``relu(x) + log1p(exp(-|x|))`` with a ``log1p`` that
+keeps small arguments (a slow head's decay) in fp16.
 """
 
 from __future__ import annotations
@@ -56,9 +57,44 @@ def l2_normalize(x: torch.Tensor, eps: float = L2_EPS) -> torch.Tensor:
     return scaled * torch.rsqrt((scaled * scaled).sum(dim=-1, keepdim=True) + floor * floor)
 
 
+def log1p(y: torch.Tensor) -> torch.Tensor:
+    """``log(1 + y)`` for ``y >= 0`` without a Log1p op (ONNX has none), accurate in fp16 too.
+
+    ``Log(1 + y)`` loses ``y`` below the spacing of numbers near 1 (fp16: ``1 + 1e-4 == 1``, so a slow
+    head's ``softplus`` -- hence its decay -- became 0 in a converted graph). Goldberg's correction:
+    with ``u = 1 + y`` rounded, ``log(u) * y / (u - 1)`` is accurate to a few ulps, and ``y`` itself
+    where ``u`` rounded to 1.
+    """
+    u = 1 + y
+    step = u - 1
+    exact = step == 0
+    return torch.where(exact, y, torch.log(u) * (y / torch.where(exact, torch.ones_like(step), step)))
+
+
 def softplus(x: torch.Tensor) -> torch.Tensor:
-    """``log(1 + exp(x))`` as ``relu(x) + log(1 + exp(-|x|))``: no ``exp`` of a positive number."""
-    return torch.relu(x) + torch.log1p(torch.exp(-x.abs()))
+    """``log(1 + exp(x))`` as ``relu(x) + log1p(exp(-|x|))``: no ``exp`` of a positive number."""
+    return torch.relu(x) + log1p(torch.exp(-x.abs()))
+
+
+def expm1(x: torch.Tensor) -> torch.Tensor:
+    """``exp(x) - 1`` without an Expm1 op (ONNX has none), accurate in fp16 too (the ``log1p`` trick).
+
+    A slow head decays its state by ``exp(g)`` with ``g ~ -1e-4`` per token: ``exp(g)`` rounds to 1 in
+    fp16 (no decay at all), while ``expm1(g)`` keeps ``g``'s own precision. With ``u = exp(x)``
+    rounded, ``(u - 1) * x / log(u)``; ``x`` where ``u`` rounded to 1, and ``-1`` where ``u - 1`` did
+    (``u`` below half an ulp of 1: ``-1`` is then the nearest value anyway).
+    """
+    u = torch.exp(x)
+    step = u - 1
+    special = (step == 0) | (step == -1)
+    ratio = x / torch.log(torch.where(special, torch.full_like(u, 2.0), u))
+    return torch.where(special, torch.where(step == 0, x, step), step * ratio)
+
+
+def decay(state: torch.Tensor, log_decay: torch.Tensor) -> torch.Tensor:
+    """``state * exp(log_decay)`` as ``state + state * expm1(log_decay)``: the decrement of a slow head
+    survives even where ``exp(log_decay)`` would round to 1 (the state kept in fp32 on an fp16 card)."""
+    return state + state * expm1(log_decay)
 
 
 def gates(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -88,8 +124,12 @@ def causal_conv(mixed: torch.Tensor, conv_state: torch.Tensor, weight: torch.Ten
         never enters the state and a row without valid tokens keeps its state exactly.
     """
     history = conv_state.shape[-1]
+    width = weight.shape[-1]
     full = torch.cat([conv_state.to(mixed.dtype), mixed], dim=-1)  # (B, channels, K - 1 + S)
-    out = F.conv1d(full, weight.to(mixed.dtype), groups=full.shape[1])
+    # K shifted products (a depthwise conv; ONNX Runtime's grouped Conv is slow at this shape).
+    seq_len = mixed.shape[-1]
+    taps = weight.to(mixed.dtype)[:, 0]  # (channels, K)
+    out = sum(full[:, :, i:i + seq_len] * taps[:, i:i + 1] for i in range(width))
     columns = valid_count.reshape(-1, 1, 1) + torch.arange(history, device=mixed.device).reshape(1, 1, history)
     new_state = torch.gather(full, 2, columns.expand(full.shape[0], full.shape[1], history))
     return out, new_state
@@ -104,14 +144,13 @@ def recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     in a decode graph).
     """
     outputs = []
-    for t in range(q.shape[2]):
-        k_t = k[:, :, t, :, None]  # (B, H, dk, 1)
-        state = state * torch.exp(g[:, :, t, None, None])
-        predicted = (state * k_t).sum(dim=2)  # (B, H, dv): S^T k
-        delta = (v[:, :, t] - predicted) * beta[:, :, t, None]
-        state = state + k_t * delta[:, :, None, :]
-        outputs.append((state * q[:, :, t, :, None]).sum(dim=2))
-    return torch.stack(outputs, dim=2), state
+    for t in range(int(q.shape[2])):
+        k_t = k[:, :, t:t + 1]  # (B, H, 1, dk)
+        state = decay(state, g[:, :, t, None, None])
+        delta = (v[:, :, t:t + 1] - k_t @ state) * beta[:, :, t, None, None]  # (B, H, 1, dv): v - S^T k
+        state = state + k_t.transpose(-1, -2) @ delta
+        outputs.append(q[:, :, t:t + 1] @ state)
+    return torch.cat(outputs, dim=2), state
 
 
 def chunk_size_for(seq_len: int, max_chunk: int = MAX_CHUNK) -> int:
@@ -199,12 +238,11 @@ def chunked_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     last = log_decay[:, :, :, -1:]  # (B, H, N, 1, 1)
     q_decayed = q * torch.exp(log_decay)
     k_decayed = k * torch.exp(last - log_decay)
-    chunk_decay = torch.exp(last)
 
     outputs = []
     for i in range(chunks):
         v_new = new_values[:, :, i] - decayed_keys[:, :, i] @ state
         outputs.append(q_decayed[:, :, i] @ state + intra[:, :, i] @ v_new)
-        state = state * chunk_decay[:, :, i] + k_decayed[:, :, i].transpose(-1, -2) @ v_new
+        state = decay(state, last[:, :, i]) + k_decayed[:, :, i].transpose(-1, -2) @ v_new
     out = torch.cat(outputs, dim=2)  # (B, H, N * C, dv)
     return out[:, :, :seq_len], state
