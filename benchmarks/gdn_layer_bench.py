@@ -19,7 +19,8 @@ state from call to call. Ways to keep the recurrent state on the card:
 * ``fp16``: every tensor fp16, state I/O too (QEfficient's ``kv_cache_dtype`` fp16);
 * ``fp32-io``: the state's I/O fp32 (custom IO) but every op fp16, so the state is rounded by its first op;
 * ``fp32-path``: fp32 I/O and the ops that produce state-shaped tensors on the way from the state input
-  to its ``_RetainedState`` output kept in fp32 (a node-precision list); all else fp16;
+  to its ``_RetainedState`` output kept in fp32 (``qeff_evs.export.node_precision``: a
+  ``-node-precision-info`` list); all else fp16;
 * ``mxint8``: ``fp16`` plus the state stored as MXINT8 between calls (blocks of 32 along dv sharing a
   power-of-two scale, 8-bit elements with 6 fraction bits; QEfficient's ``mxint8_kv_cache``).
 """
@@ -38,12 +39,12 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import torch
-from onnx import TensorProto, helper, shape_inference
 from transformers import Qwen3_5TextConfig
 from transformers.cache_utils import DynamicCache
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 
 from qeff_evs.export.fp16 import convert_to_fp16
+from qeff_evs.export.node_precision import keep_in_fp32, state_path
 from qeff_evs.export.onnx_graph import legacy_export
 from qeff_evs.models import gated_delta as gd
 from qeff_evs.models.linear_attention import (
@@ -258,91 +259,6 @@ def timing(out_dir: Path, repeats: int) -> dict:
 
 
 # ------------------------------------------------------------------------------------------- precision
-def _round_pair_outputs(graph: onnx.GraphProto) -> dict[str, tuple[onnx.NodeProto, onnx.NodeProto]]:
-    """``{tensor: (cast to fp16, cast back)}`` of the rounding pairs ``convert_to_fp16`` inserted."""
-    producers = {out: node for node in graph.node for out in node.output}
-    pairs = {}
-    for node in graph.node:
-        if node.op_type == "Cast" and node.input[0].endswith("__half"):
-            first = producers.get(node.input[0])
-            if first is not None and first.op_type == "Cast":
-                pairs[node.output[0]] = (first, node)
-    return pairs
-
-
-def state_path(model: onnx.ModelProto, state_input: str, state_output: str) -> set[str]:
-    """Tensors on a path from ``state_input`` to ``state_output`` whose shape ends like the state's."""
-    inferred = shape_inference.infer_shapes(model)
-    shapes = {}
-    for value in [*inferred.graph.value_info, *inferred.graph.input, *inferred.graph.output]:
-        shapes[value.name] = [d.dim_param or d.dim_value for d in value.type.tensor_type.shape.dim]
-    tail = shapes[state_input][1:]
-    forward, frontier = {state_input}, [state_input]
-    consumers = {}
-    for node in model.graph.node:
-        for name in node.input:
-            consumers.setdefault(name, []).append(node)
-    while frontier:
-        for node in consumers.get(frontier.pop(), []):
-            for out in node.output:
-                if out not in forward:
-                    forward.add(out)
-                    frontier.append(out)
-    producers = {out: node for node in model.graph.node for out in node.output}
-    backward, frontier = {state_output}, [state_output]
-    while frontier:
-        node = producers.get(frontier.pop())
-        for name in node.input if node is not None else []:
-            if name not in backward:
-                backward.add(name)
-                frontier.append(name)
-    return {name for name in forward & backward if shapes.get(name, [])[-3:] == tail[-3:] and len(shapes.get(name, [])) >= 3}
-
-
-def keep_fp32(converted: onnx.ModelProto, tensors: set[str], inputs: set[str]) -> onnx.ModelProto:
-    """``converted`` (``convert_to_fp16``) with ``tensors`` and graph ``inputs`` left unrounded: their
-    producers run in fp32; any other consumer reads them rounded to fp16, as an fp16 op would."""
-    model = onnx.ModelProto()
-    model.CopyFrom(converted)
-    graph = model.graph
-    pairs = _round_pair_outputs(graph)
-    tensors = {name for name in tensors if name in pairs}  # float tensors (convert_to_fp16 rounded them)
-    keep = tensors | {f"{name}__fp16" for name in inputs}
-    for name in keep:
-        for cast in pairs.get(name, ()):
-            cast.op_type = "Identity"
-            del cast.attribute[:]
-    producers = {out: node for node in graph.node for out in node.output}
-    fp32_nodes = {id(producers[f"{name}__raw"]) for name in tensors if f"{name}__raw" in producers}
-    extra = []
-    for name in keep:
-        rounded = f"{name}__r16"
-        readers = [node for node in graph.node if name in node.input and id(node) not in fp32_nodes
-                   and not (node.op_type == "Identity" and node.input[0] == name)]
-        if not readers:
-            continue
-        extra += [helper.make_node("Cast", [name], [rounded + "h"], to=TensorProto.FLOAT16),
-                  helper.make_node("Cast", [rounded + "h"], [rounded], to=TensorProto.FLOAT)]
-        for node in readers:
-            for i, value in enumerate(node.input):
-                if value == name:
-                    node.input[i] = rounded
-    # Topological order: put each rounding pair right after its tensor's producer (or first).
-    nodes = list(graph.node)
-    ordered = []
-    placed = {name: False for name in keep}
-    pending = {pair[0].input[0]: pair for pair in zip(extra[::2], extra[1::2])}
-    for node in nodes:
-        ordered.append(node)
-        for out in node.output:
-            if out in pending:
-                ordered.extend(pending.pop(out))
-    ordered = [n for pair in pending.values() for n in pair] + ordered
-    del graph.node[:]
-    graph.node.extend(ordered)
-    return model
-
-
 def _to_mxint8(x: np.ndarray, block: int = 32) -> np.ndarray:
     """MXINT8 round trip along the last axis: per block a power-of-two scale 2^floor(log2 max|x|),
     elements int8 with 6 fraction bits (values -2 .. 127/64 times the scale)."""
@@ -365,14 +281,13 @@ def precision(out_dir: Path, chunks: int, decode_steps: int) -> dict:
         for s, path in paths.items():
             model = onnx.load(str(path))
             half = convert_to_fp16(model)
-            path_tensors = state_path(model, recurrent_name, recurrent_name + RETAINED_SUFFIX)
+            island = state_path(model, recurrent_name, recurrent_name + RETAINED_SUFFIX)
             sessions[("fp32", s)] = _session(model)
             sessions[("fp16", s)] = _session(half)
-            sessions[("fp32-io", s)] = _session(keep_fp32(half, set(), {recurrent_name}))
-            sessions[("fp32-path", s)] = _session(keep_fp32(half, path_tensors | {recurrent_name + RETAINED_SUFFIX},
-                                                            {recurrent_name}))
+            sessions[("fp32-io", s)] = _session(keep_in_fp32(half, [], [recurrent_name]))
+            sessions[("fp32-path", s)] = _session(keep_in_fp32(half, island, [recurrent_name]))
             sessions[("mxint8", s)] = sessions[("fp16", s)]
-            results.setdefault("fp32_path_tensors", {})[str(s)] = len(path_tensors)
+            results.setdefault("fp32_path_tensors", {})[str(s)] = island
         variants = ("fp32", "fp16", "fp32-io", "fp32-path", "mxint8")
         state = {v: (np.zeros(spec.conv_shape(1), np.float32), np.zeros(spec.recurrent_shape(1), np.float32))
                  for v in variants}
