@@ -294,9 +294,11 @@ def test_onnx_runtime_continuous_batching(gdn, model, ort_graphs):
     _continuous_batching_case(gdn, model, ort_graphs["per_length"], chunk=64)
 
 
-def test_one_graph_serves_prefill_and_decode(gdn, model, ort_graphs):
-    # seq_len is a graph symbol: the same ONNX file runs 64-token chunks and single decode tokens.
-    _continuous_batching_case(gdn, model, ort_graphs["one_graph"], chunk=64)
+@pytest.mark.parametrize("chunk", [16, 64])
+def test_one_graph_serves_prefill_and_decode(gdn, model, ort_graphs, chunk):
+    # seq_len is a graph symbol: the same ONNX file (traced at 64) runs chunks of 64 or 16 and decode tokens.
+    both = ort_graphs["one_graph"][1]
+    _continuous_batching_case(gdn, model, {chunk: both, 1: both}, chunk=chunk)
 
 
 def test_left_padding_is_refused(gdn):
