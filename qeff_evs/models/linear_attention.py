@@ -34,6 +34,12 @@ One graph for prefill and decode (``prefill_seq_len`` set): the step computes th
 chunk padded to ``prefill_seq_len`` *and* the one-token recurrence, and selects by ``seq_len == 1``, a
 constant of each specialization (QEfficient's way; the compiler can drop the branch not taken). With
 ``prefill_seq_len`` None the traced ``seq_len`` picks one path: a graph per length.
+
+On the card (``-convert-to-fp16``) the conv state can be fp16 (it holds fp16 projections anyway); the
+recurrent state should stay fp32 with the ops it flows through kept in fp32
+(``qeff_evs.export.node_precision``): stored in fp16 it drifts with every decode step in slow heads
+(1.3 % of its norm after 1024 steps at 0.8B widths, against 0.13 % for the fp32 path; MXINT8 6-11 %;
+``benchmarks/README.md``).
 """
 
 from __future__ import annotations
