@@ -65,10 +65,13 @@ class _CtxScatterCB(torch.autograd.Function):
 
 
 def _read_type(data):
-    """A read's ONNX type: the cache's dtype and rank, sizes unknown. Its rows are the call's batch and its
-    length ``comp_ctx_len``, not the cache's; typed as the cache, ONNX Runtime may plan to reuse its buffer
-    for a cache-sized tensor (a continuous-batching call with fewer rows than the cache then fails)."""
-    return data.type().with_sizes([None] * data.type().dim())
+    """A read's ONNX type: the cache's dtype, heads and head_dim; its rows (the call's batch) and length
+    (``comp_ctx_len``) left unknown. Typed as the whole cache, ONNX Runtime may plan to reuse its buffer
+    for a cache-sized tensor, which fails when a continuous-batching call has fewer rows than the cache."""
+    sizes = data.type().varyingSizes()  # per axis, None where the trace left it dynamic
+    if sizes is None or len(sizes) != 4:
+        return data.type()
+    return data.type().with_sizes([None, sizes[1], None, sizes[3]])
 
 
 def _gather(data: torch.Tensor, rows: torch.Tensor, ctx_indices: torch.Tensor) -> torch.Tensor:
