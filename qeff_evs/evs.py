@@ -10,6 +10,11 @@ Semantics are vLLM's (``vllm.multimodal.video_prune.evs``), reproduced bit for b
 Two selection paths share the dissimilarity: the eager reference (stable argsort, the
 definition) and the exportable one (TopK, whose ONNX tie rule is the same "lower index
 first"; eager ``torch.topk`` breaks ties the other way, so it is only used under export).
+
+A pruning graph serves every video length up to its frame bucket and every rate (DESIGN §2.5):
+``rank_candidates`` orders all ``B*h*w`` rows of a video padded to ``B`` temporal patches, given
+the real count ``T`` as a tensor, and the host keeps the first ``K(q, T)`` of that ranking
+(``kept_indices``). q never reaches the graph; padding rows rank after every real row.
 """
 
 from __future__ import annotations
@@ -17,10 +22,13 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 FIRST_FRAME_SENTINEL = 255.0
+# Below every real dissimilarity (1 - cos lies in [0, 2]), exact in fp16 too: padding ranks last.
+PADDING_SENTINEL = -255.0
 # The exported cosine runs over this many runs of frame pairs (a smaller peak; see _chunked_cosine).
 COSINE_CHUNKS = 4
 
@@ -199,3 +207,79 @@ def tokens_per_frame_kept(
             f"[{int(idx.min())}, {int(idx.max())}]"
         )
     return torch.bincount(idx // tokens_per_frame, minlength=num_frames).tolist()
+
+
+# ---------------------------------------------------------------------------------------------
+# Ranking over a frame bucket: one graph for every T <= B and every q
+# ---------------------------------------------------------------------------------------------
+
+
+def ascending_order(key: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Indices that sort ``key`` ascending along ``dim``, ties toward the lower index.
+
+    Export form: a full-length TopK (ONNX breaks ties toward the lower index). Eager form: a stable
+    argsort, because eager ``torch.topk`` on CPU resolves ties by its selection algorithm.
+    """
+    if _exporting():
+        return torch.topk(key, key.shape[dim], dim=dim, largest=False, sorted=True).indices
+    return torch.argsort(key, dim=dim, stable=True)
+
+
+def descending_order(key: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Indices that sort ``key`` descending along ``dim``, ties toward the lower index (see ``ascending_order``)."""
+    if _exporting():
+        return torch.topk(key, key.shape[dim], dim=dim, largest=True, sorted=True).indices
+    return torch.argsort(key, dim=dim, descending=True, stable=True)
+
+
+def real_frames(frame_count: torch.Tensor, bucket: int) -> torch.Tensor:
+    """``(B,)`` bool: which temporal patches of a bucket of ``B`` hold the video (the first ``T``)."""
+    return torch.arange(bucket, device=frame_count.device) < frame_count.reshape(-1)[:1]
+
+
+def check_bucket_inputs(rows: int, bucket: int, frame_count: torch.Tensor) -> None:
+    """Eager checks of a padded video: rows split into ``bucket`` frames, ``1 <= T <= bucket``."""
+    if bucket < 1 or rows % bucket:
+        raise ValueError(
+            f"{rows} rows do not split into a bucket of {bucket} temporal patches; "
+            "pad the video's merged rows to bucket * tokens_per_frame")
+    if frame_count.numel() != 1 or frame_count.dtype != torch.int64:
+        raise ValueError(
+            f"frame_count must hold one int64 (the real temporal patches T), got {frame_count.dtype} "
+            f"with shape {tuple(frame_count.shape)}")
+    if not 1 <= int(frame_count.reshape(-1)[0]) <= bucket:
+        raise ValueError(
+            f"frame_count {int(frame_count.reshape(-1)[0])} is outside [1, {bucket}]; "
+            "use a bucket at least as long as the video")
+
+
+def rank_candidates(embeds: torch.Tensor, bucket: int, frame_count: torch.Tensor,
+                    extra: torch.Tensor | None = None) -> torch.Tensor:
+    """EVS over a frame bucket: ``(B*h*w,)`` int64, every row ranked from most to least worth keeping.
+
+    ``embeds`` is a video's merged rows padded to ``bucket`` temporal patches (``(B*h*w, D)``, raster
+    order); ``frame_count`` a one-element int64 tensor ``T <= B``; ``extra`` optional scoring features
+    ``(B*h*w, E)`` concatenated after ``embeds`` (Qwen3-VL's deepstack levels). Real rows rank by
+    dissimilarity, descending, ties toward the lower flat index; padding rows follow in index order.
+    The first ``retained_token_count(h*w, T, q)`` entries are vLLM's kept set for every ``T`` and ``q``
+    (``kept_indices``). Runs in the input dtype, like ``retention_mask``.
+    """
+    if not _exporting():
+        check_bucket_inputs(embeds.shape[0], bucket, frame_count)
+    features = embeds if extra is None else torch.cat([embeds, extra], dim=-1)
+    frames = features.reshape(bucket, -1, features.shape[-1])
+    dissimilarity = frame_dissimilarity(frames)
+    padding = torch.full_like(dissimilarity, PADDING_SENTINEL)
+    key = torch.where(real_frames(frame_count, bucket)[:, None], dissimilarity, padding)
+    return descending_order(key.reshape(-1))
+
+
+def kept_indices(ranking, k: int) -> np.ndarray:
+    """The first ``k`` entries of a pruning graph's ranking, ascending int64: the rows to keep."""
+    order = np.asarray(ranking.detach().cpu() if isinstance(ranking, torch.Tensor) else ranking)
+    if order.ndim != 1 or order.dtype.kind not in "iu":
+        raise ValueError(f"ranking must be a 1-D integer array, got {order.dtype} with shape {order.shape}")
+    if isinstance(k, bool) or int(k) != k or not 1 <= k <= order.size:
+        raise ValueError(
+            f"cannot keep {k!r} of {order.size} ranked rows; compute k with the method's retained_token_count")
+    return np.sort(order[: int(k)]).astype(np.int64)

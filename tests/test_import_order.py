@@ -17,9 +17,10 @@ import qeff_evs
 PACKAGE = Path(qeff_evs.__file__).parent
 
 # Layer of each top-level part of the package (sub-layers for runtime), and what each may import.
-BASE = {"evs", "positions", "manifest", "specializations"}
+BASE = {"evs", "vidcom2", "positions", "manifest", "specializations"}
 ALLOWED: dict[str, set[str]] = {
     "evs": set(),
+    "vidcom2": {"evs"},
     "positions": {"evs"},
     "manifest": set(),
     "specializations": {"manifest"},
