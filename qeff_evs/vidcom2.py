@@ -82,37 +82,23 @@ def _channel_count(width) -> int:
     return width // 2 if _exporting() else scoring_channels(width)
 
 
-def row_sums(rows: torch.Tensor) -> torch.Tensor:
-    """Sums over the last axis, added in the same order for every row.
-
-    Equal rows must sum to equal values, or a tie (identical tokens, identical frames) turns into an ulp of
-    difference that the softmax temperature and the rounding of budgets amplify. Eager torch sums every row
-    alike. ONNX Runtime's ReduceSum over the last axis does not: its order follows where each row starts in
-    memory (rows of h*w floats start at different alignments), and its optimizer folds a Transpose into the
-    axes of a ReduceSum; a MatMul with a vector of ones sums each row with the same kernel loop.
-    """
-    if _exporting():
-        return rows @ torch.ones(rows.shape[-1], dtype=rows.dtype, device=rows.device)
-    return rows.sum(dim=-1)
-
-
-def unit_rows(rows: torch.Tensor) -> torch.Tensor:
-    """``F.normalize(rows, dim=-1)`` (eps 1e-12); under export its squared norm is a ``row_sums``."""
-    if not _exporting():
-        return F.normalize(rows, dim=-1)
-    return rows / torch.sqrt(row_sums(rows * rows)).clamp_min(1e-12).unsqueeze(-1)
-
-
 def gaussian_kernels(rows: torch.Tensor, centre: torch.Tensor) -> torch.Tensor:
-    """``(..., N, C)`` rows, a broadcastable centre -> ``(..., N)``: the kernels of every bandwidth, summed in order."""
+    """``(..., N, C)`` unit rows, a broadcastable centre -> ``(..., N)``: the kernels of every bandwidth, summed in order."""
     difference = rows - centre
-    squared_distance = row_sums(difference * difference)
+    squared_distance = (difference * difference).sum(dim=-1)
     total = None
     for bandwidth in GAUSSIAN_BANDWIDTHS:
         # 2 * bandwidth is a power of two: dividing by it is exact, as in vLLM's expression.
         kernel = torch.exp(-squared_distance / (2.0 * bandwidth))
         total = kernel if total is None else total + kernel
     return total
+
+
+def unit_rows(rows: torch.Tensor) -> torch.Tensor:
+    """``F.normalize(rows, dim=-1)`` (``x / max(|x|, 1e-12)``); under export with its norm spelled out."""
+    if not _exporting():
+        return F.normalize(rows, dim=-1)
+    return rows / torch.sqrt((rows * rows).sum(dim=-1, keepdim=True)).clamp_min(1e-12)
 
 
 def frame_budgets(video_kernel: torch.Tensor, ratio: torch.Tensor | float, real: torch.Tensor | None = None
@@ -130,8 +116,11 @@ def frame_budgets(video_kernel: torch.Tensor, ratio: torch.Tensor | float, real:
         share = F.softmax((frame_score - frame_score.max()) / BUDGET_TEMPERATURE, dim=0)
         mean_share = share.mean()
     else:
-        # sum / count is torch's float32 mean on CPU.
-        frame_score = -(row_sums(video_kernel) / tokens)
+        # Summed over a middle axis: ONNX Runtime adds a last axis in an order that follows where each row
+        # starts in memory (rows of h*w floats start at different alignments), so identical frames could score
+        # an ulp apart, which the temperature and the rounding of budgets amplify; over a middle axis every
+        # output adds its inputs in index order.
+        frame_score = -(video_kernel.reshape(*video_kernel.shape, 1).sum(dim=1).reshape(-1) / tokens)
         score = torch.where(real, frame_score, torch.full_like(frame_score, float("-inf")))
         share = F.softmax((score - score.max()) / BUDGET_TEMPERATURE, dim=0)  # exp(-inf) = 0 for padding
         mean_share = share.sum() / real.sum().to(share.dtype)
@@ -194,12 +183,17 @@ def rank_candidates(embeds: torch.Tensor, bucket: int, frame_count: torch.Tensor
                     extra: torch.Tensor | None = None) -> torch.Tensor:
     """VidCom2 over a frame bucket: ``(B*h*w,)`` int64 ranking whose first ``K(q, T)`` rows are the kept set.
 
-    ``embeds`` is a video's merged rows padded to ``bucket`` temporal patches (``(B*h*w, D)``), ``frame_count``
-    one int64 ``T <= B``, ``ratio`` one float ``retention_ratio(q)``, ``extra`` optional scoring features
-    ``(B*h*w, E)`` concatenated after ``embeds``. With ``S`` the per-frame selection (``c`` rows), the ranking
-    is ``S`` in the reverse of vLLM's drop order (so any prefix ``K <= c`` is ``S`` less its ``c - K`` most
-    similar rows), then the other real rows in vLLM's add order (least similar first), then padding rows in
-    index order. Static shapes throughout; statistics are sums over real rows divided by their counts.
+    ``embeds`` is a video's merged rows padded to ``bucket`` temporal patches (``(B*h*w, D)``; what the padding
+    rows hold never matters), ``frame_count`` one int64 ``T <= B``, ``ratio`` one float
+    ``retention_ratio(q)``, ``extra`` optional scoring features ``(B*h*w, E)`` concatenated after ``embeds``.
+    With ``S`` the per-frame selection (``c`` rows), the ranking is ``S`` in the reverse of vLLM's drop order
+    (so any prefix ``K <= c`` is ``S`` less its ``c - K`` most similar rows), then the other real rows in vLLM's
+    add order (least similar first), then padding rows in index order.
+
+    The reference's quantities with static shapes: every statistic sums each frame's tokens, then the video's
+    frames (padding frames left out), and divides by the real row count. Identical tokens get identical scores (ties stay ties) where each
+    row of scoring channels is a whole number of SIMD vectors (16 floats: every Qwen width); see
+    ``frame_budgets`` for the sums over tokens.
     """
     if not _exporting():
         check_bucket_inputs(embeds.shape[0], bucket, frame_count)
@@ -210,20 +204,23 @@ def rank_candidates(embeds: torch.Tensor, bucket: int, frame_count: torch.Tensor
     frames = features.reshape(bucket, -1, width)
     tokens = frames.shape[1]
     real = real_frames(frame_count, bucket)
-    real_rows = real[:, None, None]
     real_count = frame_count.reshape(-1)[:1] * tokens
     row_count = real_count.to(features.dtype)
-    zero = torch.zeros((), dtype=features.dtype, device=features.device)
+
+    def over_real_rows(per_frame: torch.Tensor) -> torch.Tensor:
+        """``(B, C)`` sums over each frame's tokens -> ``(C,)`` sum over the video's frames (padding left out)."""
+        return torch.where(real[:, None], per_frame, torch.zeros_like(per_frame)).sum(dim=0)
 
     # Population variance of each channel over the real rows; the lowest half scores the tokens.
-    mean = torch.where(real_rows, frames, zero).sum(dim=(0, 1)) / row_count
-    deviation = torch.where(real_rows, frames - mean, zero)
-    variance = (deviation * deviation).sum(dim=(0, 1)) / row_count
+    mean = over_real_rows(frames.sum(dim=1)) / row_count
+    deviation = frames - mean
+    variance = over_real_rows((deviation * deviation).sum(dim=1)) / row_count
     channels = ascending_order(variance)[: _channel_count(width)]
     unit = unit_rows(frames.index_select(-1, channels))
 
-    video_centre = torch.where(real_rows, unit, zero).sum(dim=(0, 1)) / row_count
-    frame_centre = unit.sum(dim=1, keepdim=True) / tokens
+    unit_sums = unit.sum(dim=1)
+    video_centre = over_real_rows(unit_sums) / row_count
+    frame_centre = (unit_sums / tokens)[:, None, :]
     video_kernel = gaussian_kernels(unit, video_centre)
     similarity = video_kernel + gaussian_kernels(unit, frame_centre)
     budget = frame_budgets(video_kernel, ratio.reshape(-1)[:1].to(features.dtype), real)
