@@ -94,7 +94,7 @@ def frame_dissimilarity(frames: torch.Tensor) -> torch.Tensor:
 
     Runs in the input dtype, with PyTorch's cosine definition (eps 1e-8), as vLLM does.
     """
-    if _exporting():
+    if exporting():
         similarity = _chunked_cosine(frames)
     else:
         similarity = F.cosine_similarity(frames[1:], frames[:-1], dim=-1)
@@ -137,7 +137,8 @@ def retention_mask(
     return mask
 
 
-def _exporting() -> bool:
+def exporting() -> bool:
+    """Whether a torch.onnx export (or torch.export) is tracing: the selection then takes its TopK form."""
     return torch.onnx.is_in_onnx_export() or torch.compiler.is_exporting()
 
 
@@ -150,7 +151,7 @@ def exportable_keep_order(dissimilarity: torch.Tensor, retained_carrier: torch.T
     """
     flat = dissimilarity.reshape(-1)
     k = retained_carrier.shape[0]
-    if not _exporting():
+    if not exporting():
         return reference_keep_order(flat, k)
     top = torch.topk(flat, k, largest=True, sorted=True).indices
     return torch.topk(top, k, largest=False, sorted=True).values
@@ -182,7 +183,7 @@ def select_retained(
     (a family's extra rows, e.g. Qwen3-VL's multi-level features) when given; callers gather ``extra``
     with the same indices.
     """
-    if not _exporting():
+    if not exporting():
         # Under export these sizes are symbols; in eager mode catch what TopK would
         # otherwise turn into a silent short selection or an opaque reshape error.
         _check_selection_shapes(embeds, frames, retained_carrier.shape[0], extra)
@@ -220,14 +221,14 @@ def ascending_order(key: torch.Tensor, dim: int = -1) -> torch.Tensor:
     Export form: a full-length TopK (ONNX breaks ties toward the lower index). Eager form: a stable
     argsort, because eager ``torch.topk`` on CPU resolves ties by its selection algorithm.
     """
-    if _exporting():
+    if exporting():
         return torch.topk(key, key.shape[dim], dim=dim, largest=False, sorted=True).indices
     return torch.argsort(key, dim=dim, stable=True)
 
 
 def descending_order(key: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """Indices that sort ``key`` descending along ``dim``, ties toward the lower index (see ``ascending_order``)."""
-    if _exporting():
+    if exporting():
         return torch.topk(key, key.shape[dim], dim=dim, largest=True, sorted=True).indices
     return torch.argsort(key, dim=dim, descending=True, stable=True)
 
@@ -264,7 +265,7 @@ def rank_candidates(embeds: torch.Tensor, bucket: int, frame_count: torch.Tensor
     The first ``retained_token_count(h*w, T, q)`` entries are vLLM's kept set for every ``T`` and ``q``
     (``kept_indices``). Runs in the input dtype, like ``retention_mask``.
     """
-    if not _exporting():
+    if not exporting():
         check_bucket_inputs(embeds.shape[0], bucket, frame_count)
     features = embeds if extra is None else torch.cat([embeds, extra], dim=-1)
     frames = features.reshape(bucket, -1, features.shape[-1])

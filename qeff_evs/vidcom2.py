@@ -21,6 +21,11 @@ paths alike). On CPU, ``torch.topk`` resolves ties by libstdc++'s ``nth_element`
 depends on the arrangement of the whole row (``topk(zeros(20), 3, largest=False)`` keeps 12, 13, 14); no static
 graph reproduces that, so tests run vLLM's function with a topk that follows the CUDA rule wherever values tie.
 
+**Frames that score exactly alike** (a frozen video) get ``p_f = 1/T`` each, and every budget then hangs on how
+``mean(p)`` rounds: a sum of T copies of ``float32(1/T)`` depends on the order of its additions. Torch's CPU sum of
+T values, the sum over a padded bucket here and ONNX Runtime's agree for every T <= 64 but 31, where
+``scale_f * h*w`` can land on the other side of a .5 (e.g. q = 0.5, h*w = 3); vLLM on CUDA sums in its own order.
+
 Two forms: ``retention_mask`` is the eager reference (one video, unpadded, the definition above with torch's own
 ops), ``rank_candidates`` the exportable form over a frame bucket: rows padded to ``B`` temporal patches, ``T`` and
 ``r`` as tensors, static shapes, returning a ranking whose first ``K(q, T)`` entries are the kept set for any ``K``
@@ -36,10 +41,10 @@ import torch
 import torch.nn.functional as F
 
 from qeff_evs.evs import (
-    _exporting,
     ascending_order,
     check_bucket_inputs,
     descending_order,
+    exporting,
     merged_grid,
     real_frames,
     validate_pruning_rate,
@@ -79,7 +84,7 @@ def scoring_channels(width: int) -> int:
 
 def _channel_count(width) -> int:
     # Under export ``width`` is a traced size: ``width // 2`` stays a graph value (graph widths are >= 2).
-    return width // 2 if _exporting() else scoring_channels(width)
+    return width // 2 if exporting() else scoring_channels(width)
 
 
 def gaussian_kernels(rows: torch.Tensor, centre: torch.Tensor) -> torch.Tensor:
@@ -96,7 +101,7 @@ def gaussian_kernels(rows: torch.Tensor, centre: torch.Tensor) -> torch.Tensor:
 
 def unit_rows(rows: torch.Tensor) -> torch.Tensor:
     """``F.normalize(rows, dim=-1)`` (``x / max(|x|, 1e-12)``); under export with its norm spelled out."""
-    if not _exporting():
+    if not exporting():
         return F.normalize(rows, dim=-1)
     return rows / torch.sqrt((rows * rows).sum(dim=-1, keepdim=True)).clamp_min(1e-12)
 
@@ -195,7 +200,7 @@ def rank_candidates(embeds: torch.Tensor, bucket: int, frame_count: torch.Tensor
     row of scoring channels is a whole number of SIMD vectors (16 floats: every Qwen width); see
     ``frame_budgets`` for the sums over tokens.
     """
-    if not _exporting():
+    if not exporting():
         check_bucket_inputs(embeds.shape[0], bucket, frame_count)
         if ratio.numel() != 1 or not 0.0 < float(ratio.reshape(-1)[0]) <= 1.0:
             raise ValueError(f"ratio must be one value in (0, 1], got {ratio}; pass retention_ratio(q)")
