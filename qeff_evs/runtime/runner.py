@@ -178,25 +178,47 @@ def vision_pipeline(bundle: ExportBundle, backend: str, device: str | None = Non
 def sessions_for(bundle: ExportBundle, backend: str, device: str | None = None, device_ids=None):
     """``(VisionPipeline, language session)`` of ``backend`` over the export; ``device_ids`` as for
     :func:`vision_pipeline` (every program of the export is loaded and activated once, here)."""
-    m, root = bundle.manifest, bundle.export_dir
     _check_device_ids(backend, device_ids)
     if backend == "ort":
-        return vision_pipeline(bundle, backend), OrtLanguageSession(m.path(root, "language"), bundle.language_shape)
+        return vision_pipeline(bundle, backend), language_session(bundle, backend)
     if backend == "torch":
         from qeff_evs.models.checkpoint import load_checkpoint
-        from qeff_evs.models.language import ExportableLanguageGraph
 
-        checkpoint = load_checkpoint(m.model_dir)
-        language = ExportableLanguageGraph(
-            bundle.family.language_graph(checkpoint.model, bundle.family.special_tokens().media_pads,
-                                         m.language_shape.rope_positions),
-            continuous_batching=m.language_shape.continuous_batching)
-        return (vision_pipeline(bundle, backend, device, checkpoint),
-                TorchLanguageSession(language, bundle.language_shape, device))
+        checkpoint = load_checkpoint(bundle.manifest.model_dir)
+        return vision_pipeline(bundle, backend, device, checkpoint), _torch_language(bundle, checkpoint, device)
     if backend == "qaic":
         from qeff_evs.runtime.backends.qaic import qaic_sessions
 
         return qaic_sessions(bundle, device_ids)
+    raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+
+
+def _torch_language(bundle: ExportBundle, checkpoint, device: str | None) -> TorchLanguageSession:
+    from qeff_evs.models.language import ExportableLanguageGraph
+
+    shape = bundle.language_shape
+    language = ExportableLanguageGraph(
+        bundle.family.language_graph(checkpoint.model, bundle.family.special_tokens().media_pads,
+                                     shape.rope_positions),
+        continuous_batching=shape.continuous_batching)
+    return TorchLanguageSession(language, shape, device)
+
+
+def language_session(bundle: ExportBundle, backend: str, device: str | None = None, device_ids=None):
+    """The language session of ``backend`` over the export, alone (an instance that runs no vision graph:
+    a prefill/decode instance of encoder disaggregation); ``device_ids`` as for :func:`vision_pipeline`."""
+    m, root = bundle.manifest, bundle.export_dir
+    _check_device_ids(backend, device_ids)
+    if backend == "ort":
+        return OrtLanguageSession(m.path(root, "language"), bundle.language_shape)
+    if backend == "torch":
+        from qeff_evs.models.checkpoint import load_checkpoint
+
+        return _torch_language(bundle, load_checkpoint(m.model_dir), device)
+    if backend == "qaic":
+        from qeff_evs.runtime.backends.qaic import qaic_language_session
+
+        return qaic_language_session(bundle, device_ids)
     raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
 
 

@@ -427,6 +427,17 @@ def qaic_vision_pipeline(bundle, device_ids: DeviceIdsSpec | None = None,
     return _vision_pipeline(bundle, load_programs(bundle, vision_graphs, device_ids, sdk_root))
 
 
+def qaic_language_session(bundle, device_ids: DeviceIdsSpec | None = None,
+                          sdk_root: str | Path = DEFAULT_SDK_ROOT) -> QaicLanguageSession:
+    """The language QPC alone, active on its devices until the session is closed (no vision program)."""
+    program = load_programs(bundle, ("language",), device_ids, sdk_root)["language"]
+    try:
+        return QaicLanguageSession(program, bundle.language_shape)
+    except BaseException:
+        program.close()
+        raise
+
+
 def qaic_sessions(bundle, device_ids: DeviceIdsSpec | None = None,
                   sdk_root: str | Path = DEFAULT_SDK_ROOT) -> tuple[VisionPipeline, QaicLanguageSession]:
     """The vision pipeline and language session over the export's compiled QPCs (``qeff-evs compile``), every
