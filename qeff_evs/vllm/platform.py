@@ -18,6 +18,7 @@ import torch
 from vllm.platforms.interface import Platform, PlatformEnum
 
 from qeff_evs.manifest import read_manifest
+from qeff_evs.vllm.data_parallel import data_parallel_problems
 from qeff_evs.vllm.limits import ServingSettings, refusals
 from qeff_evs.vllm.plugin import BACKEND_ENV, active_backend, logger
 
@@ -76,7 +77,7 @@ class QeffEvsPlatform(Platform):
             enable_prefix_caching=bool(cache.enable_prefix_caching),
             tensor_parallel_size=parallel.tensor_parallel_size, pipeline_parallel_size=parallel.pipeline_parallel_size,
             speculative=vllm_config.speculative_config is not None)
-        problems = refusals(settings, manifest)
+        problems = refusals(settings, manifest) + data_parallel_problems(vllm_config)
         if problems:
             raise ValueError(f"{BACKEND_ENV}={active_backend()}: the export {export_dir} cannot serve these settings:\n"
                              + "\n".join(f"  - {p}" for p in problems))

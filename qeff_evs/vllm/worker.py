@@ -8,13 +8,12 @@ picks the tokens. Encoder outputs are dropped when vLLM's encoder cache frees th
 finishes or aborts a request.
 
 On the qaic backend every program of the export is loaded once, on the devices ``QEFF_EVS_DEVICE_IDS`` or
-``--additional-config '{"device_ids": ...}'`` name (refused before loading if they over-subscribe a device),
-stays active while the engine serves, and is released when vLLM shuts the worker down.
+``--additional-config '{"device_ids": ...}'`` name (refused before loading if they over-subscribe a device;
+with ``--data-parallel-size``, one group per rank: ``data_parallel.py``), stays active while the engine
+serves, and is released when vLLM shuts the worker down.
 """
 
 from __future__ import annotations
-
-import os
 
 import numpy as np
 import torch
@@ -26,9 +25,9 @@ from qeff_evs.positions import check_rope_range
 from qeff_evs.runtime.engine.executor import EngineConfig
 from qeff_evs.runtime.engine.request import PromptPiece
 from qeff_evs.runtime.runner import open_export, sessions_for
+from qeff_evs.vllm.data_parallel import configured_device_ids, log_rank
 from qeff_evs.vllm.driver import VllmDriver
-from qeff_evs.specializations.placement import DeviceIdsSpec, parse_device_ids
-from qeff_evs.vllm.plugin import DEVICE_IDS_ENV, DEVICE_IDS_KEY, active_backend
+from qeff_evs.vllm.plugin import active_backend
 from qeff_evs.vllm.processing import media_from_fields
 from qeff_evs.vllm.sampling import VllmSampling
 
@@ -50,21 +49,6 @@ def prompt_pieces(prompt_ids: list[int], features) -> list[PromptPiece]:
     return pieces
 
 
-def configured_device_ids(vllm_config) -> DeviceIdsSpec | None:
-    """The device ids of ``QEFF_EVS_DEVICE_IDS`` or of ``--additional-config``'s ``device_ids`` (not both)."""
-    from_env = os.environ.get(DEVICE_IDS_ENV, "").strip()
-    additional = vllm_config.additional_config if isinstance(vllm_config.additional_config, dict) else {}
-    from_config = additional.get(DEVICE_IDS_KEY)
-    if from_env and from_config is not None:
-        raise ValueError(f"device ids are given twice, {DEVICE_IDS_ENV}={from_env!r} and --additional-config "
-                         f"{DEVICE_IDS_KEY}={from_config!r}; keep one")
-    if from_env:
-        return parse_device_ids(from_env, DEVICE_IDS_ENV)
-    if from_config is not None:
-        return parse_device_ids(from_config, f"--additional-config {DEVICE_IDS_KEY}")
-    return None
-
-
 class QeffEvsWorker(WorkerBase):
     def init_device(self) -> None:
         self.device = torch.device("cpu")
@@ -74,9 +58,14 @@ class QeffEvsWorker(WorkerBase):
         m = bundle.manifest
         config = EngineConfig(m.prefill_seq_len, m.ctx_len, m.user_vision_size, m.video_pruning_rate)
         self.bundle = bundle
-        sessions = sessions_for(bundle, active_backend(), device_ids=configured_device_ids(self.vllm_config))
-        self.driver = VllmDriver(bundle.family, *sessions, config)
+        self.driver = VllmDriver(bundle.family, *self._sessions(bundle), config)
         self.sampling: VllmSampling | None = None
+
+    def _sessions(self, bundle):
+        """The vision pipeline and language session this worker runs: every graph of the export."""
+        device_ids = configured_device_ids(self.vllm_config)
+        log_rank(self.vllm_config, device_ids)
+        return sessions_for(bundle, active_backend(), device_ids=device_ids)
 
     def get_model(self) -> torch.nn.Module:
         return torch.nn.Module()  # the model lives in the sessions; nothing to inspect
@@ -129,8 +118,7 @@ class QeffEvsWorker(WorkerBase):
                              "media; the prompt was not made by the qeff-evs processor")
         # The platform's start-up check keeps max_model_len's unpruned positions inside the RoPE tables; only a
         # Qwen2.5-VL video at a very sparse frame rate can still pass them (then this stops the engine, clearly).
-        check_rope_range(plan.decode_start, new.sampling_params.max_tokens,
-                         self.driver.executor.language.shape.rope_positions)
+        check_rope_range(plan.decode_start, new.sampling_params.max_tokens, self.bundle.language_shape.rope_positions)
         self.driver.admit(new.req_id, plan, media, features)
 
     def check_health(self) -> None:

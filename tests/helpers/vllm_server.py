@@ -1,0 +1,90 @@
+"""``vllm serve`` in a child process for tests: started, waited for, and stopped whatever happens.
+
+Each server runs in its own session (its own process group) on 127.0.0.1 and writes everything it logs to a
+file the test can read (vLLM logs its engine cores' lines there too, prefixed with their process names).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator, Sequence
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+START_TIMEOUT_S = 300
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Server:
+    url: str  # http://127.0.0.1:PORT
+    log: Path
+    process: subprocess.Popen
+
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+
+def vllm_command() -> str:
+    return str(Path(sys.executable).with_name("vllm"))
+
+
+@contextmanager
+def vllm_servers(specs: Sequence[tuple[list[str], dict[str, str], Path, Path | None]]) -> Iterator[list[Server]]:
+    """Start one ``vllm serve`` per ``(arguments after 'vllm serve', extra environment, log file, cwd)``, all at
+    once, wait until every one answers ``/health``, yield them, and stop them all at the end."""
+    with ExitStack() as stack:
+        servers = []
+        for arguments, env, log, cwd in specs:
+            port = free_port()
+            out = stack.enter_context(open(log, "w"))
+            process = subprocess.Popen([vllm_command(), "serve", *arguments, "--host", "127.0.0.1", "--port", str(port)],
+                                       stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ, **env), cwd=cwd,
+                                       start_new_session=True)
+            stack.callback(_stop, process)
+            servers.append(Server(f"http://127.0.0.1:{port}", log, process))
+        deadline = time.monotonic() + START_TIMEOUT_S
+        waiting = list(servers)
+        while waiting:
+            for server in list(waiting):
+                if server.process.poll() is not None:
+                    pytest.fail(f"vllm serve exited with {server.process.returncode}:\n{server.log_text()[-5000:]}")
+                if _healthy(server.url):
+                    waiting.remove(server)
+            if waiting and time.monotonic() > deadline:
+                pytest.fail(f"vllm serve not ready after {START_TIMEOUT_S} s:\n{waiting[0].log_text()[-5000:]}")
+            time.sleep(1)
+        yield servers
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
+            return response.status == 200
+    except OSError:
+        return False
+
+
+def _stop(process: subprocess.Popen) -> None:
+    if process.poll() is not None:
+        return
+    os.killpg(process.pid, signal.SIGTERM)
+    try:
+        process.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait(timeout=30)

@@ -1,0 +1,173 @@
+"""vLLM data parallel over an export (issue 17 item 3): ``vllm serve EXPORT --data-parallel-size N``.
+
+Through the real server (a child process): two ranks over the tiny Qwen2.5-VL ORT export serve 16 concurrent
+video requests from the OpenAI client, each one's greedy tokens equal to our single-request engine on the same
+file (the reference ``test_vllm_serve`` holds the one-rank server to), and both ranks served: vLLM's own
+``/metrics`` counts requests per rank (``engine="0"``, ``engine="1"``) and each rank logs its own process.
+
+Without a server: device groups per rank (``QEFF_EVS_DEVICE_IDS='0;1'``) parsed, chosen by the rank vLLM
+starts, and refused when missing on QAIC, miscounted, or over-subscribing a device across ranks; on the fake
+card of ``test_qaic_session.py`` two ranks' workers load every program, each on its own device.
+"""
+
+from __future__ import annotations
+
+import re
+import types
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from qeff_evs.manifest import GRAPHS
+from qeff_evs.specializations.placement import CompiledGraph, DEFAULT_GRAPH_CORES
+from qeff_evs.vllm.data_parallel import (
+    configured_device_ids,
+    data_parallel_refusals,
+    parse_device_groups,
+)
+from test_qaic_placement import build, device, events_by_graph  # noqa: F401  (fixtures)
+
+QUESTIONS = ("What happens in this video?", "Describe the square.", "Which way does it move?", "Count the frames.")
+
+
+def config(rank: int | None, **additional) -> types.SimpleNamespace:
+    return types.SimpleNamespace(additional_config=additional,
+                                 parallel_config=types.SimpleNamespace(data_parallel_rank_local=rank))
+
+
+# --------------------------------------------------------------------------------------------------
+# device groups
+
+
+def test_groups_are_one_per_rank_in_rank_order():
+    assert parse_device_groups("0;1", "x") == ((0,), (1,))
+    assert parse_device_groups("encoder=0,evs=0,language=1; encoder=2,evs=2,language=3", "x") == (
+        {"encoder": (0,), "evs": (0,), "language": (1,)}, {"encoder": (2,), "evs": (2,), "language": (3,)})
+    assert parse_device_groups("language=0+1", "x") == ({"language": (0, 1)},)  # no ';': one group
+    with pytest.raises(ValueError, match=r"'0;;1' has an empty device group; give one group per data-parallel rank"):
+        parse_device_groups("0;;1", "x")
+
+
+def test_each_rank_takes_its_group(monkeypatch):
+    monkeypatch.setenv("QEFF_EVS_DEVICE_IDS", "0;1")
+    assert configured_device_ids(config(0)) == (0,)
+    assert configured_device_ids(config(1)) == (1,)
+    with pytest.raises(ValueError, match=r"names 2 device groups .* vLLM runs one engine .* --data-parallel-size 2"):
+        configured_device_ids(config(None))
+    with pytest.raises(ValueError, match=r"names 2 device group\(s\) but this is data-parallel rank 2"):
+        configured_device_ids(config(2))
+    monkeypatch.delenv("QEFF_EVS_DEVICE_IDS")
+    assert configured_device_ids(config(1, device_ids="encoder=2;language=3")) == {"language": (3,)}
+    assert configured_device_ids(config(None)) is None
+
+
+COMPILED = {graph: CompiledGraph(DEFAULT_GRAPH_CORES[graph]) for graph in GRAPHS}  # 6 + 1 + 9 = 16 cores
+
+
+@pytest.mark.parametrize("backend, groups, expected", [
+    ("qaic", None, r"--data-parallel-size 2 on qaic: each rank loads every program .* QEFF_EVS_DEVICE_IDS='0;1'"),
+    ("qaic", ((0,),), r"names 1 device group\(s\) for 2 data-parallel ranks .* '0;1'; repeat a group"),
+    ("qaic", ((0,), (0,)), r"device 0 would hold rank 0's encoder 6 \+ rank 0's evs 1 \+ rank 0's language 9 \+ "
+                           r"rank 1's encoder 6 .* = 32 cores, but a device has 16"),
+    ("qaic", ((0,), (0, 1)), r"the encoder program was compiled for 1 device\(s\) but is given 2"),
+])
+def test_a_placement_two_ranks_cannot_share_is_refused(backend, groups, expected):
+    problems = data_parallel_refusals(backend, 2, groups, "QEFF_EVS_DEVICE_IDS", COMPILED, GRAPHS)
+    assert len(problems) == 1 and re.search(expected, problems[0]), problems
+
+
+def test_placements_that_fit_pass():
+    assert data_parallel_refusals("qaic", 2, ((0,), (1,)), "x", COMPILED, GRAPHS) == []
+    small = {graph: CompiledGraph(cores) for graph, cores in dict(encoder=3, evs=1, language=4).items()}
+    assert data_parallel_refusals("qaic", 2, ((0,), (0,)), "x", small, GRAPHS) == []  # 2 x 8 cores on one device
+    assert data_parallel_refusals("ort", 2, None, "", None, GRAPHS) == []  # host backends: each rank its sessions
+    assert data_parallel_refusals("qaic", 1, None, "", COMPILED, GRAPHS) == []
+
+
+def test_two_ranks_load_every_program_each_on_its_own_device(build, device, monkeypatch):  # noqa: F811
+    pytest.importorskip("vllm.v1.worker.worker_base")
+    from qeff_evs.vllm.worker import QeffEvsWorker
+
+    monkeypatch.setenv("QEFF_EVS_BACKEND", "qaic")
+    monkeypatch.setenv("QEFF_EVS_DEVICE_IDS", "0;1")
+    workers = []
+    for rank in (0, 1):  # what vLLM's two engine-core processes do, here on one fake card
+        worker = QeffEvsWorker.__new__(QeffEvsWorker)
+        worker.model_config = types.SimpleNamespace(model=str(build))
+        worker.vllm_config = config(rank)
+        worker.load_model()
+        workers.append(worker)
+    loads = [(graph, devices) for what, graph, devices in events_by_graph(device) if what == "activate"]
+    assert loads == [(graph, (0,)) for graph in GRAPHS] + [(graph, (1,)) for graph in GRAPHS]
+    assert device.cores_used == {0: 16, 1: 16}
+    for worker in workers:
+        worker.shutdown()
+    assert device.cores_used == {0: 0, 1: 0}
+
+
+# --------------------------------------------------------------------------------------------------
+# the real server: two ranks
+
+
+@pytest.fixture(scope="module")
+def clips(tmp_path_factory):
+    from test_vllm_serve import write_mkv
+
+    from qeff_evs.runtime.inputs.synthetic import moving_square_video
+
+    folder = tmp_path_factory.mktemp("dp_media")
+    return [write_mkv(folder / f"clip{n}.mkv", moving_square_video(frames, 120, width, seed=10 + n), fps=2)
+            for n, (frames, width) in enumerate([(8, 120), (4, 170), (8, 170), (4, 120)])]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(served_export, tmp_path_factory):
+    pytest.importorskip("uvicorn", reason="vLLM's server packages are missing: run bash scripts/install.sh --test")
+    from helpers.vllm_server import vllm_servers
+
+    from conftest import SERVED_FULL_BATCH
+
+    export = served_export("qwen2_5_vl")[1]
+    log = tmp_path_factory.mktemp("dp_log") / "server.log"
+    arguments = [str(export), "--video-pruning-rate", "0.5", "--max-num-seqs", str(SERVED_FULL_BATCH),
+                 "--served-model-name", "tiny", "--data-parallel-size", "2", "--api-server-count", "1"]
+    with vllm_servers([(arguments, {"QEFF_EVS_BACKEND": "ort"}, log, None)]) as (server,):
+        yield export, server
+
+
+def test_two_ranks_serve_16_concurrent_videos_with_single_request_tokens(two_ranks, clips):
+    openai = pytest.importorskip("openai")
+    from test_vllm_serve import video_message
+
+    from qeff_evs.runtime.runner import answer, build_engine, open_export, video_from_file
+
+    export, server = two_ranks
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", timeout=300, max_retries=0)
+    requests = [(clips[n % len(clips)], QUESTIONS[n // len(clips)]) for n in range(16)]
+
+    def one(request):
+        clip, question = request
+        return client.chat.completions.create(model="tiny", messages=video_message(clip, question), temperature=0,
+                                              max_tokens=5, extra_body={"return_token_ids": True}).choices[0]
+
+    with ThreadPoolExecutor(16) as pool:
+        choices = list(pool.map(one, requests))
+
+    bundle = open_export(export)
+    engine = build_engine(bundle, "ort", max_new_tokens=5)
+    expected = [answer(bundle, engine, video_from_file(clip, bundle), question).generated_token_ids
+                for clip, question in requests]
+    assert [c.token_ids for c in choices] == expected
+
+    # Both ranks served: vLLM's per-engine request counters, and each rank's own process.
+    with urllib.request.urlopen(f"{server.url}/metrics", timeout=10) as response:
+        metrics = response.read().decode()
+    served = {}
+    for line in metrics.splitlines():
+        if line.startswith("vllm:request_success_total{"):
+            rank = re.search(r'engine="(\d+)"', line).group(1)
+            served[rank] = served.get(rank, 0) + float(line.rsplit(" ", 1)[1])
+    assert set(served) == {"0", "1"} and sum(served.values()) == 16 and min(served.values()) > 0, served
+    pids = dict(re.findall(r"qeff-evs data-parallel rank (\d) \(pid (\d+)\)", server.log_text()))
+    assert set(pids) == {"0", "1"} and pids["0"] != pids["1"]
