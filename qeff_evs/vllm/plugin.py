@@ -62,9 +62,12 @@ def platform_plugin() -> str | None:
 
 
 def register() -> None:
-    """``vllm.general_plugins`` entry point: our model classes and processors, only while active."""
+    """``vllm.general_plugins`` entry point: our model classes and processors and our EC connector, only while
+    active."""
     if active_backend() is None:
         return
+    from qeff_evs.vllm.ec_config import register_connector
     from qeff_evs.vllm.model import register_models
 
     register_models()
+    register_connector()

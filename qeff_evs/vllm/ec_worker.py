@@ -1,0 +1,150 @@
+"""The worker of an encoder-disaggregation instance: it loads only the graphs its EC role runs.
+
+With ``--ec-transfer-config`` (qeff-evs's connector, ``ec_connector.py``) one export is served by instances
+of two roles, each loading its share of the export's programs:
+
+===============  ===============================  ==============================================================
+``ec_role``      graphs loaded                    per step
+===============  ===============================  ==============================================================
+``ec_producer``  encoder + pruning (``evs``)      encode the scheduled items and ship each one's kept rows; no
+                                                  KV cache, no sampling (vLLM's encoder-only instance: vLLM
+                                                  finishes a request once its prompt is consumed)
+``ec_consumer``  language                         load the shipped kept rows, then prefill and decode as any
+                                                  qeff-evs worker; never encodes
+===============  ===============================  ==============================================================
+
+On QAIC, an instance's device ids place only its own programs, so a consumer's language program can take the
+cores the vision programs would have held. The graphs a role does not run are never opened: a consumer works
+from an export folder without vision graphs, and anything that reached for them would fail, naming the role.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from vllm.distributed.ec_transfer import ensure_ec_transfer_initialized, ensure_ec_transfer_shutdown
+from vllm.v1.outputs import ModelRunnerOutput, make_empty_encoder_model_runner_output
+from vllm.v1.worker.ec_connector_model_runner_mixin import ECConnectorModelRunnerMixin
+
+from qeff_evs.runtime.runner import language_session, vision_pipeline
+from qeff_evs.vllm.data_parallel import configured_device_ids
+from qeff_evs.vllm.plugin import active_backend, logger
+from qeff_evs.vllm.worker import QeffEvsWorker
+
+
+@dataclass(frozen=True)
+class NotLoaded:
+    """Stands for graphs this instance's role does not load; reaching for them is a bug, said as such."""
+
+    role: str
+    graphs: str
+
+    def close(self) -> None:  # nothing was opened
+        return None
+
+    def __getattr__(self, name: str):
+        raise RuntimeError(f"this {self.role} instance loads no {self.graphs} ({name!r} was asked for); vLLM's "
+                           "scheduler must not schedule that work here")
+
+
+@dataclass(frozen=True)
+class _EncoderOutputWidth:
+    """Answers vLLM's start-up measurement of an EC producer's encoder output width.
+
+    vLLM (``measure_encoder_output_widths``) encodes a dummy item through ``worker.model_runner.get_model()
+    .embed_multimodal`` on every producer and keeps the last dimension; only its CPU and Mooncake connectors
+    read it, to size transfer buffers. The width of what our graphs return is fixed by the export (the kept
+    rows and the family's extra rows of each token: ``hidden * (1 + deepstack levels)``, the width vLLM's
+    Qwen3-VL reports too), so it is given from the export's shapes instead of running the graphs.
+    """
+
+    width: int
+    device: torch.device = torch.device("cpu")
+    supports_mm_inputs: bool = True
+
+    def get_model(self) -> _EncoderOutputWidth:
+        return self
+
+    def embed_multimodal(self, **mm_kwargs) -> list[torch.Tensor]:
+        return [torch.empty((0, self.width))]
+
+
+class QeffEvsECWorker(QeffEvsWorker):
+    """A qeff-evs worker in one role of vLLM's encoder disaggregation (module docstring)."""
+
+    def init_device(self) -> None:
+        super().init_device()
+        # ec_config.ec_refusals admits the two roles only: an encoder-only producer, or a consumer.
+        self.encoder_only = self.vllm_config.ec_transfer_config.is_encode_only
+        if self.encoder_only:
+            # vLLM measures a producer's encoder width through its pipeline-parallel group
+            # (``get_pp_group``); set up its process groups, one rank, as its own workers do.
+            from vllm.distributed.parallel_state import (
+                ensure_model_parallel_initialized,
+                init_distributed_environment,
+            )
+
+            init_distributed_environment(1, 0, self.distributed_init_method, 0, "gloo")
+            ensure_model_parallel_initialized(1, 1)
+        ensure_ec_transfer_initialized(self.vllm_config)
+
+    def _sessions(self, bundle):
+        device_ids, backend = configured_device_ids(self.vllm_config), active_backend()
+        if self.encoder_only:
+            shape = bundle.language_shape
+            self.model_runner = _EncoderOutputWidth(shape.hidden * (1 + shape.deepstack_levels))
+            sessions = (vision_pipeline(bundle, backend, device_ids=device_ids),
+                        NotLoaded("ec_producer", "language graph"))
+        else:
+            sessions = (NotLoaded("ec_consumer", "vision graphs (encoder, pruning)"),
+                        language_session(bundle, backend, device_ids=device_ids))
+        logger.info("qeff-evs %s instance: loaded the %s of %s only", self.vllm_config.ec_transfer_config.ec_role,
+                    "encoder and pruning graphs" if self.encoder_only else "language graph", bundle.export_dir)
+        return sessions
+
+    # -- KV accounting: an encoder-only instance has no KV cache (vLLM's MMEncoderModelRunner's rule) -------
+    def get_kv_cache_spec(self):
+        return {} if self.encoder_only else super().get_kv_cache_spec()
+
+    def determine_available_memory(self) -> int:
+        return 0 if self.encoder_only else super().determine_available_memory()
+
+    def initialize_from_config(self, kv_cache_config) -> None:
+        if not self.encoder_only:
+            super().initialize_from_config(kv_cache_config)
+
+    # -- one step ---------------------------------------------------------------------------------------
+    def execute_model(self, scheduler_output) -> ModelRunnerOutput:
+        executor = self.driver.executor
+        # vLLM's order: the step's freed entries go before anything is loaded or encoded for it.
+        executor.free(scheduler_output.free_encoder_mm_hashes)
+        if scheduler_output.scheduled_encoder_inputs and not self.encoder_only:
+            raise AssertionError(f"media items {dict(scheduler_output.scheduled_encoder_inputs)} were scheduled for "
+                                 "encoding on an ec_consumer instance; its connector keeps such requests waiting")
+        with ECConnectorModelRunnerMixin.maybe_get_ec_connector_output(
+                scheduler_output, encoder_cache=executor.encoder_outputs) as ec_output:
+            # A consumer's connector has loaded the step's shipped items into the encoder cache by now.
+            output = self._encode(scheduler_output) if self.encoder_only else super().execute_model(scheduler_output)
+        return ModelRunnerOutput.with_ec_conn_output(output, ec_output)
+
+    def _encode(self, scheduler_output) -> ModelRunnerOutput:
+        """An encoder instance's step: admit, encode and ship the scheduled items; it never samples."""
+        executor = self.driver.executor
+        for request_id in scheduler_output.finished_req_ids:
+            self.driver.finish(request_id)
+        for new in scheduler_output.scheduled_new_reqs:
+            self._admit(new)
+        for request_id, items in scheduler_output.scheduled_encoder_inputs.items():
+            for item in items:
+                executor.encode(request_id, item)
+                mm_hash = executor.requests[request_id].hashes[item]
+                ECConnectorModelRunnerMixin.maybe_save_ec_to_connector(executor.encoder_outputs, mm_hash)
+        return make_empty_encoder_model_runner_output(scheduler_output)
+
+    def shutdown(self) -> None:
+        try:
+            super().shutdown()
+        finally:
+            ensure_ec_transfer_shutdown()
+
