@@ -85,6 +85,29 @@ def test_placements_that_fit_pass():
     assert data_parallel_refusals("qaic", 1, None, "", COMPILED, GRAPHS) == []
 
 
+def test_the_platform_reads_ranks_and_groups_from_vllm_config(build, monkeypatch):  # noqa: F811
+    from qeff_evs.vllm.data_parallel import data_parallel_problems
+
+    def serve(size: int, local: int | None = None, **additional):
+        parallel = types.SimpleNamespace(data_parallel_size=size, data_parallel_size_local=local or size,
+                                         data_parallel_rank_local=None)
+        return types.SimpleNamespace(parallel_config=parallel, additional_config=additional,
+                                     model_config=types.SimpleNamespace(model=str(build)))
+
+    monkeypatch.setenv("QEFF_EVS_BACKEND", "qaic")
+    monkeypatch.delenv("QEFF_EVS_DEVICE_IDS", raising=False)
+    [line] = data_parallel_problems(serve(2))
+    assert line.startswith("--data-parallel-size 2 on qaic: each rank loads every program")
+    [line] = data_parallel_problems(serve(2, device_ids="0;0"))  # build's placement.json: 6 + 1 + 9 per rank
+    assert line.startswith("device 0 would hold rank 0's encoder 6") and "= 32 cores" in line
+    assert data_parallel_problems(serve(2, device_ids="0;1")) == []
+    [line] = data_parallel_problems(serve(4, 2, device_ids="0;1;2;3"))  # this host runs 2 of the 4 ranks
+    assert "names 4 device group(s) for 2 data-parallel ranks on this host" in line
+    assert data_parallel_problems(serve(1, device_ids="0")) == []
+    monkeypatch.setenv("QEFF_EVS_BACKEND", "ort")
+    assert data_parallel_problems(serve(2)) == []
+
+
 def test_two_ranks_load_every_program_each_on_its_own_device(build, device, monkeypatch):  # noqa: F811
     pytest.importorskip("vllm.v1.worker.worker_base")
     from qeff_evs.vllm.worker import QeffEvsWorker
