@@ -83,7 +83,8 @@ class QeffEvsECConnector(ECExampleConnector):
         self._rate = str(float(mm.video_pruning_rate or 0.0)) if mm is not None else "0.0"
         self._waiting_since: dict[str, float] = {}  # request id -> when an item of it was first missing
         self._unavailable: set[str] = set()
-        self._rows_in_file: dict[str, int] = {}  # mm_hash -> K its file holds (files never change once written)
+        # mm_hash -> (K, pruning rate) its file's header records (a file never changes once written)
+        self._shipped: dict[str, tuple[int, str | None]] = {}
 
     def _path(self, mm_hash: str) -> str:
         return payload_path(self._storage_path, mm_hash)
@@ -98,7 +99,7 @@ class QeffEvsECConnector(ECExampleConnector):
         k, frames = len(encoded.retained_indices), len(encoded.kept_per_frame)
         size = write_payload(self._path(mm_hash), arrays,
                              {"format": FORMAT, "rows": str(k), "video_pruning_rate": self._rate})
-        logger.info("qeff-evs EC: shipped %s: %d kept rows of %d frames, %d bytes (arrays %d B)", mm_hash, k,
+        logger.info("qeff-evs EC: shipped %s: %d kept rows over %d temporal patches, %d bytes (arrays %d B)", mm_hash, k,
                     frames, size, kept_rows.nbytes(arrays))
 
     def start_load_caches(self, encoder_cache, **kwargs) -> None:
@@ -152,16 +153,13 @@ class QeffEvsECConnector(ECExampleConnector):
         return False
 
     def _mismatch(self, mm_hash: str, expected_rows: int) -> str | None:
-        rows = self._rows_in_file.get(mm_hash)
-        if rows is None:
+        if mm_hash not in self._shipped:
             header = read_header(self._path(mm_hash))
             if header.get("format") != FORMAT:
                 return (f"{self._path(mm_hash)} is not a qeff-evs kept-rows file ({header.get('format')!r}); the "
                         f"encoder instance must use ec_connector {CONNECTOR_NAME} too")
-            rows = self._rows_in_file[mm_hash] = int(header["rows"])
-            rate = header.get("video_pruning_rate")
-        else:
-            rate = self._rate
+            self._shipped[mm_hash] = int(header["rows"]), header.get("video_pruning_rate")
+        rows, rate = self._shipped[mm_hash]
         if rows != expected_rows:
             return (f"the encoder instance shipped {rows} kept rows for {mm_hash} (pruning rate {rate}) but this "
                     f"instance's placeholder holds {expected_rows} (rate {self._rate}); serve the same export at the "
