@@ -22,18 +22,23 @@ import pytest
 from qeff_evs.manifest import GRAPHS
 from qeff_evs.specializations.placement import CompiledGraph, DEFAULT_GRAPH_CORES
 from qeff_evs.vllm.data_parallel import (
+    RANKS_KEY,
     configured_device_ids,
     data_parallel_refusals,
+    local_rank,
+    local_ranks,
     parse_device_groups,
+    record_local_ranks,
 )
 from test_qaic_placement import build, device, events_by_graph  # noqa: F401  (fixtures)
 
 QUESTIONS = ("What happens in this video?", "Describe the square.", "Which way does it move?", "Count the frames.")
 
 
-def config(rank: int | None, **additional) -> types.SimpleNamespace:
-    return types.SimpleNamespace(additional_config=additional,
-                                 parallel_config=types.SimpleNamespace(data_parallel_rank_local=rank))
+def config(rank: int, ranks: int, **additional) -> types.SimpleNamespace:
+    """What a rank's engine-core process sees: vLLM made it a replica of size 1; the platform recorded the ranks."""
+    parallel = types.SimpleNamespace(data_parallel_rank_local=rank, data_parallel_size=1, data_parallel_size_local=1)
+    return types.SimpleNamespace(additional_config={RANKS_KEY: ranks, **additional}, parallel_config=parallel)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -51,15 +56,26 @@ def test_groups_are_one_per_rank_in_rank_order():
 
 def test_each_rank_takes_its_group(monkeypatch):
     monkeypatch.setenv("QEFF_EVS_DEVICE_IDS", "0;1")
-    assert configured_device_ids(config(0)) == (0,)
-    assert configured_device_ids(config(1)) == (1,)
-    with pytest.raises(ValueError, match=r"names 2 device groups .* vLLM runs one engine .* --data-parallel-size 2"):
-        configured_device_ids(config(None))
-    with pytest.raises(ValueError, match=r"names 2 device group\(s\) but this is data-parallel rank 2"):
-        configured_device_ids(config(2))
+    assert configured_device_ids(config(0, 2)) == (0,)
+    assert configured_device_ids(config(1, 2)) == (1,)
+    with pytest.raises(ValueError, match=r"names 2 device group\(s\) for 1 data-parallel rank\(s\) on this host"):
+        configured_device_ids(config(0, 1))
     monkeypatch.delenv("QEFF_EVS_DEVICE_IDS")
-    assert configured_device_ids(config(1, device_ids="encoder=2;language=3")) == {"language": (3,)}
-    assert configured_device_ids(config(None)) is None
+    assert configured_device_ids(config(1, 2, device_ids="encoder=2;language=3")) == {"language": (3,)}
+    assert configured_device_ids(config(0, 1)) is None
+
+
+def test_the_ranks_the_platform_saw_reach_every_rank():
+    parallel = types.SimpleNamespace(data_parallel_size=4, data_parallel_size_local=2, data_parallel_rank_local=None)
+    frontend = types.SimpleNamespace(additional_config={}, parallel_config=parallel)
+    assert local_ranks(frontend) == 2  # this host runs 2 of the 4 ranks
+    record_local_ranks(frontend)
+    rank = config(1, 0)  # in rank 1's process vLLM has made the rank a replica of size 1
+    rank.additional_config = frontend.additional_config  # vLLM hands its config to the processes it starts
+    assert local_ranks(rank) == 2 and local_rank(rank) == 1
+    single = types.SimpleNamespace(additional_config={}, parallel_config=types.SimpleNamespace(
+        data_parallel_size=1, data_parallel_size_local=1, data_parallel_rank_local=0))
+    assert local_ranks(single) == 1 and local_rank(single) == 0
 
 
 COMPILED = {graph: CompiledGraph(DEFAULT_GRAPH_CORES[graph]) for graph in GRAPHS}  # 6 + 1 + 9 = 16 cores
@@ -67,7 +83,7 @@ COMPILED = {graph: CompiledGraph(DEFAULT_GRAPH_CORES[graph]) for graph in GRAPHS
 
 @pytest.mark.parametrize("backend, groups, expected", [
     ("qaic", None, r"--data-parallel-size 2 on qaic: each rank loads every program .* QEFF_EVS_DEVICE_IDS='0;1'"),
-    ("qaic", ((0,),), r"names 1 device group\(s\) for 2 data-parallel ranks .* '0;1'; repeat a group"),
+    ("qaic", ((0,),), r"names 1 device group\(s\) for 2 data-parallel rank\(s\) .* '0;1'; repeat a group"),
     ("qaic", ((0,), (0,)), r"device 0 would hold rank 0's encoder 6 \+ rank 0's evs 1 \+ rank 0's language 9 \+ "
                            r"rank 1's encoder 6 .* = 32 cores, but a device has 16"),
     ("qaic", ((0,), (0, 1)), r"the encoder program was compiled for 1 device\(s\) but is given 2"),
@@ -102,8 +118,10 @@ def test_the_platform_reads_ranks_and_groups_from_vllm_config(build, monkeypatch
     assert line.startswith("device 0 would hold rank 0's encoder 6") and "= 32 cores" in line
     assert data_parallel_problems(serve(2, device_ids="0;1")) == []
     [line] = data_parallel_problems(serve(4, 2, device_ids="0;1;2;3"))  # this host runs 2 of the 4 ranks
-    assert "names 4 device group(s) for 2 data-parallel ranks on this host" in line
+    assert "names 4 device group(s) for 2 data-parallel rank(s) on this host" in line
     assert data_parallel_problems(serve(1, device_ids="0")) == []
+    [line] = data_parallel_problems(serve(1, device_ids="0;1"))  # two groups, one engine
+    assert "names 2 device group(s) for 1 data-parallel rank(s) on this host" in line
     monkeypatch.setenv("QEFF_EVS_BACKEND", "ort")
     assert data_parallel_problems(serve(2)) == []
 
@@ -118,7 +136,7 @@ def test_two_ranks_load_every_program_each_on_its_own_device(build, device, monk
     for rank in (0, 1):  # what vLLM's two engine-core processes do, here on one fake card
         worker = QeffEvsWorker.__new__(QeffEvsWorker)
         worker.model_config = types.SimpleNamespace(model=str(build))
-        worker.vllm_config = config(rank)
+        worker.vllm_config = config(rank, 2)
         worker.load_model()
         workers.append(worker)
     loads = [(graph, devices) for what, graph, devices in events_by_graph(device) if what == "activate"]

@@ -37,6 +37,7 @@ from qeff_evs.specializations.placement import (
 from qeff_evs.vllm.plugin import DEVICE_IDS_ENV, DEVICE_IDS_KEY, active_backend, logger
 
 RANK_SEPARATOR = ";"  # between the device groups of data-parallel ranks: "0;1"
+RANKS_KEY = "qeff_evs_local_ranks"  # additional_config: the data-parallel ranks on this host (local_ranks)
 
 
 def parse_device_groups(value: object, what: str) -> tuple[DeviceIdsSpec, ...]:
@@ -67,14 +68,37 @@ def configured_device_groups(vllm_config) -> tuple[tuple[DeviceIdsSpec, ...], st
     return None
 
 
-def local_rank(vllm_config) -> int | None:
-    """This engine core's data-parallel rank on this host; None outside data parallel.
+def local_ranks(vllm_config) -> int:
+    """How many data-parallel ranks vLLM runs on this host (1 without data parallel), as the platform saw it.
+
+    The platform sees the whole deployment (``--data-parallel-size-local``, which defaults to
+    ``--data-parallel-size``) only where vLLM builds its config; in each rank's engine-core process vLLM makes
+    the rank a replica of size 1. So :func:`record_local_ranks` writes the count into ``additional_config``,
+    which vLLM hands to every process it starts, and every later reading takes it from there.
+    """
+    additional = getattr(vllm_config, "additional_config", None)
+    if isinstance(additional, dict) and RANKS_KEY in additional:
+        return int(additional[RANKS_KEY])
+    parallel = getattr(vllm_config, "parallel_config", None)
+    if parallel is None or parallel.data_parallel_size <= 1:
+        return 1
+    return parallel.data_parallel_size_local
+
+
+def record_local_ranks(vllm_config) -> None:
+    """Keep :func:`local_ranks` for the processes vLLM starts (the platform calls it where the config is made)."""
+    if isinstance(vllm_config.additional_config, dict):
+        vllm_config.additional_config.setdefault(RANKS_KEY, local_ranks(vllm_config))
+
+
+def local_rank(vllm_config) -> int:
+    """This engine core's data-parallel rank on this host (0 without data parallel).
 
     vLLM sets ``data_parallel_rank_local`` in each rank's engine-core process before it makes the rank an
     independent replica (``reconfigure_for_independent_dp_rank`` resets the sizes, not this).
     """
     parallel = getattr(vllm_config, "parallel_config", None)
-    return None if parallel is None else parallel.data_parallel_rank_local
+    return 0 if parallel is None or local_ranks(vllm_config) <= 1 else parallel.data_parallel_rank_local
 
 
 def configured_device_ids(vllm_config) -> DeviceIdsSpec | None:
@@ -84,27 +108,26 @@ def configured_device_ids(vllm_config) -> DeviceIdsSpec | None:
     if configured is None:
         return None
     groups, what = configured
-    rank = local_rank(vllm_config)
-    if rank is None:
-        if len(groups) != 1:
-            raise ValueError(f"{what} names {len(groups)} device groups ({RANK_SEPARATOR}-separated) but vLLM runs "
-                             "one engine (no --data-parallel-size): give one group, or pass --data-parallel-size "
-                             f"{len(groups)}")
-        return groups[0]
-    if rank >= len(groups):
-        raise ValueError(f"{what} names {len(groups)} device group(s) but this is data-parallel rank {rank} on this "
-                         f"host; give one group per rank, '{RANK_SEPARATOR}'-separated")
-    return groups[rank]
+    ranks = local_ranks(vllm_config)
+    if len(groups) != ranks:
+        raise ValueError(group_count_problem(what, len(groups), ranks))
+    return groups[local_rank(vllm_config)]
+
+
+def group_count_problem(what: str, groups: int, ranks: int) -> str:
+    example = RANK_SEPARATOR.join(str(r) for r in range(ranks))
+    return (f"{what} names {groups} device group(s) for {ranks} data-parallel rank(s) on this host; give one group "
+            f"per rank, '{RANK_SEPARATOR}'-separated (e.g. '{example}'; repeat a group to share its devices on "
+            "purpose)")
 
 
 def log_rank(vllm_config, device_ids: DeviceIdsSpec | None) -> None:
     """One line per data-parallel rank at start-up: its index, process and devices (users find their ranks
     by it; vLLM's ``/metrics`` counts each rank's requests under ``engine="<rank>"``)."""
-    rank = local_rank(vllm_config)
-    if rank is not None:
+    if local_ranks(vllm_config) > 1:
         where = "" if device_ids is None else f" on device ids {device_ids}"
-        logger.info("qeff-evs data-parallel rank %d (pid %d) opens its own %s sessions%s", rank, os.getpid(),
-                    active_backend(), where)
+        logger.info("qeff-evs data-parallel rank %d (pid %d) opens its own %s sessions%s", local_rank(vllm_config),
+                    os.getpid(), active_backend(), where)
 
 
 def data_parallel_refusals(backend: str, ranks: int, groups: Sequence[DeviceIdsSpec] | None, what: str,
@@ -115,19 +138,15 @@ def data_parallel_refusals(backend: str, ranks: int, groups: Sequence[DeviceIdsS
     ``compiled`` (qaic: the export's ``placement.json``) and ``graphs`` (the programs each rank loads) let the
     cores of every rank's programs be summed per device.
     """
-    if ranks <= 1:
-        return []
-    example = RANK_SEPARATOR.join(str(r) for r in range(ranks))
     if groups is None:
-        if backend != "qaic":
+        if backend != "qaic" or ranks <= 1:
             return []
+        example = RANK_SEPARATOR.join(str(r) for r in range(ranks))
         return [f"--data-parallel-size {ranks} on qaic: each rank loads every program of the export, so each needs "
                 f"its own devices; name one device group per rank, e.g. {DEVICE_IDS_ENV}='{example}'"]
     if len(groups) != ranks:
-        return [f"{what} names {len(groups)} device group(s) for {ranks} data-parallel ranks on this host; give one "
-                f"group per rank, '{RANK_SEPARATOR}'-separated (e.g. '{example}'; repeat a group to share its devices "
-                "on purpose)"]
-    if compiled is None:
+        return [group_count_problem(what, len(groups), ranks)]
+    if ranks <= 1 or compiled is None:
         return []
     try:
         placements = [place_programs(compiled, group, graphs) for group in groups]
@@ -157,13 +176,9 @@ def over_subscribed(rank_placements: Sequence[Sequence[ProgramPlacement]],
 
 
 def data_parallel_problems(vllm_config) -> list[str]:
-    """:func:`data_parallel_refusals` for the ranks vLLM starts on this host (``--data-parallel-size-local``,
-    which defaults to ``--data-parallel-size``) with the configured groups; the platform calls it while vLLM
-    still sees every rank (in each rank's own process, vLLM has made the rank a replica of size 1)."""
-    parallel = vllm_config.parallel_config
-    ranks = parallel.data_parallel_size_local if parallel.data_parallel_size > 1 else 1
-    if ranks <= 1:
-        return []
+    """:func:`data_parallel_refusals` for the ranks vLLM runs on this host (:func:`local_ranks`) with the
+    configured groups."""
+    ranks = local_ranks(vllm_config)
     backend = active_backend()
     configured = configured_device_groups(vllm_config)
     groups, what = configured if configured is not None else (None, "")

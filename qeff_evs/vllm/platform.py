@@ -18,7 +18,7 @@ import torch
 from vllm.platforms.interface import Platform, PlatformEnum
 
 from qeff_evs.manifest import read_manifest
-from qeff_evs.vllm.data_parallel import data_parallel_problems
+from qeff_evs.vllm.data_parallel import data_parallel_problems, record_local_ranks
 from qeff_evs.vllm.ec_config import ec_refusals, ec_worker_class
 from qeff_evs.vllm.limits import ServingSettings, refusals
 from qeff_evs.vllm.plugin import BACKEND_ENV, active_backend, logger
@@ -78,6 +78,7 @@ class QeffEvsPlatform(Platform):
             enable_prefix_caching=bool(cache.enable_prefix_caching),
             tensor_parallel_size=parallel.tensor_parallel_size, pipeline_parallel_size=parallel.pipeline_parallel_size,
             speculative=vllm_config.speculative_config is not None)
+        record_local_ranks(vllm_config)
         problems = refusals(settings, manifest) + ec_refusals(vllm_config) + data_parallel_problems(vllm_config)
         if problems:
             raise ValueError(f"{BACKEND_ENV}={active_backend()}: the export {export_dir} cannot serve these settings:\n"
