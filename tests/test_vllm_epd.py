@@ -46,22 +46,22 @@ def encoded(k: int = 5, hidden: int = 4, levels: int = 2, frames: int = 3) -> En
     indices = np.sort(rng.choice(frames * 4, size=k, replace=False)).astype(np.int64)
     kept = tuple(int(c) for c in np.bincount(indices // 4, minlength=frames))
     return EncodedMedia(rng.standard_normal((k, hidden)).astype(np.float32), indices,
-                        rng.standard_normal((levels, k, hidden)).astype(np.float32), kept)
+                        {"deepstack_features": rng.standard_normal((levels, k, hidden)).astype(np.float32)}, kept)
 
 
 def test_kept_rows_round_trip_by_name():
     item = encoded()
     arrays = kept_rows.to_arrays(item)
-    assert sorted(arrays) == ["extra.deepstack", "kept_per_frame", "retained_indices", "rows"]
+    assert sorted(arrays) == ["extra.deepstack_features", "kept_per_frame", "retained_indices", "rows"]
     back = kept_rows.from_arrays(arrays)
     np.testing.assert_array_equal(back.rows, item.rows)
     np.testing.assert_array_equal(back.retained_indices, item.retained_indices)
-    np.testing.assert_array_equal(back.deepstack, item.deepstack)
+    np.testing.assert_array_equal(back.extras["deepstack_features"], item.extras["deepstack_features"])
     assert back.kept_per_frame == item.kept_per_frame
     assert kept_rows.nbytes(arrays) == 5 * 4 * 4 + 2 * 5 * 4 * 4 + 5 * 8 + 3 * 8
     assert kept_rows.unpruned_nbytes(arrays, 12) == 12 * 4 * 4 * 3  # rows and deepstack of all 12 tokens
-    plain = kept_rows.to_arrays(EncodedMedia(item.rows, item.retained_indices, None, item.kept_per_frame))
-    assert "extra.deepstack" not in plain and kept_rows.from_arrays(plain).deepstack is None
+    plain = kept_rows.to_arrays(EncodedMedia(item.rows, item.retained_indices, {}, item.kept_per_frame))
+    assert sorted(plain) == ["kept_per_frame", "retained_indices", "rows"] and kept_rows.from_arrays(plain).extras == {}
 
 
 def test_kept_rows_that_do_not_fit_together_are_refused():
@@ -70,6 +70,9 @@ def test_kept_rows_that_do_not_fit_together_are_refused():
         kept_rows.from_arrays({**{k: v for k, v in arrays.items() if k != "kept_per_frame"}, "pixels": arrays["rows"]})
     with pytest.raises(ValueError, match="do not describe the same K tokens"):
         kept_rows.from_arrays({**arrays, "rows": arrays["rows"][:4]})
+    short = arrays["extra.deepstack_features"][:, :4]
+    with pytest.raises(ValueError, match=r"\{'deepstack_features': \(2, 4, 4\)\} are not \(levels, 5, hidden\)"):
+        kept_rows.from_arrays({**arrays, "extra.deepstack_features": short})
     with pytest.raises(ValueError, match="strictly ascending"):
         kept_rows.from_arrays({**arrays, "retained_indices": arrays["retained_indices"][::-1].copy()})
 
@@ -259,10 +262,12 @@ def test_each_video_ships_only_its_kept_rows(epd, answers):
         reference = vision.encode(media, k)  # the encoder and pruning graphs on the same pixels, here
         np.testing.assert_array_equal(arrays["rows"], reference.rows)
         np.testing.assert_array_equal(arrays["retained_indices"], reference.retained_indices)
-        np.testing.assert_array_equal(arrays["extra.deepstack"], reference.deepstack)
+        assert sorted(reference.extras) == ["deepstack_features"]
+        for name, rows in reference.extras.items():
+            np.testing.assert_array_equal(arrays[f"extra.{name}"], rows)
         np.testing.assert_array_equal(arrays["kept_per_frame"], np.bincount(reference.retained_indices // (h * w),
                                                                             minlength=t))
-        row_bytes = shape.hidden * 4 * (1 + shape.deepstack_levels)  # fp32 rows and their deepstack rows
+        row_bytes = shape.hidden * 4 * (1 + sum(shape.extras.values()))  # fp32 rows and their deepstack rows
         assert kept_rows.nbytes(arrays) == k * row_bytes + k * 8 + t * 8
         assert path.stat().st_size - kept_rows.nbytes(arrays) < 1024  # the safetensors header
         assert kept_rows.unpruned_nbytes(arrays, t * h * w) == t * h * w * row_bytes

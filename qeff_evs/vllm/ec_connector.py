@@ -99,8 +99,8 @@ class QeffEvsECConnector(ECExampleConnector):
         k, frames = len(encoded.retained_indices), len(encoded.kept_per_frame)
         size = write_payload(self._path(mm_hash), arrays,
                              {"format": FORMAT, "rows": str(k), "video_pruning_rate": self._rate})
-        logger.info("qeff-evs EC: shipped %s: %d kept rows over %d temporal patches, %d bytes (arrays %d B)", mm_hash, k,
-                    frames, size, kept_rows.nbytes(arrays))
+        logger.info("qeff-evs EC: shipped %s: %d kept rows over %d temporal patches, %d bytes (arrays %d B)",
+                    mm_hash, k, frames, size, kept_rows.nbytes(arrays))
 
     def start_load_caches(self, encoder_cache, **kwargs) -> None:
         """Load the items the scheduler found in storage into ``encoder_cache`` (``EncodedMedia`` by mm_hash)."""

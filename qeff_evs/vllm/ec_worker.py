@@ -55,8 +55,8 @@ class _EncoderOutputWidth:
     vLLM (``measure_encoder_output_widths``) encodes a dummy item through ``worker.model_runner.get_model()
     .embed_multimodal`` on every producer and keeps the last dimension; only its CPU and Mooncake connectors
     read it, to size transfer buffers. The width of what our graphs return is fixed by the export (the kept
-    rows and the family's extra rows of each token: ``hidden * (1 + deepstack levels)``, the width vLLM's
-    Qwen3-VL reports too), so it is given from the export's shapes instead of running the graphs.
+    rows and the family's extra rows of each token: ``hidden * (1 + levels)``, the width vLLM's Qwen3-VL
+    reports with its deepstack levels too), so it is given from the export's shapes instead of running the graphs.
     """
 
     width: int
@@ -93,7 +93,7 @@ class QeffEvsECWorker(QeffEvsWorker):
         device_ids, backend = configured_device_ids(self.vllm_config), active_backend()
         if self.encoder_only:
             shape = bundle.language_shape
-            self.model_runner = _EncoderOutputWidth(shape.hidden * (1 + shape.deepstack_levels))
+            self.model_runner = _EncoderOutputWidth(shape.hidden * (1 + sum(shape.extras.values())))
             sessions = (vision_pipeline(bundle, backend, device_ids=device_ids),
                         NotLoaded("ec_producer", "language graph"))
         else:

@@ -52,9 +52,9 @@ def vllm_servers(specs: Sequence[tuple[list[str], dict[str, str], Path, Path | N
         for arguments, env, log, cwd in specs:
             port = free_port()
             out = stack.enter_context(open(log, "w"))
-            process = subprocess.Popen([vllm_command(), "serve", *arguments, "--host", "127.0.0.1", "--port", str(port)],
-                                       stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ, **env), cwd=cwd,
-                                       start_new_session=True)
+            argv = [vllm_command(), "serve", *arguments, "--host", "127.0.0.1", "--port", str(port)]
+            process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ, **env),
+                                       cwd=cwd, start_new_session=True)
             stack.callback(_stop, process)
             servers.append(Server(f"http://127.0.0.1:{port}", log, process))
         deadline = time.monotonic() + START_TIMEOUT_S

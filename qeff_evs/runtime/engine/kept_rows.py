@@ -13,7 +13,7 @@ module naming them):
   ``rows``              ``(K, hidden)``, the dtype the graphs produced
   ``retained_indices``  ``(K,)`` int64, ascending
   ``kept_per_frame``    ``(T,)`` int64, summing to K
-  ``extra.<name>``      the family's per-row tensor (``extra.deepstack``: ``(levels, K, hidden)``)
+  ``extra.<name>``      the family's extra rows, ``(levels, K, hidden)`` (``extra.deepstack_features``)
 """
 
 from __future__ import annotations
@@ -28,16 +28,11 @@ ROWS, INDICES, KEPT_PER_FRAME = "rows", "retained_indices", "kept_per_frame"
 EXTRA_PREFIX = "extra."
 
 
-def extras(encoded: EncodedMedia) -> dict[str, np.ndarray]:
-    """The family's extra per-row tensors of an encoded item, by name."""
-    return {} if encoded.deepstack is None else {"deepstack": encoded.deepstack}
-
-
 def to_arrays(encoded: EncodedMedia) -> dict[str, np.ndarray]:
     """The arrays that carry ``encoded`` (contiguous, as they are written)."""
     arrays = {ROWS: encoded.rows, INDICES: np.asarray(encoded.retained_indices, dtype=np.int64),
               KEPT_PER_FRAME: np.asarray(encoded.kept_per_frame, dtype=np.int64)}
-    arrays.update({EXTRA_PREFIX + name: value for name, value in extras(encoded).items()})
+    arrays.update({EXTRA_PREFIX + name: value for name, value in encoded.extras.items()})
     return {name: np.ascontiguousarray(value) for name, value in arrays.items()}
 
 
@@ -56,9 +51,11 @@ def from_arrays(arrays: Mapping[str, np.ndarray]) -> EncodedMedia:
                          f"{int(kept.sum())} do not describe the same K tokens")
     if k and np.any(np.diff(indices) <= 0):
         raise ValueError("retained indices must be strictly ascending raster indices")
-    extra = {name[len(EXTRA_PREFIX):]: value for name, value in arrays.items() if name.startswith(EXTRA_PREFIX)}
-    return EncodedMedia(rows, indices.astype(np.int64), extra.pop("deepstack", None),
-                        tuple(int(c) for c in kept))
+    extras = {name[len(EXTRA_PREFIX):]: value for name, value in arrays.items() if name.startswith(EXTRA_PREFIX)}
+    wrong = {name: value.shape for name, value in extras.items() if value.ndim != 3 or value.shape[1] != k}
+    if wrong:
+        raise ValueError(f"extra rows {wrong} are not (levels, {k}, hidden) for the {k} kept tokens")
+    return EncodedMedia(rows, indices.astype(np.int64), extras, tuple(int(c) for c in kept))
 
 
 def nbytes(arrays: Mapping[str, np.ndarray]) -> int:
