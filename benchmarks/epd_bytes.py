@@ -135,11 +135,11 @@ def measure(pairs: list[tuple[Path, float]], videos: list[Path], max_num_seqs: i
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| q | video | kept rows / unpruned | row width | bytes shipped (file) | kept-row arrays | "
-             "unpruned rows | shipped / unpruned |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| export | q | video | kept rows / unpruned | row width | bytes shipped (file) | kept-row arrays | "
+             "unpruned rows | shipped / unpruned |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         extras = f" + {', '.join(e.removeprefix('extra.') for e in r['extras'])}" if r["extras"] else ""
-        lines.append(f"| {r['q']:g} | {r['video']} | {r['kept']} / {r['unpruned_rows']} | {r['hidden']} {r['dtype']}"
+        lines.append(f"| {Path(r['export']).name} | {r['q']:g} | {r['video']} | {r['kept']} / {r['unpruned_rows']} | {r['hidden']} {r['dtype']}"
                      f"{extras} | {r['file_bytes']:,} | {r['array_bytes']:,} | {r['unpruned_bytes']:,} | "
                      f"{r['file_bytes'] / r['unpruned_bytes']:.3f} |")
     return "\n".join(lines)
