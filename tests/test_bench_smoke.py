@@ -8,10 +8,13 @@ two ways' first-token logits must agree (same graph, same rows). Timings are not
 
 from __future__ import annotations
 
+import dataclasses
+import importlib.util
 import json
 import math
 import sys
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -28,6 +31,8 @@ from qeff_evs.bench.workload import language_prompt, pixel_retained_indices, syn
 from qeff_evs.runtime.inputs.processor import VisionPreprocessSpec
 
 vllm_evs = pytest.importorskip("vllm.multimodal.video_prune.evs")
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 SMOKE = PRESETS["smoke"]
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -50,6 +55,17 @@ def _tokens_per_patch(size: int) -> int:
     return (size // (TINY_PATCH * TINY_MERGE)) ** 2
 
 
+def benchmark_script(name: str):
+    """A standalone script of ``benchmarks/`` (not a package), loaded as a module."""
+    module_name = f"benchmarks_{name}"
+    if module_name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(module_name, BENCHMARKS / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[module_name] = module  # dataclasses look their module up while the script runs
+        spec.loader.exec_module(module)
+    return sys.modules[module_name]
+
+
 # ---------------------------------------------------------------------------------------------
 # the CLI run
 
@@ -61,7 +77,7 @@ def test_outputs_written(smoke_run):
         assert data.startswith(PNG_SIGNATURE), name
         assert len(data) < MAX_PNG_BYTES, (name, len(data))
     text = (out / "results.md").read_text()
-    assert "### Pruning sweep" in text and "### Window sweep" in text and "### Targets" in text
+    assert "### Pruning sweep" in text and "### Window sweep" in text
 
 
 def test_pruning_counts_follow_vllm(smoke_run):
@@ -116,10 +132,12 @@ def test_window_bytes_and_parity(smoke_run):
 
 
 def test_targets_reported(smoke_run):
+    """benchmarks/issue_targets.py judges a bench run against issues 6 and 10's targets."""
     _, results = smoke_run
-    names = [t["name"] for t in results["targets"]]
+    targets = [dataclasses.asdict(t) for t in benchmark_script("issue_targets").evaluate(results)]
+    names = [t["name"] for t in targets]
     assert len(names) == 11
-    by_name = {t["name"]: t for t in results["targets"]}
+    by_name = {t["name"]: t for t in targets}
     assert by_name["window: bytes per chunk, user_vision_size"]["met"] is True
     assert by_name["check: both ways give the same first-token logits"]["met"] is True
     overhead = results["evs_overhead"]
@@ -249,9 +267,10 @@ def test_window_targets_verdicts():
         return {"frames": frames, "logits_max_abs_diff": 0.0,
                 USER_VISION_SIZE: way(1024, ours_ms), QEFFICIENT: way(theirs_bytes, theirs_ms)}
 
-    good = report._window_targets([row(4, 100, 2048, 100), row(64, 109, 32768, 150)])
+    targets = benchmark_script("issue_targets")
+    good = targets.window_targets([row(4, 100, 2048, 100), row(64, 109, 32768, 150)])
     assert [t.met for t in good] == [True, True, True, True]
-    bad = report._window_targets([row(4, 100, 2048, 100), row(64, 112, 2048, 105)])
+    bad = targets.window_targets([row(4, 100, 2048, 100), row(64, 112, 2048, 105)])
     assert [t.met for t in bad] == [True, False, False, False]
 
 
@@ -301,7 +320,6 @@ def test_vision_sweep_rows(smoke_run):
         assert r["retained_tokens"] == vllm_evs.compute_retained_tokens_count(per_patch, patches, SMOKE.window_rate)
         assert r["accumulated_mb"] == pytest.approx(per_patch * patches * TINY_HIDDEN * 4 / 2**20)
         assert r["encoder"]["cpu_s_per_patch"] > 0
-        assert ("whole_video" in r) == (r["frames"] <= SMOKE.whole_video_max_frames)
     assert (smoke_run[0] / "vision_sweep.png").read_bytes().startswith(PNG_SIGNATURE)
 
 
@@ -310,10 +328,11 @@ def test_whole_video_baseline_equals_the_stock_tower_and_evs(tmp_path):
     import onnxruntime as ort
 
     from qeff_evs.bench.graphs import model_config, random_model
-    from qeff_evs.bench.whole_video import export_whole_video_graph, host_inputs
     from qeff_evs.models.qwen2_5_vl import reference_vision_evs
     from qeff_evs.models.registry import family_for_config
 
+    baseline = benchmark_script("whole_video_baseline")
+    export_whole_video_graph, host_inputs = baseline.export_whole_video_graph, baseline.host_inputs
     hf_config = model_config(SMOKE)
     model = random_model(hf_config, SMOKE.family, seed=3)
     family = family_for_config(hf_config, None)
@@ -326,3 +345,19 @@ def test_whole_video_baseline_equals_the_stock_tower_and_evs(tmp_path):
     rows, indices = session.run(None, feeds)
     np.testing.assert_array_equal(indices, ref_indices.numpy())
     np.testing.assert_allclose(rows, ref_rows.numpy(), atol=1e-4, rtol=0)
+
+
+def test_whole_video_baseline_script(smoke_run, tmp_path, capsys):
+    """benchmarks/whole_video_baseline.py times both graphs per frame count; issue_targets.py reads its JSON."""
+    baseline = benchmark_script("whole_video_baseline")
+    assert baseline.main(["--smoke", "-o", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "whole_video.json").read_text())
+    assert [r["frames"] for r in result["rows"]] == list(baseline.FRAMES["smoke"])
+    for r in result["rows"]:
+        assert r["temporal_patches"] == r["frames"] // TINY_TEMPORAL
+        for name in ("encoder", "whole_video"):
+            assert r[name]["cpu_s_per_patch"] > 0 and len(r[name]["samples"]["cpu"]) == SMOKE.repeats
+    assert "| 4 |" in capsys.readouterr().out
+    targets = benchmark_script("issue_targets").evaluate(smoke_run[1], whole_video=result)
+    speedup = next(t for t in targets if t.name == "vision: 16 frames vs the whole-video graph")
+    assert speedup.met is None and "not measured at 16 frames" in speedup.measured

@@ -1,9 +1,10 @@
-"""``qeff-evs bench``: pruning sweep, window sweep, vision sweep, EVS overhead (issues 6, 10).
+"""``qeff-evs bench``: pruning sweep, window sweep, vision sweep, EVS overhead.
 
 What is measured and how lives in the modules: ``pruning`` (latency vs q), ``window_sweep``
 (user_vision_size vs the QEfficient way), ``vision_sweep`` (the vision side per temporal patch, 4 to
-128 frames, against the whole-video graph of ``whole_video``), ``overhead`` (the EVS graph's cost),
-``report`` (targets, JSON, Markdown), ``plots``; ``suite`` runs them in order. ``benchmarks/README.md`` has the results.
+128 frames), ``overhead`` (the EVS graph's cost), ``report`` (JSON, Markdown), ``plots``; ``suite`` runs
+them in order. ``benchmarks/README.md`` has the results; ``benchmarks/issue_targets.py`` judges a run
+against issues 6 and 10's targets.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ _OVERRIDES = {
     "prefill_seq_len": "prefill_seq_len", "ctx_len": "ctx_len", "user_vision_size": "user_vision_size",
     "window_frames": "window_frames", "window_rate": "window_rate", "vision_frames": "vision_frames",
     "vision_size": "vision_frame_size", "vision_sweep_frames": "vision_sweep_frames",
-    "whole_video_max_frames": "whole_video_max_frames", "frames_per_call": "frames_per_call",
+    "frames_per_call": "frames_per_call",
     "overhead_frames": "overhead_frames", "repeats": "repeats", "overhead_repeats": "overhead_repeats", "seed": "seed",
 }
 
@@ -95,8 +96,6 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"frame side of that clip (default {full.vision_frame_size})")
     parser.add_argument("--vision-sweep-frames", type=_ints, default=None,
                         help="vision-sweep frame counts (default " + ",".join(map(str, full.vision_sweep_frames)) + ")")
-    parser.add_argument("--whole-video-max-frames", type=int, default=None,
-                        help=f"run the whole-video baseline up to this many frames (default {full.whole_video_max_frames})")
     parser.add_argument("--frames-per-call", type=int, default=None,
                         help=f"temporal patches per encoder call (default {full.frames_per_call})")
     parser.add_argument("--overhead-frames", type=int, default=None,

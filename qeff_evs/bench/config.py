@@ -44,11 +44,8 @@ class BenchConfig:
     frames_per_call: int = DEFAULT_FRAMES_PER_CALL  # temporal patches per encoder call
     # EVS overhead: the EVS graph's time against the encoder's on a clip of this many frames (frame_size).
     overhead_frames: int = 64
-    # Vision sweep (frame_size): the vision side per temporal patch; the whole-video baseline only up to
-    # whole_video_max_frames (its dense mask is S^2: ~12 GB above the loaded graphs at 16 frames of
-    # 448x448, ~48 GB at 32).
+    # Vision sweep (frame_size): the vision side per temporal patch.
     vision_sweep_frames: tuple[int, ...] = (4, 8, 16, 32, 64, 128)
-    whole_video_max_frames: int = 16
     repeats: int = 3
     overhead_repeats: int = 5
     seed: int = 0
@@ -71,12 +68,12 @@ PRESETS = {
     "quick": BenchConfig(
         text_layers=1, frames=8, frame_size=224, window_frames=(4, 8, 16), ctx_len=1024,
         vision_frames=8, vision_frame_size=112, overhead_frames=16, vision_sweep_frames=(4, 8, 16),
-        whole_video_max_frames=8, repeats=2, overhead_repeats=3, preset="quick",
+        repeats=2, overhead_repeats=3, preset="quick",
     ),
     "smoke": BenchConfig(
         widths="tiny", text_layers=1, frames=8, frame_size=112, question_tokens=8, prefill_seq_len=16,
         ctx_len=128, window_frames=(2, 4, 8), vision_frames=4, vision_frame_size=112, overhead_frames=6,
-        vision_sweep_frames=(2, 4, 6), whole_video_max_frames=4, repeats=1, overhead_repeats=1, preset="smoke",
+        vision_sweep_frames=(2, 4, 6), repeats=1, overhead_repeats=1, preset="smoke",
     ),
 }
 
@@ -117,8 +114,7 @@ def validate(config: BenchConfig, patch_size: int, merge_size: int, temporal_pat
     if config.widths not in WIDTHS:
         raise ValueError(f"widths {config.widths!r} is not one of {', '.join(WIDTHS)}")
     for name in ("text_layers", "vision_layers", "frames", "frame_size", "prefill_seq_len", "ctx_len",
-                 "vision_frames", "vision_frame_size", "frames_per_call", "overhead_frames", "whole_video_max_frames",
-                 "repeats", "overhead_repeats"):
+                 "vision_frames", "vision_frame_size", "frames_per_call", "overhead_frames", "repeats", "overhead_repeats"):
         _positive(name, getattr(config, name))
     if config.question_tokens < 0:
         raise ValueError(f"--question-tokens must be >= 0, got {config.question_tokens}")

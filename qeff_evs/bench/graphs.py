@@ -20,7 +20,6 @@ import torch
 from qeff_evs.bench.config import BenchConfig
 from qeff_evs.bench.realistic import realistic_config
 from qeff_evs.bench.sessions import open_inference_session
-from qeff_evs.bench.whole_video import export_whole_video_graph, whole_video_serves
 from qeff_evs.export.language import export_language_graph
 from qeff_evs.export.vision import export_encoder_graph, export_evs_graph
 from qeff_evs.models.language import language_spec
@@ -80,7 +79,6 @@ class BenchGraphs:
     language_shape: LanguageShape  # vision_size is per way; see with_vision_size
     encoder: object  # ort.InferenceSession of the encoder graph
     evs: object  # ... of the EVS graph
-    whole_video: object | None  # ... of the whole-video baseline (windowed towers only), for the vision sweep
     language: object | None  # None when the run measures no language phase
     files: dict[str, str]
     frames_per_call: int
@@ -121,10 +119,6 @@ def build_graphs(config: BenchConfig, workdir: Path, progress: Progress, languag
     _, h, w = family.merged_grid((2, *EXAMPLE_GRID_HW))
     export_evs_graph(family.evs_selection(), (2, h, w), h * w, vc.vision_hidden, family.extras,
                      files["evs"], progress=lambda m: None)
-    encoder = family.encoder(model)
-    if whole_video_serves(encoder, family):  # the vision sweep's baseline: the pre-issue-10 whole-video graph
-        files["whole_video"] = export_whole_video_graph(encoder, family.evs_selection(),
-                                                        workdir / "whole_video" / "vision.onnx")
     if language:
         progress("exporting the language graph")
         files["language"] = workdir / "language" / "language.onnx"
@@ -145,7 +139,6 @@ def build_graphs(config: BenchConfig, workdir: Path, progress: Progress, languag
         language_shape=shape,
         encoder=open_inference_session(files["encoder"]),
         evs=open_inference_session(files["evs"]),
-        whole_video=open_inference_session(files["whole_video"]) if "whole_video" in files else None,
         language=open_inference_session(files["language"]) if language else None,
         files={name: str(path) for name, path in files.items()},
         frames_per_call=config.frames_per_call,

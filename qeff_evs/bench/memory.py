@@ -38,3 +38,12 @@ def reset_peak() -> bool:
     except OSError:
         return False
     return True
+
+
+def peak_above(call) -> float | None:
+    """Run ``call`` once; the peak resident MB it reached above the resident size before it (None without /proc)."""
+    start = resident_mb()
+    reset_peak()
+    call()
+    peak = peak_mb()
+    return None if peak is None or start is None else peak - start

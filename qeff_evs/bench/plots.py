@@ -2,6 +2,7 @@
 
 * ``latency_vs_q.png``: prefill and vision time against q, with the proportional and chunk limits;
 * ``window_sweep.png``: vision bytes and language time per chunk against frames, both ways;
+* ``vision_sweep.png``: the vision side's time per temporal patch and peak memory against frames;
 * ``kept_tokens.png``: which merged tokens each temporal patch of the moving-square clip kept.
 """
 
@@ -79,36 +80,30 @@ def plot_window_sweep(results: dict, path: Path) -> Path:
 
 
 def plot_vision_sweep(results: dict, path: Path) -> Path:
-    """Time per temporal patch and peak memory against frames: the encoder + EVS vs the whole-video graph."""
+    """Time per temporal patch and peak memory against frames: encoder calls + the EVS graph."""
     vs = results["vision_sweep"]
     rows = vs["rows"]
+    frames = [r["frames"] for r in rows]
     figure = Figure(figsize=(8.0, 3.4))
     left, right = figure.add_subplot(1, 2, 1), figure.add_subplot(1, 2, 2)
-    for name, label, marker in (("encoder", f"encoder ({vs['frames_per_call']} patches/call) + EVS", "o-"),
-                                ("whole_video", "whole-video graph", "s--")):
-        points = [r for r in rows if name in r]
-        if not points:
-            continue
-        frames = [r["frames"] for r in points]
-        line, = left.plot(frames, [r[name]["cpu_s_per_patch"] for r in points], marker, label=f"{label}, CPU")
-        left.plot(frames, [r[name]["wall_s_per_patch"] for r in points], marker, color=line.get_color(), alpha=0.3,
-                  label=f"{label}, wall")
-        right.plot(frames, [r[name]["peak_above_start_mb"] or 0.0 for r in points], marker, label=label)
-    right.plot([r["frames"] for r in rows], [r["accumulated_mb"] for r in rows], ":", color="grey",
-               label="accumulated merged rows")
+    label = f"encoder ({vs['frames_per_call']} patches/call) + EVS"
+    line, = left.plot(frames, [r["encoder"]["cpu_s_per_patch"] for r in rows], "o-", label=f"{label}, CPU")
+    left.plot(frames, [r["encoder"]["wall_s_per_patch"] for r in rows], "o-", color=line.get_color(), alpha=0.3,
+              label=f"{label}, wall")
+    right.plot(frames, [r["encoder"]["peak_above_start_mb"] or 0.0 for r in rows], "o-", label=label)
+    right.plot(frames, [r["accumulated_mb"] for r in rows], ":", color="grey", label="accumulated merged rows")
     if vs.get("call_peak_mb") is not None:
-        right.plot([r["frames"] for r in rows], [vs["call_peak_mb"] + r["accumulated_mb"] for r in rows], "-.",
+        right.plot(frames, [vs["call_peak_mb"] + r["accumulated_mb"] for r in rows], "-.",
                    color="grey", label="one encoder call + rows")
     for axes in (left, right):
         axes.set_xscale("log", base=2)
-        axes.set_xticks([r["frames"] for r in rows], [str(r["frames"]) for r in rows])
+        axes.set_xticks(frames, [str(f) for f in frames])
         axes.set_xlabel("frames")
+        axes.set_ylim(bottom=0)
         axes.grid(alpha=0.3)
         axes.legend(fontsize=6)
-    left.set_ylim(bottom=0)
-    right.set_yscale("log")  # the whole-video graph's peak grows 4x per doubling
     left.set_ylabel("vision s per temporal patch")
-    right.set_ylabel("peak memory above loaded graphs (MB, log)")
+    right.set_ylabel("peak memory above loaded graphs (MB)")
     figure.suptitle(f"Vision side, {vs['frame_size']}x{vs['frame_size']}, q={vs['q']:g}", fontsize=10)
     return _save(figure, path)
 

@@ -1,4 +1,4 @@
-"""From raw samples to the published numbers: medians, limits, targets, JSON and a Markdown report.
+"""From raw samples to the published numbers: medians, limits, JSON and a Markdown report.
 
 Everything derived lives here as pure functions of the sweeps' raw samples, so the JSON keeps both
 the samples and what was concluded from them.
@@ -6,41 +6,20 @@ the samples and what was concluded from them.
 
 from __future__ import annotations
 
-import math
+import dataclasses
 import os
 import platform
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
 from qeff_evs.bench.config import BenchConfig
 from qeff_evs.bench.overhead import WITH_EVS, WITHOUT_EVS, OverheadResult
 from qeff_evs.bench.pruning import PruningPoint, PruningSweep
 from qeff_evs.bench.timing import CLOCKS, CPU, WALL, Samples, median
-from qeff_evs.bench.vision_sweep import (
-    ENCODER,
-    MEMORY_TOLERANCE,
-    SPEEDUP_FRAMES,
-    SPEEDUP_MIN,
-    TIME_TOLERANCE,
-    WHOLE_VIDEO,
-    VisionSweep,
-    VisionSweepPoint,
-    vision_rows,
-)
+from qeff_evs.bench.vision_sweep import ENCODER, VisionSweep, VisionSweepPoint, vision_rows
 from qeff_evs.bench.window_sweep import QEFFICIENT, USER_VISION_SIZE, WAYS, WayMeasurement, WindowPoint, WindowSweep
 
 # The measured phases, in run order; a run may re-measure some and keep the others (``phase_runs``).
 PHASES = ("pruning_sweep", "window_sweep", "vision_sweep", "evs_overhead")
-
-# The issue's targets.
-PROPORTIONAL_TOLERANCE = 0.15
-SPEEDUP_RATE = 0.75
-SPEEDUP_TARGET = 3.4
-WINDOW_TIME_TOLERANCE = 0.10
-EVS_OVERHEAD_LIMIT = 0.03
-# Both ways feed the same rows to the same graph: their logits must agree to fp32 noise.
-LOGITS_TOLERANCE = 1e-4
-# Verdicts use process CPU time: it measures the work and shrugs off other programs on the cores.
-VERDICT_CLOCK = CPU
 
 MS = 1e3
 MIB = 1024 * 1024
@@ -121,136 +100,6 @@ def overhead_summary(result: OverheadResult) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------
-# targets (verdicts on VERDICT_CLOCK; the other clock is quoted beside)
-
-
-@dataclass(frozen=True)
-class Target:
-    name: str
-    requirement: str
-    measured: str
-    met: bool | None  # None: not measured in this run
-
-
-def _pruning_targets(rows: list[dict]) -> list[Target]:
-    pruned = [r for r in rows if r["q"] > 0]
-    if pruned:
-        def deviations(clock: str) -> str:
-            return ", ".join(f"q={r['q']:g}: {r[clock]['prefill_over_proportional']:.2f}" for r in pruned)
-
-        proportional = Target(
-            "pruning: prefill vs proportional limit",
-            f"every q within {PROPORTIONAL_TOLERANCE:.0%} of (K+text)/(V+text) x unpruned prefill",
-            f"prefill / limit, CPU: {deviations(CPU)}; wall: {deviations(WALL)}",
-            all(abs(r[VERDICT_CLOCK]["prefill_over_proportional"] - 1) <= PROPORTIONAL_TOLERANCE for r in pruned))
-    else:
-        proportional = Target("pruning: prefill vs proportional limit", "needs a q > 0", "not measured", None)
-    at_rate = [r for r in rows if math.isclose(r["q"], SPEEDUP_RATE)]
-    if at_rate:
-        row = at_rate[0]
-        fast = Target(f"pruning: q={SPEEDUP_RATE:g} prefill speedup",
-                      f">= {SPEEDUP_TARGET}x faster language prefill than q=0",
-                      f"CPU {row[CPU]['prefill_speedup']:.2f}x, wall {row[WALL]['prefill_speedup']:.2f}x "
-                      f"(chunk count ratio {rows[0]['prefill_chunks'] / row['prefill_chunks']:.2f}x)",
-                      row[VERDICT_CLOCK]["prefill_speedup"] >= SPEEDUP_TARGET)
-    else:
-        fast = Target(f"pruning: q={SPEEDUP_RATE:g} prefill speedup", f"needs q={SPEEDUP_RATE:g} in the sweep",
-                      "not measured", None)
-    return [proportional, fast]
-
-
-def _spread(ours: list[dict], clock: str) -> list[float]:
-    base = ours[0]["ms_per_chunk"][clock]
-    return [o["ms_per_chunk"][clock] / base - 1 for o in ours]
-
-
-def _window_targets(rows: list[dict]) -> list[Target]:
-    ours = [r[USER_VISION_SIZE] for r in rows]
-    theirs = [r[QEFFICIENT] for r in rows]
-    frames = f"{rows[0]['frames']} to {rows[-1]['frames']} frames"
-    sizes = sorted({o["bytes_per_chunk"] for o in ours})
-    constant = len(sizes) == 1 and all(o["bytes_per_chunk_constant"] for o in ours)
-    worst = {clock: max(_spread(ours, clock), key=abs) for clock in CLOCKS}
-    per_chunk = ", ".join(f"{o['ms_per_chunk'][CPU]:.0f}" for o in ours)
-    grows_bytes = (all(b["bytes_per_chunk"] >= a["bytes_per_chunk"] for a, b in zip(theirs, theirs[1:]))
-                   and theirs[-1]["bytes_per_chunk"] > theirs[0]["bytes_per_chunk"])
-    growth = {clock: theirs[-1]["ms_per_chunk"][clock] / theirs[0]["ms_per_chunk"][clock] - 1 for clock in CLOCKS}
-    return [
-        Target("window: bytes per chunk, user_vision_size", f"constant from {frames}",
-               f"{', '.join(_bytes(s) for s in sizes)} per chunk", constant),
-        Target("window: time per chunk, user_vision_size", f"within +-{WINDOW_TIME_TOLERANCE:.0%} from {frames}",
-               f"worst vs {rows[0]['frames']} frames: CPU {worst[CPU]:+.1%} ({per_chunk} ms), wall {worst[WALL]:+.1%}",
-               all(abs(s) <= WINDOW_TIME_TOLERANCE for s in _spread(ours, VERDICT_CLOCK))),
-        Target("window: QEfficient way, bytes per chunk", f"grow from {frames}",
-               f"{_bytes(theirs[0]['bytes_per_chunk'])} to {_bytes(theirs[-1]['bytes_per_chunk'])} "
-               f"(x{theirs[-1]['bytes_per_chunk'] / theirs[0]['bytes_per_chunk']:.1f})", grows_bytes),
-        Target("window: QEfficient way, time per chunk",
-               f"grows from {frames} by more than the +-{WINDOW_TIME_TOLERANCE:.0%} band",
-               f"CPU {growth[CPU]:+.1%}, wall {growth[WALL]:+.1%}", growth[VERDICT_CLOCK] > WINDOW_TIME_TOLERANCE),
-    ]
-
-
-def _overhead_target(summary: dict) -> Target:
-    fraction, profiled = summary["overhead_fraction"], summary["profiled_overhead_fraction"]
-    requirement = f"EVS graph < {EVS_OVERHEAD_LIMIT:.0%} of the encoder's time at {summary['frames']} frames"
-    return Target("EVS overhead", requirement,
-                  f"CPU {_percent(fraction[CPU], 2)}, wall {_percent(fraction[WALL], 2)}; profiled nodes "
-                  f"{_percent(profiled)}", fraction[VERDICT_CLOCK] < EVS_OVERHEAD_LIMIT)
-
-
-def _parity_check(rows: list[dict]) -> Target:
-    worst = max(r["logits_max_abs_diff"] for r in rows)
-    return Target("check: both ways give the same first-token logits", f"max abs diff <= {LOGITS_TOLERANCE:g}",
-                  f"{worst:.2e}", worst <= LOGITS_TOLERANCE)
-
-
-def _memory_target(last: dict, call_peak: float | None) -> Target:
-    """Issue 10: "one batch's activations plus the accumulated rows", + the tolerance."""
-    name = f"vision: peak memory at {last['frames']} frames"
-    peak, rows_mb = last[ENCODER]["peak_above_start_mb"], last["accumulated_mb"]
-    if call_peak is None:
-        return Target(name, f"above the loaded graphs <= (one encoder call's peak + accumulated rows) "
-                            f"+ {MEMORY_TOLERANCE:.0%}", f"{_fmt(peak)} MB; one call's peak not recorded", None)
-    limit = (call_peak + rows_mb) * (1 + MEMORY_TOLERANCE)
-    return Target(name, f"above the loaded graphs <= (one encoder call's peak + accumulated rows) "
-                        f"+ {MEMORY_TOLERANCE:.0%} ({limit:.0f} MB)",
-                  f"{_fmt(peak)} MB (one call {call_peak:.0f} MB, rows {rows_mb:.0f} MB)",
-                  None if peak is None else peak <= limit)
-
-
-def _vision_targets(rows: list[dict], call_peak: float | None) -> list[Target]:
-    clock = f"{VERDICT_CLOCK}_s_per_patch"
-    base, last = rows[0], rows[-1]
-    spread = [r[ENCODER][clock] / base[ENCODER][clock] - 1 for r in rows]
-    worst = max(spread, key=abs)
-    per_patch = ", ".join(f"{r['frames']}: {r[ENCODER][clock]:.2f}" for r in rows)
-    at = next((r for r in rows if r["frames"] == SPEEDUP_FRAMES and WHOLE_VIDEO in r), None)
-    compared = [r for r in rows if WHOLE_VIDEO in r]
-    ratios = ", ".join(f"{r['frames']} frames: {r[WHOLE_VIDEO][clock] / r[ENCODER][clock]:.1f}x" for r in compared)
-    speedup = Target(f"vision: {SPEEDUP_FRAMES} frames vs the whole-video graph",
-                     f">= {SPEEDUP_MIN:g}x less CPU per temporal patch",
-                     ratios or "whole-video graph not run",
-                     None if at is None else at[WHOLE_VIDEO][clock] / at[ENCODER][clock] >= SPEEDUP_MIN)
-    if at is None and compared:
-        speedup = Target(speedup.name, speedup.requirement,
-                         f"not measured at {SPEEDUP_FRAMES} frames (whole-video graph run up to "
-                         f"{compared[-1]['frames']}: it does not fit memory beyond); {ratios}", None)
-    return [
-        Target("vision: time per temporal patch", f"within +-{TIME_TOLERANCE:.0%} from {base['frames']} to "
-               f"{last['frames']} frames", f"worst vs {base['frames']} frames: CPU {worst:+.1%} ({per_patch} s)",
-               all(abs(s) <= TIME_TOLERANCE for s in spread)),
-        _memory_target(last, call_peak),
-        speedup,
-    ]
-
-
-def evaluate_targets(pruning: list[dict], window: list[dict], overhead: dict, vision: list[dict],
-                     call_peak: float | None = None) -> list[Target]:
-    return [*_pruning_targets(pruning), *_window_targets(window), *_vision_targets(vision, call_peak),
-            _overhead_target(overhead), _parity_check(window)]
-
-
-# ---------------------------------------------------------------------------------------------
 # JSON and Markdown
 
 
@@ -310,10 +159,8 @@ def build_results(config: BenchConfig, model: dict, phase_seconds: dict, pruning
         "window_sweep": {"frame_size": window.frame_size, "q": window.q, "prefill_seq_len": window.prefill_seq_len,
                          "rows": w_rows, "samples": _samples(window)},
         "vision_sweep": {"frame_size": vision.frame_size, "q": vision.q, "frames_per_call": vision.frames_per_call,
-                         "whole_video_max_frames": vision.whole_video_max_frames, "call_peak_mb": vision.call_peak_mb,
-                         "rows": v_rows, "samples": _samples(vision)},
+                         "call_peak_mb": vision.call_peak_mb, "rows": v_rows, "samples": _samples(vision)},
         "evs_overhead": {**o_summary, "samples": {name: asdict(v) for name, v in overhead.samples.items()}},
-        "targets": [asdict(t) for t in evaluate_targets(p_rows, w_rows, o_summary, v_rows, vision.call_peak_mb)],
         "phase_runs": phase_runs if phase_runs is not None else {phase: run_stamp(env) for phase in PHASES},
     }
 
@@ -322,10 +169,6 @@ def _fmt(value, digits: int = 0) -> str:
     if value is None:
         return "n/a"
     return f"{value:,.{digits}f}"
-
-
-def _verdict(met: bool | None) -> str:
-    return {True: "met", False: "**missed**", None: "not measured"}[met]
 
 
 def _s(ms: float) -> str:
@@ -351,7 +194,7 @@ def markdown(results: dict) -> str:
         f"{model['vocab_size']:,}; vision hidden {model['vision_hidden']}, {model['vision_layers']} vision layers. "
         f"ONNX Runtime {env['onnxruntime']} (CPU, {env['cpu_count']} cores), fp32. "
         f"Medians of {cfg['repeats']} repetitions; configurations alternate, prefills interleave chunk by chunk. "
-        f"CPU = process CPU time (the work; verdicts use it), wall = elapsed. "
+        f"CPU = process CPU time (the work), wall = elapsed. "
         f"Load average at the end (1/5/15 min): {env['load_average_at_end']}.",
         "",
         f"### Pruning sweep: {lf} frames {ls}x{ls} + {cfg['question_tokens']}-token question, "
@@ -403,22 +246,20 @@ def markdown(results: dict) -> str:
     lines += [
         "",
         f"### Vision sweep: {vsw['frame_size']}x{vsw['frame_size']}, q={vsw['q']:g}, encoder calls of "
-        f"{vsw['frames_per_call']} temporal patches + the EVS graph, against the whole-video graph "
-        f"(up to {vsw['whole_video_max_frames']} frames)",
+        f"{vsw['frames_per_call']} temporal patches + the EVS graph",
         "",
         _measured_in(results, "vision_sweep") + f" One encoder call of {vsw['frames_per_call']} temporal patches "
         f"peaks at {_fmt(vsw.get('call_peak_mb'))} MB above the loaded graphs.",
         "",
         "| frames | temporal patches | K | encoder+EVS CPU s / patch | wall s / patch | peak above loaded MB "
-        "| accumulated rows MB | whole-video CPU s / patch | whole-video peak MB |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| accumulated rows MB |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in vsw["rows"]:
-        ours, theirs = r[ENCODER], r.get(WHOLE_VIDEO, {})
+        ours = r[ENCODER]
         lines.append(
             f"| {r['frames']} | {r['temporal_patches']} | {r['retained_tokens']} | {ours['cpu_s_per_patch']:.2f} | "
-            f"{ours['wall_s_per_patch']:.2f} | {_fmt(ours['peak_above_start_mb'])} | {r['accumulated_mb']:.0f} | "
-            f"{_fmt(theirs.get('cpu_s_per_patch'), 2)} | {_fmt(theirs.get('peak_above_start_mb'))} |")
+            f"{ours['wall_s_per_patch']:.2f} | {_fmt(ours['peak_above_start_mb'])} | {r['accumulated_mb']:.0f} |")
     lines += [
         "",
         f"### EVS overhead: {ov['frames']} frames {ov['frame_size']}x{ov['frame_size']}, "
@@ -433,18 +274,14 @@ def markdown(results: dict) -> str:
         f"| EVS graph / encoder (medians) | {_percent(ov['overhead_fraction'][CPU], 2)} | "
         f"{_percent(ov['overhead_fraction'][WALL], 2)} |",
         f"| EVS graph nodes / encoder nodes (ORT profiler) | {_percent(ov['profiled_overhead_fraction'])} | |",
-        "",
-        "### Targets",
-        "",
-        "| target | requirement | measured | verdict |",
-        "|---|---|---|---|",
     ]
-    for t in results["targets"]:
-        lines.append(f"| {t['name']} | {t['requirement']} | {t['measured']} | {_verdict(t['met'])} |")
     return "\n".join(lines) + "\n"
 
 
 def config_from_json(data: dict) -> BenchConfig:
+    """The config of a saved run; keys of settings the bench no longer has (whole_video_max_frames) are dropped."""
+    known = {f.name for f in dataclasses.fields(BenchConfig)}
+    data = {key: value for key, value in data.items() if key in known}
     return BenchConfig(**{**data, "pruning_rates": tuple(data["pruning_rates"]),
                           "window_frames": tuple(data["window_frames"]),
                           "vision_sweep_frames": tuple(data["vision_sweep_frames"])})
@@ -463,7 +300,7 @@ def measured_from_json(results: dict) -> dict:
         window_points.append(WindowPoint(**{**sample, "ways": ways}))
     window = WindowSweep(ws["frame_size"], ws["q"], ws["prefill_seq_len"], window_points)
     vsw = results["vision_sweep"]
-    vision = VisionSweep(vsw["frame_size"], vsw["q"], vsw["frames_per_call"], vsw["whole_video_max_frames"], [
+    vision = VisionSweep(vsw["frame_size"], vsw["q"], vsw["frames_per_call"], [
         VisionSweepPoint(**{**p, "samples": {name: Samples(**v) for name, v in p["samples"].items()}})
         for p in vsw["samples"]], vsw.get("call_peak_mb"))
     overhead = OverheadResult(ov["frames"], ov["frame_size"], ov["q"], ov["video_tokens"], ov["retained_tokens"],
@@ -479,7 +316,7 @@ def saved_phase_runs(results: dict) -> dict:
 
 
 def rebuild(results: dict) -> dict:
-    """Recompute every derived number and verdict of a saved results.json from its raw samples."""
+    """Recompute every derived number of a saved results.json from its raw samples."""
     measured = measured_from_json(results)
     return build_results(config_from_json(results["config"]), results["model"], results["phase_seconds"],
                          *(measured[phase] for phase in PHASES), env=results["environment"],

@@ -61,7 +61,7 @@ def write_reports(results: dict, output: Path) -> list[Path]:
 
 
 def render_saved(results_json: Path, output: Path) -> dict:
-    """Numbers, verdicts, Markdown and plots again from a saved results.json's raw samples."""
+    """Numbers, Markdown and plots again from a saved results.json's raw samples."""
     results = report.rebuild(json.loads(Path(results_json).read_text()))
     output = Path(output)
     output.mkdir(parents=True, exist_ok=True)
