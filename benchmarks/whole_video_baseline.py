@@ -37,7 +37,8 @@ from transformers.vision_utils import get_vision_cu_seqlens, get_vision_position
 from qeff_evs import evs
 from qeff_evs.bench import memory
 from qeff_evs.bench.config import preset
-from qeff_evs.bench.graphs import build_graphs, model_config, random_model
+from qeff_evs.bench.graphs import build_graphs, random_model
+from qeff_evs.bench.realistic import model_config
 from qeff_evs.bench.sessions import open_inference_session
 from qeff_evs.bench.timing import CLOCKS, Samples, alternating, median, timed
 from qeff_evs.bench.workload import synthetic_clip

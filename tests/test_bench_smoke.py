@@ -21,10 +21,9 @@ import pytest
 import torch
 
 from qeff_evs import cli
-from qeff_evs.bench import report
 from qeff_evs.bench.config import PRESETS, preset, validate
 from qeff_evs.bench.overhead import kernel_time
-from qeff_evs.bench.pruning import PruningPoint, PruningSweep
+from qeff_evs.bench.pruning import PruningPoint, PruningSweep, pruning_rows
 from qeff_evs.bench.timing import Samples, alternating
 from qeff_evs.bench.window_sweep import QEFFICIENT, USER_VISION_SIZE, qefficient_steps
 from qeff_evs.bench.workload import language_prompt, pixel_retained_indices, synthetic_clip
@@ -210,7 +209,7 @@ def test_bench_without_matplotlib_names_the_extra(monkeypatch, tmp_path, capsys)
 
 
 def test_qefficient_steps_image_idx_counts_media_tokens():
-    from qeff_evs.bench.graphs import model_config
+    from qeff_evs.bench.realistic import model_config
     from qeff_evs.models.registry import family_for_config
 
     family = family_for_config(model_config(SMOKE))
@@ -247,7 +246,7 @@ def test_pruning_rows_limits():
 
     sweep = PruningSweep((16, 448), (16, 224), (8, 8, 8),
                          [point(0.0, 1000, 8, [1.0, 1.2, 0.8]), point(0.5, 500, 4, [0.6, 0.5, 0.7])])
-    rows = report.pruning_rows(sweep)
+    rows = pruning_rows(sweep)
     cpu = rows[1]["cpu"]
     assert rows[0]["cpu"]["prefill_ms"] == pytest.approx(1000.0)
     assert cpu["proportional_ms"] == pytest.approx(1000.0 * 524 / 1024)
@@ -327,7 +326,8 @@ def test_whole_video_baseline_equals_the_stock_tower_and_evs(tmp_path):
     """The vision sweep's baseline graph computes what the encoder + EVS graphs compute."""
     import onnxruntime as ort
 
-    from qeff_evs.bench.graphs import model_config, random_model
+    from qeff_evs.bench.graphs import random_model
+    from qeff_evs.bench.realistic import model_config
     from qeff_evs.models.qwen2_5_vl import reference_vision_evs
     from qeff_evs.models.registry import family_for_config
 
@@ -361,3 +361,63 @@ def test_whole_video_baseline_script(smoke_run, tmp_path, capsys):
     targets = benchmark_script("issue_targets").evaluate(smoke_run[1], whole_video=result)
     speedup = next(t for t in targets if t.name == "vision: 16 frames vs the whole-video graph")
     assert speedup.met is None and "not measured at 16 frames" in speedup.measured
+
+
+# ---------------------------------------------------------------------------------------------
+# the phase table: how a new measurement joins the bench
+
+
+def test_a_phase_added_to_the_table_is_measured_reported_and_plotted(smoke_run, tmp_path, monkeypatch):
+    """A phase module's ``PHASE`` (defined here) and one entry in ``phases.PHASES``: an --only choice, a flag
+    for its option, a results.json section, lines of results.md and a PNG; --render keeps it."""
+    from qeff_evs.bench import phases, plots
+    from qeff_evs.bench.phase import Option, Phase, measured_in
+    from qeff_evs.bench.timing import Samples, timed
+
+    def measure(config, graphs, progress):
+        video = synthetic_clip(graphs.preprocess, 2, config.frame_size, config.seed).video
+        pipeline, samples = graphs.vision_pipeline(), Samples()
+        for _ in range(config.option("encoder_call_count")):
+            timed(lambda: pipeline.merged_rows(video), samples)
+        return {"calls": len(samples.cpu), "samples": dataclasses.asdict(samples)}
+
+    def markdown(results):
+        return ["", "### Encoder calls", "", measured_in(results, "encoder_calls"), "",
+                f"{results['encoder_calls']['calls']} calls timed"]
+
+    def draw(results, path):
+        figure = plots.figure(3.0, 2.0)
+        figure.add_subplot().plot(results["encoder_calls"]["samples"]["cpu"], "o-")
+        return plots.save(figure, path)
+
+    phase = Phase("encoder_calls", measure, markdown=markdown, plots={"encoder_calls.png": draw}, language=False,
+                  options=(Option("encoder_call_count", int, {"full": 5, "smoke": 2}, "encoder calls to time"),))
+    monkeypatch.setattr(phases, "PHASES", phases.check_table((*phases.PHASES, phase)))
+    assert phases.with_option_defaults(SMOKE).option("encoder_call_count") == 2
+    out, results = smoke_run
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert cli.main(["bench", "--smoke", "--only", "encoder_calls", "--encoder-call-count", "3",
+                         "--base", str(out / "results.json"), "-o", str(tmp_path)]) == 0
+    partial = json.loads((tmp_path / "results.json").read_text())
+    assert partial["encoder_calls"]["calls"] == 3 and partial["config"]["options"] == {"encoder_call_count": 3}
+    for name in ("pruning_sweep", "window_sweep", "vision_sweep", "evs_overhead"):
+        assert partial[name] == results[name]
+    text = (tmp_path / "results.md").read_text()
+    assert text.index("### EVS overhead") < text.index("### Encoder calls") and "3 calls timed" in text
+    assert (tmp_path / "encoder_calls.png").read_bytes().startswith(PNG_SIGNATURE)
+    assert cli.main(["bench", "--render", str(tmp_path / "results.json"), "-o", str(tmp_path / "again")]) == 0
+    assert json.loads((tmp_path / "again" / "results.json").read_text()) == partial
+
+
+def test_phase_table_refuses_clashing_names():
+    from qeff_evs.bench import phases
+    from qeff_evs.bench.phase import Option, Phase
+
+    def measure(config, graphs, progress):
+        return {}
+
+    with pytest.raises(ValueError, match="pruning_sweep"):
+        phases.check_table((*phases.PHASES, Phase("pruning_sweep", measure)))
+    with pytest.raises(ValueError, match="'frames'.*BenchConfig"):
+        phases.check_table((Phase("x", measure, options=(Option("frames", int, {"full": 1}),)),))

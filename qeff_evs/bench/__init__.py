@@ -1,10 +1,12 @@
 """``qeff-evs bench``: pruning sweep, window sweep, vision sweep, EVS overhead.
 
-What is measured and how lives in the modules: ``pruning`` (latency vs q), ``window_sweep``
-(user_vision_size vs the QEfficient way), ``vision_sweep`` (the vision side per temporal patch, 4 to
-128 frames), ``overhead`` (the EVS graph's cost), ``report`` (JSON, Markdown), ``plots``; ``suite`` runs
-them in order. ``benchmarks/README.md`` has the results; ``benchmarks/issue_targets.py`` judges a run
-against issues 6 and 10's targets.
+Each measurement is a phase, one module each, listed in ``phases.PHASES``: ``pruning`` (phase
+``pruning_sweep``: latency vs q), ``window_sweep`` (user_vision_size vs the QEfficient way), ``vision_sweep``
+(the vision side per temporal patch, 4 to 128 frames), ``overhead`` (phase ``evs_overhead``: the EVS graph's
+cost); ``phase.py`` says what a phase declares. ``suite`` builds the graphs (``graphs``) and runs the phases; ``report`` puts their sections into
+results.json and results.md. Measuring helpers: ``timing``, ``memory``, ``sessions``, ``workload``.
+``benchmarks/README.md`` has the results; ``benchmarks/issue_targets.py`` judges a run against issues 6
+and 10's targets.
 """
 
 from __future__ import annotations
@@ -57,6 +59,8 @@ _OVERRIDES = {
 
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
+    from qeff_evs.bench.phases import options, phase_names
+
     full = PRESETS["full"]
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--quick", action="store_true",
@@ -68,8 +72,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--render", type=Path, default=None, metavar="RESULTS_JSON",
                         help="measure nothing: re-render results.md and the plots of a saved results.json")
     parser.add_argument("--only", type=_names, default=None, metavar="PHASES",
-                        help="measure only these phases (pruning_sweep, window_sweep, vision_sweep, evs_overhead) "
-                             "and keep the others from --base")
+                        help=f"measure only these phases ({', '.join(phase_names())}) and keep the others from --base")
     parser.add_argument("--base", type=Path, default=None, metavar="RESULTS_JSON",
                         help="with --only: the saved results.json whose other phases are kept (each section says "
                              "which run measured it)")
@@ -103,12 +106,19 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=None, help=f"default {full.repeats}")
     parser.add_argument("--overhead-repeats", type=int, default=None, help=f"default {full.overhead_repeats}")
     parser.add_argument("--seed", type=int, default=None)
+    for option in options():  # the phases' own settings
+        parser.add_argument("--" + option.name.replace("_", "-"), dest=option.name, type=option.parse, default=None,
+                            help=f"{option.help} (default {option.value('full')})".lstrip())
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
+    from qeff_evs.bench.phases import options
+
     name = "quick" if args.quick else "smoke" if getattr(args, "smoke", False) else "full"
     changes = {field: getattr(args, dest) for dest, field in _OVERRIDES.items() if getattr(args, dest, None) is not None}
-    return preset(name, changes.get("family", PRESETS[name].family)).replace(**changes)
+    chosen = {option.name: getattr(args, option.name) for option in options()
+              if getattr(args, option.name, None) is not None}
+    return preset(name, changes.get("family", PRESETS[name].family)).replace(**changes, options=chosen)
 
 
 BENCH_EXTRA = "pip install 'qeff-evs[bench]'"

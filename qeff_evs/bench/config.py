@@ -8,7 +8,9 @@ widths; the test suite's run). Any field can be overridden from the command line
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
 
 from qeff_evs import evs
 from qeff_evs.models.registry import DEFAULT_FAMILY, family_names, preprocess_defaults
@@ -50,6 +52,8 @@ class BenchConfig:
     overhead_repeats: int = 5
     seed: int = 0
     preset: str = "full"
+    # Settings the phases declare (phase.Option), by name; phases.with_option_defaults fills the rest.
+    options: Mapping[str, Any] = field(default_factory=dict)
 
     @property
     def vision_rows_per_chunk(self) -> int:
@@ -61,6 +65,29 @@ class BenchConfig:
 
     def replace(self, **changes) -> BenchConfig:
         return dataclasses.replace(self, **changes)
+
+    def option(self, name: str) -> Any:
+        """A phase's setting (``phase.Option``); KeyError naming the ones this config has."""
+        if name not in self.options:
+            raise KeyError(f"bench option {name!r} is not set; this config has {sorted(self.options) or 'none'}")
+        return self.options[name]
+
+    def to_json(self) -> dict:
+        """results.json's ``config``: every field; ``options`` only when a phase declares some."""
+        data = dataclasses.asdict(self)
+        data["options"] = dict(self.options)
+        if not data["options"]:
+            del data["options"]
+        return data
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> BenchConfig:
+        """The config of a saved run; keys of settings the bench no longer has (whole_video_max_frames) are dropped."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        data = {key: value for key, value in data.items() if key in known}
+        return cls(**{**data, "pruning_rates": tuple(data["pruning_rates"]),
+                      "window_frames": tuple(data["window_frames"]),
+                      "vision_sweep_frames": tuple(data["vision_sweep_frames"])})
 
 
 PRESETS = {

@@ -11,14 +11,14 @@ from __future__ import annotations
 import dataclasses
 import gc
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from qeff_evs.bench.config import BenchConfig
-from qeff_evs.bench.realistic import realistic_config
+from qeff_evs.bench.phase import Progress
+from qeff_evs.bench.realistic import model_config
 from qeff_evs.bench.sessions import open_inference_session
 from qeff_evs.export.language import export_language_graph
 from qeff_evs.export.vision import export_encoder_graph, export_evs_graph
@@ -30,23 +30,11 @@ from qeff_evs.manifest import LanguageShape
 from qeff_evs.runtime.backends.ort import OrtEncoderSession, OrtEVSSession
 from qeff_evs.runtime.backends.vision import VisionPipeline
 
-Progress = Callable[[str], None]
-
 # Uniform weights with the std of transformers' default normal init (0.02): torch's uniform_ is
 # several times faster than normal_, which matters for a 150k x 2048 embedding on 2 cores.
 WEIGHT_STD = 0.02
 # Example frame grid (patches) for tracing the encoder and, merged over 2 temporal patches, the EVS graph.
 EXAMPLE_GRID_HW = (8, 8)
-
-
-def model_config(config: BenchConfig):
-    """The transformers config of the benchmarked model: realistic or tiny widths, the requested depths."""
-    from qeff_evs.models.tiny import build_tokenizer, tiny_config
-
-    if config.widths == "realistic":
-        return realistic_config(config.family, text_layers=config.text_layers, vision_layers=config.vision_layers)
-    return tiny_config(config.family, build_tokenizer(config.family), text_layers=config.text_layers,
-                       vision_layers=config.vision_layers)
 
 
 def random_model(hf_config, family: str, seed: int) -> torch.nn.Module:

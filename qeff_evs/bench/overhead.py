@@ -13,21 +13,23 @@ difference of two near-equal graphs:
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from qeff_evs import evs
 from qeff_evs.bench.config import BenchConfig
-from qeff_evs.bench.graphs import BenchGraphs
+from qeff_evs.bench.phase import MS, Phase, Progress, fmt, fmt_percent, measured_in
 from qeff_evs.bench.sessions import open_inference_session
-from qeff_evs.bench.timing import Samples, timed
+from qeff_evs.bench.timing import CLOCKS, CPU, WALL, Samples, median, timed
 from qeff_evs.bench.workload import synthetic_clip
 from qeff_evs.runtime.backends.ort import OrtEncoderSession, OrtEVSSession
 from qeff_evs.runtime.backends.vision import VisionPipeline
 
-Progress = Callable[[str], None]
+if TYPE_CHECKING:
+    from qeff_evs.bench.graphs import BenchGraphs
 
+NAME = "evs_overhead"
 WITH_EVS = "with_evs"
 WITHOUT_EVS = "without_evs"
 KERNEL_SUFFIX = "_kernel_time"
@@ -91,3 +93,54 @@ def run_evs_overhead(config: BenchConfig, graphs: BenchGraphs, progress: Progres
     result.profile_us = {"tower": _profiled(graphs.files["encoder"], scratch, encode),
                          "selection": _profiled(graphs.files["evs"], scratch, select)}
     return result
+
+
+# ---- results.json and results.md --------------------------------------------------------------------
+
+
+def overhead_summary(result: OverheadResult) -> dict:
+    """The EVS graph's share of the encoder's time: (encoder + EVS) / encoder - 1, per repetition's medians."""
+    with_ms = {clock: median(result.samples[WITH_EVS].clock(clock)) * MS for clock in CLOCKS}
+    without_ms = {clock: median(result.samples[WITHOUT_EVS].clock(clock)) * MS for clock in CLOCKS}
+    fraction = {clock: (with_ms[clock] - without_ms[clock]) / without_ms[clock] for clock in CLOCKS}
+    profile = result.profile_us
+    profiled = profile["selection"] / profile["tower"] if profile.get("tower") else None
+    return {"frames": result.frames, "frame_size": result.frame_size, "q": result.q,
+            "video_tokens": result.video_tokens, "retained_tokens": result.retained_tokens,
+            "with_evs_ms": with_ms, "without_evs_ms": without_ms,
+            "overhead_fraction": fraction,
+            "profiled_selection_us": profile.get("selection"), "profiled_tower_us": profile.get("tower"),
+            "profiled_overhead_fraction": profiled}
+
+
+def section(result: OverheadResult) -> dict:
+    return {**overhead_summary(result), "samples": {name: asdict(v) for name, v in result.samples.items()}}
+
+
+def load(saved: dict) -> OverheadResult:
+    return OverheadResult(saved["frames"], saved["frame_size"], saved["q"], saved["video_tokens"],
+                          saved["retained_tokens"], {name: Samples(**v) for name, v in saved["samples"].items()},
+                          {"selection": saved["profiled_selection_us"], "tower": saved["profiled_tower_us"]})
+
+
+def markdown(results: dict) -> list[str]:
+    ov = results[NAME]
+    samples = len(ov["samples"][WITH_EVS]["wall"])
+    return [
+        "",
+        f"### EVS overhead: {ov['frames']} frames {ov['frame_size']}x{ov['frame_size']}, "
+        f"q={ov['q']:g} (K={ov['retained_tokens']} of {ov['video_tokens']}), {samples} runs",
+        "",
+        measured_in(results, NAME),
+        "",
+        "| vision side | CPU ms | wall ms |",
+        "|---|---|---|",
+        f"| encoder calls + EVS graph | {fmt(ov['with_evs_ms'][CPU])} | {fmt(ov['with_evs_ms'][WALL])} |",
+        f"| encoder calls alone | {fmt(ov['without_evs_ms'][CPU])} | {fmt(ov['without_evs_ms'][WALL])} |",
+        f"| EVS graph / encoder (medians) | {fmt_percent(ov['overhead_fraction'][CPU], 2)} | "
+        f"{fmt_percent(ov['overhead_fraction'][WALL], 2)} |",
+        f"| EVS graph nodes / encoder nodes (ORT profiler) | {fmt_percent(ov['profiled_overhead_fraction'])} | |",
+    ]
+
+
+PHASE = Phase(NAME, run_evs_overhead, section=section, load=load, markdown=markdown, language=False)

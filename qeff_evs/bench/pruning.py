@@ -12,26 +12,31 @@ interleaved chunk by chunk (``run_interleaved``).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from qeff_evs import evs
-from qeff_evs.bench import memory
+from qeff_evs.bench import kept_tokens, memory, plots
 from qeff_evs.bench.config import BenchConfig
-from qeff_evs.bench.graphs import BenchGraphs
+from qeff_evs.bench.phase import MS, Phase, Progress, fmt, fmt_seconds, measured_in
+from qeff_evs.bench.timing import CLOCKS, CPU, WALL, ChunkedRun, Samples, alternating, median, run_interleaved, timed
+from qeff_evs.bench.workload import Clip, first_special_id, language_prompt, question_ids, synthetic_clip
 from qeff_evs.models.protocol import MediaInput
+from qeff_evs.runtime.backends.base import LanguageInputs
 from qeff_evs.runtime.backends.ort import OrtLanguageSession
 from qeff_evs.runtime.backends.vision import VisionPipeline
-from qeff_evs.bench.timing import ChunkedRun, Samples, alternating, run_interleaved, timed
-from qeff_evs.bench.workload import Clip, first_special_id, language_prompt, question_ids, synthetic_clip
-from qeff_evs.runtime.backends.base import LanguageInputs
-from qeff_evs.runtime.engine.steps import prefill_step
 from qeff_evs.runtime.engine.request import PreparedPrompt
+from qeff_evs.runtime.engine.steps import prefill_step
 from qeff_evs.runtime.engine.window import prefill_chunks
 
-Progress = Callable[[str], None]
+if TYPE_CHECKING:
+    from qeff_evs.bench.graphs import BenchGraphs
+
+NAME = "pruning_sweep"
 
 
 @dataclass
@@ -149,3 +154,113 @@ def run_pruning_sweep(config: BenchConfig, graphs: BenchGraphs, progress: Progre
         vision_merged_grid=merged_grid,
         points=[case.point for case in cases],
     )
+
+
+# ---- results.json, results.md and the plots ---------------------------------------------------------
+
+
+def pruning_rows(sweep: PruningSweep) -> list[dict]:
+    """Per q: medians, and the unpruned prefill scaled by tokens (proportional) and by chunks."""
+    reference = next(p for p in sweep.points if p.q == 0.0)
+    rows = []
+    for p in sweep.points:
+        row = {
+            "q": p.q, "video_tokens": p.video_tokens, "retained_tokens": p.retained_tokens,
+            "text_tokens": p.text_tokens, "prompt_tokens": p.prompt_tokens, "prefill_chunks": p.prefill_chunks,
+            "vision_retained_tokens": p.vision_retained_tokens, "peak_rss_mb": p.peak_rss_mb,
+            "peak_above_start_mb": p.peak_above_start_mb, "encoder_cache_bytes": p.encoder_cache_bytes,
+        }
+        for clock in CLOCKS:
+            reference_ms = median(reference.prefill.clock(clock)) * MS
+            prefill_ms = median(p.prefill.clock(clock)) * MS
+            proportional_ms = reference_ms * p.prompt_tokens / reference.prompt_tokens
+            ttft = [v + f for v, f in zip(p.vision.clock(clock), p.prefill.clock(clock))]
+            row[clock] = {
+                "vision_ms": median(p.vision.clock(clock)) * MS,
+                "prefill_ms": prefill_ms,
+                "ttft_ms": median(ttft) * MS,
+                "proportional_ms": proportional_ms,
+                "chunk_limit_ms": reference_ms * p.prefill_chunks / reference.prefill_chunks,
+                "prefill_over_proportional": prefill_ms / proportional_ms,
+                "prefill_speedup": reference_ms / prefill_ms,
+            }
+        rows.append(row)
+    return rows
+
+
+def section(sweep: PruningSweep) -> dict:
+    return {"language_clip": list(sweep.language_clip), "vision_clip": list(sweep.vision_clip),
+            "vision_merged_grid": list(sweep.vision_merged_grid), "rows": pruning_rows(sweep),
+            "samples": [asdict(point) for point in sweep.points]}
+
+
+def load(saved: dict) -> PruningSweep:
+    points = [PruningPoint(**{**sample, "vision": Samples(**sample["vision"]), "prefill": Samples(**sample["prefill"])})
+              for sample in saved["samples"]]
+    return PruningSweep(tuple(saved["language_clip"]), tuple(saved["vision_clip"]), tuple(saved["vision_merged_grid"]),
+                        points)
+
+
+def markdown(results: dict) -> list[str]:
+    cfg, ps = results["config"], results[NAME]
+    lf, ls = ps["language_clip"]
+    vf, vs = ps["vision_clip"]
+    lines = [
+        "",
+        f"### Pruning sweep: {lf} frames {ls}x{ls} + {cfg['question_tokens']}-token question, "
+        f"prefill chunks of {cfg['prefill_seq_len']}, ctx_len {cfg['ctx_len']}",
+        "",
+        measured_in(results, NAME),
+        "",
+        f"proportional = q=0 prefill x (K+text)/(V+text); chunk limit = q=0 prefill x chunks/chunks(q=0). "
+        f"Vision side (encoder calls of {cfg['frames_per_call']} temporal patches, then the EVS graph) timed on "
+        f"{vf} frames {vs}x{vs}; TTFT = that vision time + prefill. Peak RSS: the q's vision run and prefill alone.",
+        "",
+        "| q | K | prompt tokens | chunks | prefill CPU s | proportional CPU s | chunk limit CPU s "
+        "| CPU / proportional | speedup CPU | prefill wall s | speedup wall | vision wall s (K) | TTFT wall s "
+        "| peak RSS MB | peak above start MB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in ps["rows"]:
+        c, w = r[CPU], r[WALL]
+        lines.append(
+            f"| {r['q']:g} | {r['retained_tokens']} | {r['prompt_tokens']} | {r['prefill_chunks']} | "
+            f"{fmt_seconds(c['prefill_ms'])} | {fmt_seconds(c['proportional_ms'])} | "
+            f"{fmt_seconds(c['chunk_limit_ms'])} | {c['prefill_over_proportional']:.2f} | "
+            f"{c['prefill_speedup']:.2f}x | {fmt_seconds(w['prefill_ms'])} | {w['prefill_speedup']:.2f}x | "
+            f"{fmt_seconds(w['vision_ms'])} ({r['vision_retained_tokens']}) | {fmt_seconds(w['ttft_ms'])} | "
+            f"{fmt(r['peak_rss_mb'])} | {fmt(r['peak_above_start_mb'])} |")
+    return lines
+
+
+def plot_latency_vs_q(results: dict, path: Path) -> Path:
+    """Prefill and vision time against q, with the proportional and chunk limits."""
+    rows = results[NAME]["rows"]
+    q = [r["q"] for r in rows]
+    figure = plots.figure(6.4, 4.0)
+    axes = figure.add_subplot()
+    axes.plot(q, [r[CPU]["prefill_ms"] / MS for r in rows], "o-", label="language prefill, CPU time")
+    axes.plot(q, [r[CPU]["proportional_ms"] / MS for r in rows], "--", label="proportional limit (K+text)/(V+text)")
+    axes.plot(q, [r[CPU]["chunk_limit_ms"] / MS for r in rows], ":", label="chunk-count limit")
+    axes.plot(q, [r[WALL]["prefill_ms"] / MS for r in rows], "o-", alpha=0.35, label="language prefill, wall time")
+    axes.plot(q, [r[WALL]["vision_ms"] / MS for r in rows], "s-", label="vision graph, wall (smaller clip)")
+    frames, size = results[NAME]["language_clip"]
+    axes.set_title(f"Prefill vs EVS pruning rate ({frames} frames {size}x{size})", fontsize=10)
+    axes.set_xlabel("video pruning rate q")
+    axes.set_ylabel("seconds (median)")
+    axes.set_ylim(bottom=0)
+    axes.grid(alpha=0.3)
+    axes.legend(fontsize=8)
+    return plots.save(figure, path)
+
+
+def plot_kept_tokens(results: dict, path: Path) -> Path:
+    """Which merged tokens each temporal patch of the vision clip kept, per q (from the vision graph)."""
+    sweep = results[NAME]
+    kept = {s["q"]: np.asarray(s["vision_retained_indices"]) for s in sweep["samples"]}
+    return kept_tokens.plot_for_config(BenchConfig.from_json(results["config"]), tuple(sweep["vision_merged_grid"]),
+                                       kept, path)
+
+
+PHASE = Phase(NAME, run_pruning_sweep, section=section, load=load, markdown=markdown,
+              plots={"latency_vs_q.png": plot_latency_vs_q, "kept_tokens.png": plot_kept_tokens})

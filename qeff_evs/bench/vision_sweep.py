@@ -11,18 +11,21 @@ of ``hidden`` floats, + the family's extra rows). (The whole-video graph this re
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from qeff_evs import evs
-from qeff_evs.bench import memory
+from qeff_evs.bench import memory, plots
 from qeff_evs.bench.config import BenchConfig
-from qeff_evs.bench.graphs import BenchGraphs
-from qeff_evs.bench.timing import Samples, alternating, median, timed
+from qeff_evs.bench.phase import Phase, Progress, fmt, measured_in
+from qeff_evs.bench.timing import CLOCKS, Samples, alternating, median, timed
 from qeff_evs.bench.workload import synthetic_clip
 
-Progress = Callable[[str], None]
+if TYPE_CHECKING:
+    from qeff_evs.bench.graphs import BenchGraphs
 
+NAME = "vision_sweep"
 ENCODER = "encoder"
 
 
@@ -86,3 +89,73 @@ def vision_rows(sweep: VisionSweep, clocks: tuple[str, ...]) -> list[dict]:
                             for clock in clocks}}
         rows.append(row)
     return rows
+
+
+# ---- results.json, results.md and the plot ----------------------------------------------------------
+
+
+def section(sweep: VisionSweep) -> dict:
+    return {"frame_size": sweep.frame_size, "q": sweep.q, "frames_per_call": sweep.frames_per_call,
+            "call_peak_mb": sweep.call_peak_mb, "rows": vision_rows(sweep, CLOCKS),
+            "samples": [asdict(point) for point in sweep.points]}
+
+
+def load(saved: dict) -> VisionSweep:
+    return VisionSweep(saved["frame_size"], saved["q"], saved["frames_per_call"], [
+        VisionSweepPoint(**{**p, "samples": {name: Samples(**v) for name, v in p["samples"].items()}})
+        for p in saved["samples"]], saved.get("call_peak_mb"))
+
+
+def markdown(results: dict) -> list[str]:
+    vsw = results[NAME]
+    lines = [
+        "",
+        f"### Vision sweep: {vsw['frame_size']}x{vsw['frame_size']}, q={vsw['q']:g}, encoder calls of "
+        f"{vsw['frames_per_call']} temporal patches + the EVS graph",
+        "",
+        measured_in(results, NAME) + f" One encoder call of {vsw['frames_per_call']} temporal patches "
+        f"peaks at {fmt(vsw.get('call_peak_mb'))} MB above the loaded graphs.",
+        "",
+        "| frames | temporal patches | K | encoder+EVS CPU s / patch | wall s / patch | peak above loaded MB "
+        "| accumulated rows MB |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in vsw["rows"]:
+        ours = r[ENCODER]
+        lines.append(
+            f"| {r['frames']} | {r['temporal_patches']} | {r['retained_tokens']} | {ours['cpu_s_per_patch']:.2f} | "
+            f"{ours['wall_s_per_patch']:.2f} | {fmt(ours['peak_above_start_mb'])} | {r['accumulated_mb']:.0f} |")
+    return lines
+
+
+def plot_vision_sweep(results: dict, path: Path) -> Path:
+    """Time per temporal patch and peak memory against frames: encoder calls + the EVS graph."""
+    vs = results[NAME]
+    rows = vs["rows"]
+    frames = [r["frames"] for r in rows]
+    figure = plots.figure(8.0, 3.4)
+    left, right = figure.add_subplot(1, 2, 1), figure.add_subplot(1, 2, 2)
+    label = f"encoder ({vs['frames_per_call']} patches/call) + EVS"
+    line, = left.plot(frames, [r[ENCODER]["cpu_s_per_patch"] for r in rows], "o-", label=f"{label}, CPU")
+    left.plot(frames, [r[ENCODER]["wall_s_per_patch"] for r in rows], "o-", color=line.get_color(), alpha=0.3,
+              label=f"{label}, wall")
+    right.plot(frames, [r[ENCODER]["peak_above_start_mb"] or 0.0 for r in rows], "o-", label=label)
+    right.plot(frames, [r["accumulated_mb"] for r in rows], ":", color="grey", label="accumulated merged rows")
+    if vs.get("call_peak_mb") is not None:
+        right.plot(frames, [vs["call_peak_mb"] + r["accumulated_mb"] for r in rows], "-.",
+                   color="grey", label="one encoder call + rows")
+    for axes in (left, right):
+        axes.set_xscale("log", base=2)
+        axes.set_xticks(frames, [str(f) for f in frames])
+        axes.set_xlabel("frames")
+        axes.set_ylim(bottom=0)
+        axes.grid(alpha=0.3)
+        axes.legend(fontsize=6)
+    left.set_ylabel("vision s per temporal patch")
+    right.set_ylabel("peak memory above loaded graphs (MB)")
+    figure.suptitle(f"Vision side, {vs['frame_size']}x{vs['frame_size']}, q={vs['q']:g}", fontsize=10)
+    return plots.save(figure, path)
+
+
+PHASE = Phase(NAME, run_vision_sweep, section=section, load=load, markdown=markdown,
+              plots={"vision_sweep.png": plot_vision_sweep}, language=False)

@@ -15,24 +15,30 @@ the two ways run interleaved chunk by chunk. Both ways must produce the same fir
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from qeff_evs import evs
+from qeff_evs.bench import plots
 from qeff_evs.bench.config import BenchConfig
-from qeff_evs.bench.graphs import BenchGraphs
+from qeff_evs.bench.phase import MIB, MS, Phase, Progress, fmt, fmt_bytes, measured_in
 from qeff_evs.bench.pruning import prefill_steps
-from qeff_evs.runtime.backends.ort import OrtLanguageSession
-from qeff_evs.bench.timing import ChunkedRun, Samples, alternating, run_interleaved
+from qeff_evs.bench.timing import CLOCKS, CPU, WALL, ChunkedRun, Samples, alternating, median, run_interleaved
 from qeff_evs.bench.workload import first_special_id, language_prompt, question_ids, synthetic_clip
 from qeff_evs.runtime.backends.base import LanguageInputs
-from qeff_evs.runtime.engine.steps import prefill_step
+from qeff_evs.runtime.backends.ort import OrtLanguageSession
 from qeff_evs.runtime.engine.request import PreparedPrompt
+from qeff_evs.runtime.engine.steps import prefill_step
 from qeff_evs.runtime.engine.window import prefill_chunks
 
-Progress = Callable[[str], None]
+if TYPE_CHECKING:
+    from qeff_evs.bench.graphs import BenchGraphs
+
+NAME = "window_sweep"
 
 USER_VISION_SIZE = "user_vision_size"
 QEFFICIENT = "qefficient"
@@ -129,3 +135,106 @@ def run_window_sweep(config: BenchConfig, graphs: BenchGraphs, progress: Progres
             progress(f"window sweep rep {rep + 1}/{config.repeats}: {point.frames} frames, K={point.retained_tokens}, "
                      f"{point.chunks} chunks, logits max abs diff between ways {point.logits_max_abs_diff:.2e}")
     return WindowSweep(config.frame_size, q, config.prefill_seq_len, [plan[0] for plan in plans])
+
+
+# ---- results.json, results.md and the plot ----------------------------------------------------------
+
+
+def window_rows(sweep: WindowSweep) -> list[dict]:
+    rows = []
+    for p in sweep.points:
+        row = {"frames": p.frames, "video_tokens": p.video_tokens, "retained_tokens": p.retained_tokens,
+               "prompt_tokens": p.prompt_tokens, "chunks": p.chunks, "logits_max_abs_diff": p.logits_max_abs_diff}
+        for way in WAYS:
+            m = p.ways[way]
+            row[way] = {
+                "vision_size": m.vision_size,
+                "bytes_per_chunk": max(m.bytes_per_chunk),
+                "bytes_per_chunk_constant": len(set(m.bytes_per_chunk)) == 1,
+                "ms_per_chunk": {clock: median(m.chunks.clock(clock)) * MS for clock in CLOCKS},
+                "chunk_samples": len(m.chunks.wall),
+            }
+        rows.append(row)
+    return rows
+
+
+def _sample(point: WindowPoint) -> dict:
+    """A point's raw samples, without the logits (bulky; only their difference is kept)."""
+    data = asdict(point)
+    for way in data["ways"].values():
+        way.pop("first_token_logits", None)
+    return data
+
+
+def section(sweep: WindowSweep) -> dict:
+    return {"frame_size": sweep.frame_size, "q": sweep.q, "prefill_seq_len": sweep.prefill_seq_len,
+            "rows": window_rows(sweep), "samples": [_sample(point) for point in sweep.points]}
+
+
+def load(saved: dict) -> WindowSweep:
+    points = []
+    for sample in saved["samples"]:
+        ways = {way: WayMeasurement(**{**m, "chunks": Samples(**m["chunks"])}) for way, m in sample["ways"].items()}
+        points.append(WindowPoint(**{**sample, "ways": ways}))
+    return WindowSweep(saved["frame_size"], saved["q"], saved["prefill_seq_len"], points)
+
+
+def markdown(results: dict) -> list[str]:
+    cfg, ws = results["config"], results[NAME]
+    u = cfg["user_vision_size"] or cfg["prefill_seq_len"]
+    lines = [
+        "",
+        f"### Window sweep: q={ws['q']:g}, {ws['frame_size']}x{ws['frame_size']}, prefill chunks of "
+        f"{ws['prefill_seq_len']}",
+        "",
+        measured_in(results, NAME),
+        "",
+        f"Bytes: the vision inputs sent with each chunk (fp32 here; fp16 custom IO on AI 100 halves both). "
+        f"user_vision_size (U): {u} window rows, image_idx=0. QEfficient (QEff): vision_size=K, all rows every "
+        "chunk, image_idx advancing. Times are medians over every chunk of every repetition.",
+        "",
+        "| frames | V | K | prompt tokens | chunks | bytes/chunk U | CPU ms/chunk U | wall ms/chunk U "
+        "| bytes/chunk QEff | CPU ms/chunk QEff | wall ms/chunk QEff | logits max abs diff |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in ws["rows"]:
+        ours, theirs = r[USER_VISION_SIZE], r[QEFFICIENT]
+        lines.append(
+            f"| {r['frames']} | {r['video_tokens']} | {r['retained_tokens']} | {r['prompt_tokens']} | {r['chunks']} | "
+            f"{fmt_bytes(ours['bytes_per_chunk'])} | {fmt(ours['ms_per_chunk'][CPU])} | "
+            f"{fmt(ours['ms_per_chunk'][WALL])} | {fmt_bytes(theirs['bytes_per_chunk'])} | "
+            f"{fmt(theirs['ms_per_chunk'][CPU])} | {fmt(theirs['ms_per_chunk'][WALL])} | "
+            f"{r['logits_max_abs_diff']:.1e} |")
+    return lines
+
+
+def plot_window_sweep(results: dict, path: Path) -> Path:
+    """Vision bytes and language time per chunk against frames, both ways."""
+    ws = results[NAME]
+    rows = ws["rows"]
+    frames = [r["frames"] for r in rows]
+    figure = plots.figure(8.0, 3.4)
+    left, right = figure.add_subplot(1, 2, 1), figure.add_subplot(1, 2, 2)
+    labels = {USER_VISION_SIZE: "user_vision_size (window rows)", QEFFICIENT: "QEfficient (all rows)"}
+    for way, marker in ((USER_VISION_SIZE, "o-"), (QEFFICIENT, "s--")):
+        left.plot(frames, [r[way]["bytes_per_chunk"] / MIB for r in rows], marker, label=labels[way])
+        line, = right.plot(frames, [r[way]["ms_per_chunk"][CPU] for r in rows], marker, label=f"{labels[way]}, CPU")
+        right.plot(frames, [r[way]["ms_per_chunk"][WALL] for r in rows], marker, color=line.get_color(), alpha=0.3,
+                   label=f"{labels[way]}, wall")
+    for axes in (left, right):
+        axes.set_xscale("log", base=2)
+        axes.set_xticks(frames, [str(f) for f in frames])
+        axes.set_xlabel("frames")
+        axes.grid(alpha=0.3)
+    left.set_ylabel("vision input per chunk (MiB)")
+    right.set_ylabel("language time per chunk (ms)")
+    right.set_ylim(bottom=0)
+    left.legend(fontsize=7)
+    right.legend(fontsize=6)
+    figure.suptitle(f"Prefill chunks of {ws['prefill_seq_len']}, q={ws['q']:g}, {ws['frame_size']}x{ws['frame_size']}",
+                    fontsize=10)
+    return plots.save(figure, path)
+
+
+PHASE = Phase(NAME, run_window_sweep, section=section, load=load, markdown=markdown,
+              plots={"window_sweep.png": plot_window_sweep})
