@@ -37,12 +37,12 @@ from transformers.vision_utils import get_vision_cu_seqlens, get_vision_position
 from qeff_evs import evs
 from qeff_evs.bench import memory
 from qeff_evs.bench.config import preset
-from qeff_evs.bench.graphs import build_graphs, random_model
-from qeff_evs.bench.realistic import model_config
+from qeff_evs.bench.graphs import build_graphs
 from qeff_evs.bench.sessions import open_inference_session
 from qeff_evs.bench.timing import CLOCKS, Samples, alternating, median, timed
 from qeff_evs.bench.workload import synthetic_clip
 from qeff_evs.export.onnx_graph import legacy_export
+from qeff_evs.models.checkpoint import load_checkpoint
 from qeff_evs.models.registry import family_for_config
 from qeff_evs.models.vision_common import EncoderWrapper, EVSSelection, evs_host_inputs, grid_tensor, share_weights_copy
 
@@ -122,7 +122,7 @@ def export_whole_video_graph(encoder: EncoderWrapper, selection: EVSSelection, p
 def measure(config, frame_counts: tuple[int, ...], workdir: Path, progress) -> dict:
     """Encoder calls + EVS against the whole-video graph, per frame count (the bench's graphs and clip)."""
     graphs = build_graphs(config, workdir, progress, language=False)
-    model = random_model(model_config(config), config.family, config.seed)  # the bench's weights (same seed)
+    model = load_checkpoint(graphs.checkpoint_dir).model  # the bench's checkpoint, as its export read it
     family = family_for_config(model.config)
     encoder = family.encoder(model)
     if not whole_video_serves(encoder, family):

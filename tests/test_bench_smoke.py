@@ -34,6 +34,7 @@ vllm_evs = pytest.importorskip("vllm.multimodal.video_prune.evs")
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 SMOKE = PRESETS["smoke"]
+WORKDIR = "graphs"  # the smoke run's --workdir, inside its output folder
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 MAX_PNG_BYTES = 200_000
 TINY_HIDDEN = 64  # tiny_config's text hidden size
@@ -45,7 +46,7 @@ def smoke_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        code = cli.main(["bench", "--smoke", "-o", str(out)])
+        code = cli.main(["bench", "--smoke", "-o", str(out), "--workdir", str(out / WORKDIR)])
     assert code == 0
     return out, json.loads((out / "results.json").read_text())
 
@@ -77,6 +78,26 @@ def test_outputs_written(smoke_run):
         assert len(data) < MAX_PNG_BYTES, (name, len(data))
     text = (out / "results.md").read_text()
     assert "### Pruning sweep" in text and "### Window sweep" in text
+
+
+def test_bench_graphs_are_a_qeff_evs_export(smoke_run):
+    """The bench saved a checkpoint and measured the folder ``qeff-evs export`` made of it, which opens as
+    ``qeff-evs run`` opens an export, with a specialization for every clip the phases ran."""
+    from qeff_evs.runtime.runner import open_export
+
+    work = smoke_run[0] / WORKDIR
+    bundle = open_export(work / "export")
+    manifest = bundle.manifest
+    assert manifest.model_dir == str((work / "checkpoint").resolve())
+    assert (work / "checkpoint" / "config.json").is_file() and (work / "export" / "compile.sh").is_file()
+    frames = {SMOKE.frames, SMOKE.vision_frames, SMOKE.overhead_frames, *SMOKE.window_frames,
+              *SMOKE.vision_sweep_frames}
+    assert set(manifest.frames) == frames
+    assert {(SMOKE.frame_size,) * 2, (SMOKE.vision_frame_size,) * 2} == set(manifest.resolutions)
+    assert manifest.video_pruning_rate == SMOKE.window_rate
+    shape = manifest.language_shape
+    assert (shape.ctx_len, shape.vision_size) == (SMOKE.ctx_len, SMOKE.vision_rows_per_chunk)
+    assert bundle.family.name == SMOKE.family
 
 
 def test_pruning_counts_follow_vllm(smoke_run):
@@ -209,7 +230,7 @@ def test_bench_without_matplotlib_names_the_extra(monkeypatch, tmp_path, capsys)
 
 
 def test_qefficient_steps_image_idx_counts_media_tokens():
-    from qeff_evs.bench.realistic import model_config
+    from qeff_evs.bench.checkpoint import model_config
     from qeff_evs.models.registry import family_for_config
 
     family = family_for_config(model_config(SMOKE))
@@ -326,8 +347,7 @@ def test_whole_video_baseline_equals_the_stock_tower_and_evs(tmp_path):
     """The vision sweep's baseline graph computes what the encoder + EVS graphs compute."""
     import onnxruntime as ort
 
-    from qeff_evs.bench.graphs import random_model
-    from qeff_evs.bench.realistic import model_config
+    from qeff_evs.bench.checkpoint import model_config, random_model
     from qeff_evs.models.qwen2_5_vl import reference_vision_evs
     from qeff_evs.models.registry import family_for_config
 

@@ -3,8 +3,10 @@
 Each measurement is a phase, one module each, listed in ``phases.PHASES``: ``pruning`` (phase
 ``pruning_sweep``: latency vs q), ``window_sweep`` (user_vision_size vs the QEfficient way), ``vision_sweep``
 (the vision side per temporal patch, 4 to 128 frames), ``overhead`` (phase ``evs_overhead``: the EVS graph's
-cost); ``phase.py`` says what a phase declares. ``suite`` builds the graphs (``graphs``) and runs the phases; ``report`` puts their sections into
-results.json and results.md. Measuring helpers: ``timing``, ``memory``, ``sessions``, ``workload``.
+cost); ``phase.py`` says what a phase declares. ``suite`` saves a random checkpoint (``checkpoint``), has
+``qeff-evs export``'s pipeline export it and opens the graphs (``graphs``), runs the phases; ``report`` puts
+their sections into results.json and results.md. Measuring helpers: ``timing``, ``memory``, ``sessions``,
+``workload``.
 ``benchmarks/README.md`` has the results; ``benchmarks/issue_targets.py`` judges a run against issues 6
 and 10's targets.
 """
@@ -77,7 +79,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --only: the saved results.json whose other phases are kept (each section says "
                              "which run measured it)")
     parser.add_argument("--workdir", type=Path, default=None,
-                        help="keep the exported graphs here (default: a temporary folder, removed)")
+                        help="keep the random checkpoint (WORKDIR/checkpoint) and its export (WORKDIR/export, "
+                             "which qeff-evs run takes) here (default: a temporary folder, removed)")
     parser.add_argument("--family", choices=_Families(), default=None, help=f"model family (default {full.family})")
     parser.add_argument("--text-layers", type=int, default=None, help=f"default {full.text_layers}")
     parser.add_argument("--vision-layers", type=int, default=None, help=f"default {full.vision_layers} (>= 2)")

@@ -11,8 +11,8 @@ from pathlib import Path
 import numpy as np
 
 from qeff_evs.bench import plots
+from qeff_evs.bench.checkpoint import model_config
 from qeff_evs.bench.config import BenchConfig
-from qeff_evs.bench.realistic import model_config
 from qeff_evs.bench.workload import synthetic_clip
 from qeff_evs.models.registry import family_class
 from qeff_evs.runtime.inputs.processor import VisionPreprocessSpec

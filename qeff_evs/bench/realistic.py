@@ -1,12 +1,11 @@
 """Released-checkpoint widths with few layers: the benchmarked models' configs (random weights, timing only).
 
 Each family declares its released widths (``ModelFamily.realistic_config_kwargs``); special ids are the
-released checkpoints' own. The smoke preset benchmarks the tiny test checkpoints' widths instead.
+released checkpoints' own.
 """
 
 from __future__ import annotations
 
-from qeff_evs.bench.config import BenchConfig
 from qeff_evs.models.registry import family_class
 
 
@@ -18,13 +17,3 @@ def realistic_config(family: str, text_layers: int = 2, vision_layers: int = 2):
             f"text_layers={text_layers}, vision_layers={vision_layers}: both must be >= 1"
         )
     return spec.config_class(**spec.realistic_config_kwargs(text_layers, vision_layers))
-
-
-def model_config(config: BenchConfig):
-    """The transformers config of the benchmarked model: realistic or tiny widths, the requested depths."""
-    from qeff_evs.models.tiny import build_tokenizer, tiny_config
-
-    if config.widths == "realistic":
-        return realistic_config(config.family, text_layers=config.text_layers, vision_layers=config.vision_layers)
-    return tiny_config(config.family, build_tokenizer(config.family), text_layers=config.text_layers,
-                       vision_layers=config.vision_layers)

@@ -8,10 +8,10 @@ import time
 from pathlib import Path
 
 from qeff_evs.bench import phases, report
+from qeff_evs.bench.checkpoint import model_config
 from qeff_evs.bench.config import BenchConfig, validate
 from qeff_evs.bench.graphs import build_graphs
 from qeff_evs.bench.phase import Progress
-from qeff_evs.bench.realistic import model_config
 from qeff_evs.models.registry import family_class
 
 RESULTS_JSON = "results.json"

@@ -1,0 +1,73 @@
+"""The benchmarked checkpoint: a real transformers model of released widths, random weights, saved as a user's is.
+
+The bench measures speed, not words, so weights only need to be finite and of the right shapes: seeded
+uniform matrices with the std of transformers' default init, zero biases, unit norms. The model is
+written with ``save_pretrained`` beside a tokenizer and ``preprocessor_config.json``, and the export
+pipeline reads that folder back (``qeff_evs.export.pipeline.export_checkpoint``), the path a user's
+checkpoint takes. Widths: the family's released ones (``realistic.realistic_config``) at the configured
+depths, or, for the smoke preset, the tiny test checkpoints'. The tokenizer is the family's tiny one (the
+prompts are built from ids; a family may tokenize timestamps with it).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import math
+from pathlib import Path
+
+import torch
+
+from qeff_evs.bench.config import BenchConfig
+from qeff_evs.bench.realistic import realistic_config
+from qeff_evs.models.registry import family_class
+
+# Uniform weights with the std of transformers' default normal init (0.02): torch's uniform_ is
+# several times faster than normal_, which matters for a 150k x 2048 embedding on 2 cores.
+WEIGHT_STD = 0.02
+
+
+def model_config(config: BenchConfig):
+    """The transformers config of the benchmarked model: realistic or tiny widths, the requested depths."""
+    from qeff_evs.models.tiny import build_tokenizer, tiny_config
+
+    if config.widths == "realistic":
+        return realistic_config(config.family, text_layers=config.text_layers, vision_layers=config.vision_layers)
+    return tiny_config(config.family, build_tokenizer(config.family), text_layers=config.text_layers,
+                       vision_layers=config.vision_layers)
+
+
+def random_model(hf_config, family: str, seed: int) -> torch.nn.Module:
+    """Real transformers model class with seeded uniform random weights (matrices), zero biases, unit norms."""
+    from transformers.initialization import no_init_weights
+
+    # transformers' own switch for skipping its (slow, normal_) init; we fill the weights below.
+    with no_init_weights():
+        model = family_class(family).model_class(hf_config)
+    model.tie_weights()  # tying lives in the skipped init
+    generator = torch.Generator().manual_seed(seed)
+    bound = WEIGHT_STD * math.sqrt(3.0)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if parameter.dim() >= 2:
+                parameter.uniform_(-bound, bound, generator=generator)
+            elif name.endswith("bias"):
+                parameter.zero_()
+            # 1-D non-bias parameters are norm weights, created as ones by their modules.
+    return model.to(torch.float32).eval()
+
+
+def save_checkpoint(config: BenchConfig, folder: Path) -> Path:
+    """Write the benchmarked model's checkpoint folder: config, safetensors, tokenizer, preprocessor config."""
+    from qeff_evs.models.tiny import build_tokenizer, preprocessor_config
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    model = random_model(model_config(config), config.family, config.seed)
+    model.save_pretrained(folder, safe_serialization=True)
+    build_tokenizer(config.family).save_pretrained(folder)
+    (folder / "preprocessor_config.json").write_text(
+        json.dumps(preprocessor_config(config.family, model.config), indent=2) + "\n")
+    del model
+    gc.collect()  # the export loads the folder again: do not hold two copies of the weights
+    return folder
