@@ -1,16 +1,19 @@
-"""``vllm serve`` on an export, through the OpenAI API (issue 12).
+"""``vllm serve`` on an export, through the OpenAI API (issues 12 and 16).
 
 One server (a child process on 127.0.0.1 only, stopped whatever happens) serves a tiny Qwen2.5-VL
 export with 4 KV rows. Through the ``openai`` client: a ``video_url`` chat completion gives exactly the
-tokens of ``qeff-evs run`` on the same file; an ``image_url`` one those of our engine on the same image;
-streaming gives the same text; 32 concurrent requests all complete; a video no specialization serves
-gets HTTP 400 naming what was exported and the next request succeeds; a client that disconnects
-mid-generation frees its KV row (4 requests afterwards run at once and complete).
+tokens of ``qeff-evs run`` on the same file (a 3-frame clip and a 90-frame clip, longer than the export's
+largest frame bucket, included); an ``image_url`` one those of our engine on the same image; streaming gives
+the same text; 32 concurrent requests all complete; a request the processor refuses gets HTTP 400 naming the
+problem and the next request succeeds; a client that disconnects mid-generation frees its KV row (4 requests
+afterwards run at once and complete). The same export served again at other rates and with the other method
+(``--video-pruning-rate``, ``--video-pruning-method``) answers as ``qeff-evs run`` with those settings.
 """
 
 from __future__ import annotations
 
 import base64
+import contextlib
 import io
 import os
 import signal
@@ -77,18 +80,20 @@ def media(tmp_path_factory):
     Image.fromarray(moving_square_video(1, 112, 168, seed=5)[0]).save(image)
     return dict(clip=write_mkv(folder / "clip.mkv", moving_square_video(8, 120, 120, seed=3), fps=2),
                 other=write_mkv(folder / "other.mkv", moving_square_video(4, 112, 170, seed=4), fps=2),
-                # 2 frames at 4 fps: 1 frame at the 2 fps the checkpoint samples at, fewer than any exported count
-                too_short=write_mkv(folder / "short.mkv", moving_square_video(2, 120, 120, seed=6), fps=4),
+                three=write_mkv(folder / "three.mkv", moving_square_video(3, 120, 120, seed=6), fps=2),
+                # 90 frames at 30 fps: sampled down as vLLM's processor does at the export's maximum (8 frames)
+                long=write_mkv(folder / "long.mkv", moving_square_video(90, 112, 150, seed=7), fps=30),
                 image=image)
 
 
-@pytest.fixture(scope="module")
-def server(export, tmp_path_factory):
+@contextlib.contextmanager
+def vllm_server(export: Path, folder: Path, *flags: str):
+    """``vllm serve EXPORT FLAGS...`` on a free local port until the block ends: an ``openai`` client."""
     port = free_port()
-    log = tmp_path_factory.mktemp("serve_log") / "server.log"
+    log = folder / "server.log"
     env = dict(os.environ, QEFF_EVS_BACKEND="ort")
     argv = [str(Path(sys.executable).with_name("vllm")), "serve", str(export), "--host", "127.0.0.1", "--port",
-            str(port), "--video-pruning-rate", "0.5", "--max-num-seqs",
+            str(port), *flags, "--max-num-seqs",
             # No --max-model-len, no --no-enable-prefix-caching: the export's config and the platform set them.
             str(FULL_BATCH), "--served-model-name", "tiny"]
     with open(log, "w") as out:
@@ -119,6 +124,12 @@ def server(export, tmp_path_factory):
                 process.wait(timeout=30)
 
 
+@pytest.fixture(scope="module")
+def server(export, tmp_path_factory):
+    with vllm_server(export, tmp_path_factory.mktemp("serve_log"), "--video-pruning-rate", "0.5") as client:
+        yield client
+
+
 def video_message(path: Path, question: str = QUESTION) -> list[dict]:
     return [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": data_url(path, "video/x-matroska")}},
                                          {"type": "text", "text": question}]}]
@@ -129,11 +140,17 @@ def chat(client, messages, max_tokens: int = 6, **kwargs):
                                           extra_body={"return_token_ids": True}, **kwargs)
 
 
-def test_video_url_equals_qeff_evs_run(server, export, media):
+def run_answer(export: Path, path: Path, pruning=None):
+    """``qeff-evs run`` on the file: the export's rate and method, or ``pruning``'s."""
     bundle = open_export(export)
-    expected = answer(bundle, build_engine(bundle, "ort", max_new_tokens=6), video_from_file(media["clip"], bundle),
-                      QUESTION)
-    response = chat(server, video_message(media["clip"]))
+    engine = build_engine(bundle, "ort", max_new_tokens=6, pruning=pruning)
+    return answer(bundle, engine, video_from_file(path, bundle), QUESTION)
+
+
+@pytest.mark.parametrize("clip", ["clip", "three", "long"])
+def test_video_url_equals_qeff_evs_run(server, export, media, clip):
+    expected = run_answer(export, media[clip])
+    response = chat(server, video_message(media[clip]))
     assert response.choices[0].token_ids == expected.generated_token_ids
     assert response.prompt_token_ids == expected.prompt_token_ids
 
@@ -175,10 +192,11 @@ def test_32_concurrent_requests_complete(server, media):
 
 
 def test_unservable_video_is_a_400_and_the_server_goes_on(server, media):
-    with pytest.raises(openai.BadRequestError) as error:
-        chat(server, video_message(media["too_short"]))
+    with pytest.raises(openai.BadRequestError) as error:  # HF's processor refuses fps with num_frames too
+        chat(server, video_message(media["clip"]), extra_body={"return_token_ids": True,
+                                                               "mm_processor_kwargs": {"fps": 2, "num_frames": 4}})
     assert error.value.status_code == 400
-    assert "exported frame count [2, 4, 8]" in str(error.value)
+    assert "num_frames and fps are mutually exclusive" in str(error.value)
     assert chat(server, video_message(media["clip"])).choices[0].finish_reason == "length"
 
 
@@ -197,3 +215,23 @@ def test_disconnected_client_frees_its_kv_row(server, media):
     with ThreadPoolExecutor(FULL_BATCH) as pool:
         choices = list(pool.map(one, range(FULL_BATCH)))
     assert all(c.finish_reason == "length" and len(c.token_ids) == 20 for c in choices)
+
+
+@pytest.mark.parametrize("q, method", [(0.25, "evs"), (0.75, "vidcom2")])
+def test_rate_and_method_chosen_at_serve_time(export, media, tmp_path, q, method):
+    """The same export served at another rate and method; each answer (q 0.25 and 0.75, EVS and VidCom2, on two
+    clips) equals ``qeff-evs run`` with those settings, and the other settings' answers differ in length."""
+    from qeff_evs.models.pruning import VideoPruning
+
+    other = {"evs": "vidcom2", "vidcom2": "evs"}[method]
+    with vllm_server(export, tmp_path, "--video-pruning-rate", str(q), "--video-pruning-method", method) as client:
+        for clip in ("clip", "long"):
+            for rate, name in ((q, method), (1 - q, other)):
+                expected = run_answer(export, media[clip], VideoPruning(name, rate))
+                if name == method and rate == q:
+                    response = chat(client, video_message(media[clip]))
+                    assert response.choices[0].token_ids == expected.generated_token_ids, clip
+                    assert response.prompt_token_ids == expected.prompt_token_ids, clip
+                    served = len(response.prompt_token_ids)
+                else:
+                    assert len(expected.prompt_token_ids) != served  # another rate: another count of video pads

@@ -1,7 +1,7 @@
 """What an export can serve, checked against vLLM's settings before the engine starts.
 
-The graphs fix a context length, a number of KV rows and a pruning rate; vLLM's scheduler must never ask
-for more. Each refusal is one line naming the setting, its value, the export's limit and the flag that
+The graphs fix a context length, a number of KV rows, the pruning methods they carry and the rates their RoPE
+tables cover; vLLM's scheduler must never ask for more. Each refusal is one line naming the setting, its value, the export's limit and the flag that
 fixes it. Pure: the platform hands in the values it read from ``VllmConfig``.
 
 No token budget is refused: the driver runs a scheduled chunk longer than the graph's prefill length
@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from qeff_evs.manifest import Manifest
-from qeff_evs.positions import rope_table_length
+from qeff_evs.models.pruning import DEFAULT_METHOD, VideoPruning
 
 
 @dataclass(frozen=True)
@@ -28,6 +28,14 @@ class ServingSettings:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     speculative: bool = False
+    video_pruning_method: str = DEFAULT_METHOD
+
+
+def served_pruning(multimodal_config) -> VideoPruning:
+    """``--video-pruning-method`` and ``--video-pruning-rate`` as vLLM resolved them (no rate: pruning off)."""
+    if multimodal_config is None:
+        return VideoPruning()
+    return VideoPruning(multimodal_config.video_pruning_method, multimodal_config.video_pruning_rate or 0.0)
 
 
 def refusals(settings: ServingSettings, manifest: Manifest) -> list[str]:
@@ -44,17 +52,10 @@ def refusals(settings: ServingSettings, manifest: Manifest) -> list[str]:
     if settings.max_model_len > manifest.ctx_len:
         problems.append(f"max_model_len {settings.max_model_len} is above the export's ctx_len {manifest.ctx_len}; "
                         f"pass --max-model-len {manifest.ctx_len} (or less)")
-    q = manifest.video_pruning_rate
-    table = shape.rope_positions
-    if (settings.max_model_len <= manifest.ctx_len and table is not None
-            and rope_table_length(settings.max_model_len, q, multiple=1) > table):
-        problems.append(f"max_model_len {settings.max_model_len} at q={q} reaches M-RoPE positions up to "
-                        f"{rope_table_length(settings.max_model_len, q, multiple=1)} (positions stay unpruned) but the "
-                        f"export's RoPE tables cover {table}; pass a smaller --max-model-len, or re-export with a "
-                        "larger --rope-positions")
-    if (settings.video_pruning_rate or 0.0) != q:
-        problems.append(f"video_pruning_rate {settings.video_pruning_rate} is not the rate the export was made for "
-                        f"({q}); pass --video-pruning-rate {q}, or re-export with the rate you want")
+    # The rate's positions within the contexts the export can hold at all (a longer one is refused above).
+    context = min(settings.max_model_len, manifest.ctx_len)
+    problems += [p for p in (manifest.method_refusal(settings.video_pruning_method),
+                             manifest.rate_refusal(settings.video_pruning_rate or 0.0, context)) if p]
     if settings.enable_prefix_caching:
         problems.append("prefix caching is on, but an export's KV rows are not shared blocks; pass "
                         "--no-enable-prefix-caching")

@@ -20,7 +20,7 @@ from vllm.platforms.interface import Platform, PlatformEnum
 from qeff_evs.manifest import read_manifest
 from qeff_evs.vllm.data_parallel import data_parallel_problems, record_local_ranks
 from qeff_evs.vllm.ec_config import ec_refusals, ec_worker_class
-from qeff_evs.vllm.limits import ServingSettings, refusals
+from qeff_evs.vllm.limits import ServingSettings, refusals, served_pruning
 from qeff_evs.vllm.plugin import BACKEND_ENV, active_backend, logger
 
 WORKER_CLASS = "qeff_evs.vllm.worker.QeffEvsWorker"
@@ -75,6 +75,7 @@ class QeffEvsPlatform(Platform):
         settings = ServingSettings(
             max_num_seqs=scheduler.max_num_seqs, max_model_len=model_config.max_model_len,
             video_pruning_rate=None if mm is None else mm.video_pruning_rate,
+            video_pruning_method=served_pruning(mm).method,
             enable_prefix_caching=bool(cache.enable_prefix_caching),
             tensor_parallel_size=parallel.tensor_parallel_size, pipeline_parallel_size=parallel.pipeline_parallel_size,
             speculative=vllm_config.speculative_config is not None)
@@ -94,8 +95,9 @@ class QeffEvsPlatform(Platform):
         cache.block_size = model_config.max_model_len  # one block per request: see the module docstring
         if Path(model_config.tokenizer) == export_dir:  # no --tokenizer given: the export's own
             model_config.tokenizer = str(manifest.path(export_dir, "tokenizer"))
-        logger.info("qeff-evs serves %s (%s, q=%s) on the %s backend: %d KV rows, chunks of %d tokens",
-                    export_dir, manifest.family, manifest.video_pruning_rate, active_backend(),
+        pruning = served_pruning(mm)
+        logger.info("qeff-evs serves %s (%s, %s pruning at q=%s) on the %s backend: %d KV rows, chunks of %d tokens",
+                    export_dir, manifest.family, pruning.method, pruning.rate, active_backend(),
                     manifest.language_shape.full_batch_size, manifest.prefill_seq_len)
 
     @classmethod
