@@ -126,7 +126,8 @@ def vllm_server(export: Path, folder: Path, *flags: str):
 
 @pytest.fixture(scope="module")
 def server(export, tmp_path_factory):
-    with vllm_server(export, tmp_path_factory.mktemp("serve_log"), "--video-pruning-rate", "0.5") as client:
+    with vllm_server(export, tmp_path_factory.mktemp("serve_log"), "--video-pruning-rate", "0.5",
+                     "--trust-request-mm-kwargs") as client:  # per-request mm_processor_kwargs reach our processor
         yield client
 
 
@@ -135,9 +136,9 @@ def video_message(path: Path, question: str = QUESTION) -> list[dict]:
                                          {"type": "text", "text": question}]}]
 
 
-def chat(client, messages, max_tokens: int = 6, **kwargs):
+def chat(client, messages, max_tokens: int = 6, extra_body: dict | None = None, **kwargs):
     return client.chat.completions.create(model="tiny", messages=messages, temperature=0, max_tokens=max_tokens,
-                                          extra_body={"return_token_ids": True}, **kwargs)
+                                          extra_body={"return_token_ids": True, **(extra_body or {})}, **kwargs)
 
 
 def run_answer(export: Path, path: Path, pruning=None):
@@ -193,8 +194,7 @@ def test_32_concurrent_requests_complete(server, media):
 
 def test_unservable_video_is_a_400_and_the_server_goes_on(server, media):
     with pytest.raises(openai.BadRequestError) as error:  # HF's processor refuses fps with num_frames too
-        chat(server, video_message(media["clip"]), extra_body={"return_token_ids": True,
-                                                               "mm_processor_kwargs": {"fps": 2, "num_frames": 4}})
+        chat(server, video_message(media["clip"]), extra_body={"mm_processor_kwargs": {"fps": 2, "num_frames": 4}})
     assert error.value.status_code == 400
     assert "num_frames and fps are mutually exclusive" in str(error.value)
     assert chat(server, video_message(media["clip"])).choices[0].finish_reason == "length"
