@@ -235,8 +235,11 @@ class Manifest:
                 "a larger --frames / --max-frames")
 
     def check_pruning(self, method: str, q: float) -> None:
-        """Raise ValueError naming the limit unless the export can prune with ``method`` at rate ``q``."""
-        problem = self.method_refusal(method) or self.rate_refusal(q, self.ctx_len)
+        """Raise ValueError naming the limit unless the export carries ``method`` and ``q`` is a rate in [0, 1).
+
+        A run checks each request's own positions against the RoPE tables (``positions.check_rope_range``); a
+        server, which cannot, refuses rates past them up front (``rate_refusal``)."""
+        problem = self.method_refusal(method) or self.rate_refusal(q, None)
         if problem:
             raise ValueError(problem)
 
@@ -248,14 +251,17 @@ class Manifest:
                 f"({', '.join(self.video_pruning_methods)}); pass --video-pruning-method "
                 f"{self.video_pruning_method}, or re-export with --video-pruning-methods including {method}")
 
-    def rate_refusal(self, q: float, max_model_len: int) -> str | None:
+    def rate_refusal(self, q: float, max_model_len: int | None) -> str | None:
         """Why rate ``q`` cannot be served with contexts of ``max_model_len`` tokens (one line), or None.
 
         Positions stay unpruned, so a context of ``n`` kept tokens may reach position ``n / (1 - q)``; the RoPE
         tables must cover that (the export sized them for ``max_video_pruning_rate`` at its ``ctx_len``).
+        ``max_model_len`` None: only that ``q`` is a rate.
         """
         if isinstance(q, bool) or not isinstance(q, (int, float)) or not 0.0 <= q < 1.0:
             return f"video pruning rate {q!r} is not in [0, 1) (0 disables pruning); pass e.g. --video-pruning-rate 0.5"
+        if max_model_len is None:
+            return None
         table = self.language_shape.rope_positions
         needed = rope_table_length(max_model_len, q, multiple=1)
         if table is not None and needed > table:

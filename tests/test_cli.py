@@ -372,9 +372,8 @@ BAD_COMMANDS = {
                                                    r"5 temporal patches but the export's largest frame bucket"),
     "unknown pruning method": (["run", "{export}", "--video", "{video}", "--prompt", "hi", "--video-pruning-method",
                                 "topk"], r"unknown video pruning method 'topk'; choose one of evs, vidcom2"),
-    "encode: rate above the RoPE tables": (["encode", "{export}", "--video", "{video}", "--video-pruning-rate", "0.95"],
-                                           r"video pruning rate 0.95 reaches M-RoPE positions up to 5120 .* cover 2560 "
-                                           r".*--max-video-pruning-rate 0.9"),
+    "encode: rate 1": (["encode", "{export}", "--video", "{video}", "--video-pruning-rate", "1"],
+                       r"video pruning rate must be in \[0, 1\) \(0 disables EVS\), got 1\.0"),
     "method the export lacks": (["run", "{export_evs_only}", "--video", "{video}", "--prompt", "hi",
                                  "--video-pruning-method", "vidcom2"],
                                 r"video pruning method 'vidcom2' is not one this export carries \(evs\)"),
