@@ -307,3 +307,18 @@ def test_compile_script_has_one_qaic_compile_line_per_graph(tiny_export):
         assert options["-aic-binary-dir"] == str(Path(onnx_file).parent / ("qpc" if graph == "language" else f"{graph}_qpc"))
         assert ("-retained-state" in options) == (graph == "language")
         assert "-mxfp6-matmul" not in options
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda m: m.pop("version"), r"export from before frame-bucketed pruning .*re-run `qeff-evs export`"),
+    (lambda m: m.update(version=3), r"manifest version 3, this qeff-evs reads version 2"),
+])
+def test_an_export_of_another_manifest_version_is_refused(tiny_export, tmp_path, change, message):
+    """A version-1 export carried one EVS graph per (frame count, K); its graphs cannot serve a rate or a bucket."""
+    folder = tmp_path / "old"
+    folder.mkdir()
+    raw = load_json(tiny_export / "manifest.json")
+    change(raw)
+    (folder / "manifest.json").write_text(json.dumps(raw))
+    with pytest.raises(ValueError, match=message):
+        read_manifest(folder)
