@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from qeff_evs.bench.config import preset
-from qeff_evs.bench.graphs import model_config, random_model
+from qeff_evs.bench.checkpoint import model_config, random_model
 from qeff_evs.bench.sessions import open_inference_session
 from qeff_evs.export.vision import export_encoder_graph, export_pruning_graph
 from qeff_evs.models.pruning import PRUNING_METHODS, pad_to_bucket, pruning_host_inputs
