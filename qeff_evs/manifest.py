@@ -7,6 +7,7 @@ layout of the folder (which file plays which role) is ``EXPORT_FILES``.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -97,6 +98,50 @@ class SpecialTokens:
         return (self.image_pad, self.video_pad, self.vision_start, self.vision_end, *self.eos)
 
 
+# Device precisions a retained state can declare (``LayerState.precision``): fp16 as the rest of the graph
+# on the card, or fp32 (the state and the ops it flows through kept in fp32 by a node-precision file).
+STATE_PRECISIONS = ("float16", "float32")
+
+
+@dataclass(frozen=True)
+class LayerState:
+    """Retained state some decoder layers keep per request row in place of a KV cache (a linear-attention
+    layer's convolution or recurrent state), as the language graph declares it.
+
+    Layer ``i`` of ``layers`` has graph input ``{name}.{i}`` of shape ``(rows, *row_shape)`` and the
+    output ``{name}.{i}_RetainedState``; ``rows`` is the KV rows (``full_batch_size``, or the batch).
+    ``precision`` is its device type on an fp16 card (``STATE_PRECISIONS``).
+    """
+
+    name: str
+    layers: tuple[int, ...]
+    row_shape: tuple[int, ...]
+    precision: str = "float16"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "layers", tuple(int(i) for i in self.layers))
+        object.__setattr__(self, "row_shape", tuple(int(d) for d in self.row_shape))
+        if self.precision not in STATE_PRECISIONS:
+            raise ValueError(f"state {self.name!r} declares precision {self.precision!r}; expected one of "
+                             f"{STATE_PRECISIONS}")
+
+    def input_name(self, layer: int) -> str:
+        return f"{self.name}.{layer}"
+
+    @property
+    def input_names(self) -> list[str]:
+        return [self.input_name(i) for i in self.layers]
+
+    def row_bytes(self, itemsize: int | None = None) -> int:
+        """Bytes of one request row over all its layers, at ``itemsize`` (default: its device precision)."""
+        size = itemsize if itemsize is not None else (2 if self.precision == "float16" else 4)
+        return len(self.layers) * math.prod(self.row_shape) * size
+
+    @classmethod
+    def from_json(cls, raw: dict) -> "LayerState":
+        return cls(raw["name"], tuple(raw["layers"]), tuple(raw["row_shape"]), raw.get("precision", "float16"))
+
+
 @dataclass(frozen=True)
 class LanguageShape:
     """Static facts of a compiled/exported language graph the host must honour."""
@@ -114,8 +159,15 @@ class LanguageShape:
     vocab: int | None = None
     continuous_batching: bool = False  # the graph has a batch_index input (export --full-batch-size)
     rope_positions: int | None = None  # rows of the RoPE cos/sin tables: positions [0, rope_positions)
+    # Decoder layers with a KV cache (``past_key.{i}``/``past_value.{i}``); None: every layer.
+    kv_layers: tuple[int, ...] | None = None
+    layer_states: tuple[LayerState, ...] = ()  # per-row state of the other layers (e.g. linear attention)
 
     def __post_init__(self) -> None:
+        if self.kv_layers is not None:
+            object.__setattr__(self, "kv_layers", tuple(int(i) for i in self.kv_layers))
+        object.__setattr__(self, "layer_states", tuple(
+            s if isinstance(s, LayerState) else LayerState.from_json(s) for s in self.layer_states))
         if self.full_batch_size < 1:
             raise ValueError(f"full_batch_size must be >= 1, got {self.full_batch_size}")
         decode = self.decode_rows
@@ -128,6 +180,18 @@ class LanguageShape:
     @property
     def decode_rows(self) -> int:
         return self.full_batch_size if self.decode_batch_size is None else self.decode_batch_size
+
+    @property
+    def kv_layer_indices(self) -> tuple[int, ...]:
+        return tuple(range(self.num_layers)) if self.kv_layers is None else self.kv_layers
+
+    def kv_row_bytes(self, itemsize: int = 2) -> int:
+        """Bytes of one request row's KV cache (keys and values of every KV layer over ``ctx_len``)."""
+        return 2 * len(self.kv_layer_indices) * self.kv_heads * self.ctx_len * self.head_dim * itemsize
+
+    def state_row_bytes(self) -> int:
+        """Bytes of one request row's other retained state, each at its device precision."""
+        return sum(state.row_bytes() for state in self.layer_states)
 
 
 # manifest.json keeps ctx_len and user_vision_size at its top level; the rest of the shape under "language_shape".

@@ -10,12 +10,12 @@ import sys
 
 import pytest
 import torch
-from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2Config, Qwen3VLForConditionalGeneration
+from transformers import Qwen2Config
 
 from qeff_evs.bench.realistic import realistic_config
 from qeff_evs.models.checkpoint import LoadedCheckpoint, detect_family, load_checkpoint
 from qeff_evs.models.qwen_vl import SPECIAL_TOKENS, special_token_ids
-from qeff_evs.models.registry import family_names
+from qeff_evs.models.registry import family_class, family_names
 from qeff_evs.models.tiny import (
     build_tiny_model,
     build_tokenizer,
@@ -154,25 +154,36 @@ def test_unknown_family_is_rejected(tokenizer, tmp_path):
         save_tiny_checkpoint("llava", tmp_path / "x")
 
 
+# The released widths each family's bench config copies: (vocab, hidden, video pad id).
+RELEASED = {"qwen2_5_vl": (151936, 2048, 151656), "qwen3_vl": (151936, 2048, 151656),
+            "qwen3_5": (248320, 1024, 248057)}
+
+
 @pytest.mark.parametrize("family", family_names())
 def test_realistic_config_is_consistent(family):
-    config = realistic_config(family, text_layers=1, vision_layers=3)
+    config = realistic_config(family, text_layers=4, vision_layers=3)
     text, vision = config.text_config, config.vision_config
-    assert text.vocab_size == 151936 and text.hidden_size == vision.out_hidden_size == 2048
-    assert config.video_token_id == 151656
+    vocab, hidden, video_pad = RELEASED[family]
+    assert text.vocab_size == vocab and text.hidden_size == vision.out_hidden_size == hidden
+    assert config.video_token_id == video_pad
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    assert sum(text.rope_parameters["mrope_section"]) == head_dim // 2
+    rotary = int(head_dim * text.rope_parameters.get("partial_rotary_factor", 1.0))
+    assert sum(text.rope_parameters["mrope_section"]) == rotary // 2
     if family == "qwen2_5_vl":
         assert (text.num_attention_heads, text.num_key_value_heads, text.intermediate_size) == (16, 2, 11008)
         assert (vision.hidden_size, vision.intermediate_size, vision.window_size) == (1280, 3420, 112)
         assert vision.fullatt_block_indexes == [2]
-    else:
+    elif family == "qwen3_vl":
         assert max(vision.deepstack_visual_indexes) < vision.depth
+    else:  # Qwen3.5-0.8B: full attention every 4th layer, 16 + 16 linear heads of 128
+        assert text.layer_types == ["linear_attention"] * 3 + ["full_attention"]
+        assert (text.num_attention_heads, text.num_key_value_heads, text.head_dim, rotary) == (8, 2, 256, 64)
+        assert (text.linear_num_key_heads, text.linear_num_value_heads, text.linear_key_head_dim) == (16, 16, 128)
+        assert (vision.hidden_size, vision.intermediate_size, vision.num_heads) == (768, 3072, 12)
     # Shapes are consistent: the real class builds on the meta device (no memory).
-    model_class = Qwen2_5_VLForConditionalGeneration if family == "qwen2_5_vl" else Qwen3VLForConditionalGeneration
     with torch.device("meta"):
-        model = model_class(config)
-    assert model.lm_head.weight.shape == (151936, 2048)
+        model = family_class(family).model_class(config)
+    assert model.lm_head.weight.shape == (vocab, hidden)
 
 
 # ---------------------------------------------------------------- checkpoint round trip
@@ -230,8 +241,7 @@ def test_load_checkpoint_round_trip(checkpoints, tokenizer, family):
     loaded = load_checkpoint(checkpoints[family])
     assert isinstance(loaded, LoadedCheckpoint)
     assert loaded.family == family == detect_family(checkpoints[family])
-    expected_class = Qwen2_5_VLForConditionalGeneration if family == "qwen2_5_vl" else Qwen3VLForConditionalGeneration
-    assert type(loaded.model) is expected_class
+    assert type(loaded.model) is family_class(family).model_class
     assert not loaded.model.training
     assert all(p.dtype == torch.float32 for p in loaded.model.parameters())
     assert loaded.preprocessor_config["patch_size"] == loaded.config.vision_config.patch_size

@@ -22,8 +22,11 @@ def compile_export(export_dir: Path, options: CompileOptions = CompileOptions(),
     manifest = read_manifest(export_dir)
     specs = {graph: read_specializations_json(manifest.path(export_dir, f"{graph}_specializations"))
              for graph in manifest.graphs}
+    node_precision = (manifest.path(export_dir, "language_node_precision")
+                      if "language_node_precision" in manifest.files else None)
     commands = compile_commands(export_dir, options, manifest.kv_precision, specs,
-                                embedding_io_names(family_class(manifest.family)))
+                                embedding_io_names(family_class(manifest.family)),
+                                manifest.language_shape.layer_states, node_precision)
     script = write_compile_script(manifest.path(export_dir, "compile_script"), commands)
     progress(f"compile script written: {script}")
     return run_compile(commands, cwd=export_dir)

@@ -46,7 +46,8 @@ def language_dummy_inputs(
             f"example full_batch_size {full_batch_size} is below batch_size {batch_size}; a call's rows need "
             "distinct cache rows, so choose full_batch_size >= batch_size"
         )
-    io = LanguageGraphIO(spec.num_layers, tuple(spec.extras), full_batch_size is not None)
+    io = LanguageGraphIO(spec.num_layers, tuple(spec.extras), full_batch_size is not None, spec.io_kv_layers,
+                         spec.layer_states)
     media = min(seq_len // 2, vision_size)
     input_ids = torch.zeros(batch_size, seq_len, dtype=torch.int64)
     input_ids[:, 1 : 1 + media] = spec.media_token_ids[-1]
@@ -62,6 +63,9 @@ def language_dummy_inputs(
     }
     if full_batch_size is not None:
         values[BATCH_INDEX] = (full_batch_size - 1 - torch.arange(batch_size, dtype=torch.int64)).reshape(-1, 1)
+    for state in spec.layer_states:  # fp32 like the graph's float inputs
+        for name in state.input_names:
+            values[name] = torch.zeros(kv_shape[0], *state.row_shape, dtype=dtype)
     return {name: values[name] if name in values else torch.zeros(kv_shape, dtype=dtype) for name in io.input_names}
 
 
@@ -77,6 +81,7 @@ def export_language_graph(
     continuous_batching: bool = False,
     full_batch_size_example: int = 4,
     rope_positions: int | None = None,
+    prefill_seq_len: int | None = None,
 ) -> Path:
     """Trace the language step of ``hf_model`` (legacy exporter, opset 17) and write it to ``path``.
 
@@ -84,14 +89,20 @@ def export_language_graph(
     ``continuous_batching`` adds ``batch_index`` and the ``full_batch_size`` cache rows (the example
     value is only traced with; the specializations choose the real one). ``rope_positions`` is the
     length of the RoPE cos/sin tables (default: the config's ``max_position_embeddings``).
+    ``prefill_seq_len``: the compiled prefill length; a family graph that unrolls its prefill per length
+    (``LanguageGraph.trace_seq_len``) is built for it and traced at it.
     """
     family = family_for_config(hf_model.config)
-    module = ExportableLanguageGraph(family.language_graph(hf_model, media_token_ids, rope_positions),
-                                     continuous_batching)
+    graph = family.language_graph(hf_model, media_token_ids, rope_positions, prefill_seq_len)
+    module = ExportableLanguageGraph(graph, continuous_batching)
     io = module.io
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     dtype = next(hf_model.parameters()).dtype
+    if graph.trace_seq_len is not None:
+        seq_len_example = graph.trace_seq_len
+        ctx_len_example = max(ctx_len_example, 2 * seq_len_example)
+        vision_size_example = max(vision_size_example, seq_len_example)
     inputs = language_dummy_inputs(
         module.spec,
         batch_size=batch_size_example,
@@ -102,9 +113,10 @@ def export_language_graph(
         full_batch_size=full_batch_size_example if continuous_batching else None,
     )
     _LOG.info(
-        "exporting language graph (%d layers, extra rows %s, continuous_batching=%s) with example "
-        "seq_len=%d ctx_len=%d -> %s",
-        module.spec.num_layers, list(io.extras), continuous_batching, seq_len_example, ctx_len_example, path,
+        "exporting language graph (%d layers, extra rows %s, layer states %s, continuous_batching=%s) with "
+        "example seq_len=%d ctx_len=%d -> %s",
+        module.spec.num_layers, list(io.extras), [state.name for state in io.layer_states], continuous_batching,
+        seq_len_example, ctx_len_example, path,
     )
     legacy_export(module, list(inputs.values()), path, input_names=io.input_names, output_names=io.output_names,
                   dynamic_axes=io.dynamic_axes, ignore_messages=(

@@ -13,6 +13,7 @@ Layout of the export folder::
     language/language.onnx        language graph (QEfficient contract, user_vision_size windows)
     language/specializations.json prefill + decode; + specializations.named.json
     language/custom_io.yaml
+    language/node_precision.yaml  the ops an fp32 layer state flows through (-node-precision-info), if any
     tokenizer/                    the checkpoint's tokenizer (and chat template)
     config.json, generation_config.json   the export as a vLLM model folder
     video_preprocessor_config.json        names the family's HF video processor (vLLM's video loader)
@@ -31,9 +32,12 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import onnx
+
 from qeff_evs import evs
 from qeff_evs.positions import rope_table_length
 from qeff_evs.export.language import export_language_graph
+from qeff_evs.export.node_precision import node_precision_yaml, state_path
 from qeff_evs.export.vision import export_encoder_graph, export_pruning_graph
 from qeff_evs.manifest import (
     EXPORT_FILES,
@@ -41,6 +45,7 @@ from qeff_evs.manifest import (
     PRUNING_ROLE,
     EncoderEntry,
     LanguageShape,
+    LayerState,
     Manifest,
     PruningEntry,
     export_files,
@@ -57,6 +62,7 @@ from qeff_evs.specializations import (
     DEFAULT_MAX_FRAMES,
     EMBEDDING_NAMES,
     FLOAT16,
+    RETAINED_SUFFIX,
     CompileCommand,
     CompileOptions,
     EncoderTarget,
@@ -65,11 +71,16 @@ from qeff_evs.specializations import (
     default_frame_buckets,
     language_specializations,
     prepare_graph_compile,
+    state_precisions,
     vision_specializations,
     write_compile_script,
     write_specializations_json,
 )
+from qeff_evs.specializations.compile_command import NODE_PRECISION_FLAG
 from qeff_evs.specializations.placement import PerGraph, write_placement_record
+
+FLOAT32 = "float32"
+NODE_PRECISION_FILE = "language/node_precision.yaml"  # the language graph's fp32 state path, when it has one
 
 Progress = Callable[[str], None]
 PREPROCESSOR_FILES = ("preprocessor_config.json", "video_preprocessor_config.json")
@@ -184,13 +195,35 @@ def embedding_io_names(family: ModelFamily | type[ModelFamily]) -> tuple[str, ..
     return (*EMBEDDING_NAMES, *(rows.name for rows in family.extra_rows))
 
 
+def write_state_node_precision(export_dir: Path, layer_states: Sequence[LayerState]) -> Path | None:
+    """The language graph's ``-node-precision-info`` file keeping each fp32 layer state's path in fp32
+    (``node_precision.state_path``: from its input to its ``_RetainedState``); None when no state is fp32."""
+    fp32 = [name for state in layer_states if state.precision == FLOAT32 for name in state.input_names]
+    if not fp32:
+        return None
+    model = onnx.load(str(export_dir / EXPORT_FILES["language"]), load_external_data=False)
+    names = list(dict.fromkeys(node for name in fp32 for node in state_path(model, name, name + RETAINED_SUFFIX)))
+    path = export_dir / NODE_PRECISION_FILE
+    path.write_text(node_precision_yaml(names))
+    return path
+
+
 def compile_commands(export_dir: Path, options: CompileOptions, kv_precision: str,
                      specs: Mapping[str, Sequence[Specialization]],
-                     embedding_names: Sequence[str]) -> list[CompileCommand]:
+                     embedding_names: Sequence[str], layer_states: Sequence[LayerState] = (),
+                     node_precision: Path | None = None) -> list[CompileCommand]:
     """Check each graph of ``specs`` (by graph, in compile order: ``Manifest.graphs``) against its
     specializations, write its compile inputs and ``placement.json``, return the commands. Cores and devices
     are per role (``manifest.graph_role``): every method's pruning graph gets the pruning role's.
-    ``embedding_names``: the I/O kept in fp16 on the card (``embedding_io_names``)."""
+    ``embedding_names``: the I/O kept in fp16 on the card (``embedding_io_names``); ``layer_states``: a
+    family's other retained state (custom IO by its declared precision); ``node_precision``: the language
+    graph's node-precision file (``write_state_node_precision``), passed to its compile line."""
+    if node_precision is not None:
+        if any(flag.startswith(NODE_PRECISION_FLAG) for flag in options.extra_flags):
+            raise ValueError(f"the export keeps its fp32 state's ops in fp32 with {node_precision}; add your nodes to "
+                             f"that file instead of passing another {NODE_PRECISION_FLAG}...")
+        flag = NODE_PRECISION_FLAG + os.path.relpath(Path(node_precision).resolve(), Path(export_dir).resolve())
+        options = dataclasses.replace(options, extra_flags=(*options.extra_flags, flag))
     commands = []
     cores, devices = options.cores, options.devices
     files = export_files(tuple(graph[len(PRUNING_ROLE) + 1:] for graph in specs if graph_role(graph) == PRUNING_ROLE))
@@ -205,7 +238,7 @@ def compile_commands(export_dir: Path, options: CompileOptions, kv_precision: st
             style=options.specializations_layout, num_cores=cores[role],
             mxfp6_matmul=options.mxfp6_matmul, extra_flags=options.flags_for(role), relative_to=export_dir,
             aic_hw_version=options.aic_hw_version, num_devices=devices[role], stem=stem,
-            embedding_names=embedding_names))
+            embedding_names=embedding_names, state_precisions=state_precisions(layer_states)))
         write_specializations_json(export_dir / files[f"{graph}_specializations_named"], specs[graph], "named")
     write_placement_record(export_dir, cores, devices)
     return commands
@@ -275,11 +308,16 @@ def export_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, 
     progress("exporting language graph")
     export_language_graph(checkpoint.model, out / files["language"],
                           media_token_ids=family.special_tokens().media_pads,
-                          continuous_batching=options.full_batch_size is not None, rope_positions=rope_positions)
+                          continuous_batching=options.full_batch_size is not None, rope_positions=rope_positions,
+                          prefill_seq_len=options.prefill_seq_len)
 
     progress("checking specializations against the graphs and writing compile inputs")
+    node_precision = write_state_node_precision(out, spec.layer_states)
+    if node_precision is not None:
+        files["language_node_precision"] = NODE_PRECISION_FILE
     commands = compile_commands(out, CompileOptions(num_cores=options.num_cores, mxfp6_matmul=options.mxfp6_matmul),
-                                options.kv_precision, specs, embedding_io_names(family))
+                                options.kv_precision, specs, embedding_io_names(family), spec.layer_states,
+                                node_precision)
     write_compile_script(out / files["compile_script"], commands)
     checkpoint.tokenizer.save_pretrained(out / files["tokenizer"])
     save_model_config(checkpoint, out / MODEL_CONFIG_DIR)
@@ -300,7 +338,8 @@ def export_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, 
             num_layers=spec.num_layers, kv_heads=spec.kv_heads, head_dim=spec.head_dim, hidden=spec.hidden_size,
             ctx_len=options.ctx_len, vision_size=options.vision_size, extras=dict(spec.extras),
             full_batch_size=options.full_batch_size or 1, vocab=spec.vocab_size,
-            continuous_batching=options.full_batch_size is not None, rope_positions=rope_positions),
+            continuous_batching=options.full_batch_size is not None, rope_positions=rope_positions,
+            kv_layers=spec.io_kv_layers, layer_states=spec.layer_states),
         files=files,
         encoder_entries=tuple(
             EncoderEntry(target.height, target.width, target.frames_per_call, grid_hw,

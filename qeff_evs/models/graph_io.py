@@ -10,6 +10,11 @@ batching ``batch_index (batch_size, 1)``, the caches then having ``full_batch_si
 ``logits (batch_size, 1, vocab)``, ``vision_embeds_RetainedState``, each extra's ``_RetainedState``,
 ``image_idx_output (1, 1)``, ``past_key.{i}_RetainedState``, ``past_value.{i}_RetainedState``.
 
+A hybrid model (``LanguageShape.kv_layers``, ``layer_states``) keeps a KV cache only in some layers and
+other retained state in the rest: layer ``i`` then has ``past_key.{i}``/``past_value.{i}`` or, for each
+``LayerState`` naming it, ``{state}.{i}`` of shape ``(rows, *row_shape)``, with their ``_RetainedState``
+outputs, in layer order where the KV caches would be. Such a state has only the rows axis.
+
 A vision graph (encoder, EVS) declares its interface as a ``VisionGraphSpec``.
 """
 
@@ -20,6 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from qeff_evs.manifest import LanguageShape, LayerState
 from qeff_evs.specializations import RETAINED_SUFFIX
 
 BATCH, SEQ, VISION, CTX = "batch_size", "seq_len", "vision_size", "ctx_len"
@@ -62,12 +68,43 @@ class LanguageGraphIO:
     num_layers: int
     extras: tuple[str, ...] = ()  # names of the family's extra rows (ExtraRows.name), in graph order
     continuous_batching: bool = False
+    kv_layers: tuple[int, ...] | None = None  # layers with a KV cache; None: every layer
+    layer_states: tuple[LayerState, ...] = ()  # the other layers' retained state
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "extras", tuple(self.extras))
+        object.__setattr__(self, "layer_states", tuple(self.layer_states))
+        if self.kv_layers is not None:
+            object.__setattr__(self, "kv_layers", tuple(int(i) for i in self.kv_layers))
+
+    @classmethod
+    def of_shape(cls, shape: LanguageShape) -> "LanguageGraphIO":
+        """The I/O of the graph an export's ``LanguageShape`` describes."""
+        return cls(shape.num_layers, tuple(shape.extras), shape.continuous_batching, shape.kv_layers,
+                   shape.layer_states)
+
+    @property
+    def kv_layer_indices(self) -> tuple[int, ...]:
+        return tuple(range(self.num_layers)) if self.kv_layers is None else self.kv_layers
+
+    def layer_inputs(self) -> list[str]:
+        """Every retained per-layer input (KV caches and layer states), in layer order."""
+        kv = set(self.kv_layer_indices)
+        names = []
+        for i in range(self.num_layers):
+            if i in kv:
+                names += [f"past_key.{i}", f"past_value.{i}"]
+            names += [state.input_name(i) for state in self.layer_states if i in state.layers]
+        return names
 
     def _kv(self, suffix: str = "") -> list[str]:
-        return [f"past_{kind}.{i}{suffix}" for i in range(self.num_layers) for kind in ("key", "value")]
+        return [f"{name}{suffix}" for name in self.layer_inputs()]
+
+    @property
+    def state_inputs(self) -> list[str]:
+        """The layer-state inputs (not KV), in graph order."""
+        states = {name for state in self.layer_states for name in state.input_names}
+        return [name for name in self.layer_inputs() if name in states]
 
     @property
     def vision_inputs(self) -> list[str]:
@@ -87,7 +124,7 @@ class LanguageGraphIO:
 
     @property
     def dynamic_axes(self) -> dict[str, dict[int, str]]:
-        kv_axes = {0: FULL_BATCH if self.continuous_batching else BATCH, 2: CTX}
+        rows = FULL_BATCH if self.continuous_batching else BATCH
         axes = {
             "input_ids": {0: BATCH, 1: SEQ},
             "vision_embeds": {1: VISION},
@@ -100,17 +137,36 @@ class LanguageGraphIO:
             axes[f"{name}{RETAINED_SUFFIX}"] = {2: VISION}
         if self.continuous_batching:
             axes[BATCH_INDEX] = {0: BATCH}
-        for name in self._kv() + self._kv(RETAINED_SUFFIX):
-            axes[name] = dict(kv_axes)
+        states = set(self.state_inputs)
+        for name in self.layer_inputs():
+            layer_axes = {0: rows} if name in states else {0: rows, 2: CTX}
+            axes[name] = dict(layer_axes)
+            axes[f"{name}{RETAINED_SUFFIX}"] = dict(layer_axes)
         return axes
 
 
 def language_io_names(
-    num_layers: int, extras: Sequence[str] = (), continuous_batching: bool = False
+    num_layers: int, extras: Sequence[str] = (), continuous_batching: bool = False,
+    kv_layers: Sequence[int] | None = None, layer_states: Sequence[LayerState] = (),
 ) -> tuple[list[str], list[str]]:
     """``(input_names, output_names)`` of the language graph, in graph order (``extras``: extra rows' names)."""
-    io = LanguageGraphIO(num_layers, tuple(extras), continuous_batching)
+    io = LanguageGraphIO(num_layers, tuple(extras), continuous_batching,
+                         None if kv_layers is None else tuple(kv_layers), tuple(layer_states))
     return io.input_names, io.output_names
+
+
+def state_shapes(shape: LanguageShape) -> dict[str, tuple[int, ...]]:
+    """Dims of every retained input of the language graph an export's shape describes (KV rows =
+    ``full_batch_size``): the vision window, the extras, the KV caches and the layer states."""
+    rows = shape.full_batch_size
+    kv = (rows, shape.kv_heads, shape.ctx_len, shape.head_dim)
+    dims = {"vision_embeds": (1, shape.vision_size, shape.hidden)}
+    for name, levels in shape.extras.items():
+        dims[name] = (levels, 1, shape.vision_size, shape.hidden)
+    by_name = {name: (rows, *state.row_shape) for state in shape.layer_states for name in state.input_names}
+    for name in LanguageGraphIO.of_shape(shape).layer_inputs():
+        dims[name] = by_name.get(name, kv)
+    return dims
 
 
 def check_batch_index(batch_index, position_ids, cache_rows: int) -> None:

@@ -80,9 +80,11 @@ class SlotKVCache:
     skipped reads zeroed. The written per-layer caches are what the graph returns as ``*_RetainedState``.
     With ``batch_index`` (continuous batching) the caches hold ``full_batch_size`` rows, batch row
     ``b`` writes and reads row ``batch_index[b, 0]`` and every other row passes through unchanged.
+    ``layers`` names the decoder layer of each cache (default: cache ``i`` is layer ``i``).
     """
 
-    def __init__(self, past_keys, past_values, position_slots: torch.Tensor, batch_index: torch.Tensor | None = None):
+    def __init__(self, past_keys, past_values, position_slots: torch.Tensor, batch_index: torch.Tensor | None = None,
+                 layers=None):
         if len(past_keys) != len(past_values):
             raise ValueError(
                 f"got {len(past_keys)} past keys but {len(past_values)} past values; "
@@ -90,6 +92,11 @@ class SlotKVCache:
             )
         self.keys = list(past_keys)
         self.values = list(past_values)
+        # Decoder layer index -> position in keys/values: a hybrid model caches only some layers.
+        layers = range(len(self.keys)) if layers is None else list(layers)
+        if len(layers) != len(self.keys):
+            raise ValueError(f"{len(self.keys)} KV caches for the {len(layers)} cached layers {list(layers)}")
+        self.slot_of_layer = {int(layer): at for at, layer in enumerate(layers)}
         self.batch_index = batch_index
         self.write_slots = scatter_slots(position_slots)
         key_slots = cache_slots(past_keys[0])
@@ -114,9 +121,10 @@ class SlotKVCache:
         return torch.where(self.skipped, torch.zeros((), dtype=read.dtype, device=read.device), read)
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        self.keys[layer_idx] = self._write(self.keys[layer_idx], key_states)
-        self.values[layer_idx] = self._write(self.values[layer_idx], value_states)
-        return self._read(self.keys[layer_idx]), self._read(self.values[layer_idx])
+        at = self.slot_of_layer[layer_idx]
+        self.keys[at] = self._write(self.keys[at], key_states)
+        self.values[at] = self._write(self.values[at], value_states)
+        return self._read(self.keys[at]), self._read(self.values[at])
 
     def __len__(self) -> int:
         return len(self.keys)

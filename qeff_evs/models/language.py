@@ -16,6 +16,10 @@ With ``batch_index`` (continuous batching, QEfficient's ``full_batch_size`` mode
 ``full_batch_size`` requests and batch row ``b`` reads and writes cache row ``batch_index[b, 0]``;
 the rows no batch row names come back unchanged (``qeff_evs.models.kv_cache.SlotKVCache``).
 
+A hybrid family (``LanguageSpec.kv_layers`` / ``layer_states``) caches keys and values only in some
+layers and keeps other per-row state in the rest; its graph (a ``LanguageGraph`` subclass in the
+family's module) runs those layers in ``decoder_layer``, reading and writing ``LayerStep.states``.
+
 The module drives the family's own transformers submodules (embedding, decoder layers, norm,
 lm_head; the rotary embedding only to fill the tables) directly, so every family with a standard decoder shares
 it, no class is swapped, and no boolean indexing (which would export as NonZero) is involved. What the family
@@ -34,6 +38,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from qeff_evs.manifest import LayerState
 from qeff_evs.models.graph_io import BATCH_INDEX, LanguageGraphIO, check_batch_index
 from qeff_evs.models.kv_cache import SlotKVCache, cache_slots, slot_attention_mask
 from qeff_evs.models.registry import family_for_config
@@ -52,6 +57,13 @@ class LanguageSpec:
     media_token_ids: tuple[int, ...]  # image pad, video pad
     extras: dict[str, int]  # the family's extra rows: name -> levels (empty for most families)
     max_positions: int  # config.max_position_embeddings: the default RoPE table length
+    kv_layers: tuple[int, ...] = ()  # decoder layers with a KV cache (every layer for most families)
+    layer_states: tuple[LayerState, ...] = ()  # the other layers' per-row state (a hybrid family's)
+
+    @property
+    def io_kv_layers(self) -> tuple[int, ...] | None:
+        """``kv_layers`` as ``LanguageGraphIO`` / ``LanguageShape`` take it: None when every layer has one."""
+        return None if self.kv_layers == tuple(range(self.num_layers)) else self.kv_layers
 
 
 def language_spec(hf_model: nn.Module) -> LanguageSpec:
@@ -73,6 +85,8 @@ def language_spec(hf_model: nn.Module) -> LanguageSpec:
         media_token_ids=media,
         extras=dict(family.extras),
         max_positions=config.max_positions,
+        kv_layers=tuple(family.kv_layers()),
+        layer_states=tuple(family.layer_states()),
     )
 
 
@@ -122,16 +136,31 @@ def media_rows(
 class LanguageGraphOutput(NamedTuple):
     logits: torch.Tensor  # (B, 1, vocab) fp32, last valid position of each row
     image_idx_output: torch.Tensor  # (1, 1) int64
-    past_keys: list[torch.Tensor]  # per layer (B or full_batch_size, kv_heads, ctx_len, head_dim)
+    past_keys: list[torch.Tensor]  # per KV layer (B or full_batch_size, kv_heads, ctx_len, head_dim)
     past_values: list[torch.Tensor]
+    states: dict[str, torch.Tensor]  # the layer states after the step, by input name ({} for most families)
+
+
+class LayerStep(NamedTuple):
+    """What every decoder layer of one step shares; a layer with its own state writes it into ``states``."""
+
+    attention_mask: torch.Tensor | None  # (B, 1, S, ctx_len) additive, over the KV slots
+    slots: torch.Tensor  # (B, S) int64 KV slot of each token (position_ids[0]); -1 padding
+    cache: SlotKVCache
+    rotary: tuple[torch.Tensor, torch.Tensor]  # M-RoPE cos, sin
+    batch_index: torch.Tensor | None
+    states: dict[str, torch.Tensor]  # layer states by input name, replaced as layers run
 
 
 class LanguageGraph(nn.Module):
     """One language-model step over a slot KV cache; the module the language ONNX is traced from.
 
     It shares (does not copy) the parameters of ``hf_model``. ``media_token_ids`` defaults to the
-    config's image and video pad ids.
+    config's image and video pad ids. ``trace_seq_len``: the chunk length the exporter must trace
+    with (None: any; a graph that unrolls its prefill per length sets the compiled prefill length).
     """
+
+    trace_seq_len: int | None = None
 
     def __init__(self, hf_model: nn.Module, media_token_ids: Sequence[int] | None = None,
                  rope_positions: int | None = None):
@@ -155,10 +184,13 @@ class LanguageGraph(nn.Module):
         past_values: Sequence[torch.Tensor],
         extras: Mapping[str, torch.Tensor] | None = None,
         batch_index: torch.Tensor | None = None,
+        states: Mapping[str, torch.Tensor] | None = None,
     ) -> LanguageGraphOutput:
-        """``extras``: each of the family's extra rows by name, ``(levels, 1, vision_size, hidden)``."""
-        extras = dict(extras or {})
-        self._check_inputs(position_ids, past_keys, past_values, extras, batch_index)
+        """``extras``: each of the family's extra rows by name, ``(levels, 1, vision_size, hidden)``;
+        ``past_keys``/``past_values``: one per KV layer (``spec.kv_layers``); ``states``: the layer states
+        by input name (``{state}.{layer}``, ``(rows, *row_shape)``)."""
+        extras, states = dict(extras or {}), dict(states or {})
+        self._check_inputs(position_ids, past_keys, past_values, extras, batch_index, states)
         text = self.text_model
         # Padding rows may carry id -1 (vllm-qaic); their embedding is never used, it only has to exist.
         hidden = text.embed_tokens(torch.where(input_ids < 0, 0, input_ids))
@@ -174,18 +206,12 @@ class LanguageGraph(nn.Module):
         vision_rows = vision_embeds[0][merge.rows].to(hidden.dtype)  # (B, S, hidden)
         hidden = torch.where(media_mask, vision_rows, hidden)
 
-        cache = SlotKVCache(past_keys, past_values, slots, batch_index)
-        attention_mask = slot_attention_mask(slots, cache_slots(past_keys[0]), hidden.dtype)
-        rotary = self.rope(position_ids[1:], hidden.dtype)
+        cache = SlotKVCache(past_keys, past_values, slots, batch_index, self.spec.kv_layers)
+        attention_mask = slot_attention_mask(slots, cache_slots(past_keys[0]), hidden.dtype) if past_keys else None
+        step = LayerStep(attention_mask, slots, cache, self.rope(position_ids[1:], hidden.dtype), batch_index, states)
 
         for layer_idx, layer in enumerate(text.layers):
-            hidden = layer(
-                hidden,
-                attention_mask=attention_mask,
-                position_ids=slots,
-                past_key_values=cache,
-                position_embeddings=rotary,
-            )
+            hidden = self.decoder_layer(layer_idx, layer, hidden, step)
             for name in self.spec.extras:
                 if layer_idx < extras[name].shape[0]:
                     extra = extras[name][layer_idx, 0][merge.rows].to(hidden.dtype)
@@ -199,9 +225,20 @@ class LanguageGraph(nn.Module):
         logits = self.lm_head(text.norm(last_hidden)).float()
 
         image_idx_output = (image_idx.reshape(()) + merge.count.max()).reshape(1, 1)
-        return LanguageGraphOutput(logits, image_idx_output, cache.keys, cache.values)
+        return LanguageGraphOutput(logits, image_idx_output, cache.keys, cache.values, step.states)
 
-    def _check_inputs(self, position_ids, past_keys, past_values, extras, batch_index) -> None:
+    def decoder_layer(self, layer_idx: int, layer: nn.Module, hidden: torch.Tensor, step: LayerStep) -> torch.Tensor:
+        """One decoder layer of the step: transformers' own layer over the slot KV cache (a hybrid
+        family's graph runs its other layers here, over ``step.states``)."""
+        return layer(
+            hidden,
+            attention_mask=step.attention_mask,
+            position_ids=step.slots,
+            past_key_values=step.cache,
+            position_embeddings=step.rotary,
+        )
+
+    def _check_inputs(self, position_ids, past_keys, past_values, extras, batch_index, states) -> None:
         if torch.jit.is_tracing():
             return
         if position_ids.dim() != 3 or position_ids.shape[0] != 4:
@@ -209,12 +246,21 @@ class LanguageGraph(nn.Module):
                 f"position_ids must be (4, batch, seq_len) (KV slot row + M-RoPE t/h/w), got "
                 f"{tuple(position_ids.shape)}; prepend the slot row to the 3-row M-RoPE positions"
             )
-        layers = self.spec.num_layers
+        layers = len(self.spec.kv_layers)
         if len(past_keys) != layers or len(past_values) != layers:
             raise ValueError(
-                f"expected {layers} past keys and values (one per decoder layer), got "
+                f"expected {layers} past keys and values (one per KV layer {list(self.spec.kv_layers)}), got "
                 f"{len(past_keys)} and {len(past_values)}"
             )
+        expected = {name: state.row_shape for state in self.spec.layer_states for name in state.input_names}
+        if set(states) != set(expected):
+            raise ValueError(f"expected the layer states {sorted(expected)}, got {sorted(states)}")
+        rows = past_keys[0].shape[0] if past_keys else None
+        for name, row_shape in expected.items():
+            shape = tuple(states[name].shape)
+            if shape[1:] != row_shape or (rows is not None and shape[0] != rows):
+                raise ValueError(f"{name} has shape {shape}, expected ({rows or 'rows'}, *{row_shape}) (one row per "
+                                 "KV cache row)")
         for name, levels in self.spec.extras.items():
             if name not in extras:
                 raise ValueError(
@@ -232,7 +278,9 @@ class ExportableLanguageGraph(nn.Module):
     def __init__(self, graph: LanguageGraph, continuous_batching: bool = False):
         super().__init__()
         self.graph = graph
-        self.io = LanguageGraphIO(graph.spec.num_layers, tuple(graph.spec.extras), continuous_batching)
+        spec = graph.spec
+        self.io = LanguageGraphIO(spec.num_layers, tuple(spec.extras), continuous_batching, spec.io_kv_layers,
+                                  spec.layer_states)
 
     @property
     def spec(self) -> LanguageSpec:
@@ -243,7 +291,7 @@ class ExportableLanguageGraph(nn.Module):
         if len(inputs) != len(names):
             raise ValueError(f"expected {len(names)} inputs ({names}), got {len(inputs)}")
         named = dict(zip(names, inputs))
-        layers = range(self.spec.num_layers)
+        layers = self.spec.kv_layers
         step = self.graph(
             named["input_ids"],
             named["vision_embeds"],
@@ -253,10 +301,13 @@ class ExportableLanguageGraph(nn.Module):
             [named[f"past_value.{i}"] for i in layers],
             extras={name: named[name] for name in self.io.extras},
             batch_index=named.get(BATCH_INDEX),
+            states={name: named[name] for name in self.io.state_inputs},
         )
         retained = [named[name] for name in self.io.vision_inputs]
-        kv = [cache for i in layers for cache in (step.past_keys[i], step.past_values[i])]
-        return (step.logits, *retained, step.image_idx_output, *kv)
+        updated = dict(step.states)
+        for at, i in enumerate(layers):
+            updated[f"past_key.{i}"], updated[f"past_value.{i}"] = step.past_keys[at], step.past_values[at]
+        return (step.logits, *retained, step.image_idx_output, *(updated[name] for name in self.io.layer_inputs()))
 
     @torch.no_grad()
     def run(self, feeds: Mapping[str, torch.Tensor | np.ndarray]) -> dict[str, torch.Tensor]:

@@ -23,7 +23,7 @@ from typing import Any, ClassVar, Protocol, Sequence
 import numpy as np
 import torch
 
-from qeff_evs.manifest import SpecialTokens
+from qeff_evs.manifest import LayerState, SpecialTokens
 from qeff_evs.positions import MediaBlock
 
 SAMPLING_FPS = 2.0  # every family qeff-evs serves samples videos at 2 frames per second
@@ -274,8 +274,15 @@ class ModelFamily(Protocol):
         to a frame bucket [+ its extras as ``score_extras``] in, a ranking out."""
 
     def language_graph(self, model: torch.nn.Module, media_token_ids: Sequence[int] | None = None,
-                       rope_positions: int | None = None) -> torch.nn.Module:
-        """The language step the language ONNX is traced from (``models.language.LanguageGraph`` or its like)."""
+                       rope_positions: int | None = None, prefill_seq_len: int | None = None) -> torch.nn.Module:
+        """The language step the language ONNX is traced from (``models.language.LanguageGraph`` or its like);
+        ``prefill_seq_len``: the compiled prefill length, for a graph that unrolls its prefill per length."""
+
+    def kv_layers(self) -> tuple[int, ...]:
+        """Decoder layers with a KV cache (``past_key.{i}``/``past_value.{i}``): every layer for most families."""
+
+    def layer_states(self) -> tuple[LayerState, ...]:
+        """The per-row state the other layers keep in the language graph (a hybrid family's); empty for most."""
 
     def encoder_host_inputs(self, grid_hw: Sequence[int], frames: int) -> dict[str, np.ndarray]:
         """Every encoder input except ``pixel_values``, for calls of ``frames`` patches of grid ``(H, W)``."""

@@ -80,14 +80,17 @@ PREPROCESS_DEFAULTS = VideoPreprocessing(
 INTERPOLATION_MODE = "bilinear"
 INTERPOLATION_ALIGN_CORNERS = True
 
+TOWER_INPUTS = {
+    "pixel_values": {0: PATCH_ROWS, 1: PATCH_WIDTH},
+    "video_grid_thw": {0: FRAMES_PER_CALL, 1: GRID_H, 2: GRID_W},
+    "rotary_position_ids": {0: FRAME_PATCHES},
+    "interp_indices": {0: FRAME_PATCHES},
+    "interp_weights": {0: FRAME_PATCHES},
+}
+# The tower's merged rows only (a family without deepstack levels), and with them.
+TOWER_GRAPH_SPEC = VisionGraphSpec(inputs=TOWER_INPUTS, outputs={"vision_embeds": {0: VISION_SIZE}})
 ENCODER_GRAPH_SPEC = VisionGraphSpec(
-    inputs={
-        "pixel_values": {0: PATCH_ROWS, 1: PATCH_WIDTH},
-        "video_grid_thw": {0: FRAMES_PER_CALL, 1: GRID_H, 2: GRID_W},
-        "rotary_position_ids": {0: FRAME_PATCHES},
-        "interp_indices": {0: FRAME_PATCHES},
-        "interp_weights": {0: FRAME_PATCHES},
-    },
+    inputs=TOWER_INPUTS,
     outputs={
         "vision_embeds": {0: VISION_SIZE},
         "deepstack_features": {1: VISION_SIZE},
@@ -126,16 +129,10 @@ def frame_inputs(vision_config, grid_hw: Sequence[int]) -> dict[str, np.ndarray]
     }
 
 
-def _check_tower(visual: nn.Module) -> None:
-    levels = getattr(visual, "deepstack_merger_list", None)
-    if levels is None or not hasattr(visual, "pos_embed"):
+def _check_tower(visual: nn.Module, family_label: str) -> None:
+    if not hasattr(visual, "pos_embed") or not hasattr(visual, "merger"):
         raise ValueError(
-            f"{type(visual).__name__} is not a Qwen3-VL vision tower; pass a Qwen3-VL model or its .visual"
-        )
-    if len(levels) == 0:
-        raise ValueError(
-            "vision_config.deepstack_visual_indexes is empty; the Qwen3-VL graph outputs "
-            "deepstack_features (levels, K, hidden) and needs at least one level (released models have 3)"
+            f"{type(visual).__name__} is not a {family_label} vision tower; pass a {family_label} model or its .visual"
         )
     resample = (getattr(visual, "interpolation_mode", None), getattr(visual, "interpolation_align_corners", None))
     if resample != (INTERPOLATION_MODE, INTERPOLATION_ALIGN_CORNERS):
@@ -146,22 +143,61 @@ def _check_tower(visual: nn.Module) -> None:
     position_grid_side(visual.config)
 
 
-class Qwen3_VLEncoder(EncoderWrapper):
-    """Qwen3-VL vision tower + deepstack over F temporal patches of one resolution, exportable for every (grid, F).
+class Qwen3_VLTower(EncoderWrapper):
+    """A Qwen3-VL-style vision tower (learned position grid resampled per frame, full attention within a
+    frame) over F temporal patches of one resolution, exportable for every (grid, F): its merged rows.
 
     The tower is a weight-sharing copy of the one given, whose own config copy selects
     ``segment_attention``: the caller's model keeps its attention implementation. The tower's own
     forward runs with the frames as equal attention segments (a reshape, no mask) and F-frame index
-    tensors tiled here from one frame's, so nothing in the graph depends on tensor values.
+    tensors tiled here from one frame's, so nothing in the graph depends on tensor values. A family
+    whose tower has no deepstack levels (Qwen3.5) uses it as it is; Qwen3-VL's adds them.
     """
 
-    graph_spec = ENCODER_GRAPH_SPEC
+    graph_spec = TOWER_GRAPH_SPEC
     family_label = "Qwen3-VL"
     frame_inputs_fn = staticmethod(frame_inputs)
     symbols_fn = staticmethod(encoder_symbols)
 
     def __init__(self, visual: nn.Module) -> None:
-        _check_tower(visual)
+        _check_tower(visual, self.family_label)
+        super().__init__(visual)
+
+    def tower(self, pixel_values: torch.Tensor, video_grid_thw: torch.Tensor, rotary_position_ids: torch.Tensor,
+              interp_indices: torch.Tensor, interp_weights: torch.Tensor):
+        """The transformers tower's output over the call's F frames."""
+        frames = video_grid_thw.shape[0]  # F from a shape, so it stays a symbol in the graph
+        return self.visual(
+            pixel_values,
+            grid_thw=None,  # every grid-derived tensor is given; None makes any fallback fail loudly
+            position_ids=tiled(rotary_position_ids, frames),
+            cu_seqlens=EqualSegments(frames),
+            interp_indices=tiled(interp_indices, frames),
+            interp_weights=tiled(interp_weights, frames),
+            max_seqlen=0,  # only flash kernels read it; given, transformers never inspects the layout
+        )
+
+    def forward(self, pixel_values: torch.Tensor, video_grid_thw: torch.Tensor, rotary_position_ids: torch.Tensor,
+                interp_indices: torch.Tensor, interp_weights: torch.Tensor) -> torch.Tensor:
+        """Returns ``vision_embeds (F*h*w, D)``."""
+        return self.tower(pixel_values, video_grid_thw, rotary_position_ids, interp_indices, interp_weights).pooler_output
+
+
+class Qwen3_VLEncoder(Qwen3_VLTower):
+    """Qwen3-VL vision tower + deepstack over F temporal patches of one resolution (``Qwen3_VLTower``)."""
+
+    graph_spec = ENCODER_GRAPH_SPEC
+
+    def __init__(self, visual: nn.Module) -> None:
+        levels = getattr(visual, "deepstack_merger_list", None)
+        if levels is None:
+            raise ValueError(
+                f"{type(visual).__name__} is not a Qwen3-VL vision tower; pass a Qwen3-VL model or its .visual")
+        if len(levels) == 0:
+            raise ValueError(
+                "vision_config.deepstack_visual_indexes is empty; the Qwen3-VL graph outputs "
+                "deepstack_features (levels, K, hidden) and needs at least one level (released models have 3)"
+            )
         super().__init__(visual)
 
     @property
@@ -177,16 +213,7 @@ class Qwen3_VLEncoder(EncoderWrapper):
         interp_weights: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns ``(vision_embeds (F*h*w, D), deepstack_features (levels, F*h*w, D))``."""
-        frames = video_grid_thw.shape[0]  # F from a shape, so it stays a symbol in the graph
-        output = self.visual(
-            pixel_values,
-            grid_thw=None,  # every grid-derived tensor is given; None makes any fallback fail loudly
-            position_ids=tiled(rotary_position_ids, frames),
-            cu_seqlens=EqualSegments(frames),
-            interp_indices=tiled(interp_indices, frames),
-            interp_weights=tiled(interp_weights, frames),
-            max_seqlen=0,  # only flash kernels read it; given, transformers never inspects the layout
-        )
+        output = self.tower(pixel_values, video_grid_thw, rotary_position_ids, interp_indices, interp_weights)
         return output.pooler_output, torch.stack(list(output.deepstack_features), dim=0)
 
 

@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 
 from qeff_evs import evs
-from qeff_evs.manifest import SpecialTokens
+from qeff_evs.manifest import LayerState, SpecialTokens
 from qeff_evs.models.language import LanguageGraph
 from qeff_evs.models.protocol import (
     ConfigPaths,
@@ -96,7 +96,8 @@ RELEASED_TEXT_IDS = dict(bos_token_id=151643, eos_token_id=151645)
 
 def _token_id(tokenizer, token: str) -> int:
     token_id = tokenizer.convert_tokens_to_ids(token)
-    if token_id is None or token_id == tokenizer.unk_token_id:
+    # Qwen3.5's tokenizer class names <|endoftext|> its unk token: that token is there, not unknown.
+    if token_id is None or (token_id == tokenizer.unk_token_id and token != tokenizer.unk_token):
         raise ValueError(f"tokenizer has no {token!r} token; build it with tiny.build_tokenizer()")
     return int(token_id)
 
@@ -252,8 +253,14 @@ class QwenVLFamily(abc.ABC):
         return PruningRanking(method, score_levels=sum(self.extras.get(rows.name, 0) for rows in self.extra_rows))
 
     def language_graph(self, model: nn.Module, media_token_ids: Sequence[int] | None = None,
-                       rope_positions: int | None = None) -> LanguageGraph:
+                       rope_positions: int | None = None, prefill_seq_len: int | None = None) -> LanguageGraph:
         return LanguageGraph(model, media_token_ids, rope_positions)
+
+    def kv_layers(self) -> tuple[int, ...]:
+        return tuple(range(self.normalized_config.num_layers))
+
+    def layer_states(self) -> tuple[LayerState, ...]:
+        return ()
 
     def encoder_host_inputs(self, grid_hw: Sequence[int], frames: int) -> dict[str, np.ndarray]:
         return encoder_host_inputs(self.vision_config, self.wrapper.frame_inputs_fn, grid_hw, frames)

@@ -231,7 +231,7 @@ def _torch_language(bundle: ExportBundle, checkpoint, device: str | None) -> Tor
     shape = bundle.language_shape
     language = ExportableLanguageGraph(
         bundle.family.language_graph(checkpoint.model, bundle.family.special_tokens().media_pads,
-                                     shape.rope_positions),
+                                     shape.rope_positions, bundle.manifest.prefill_seq_len),
         continuous_batching=shape.continuous_batching)
     return TorchLanguageSession(language, shape, device)
 

@@ -28,6 +28,7 @@ from .custom_io import (
     pruning_custom_io,
     language_custom_io,
     read_custom_io_yaml,
+    state_precisions,
     vision_custom_io,
     write_custom_io_yaml,
 )
@@ -80,6 +81,7 @@ __all__ = [
     "read_specializations_json",
     "run_compile",
     "specialization_for_target",
+    "state_precisions",
     "vision_custom_io",
     "vision_specializations",
     "write_compile_script",

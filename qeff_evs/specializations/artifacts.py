@@ -7,7 +7,7 @@ set that cannot compile never lands on disk next to a graph it does not fit.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from .compile_command import (
@@ -58,6 +58,7 @@ def prepare_graph_compile(
     num_devices: int = 1,
     stem: str | None = None,
     embedding_names: Sequence[str] = EMBEDDING_NAMES,
+    state_precisions: Mapping[str, str] | None = None,
 ) -> CompileCommand:
     """Check ``specs`` against the graph, write its compile inputs into ``graph_dir``, return the command.
 
@@ -67,13 +68,14 @@ def prepare_graph_compile(
     paths are relative to it, so the build folder can be copied to a machine with the SDK.
     ``num_devices > 1`` also writes ``graph_dir/[<stem>_]mdp_ts_<N>.json`` (multi-device partitioning: the
     encoder and EVS graphs may differ in cores, so each has its own).
-    ``embedding_names``: the I/O kept in fp16 with their retained twins (vision rows, a family's extra rows).
+    ``embedding_names``: the I/O kept in fp16 with their retained twins (vision rows, a family's extra rows);
+    ``state_precisions``: a family's layer states by input name and their declared precision.
     """
     proto, label = load_graph(onnx_path)
     check_specializations(proto, specs, label=label)  # before writing anything
     io_names = list(graph_symbols(proto))
     precisions = custom_io_precisions(io_names, kv_precision=kv_precision, pixel_values_fp16=pixel_values_fp16,
-                                      embedding_names=embedding_names)
+                                      embedding_names=embedding_names, state_precisions=state_precisions)
     check_retained_pairs(precisions, io_names)
 
     graph_dir = Path(graph_dir)

@@ -22,7 +22,10 @@ dropped. ``run(step)`` is the single-request case (cache row 0).
 The KV cache is zeroed once, when a session (its program) is made, never per request: a new request in
 a used row finds the earlier requests' keys and values in its slots, finite, and never reads them (a
 step reads only the slots up to its own last position, all written by its own request, and zeroes the
-reads past it; the mask hides them too). ``reset`` stays for callers that want a clean state on purpose.
+reads past it; the mask hides them too). A family's other per-row state (``LanguageShape.layer_states``,
+e.g. a linear-attention layer's recurrent state) is the graph's to restart: the chunk holding a
+request's first token (KV slot 0) replaces the row's state by zeros before it runs, so the host never
+writes it either. ``reset`` stays for callers that want a clean state on purpose.
 ``close`` releases what the session holds (a QAIC program on its device); the host backends hold nothing.
 """
 
@@ -36,7 +39,7 @@ from typing import Protocol
 import numpy as np
 
 from qeff_evs.manifest import LanguageShape
-from qeff_evs.models.graph_io import BATCH_INDEX, PAD_POSITION, RETAINED_SUFFIX, check_batch_index
+from qeff_evs.models.graph_io import BATCH_INDEX, PAD_POSITION, RETAINED_SUFFIX, check_batch_index, state_shapes
 
 
 @dataclass(frozen=True)
@@ -131,18 +134,6 @@ def close_session(session: object) -> None:
     close = getattr(session, "close", None)
     if close is not None:
         close()
-
-
-def state_shapes(shape: LanguageShape) -> dict[str, tuple[int, ...]]:
-    """Dims of every retained input of the language graph (KV cache rows = ``full_batch_size``)."""
-    kv = (shape.full_batch_size, shape.kv_heads, shape.ctx_len, shape.head_dim)
-    dims = {"vision_embeds": (1, shape.vision_size, shape.hidden)}
-    for name, levels in shape.extras.items():
-        dims[name] = (levels, 1, shape.vision_size, shape.hidden)
-    for i in range(shape.num_layers):
-        dims[f"past_key.{i}"] = kv
-        dims[f"past_value.{i}"] = kv
-    return dims
 
 
 class RetainedStateSession(abc.ABC):

@@ -37,14 +37,13 @@ from types import ModuleType
 
 import numpy as np
 
-from qeff_evs.models.graph_io import BATCH_INDEX, RETAINED_SUFFIX
+from qeff_evs.models.graph_io import BATCH_INDEX, RETAINED_SUFFIX, state_shapes
 from qeff_evs.manifest import LanguageShape, graph_role, pruning_graph
 from qeff_evs.runtime.backends.base import (
     MergedRows,
     RetainedStateSession,
     merged_rows,
     ranking,
-    state_shapes,
 )
 from qeff_evs.runtime.backends.qaic_device import DATA_PATH_TIMEOUT_MS, open_program
 from qeff_evs.runtime.backends.vision import VisionPipeline
