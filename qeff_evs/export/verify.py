@@ -16,6 +16,10 @@ per workload, compares the twin with fp32:
   does not grow with the position; with ``Cos(position * inv_freq)`` in fp16 it does;
 * ``magnitude``: a prefill chunk whose media rows have magnitude 1e3 (hidden states through the first
   RMSNorm at that size): inf/NaN and logit error;
+* ``layer_states`` (a hybrid family's graph, e.g. Qwen3.5's linear-attention layers): many prefill
+  chunks then decode steps, so the retained state passes through every chunk; the twin keeps an fp32
+  state and the ops listed in the export's node-precision file in fp32 (``node_precision.keep_in_fp32``),
+  as the card does. Logit error, greedy agreement, and each state's relative error at the end;
 * ``evs``: the EVS ranking alone on video-like embeddings with realistic norms (20..100) at widths
   2048 and 3584, computed the way the compile line of the EVS pruning graph says: kept-token agreement.
 """
@@ -31,13 +35,15 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+import yaml
 
 from qeff_evs import evs
 from qeff_evs.evs import kept_indices
 from qeff_evs.export.fp16 import convert_to_fp16
+from qeff_evs.export.node_precision import keep_in_fp32
 from qeff_evs.export.onnx_graph import legacy_export
 from qeff_evs.manifest import MODEL_CONFIG_DIR, PRUNING_ROLE, graph_role, pruning_graph, read_manifest
-from qeff_evs.models.graph_io import BATCH_INDEX, RETAINED_SUFFIX, LanguageGraphIO
+from qeff_evs.models.graph_io import BATCH_INDEX, RETAINED_SUFFIX, LanguageGraphIO, state_shapes
 from qeff_evs.models.pruning import BUCKET_TOKENS, PruningRanking, VideoPruning, pad_to_bucket, pruning_host_inputs
 from qeff_evs.specializations import read_specializations_json
 
@@ -48,6 +54,7 @@ EVS_WIDTHS = (2048, 3584)
 EVS_NORMS = (20.0, 100.0)
 MAGNITUDE = 1e3
 DECODE_STEPS = 4
+STATE_CHUNKS, STATE_DECODE_STEPS = 16, 64  # the layer-state workload: prefill chunks, then decode steps
 
 
 def compile_lines(export_dir: Path) -> dict[str, bool]:
@@ -78,8 +85,23 @@ def fp16_twin(export_dir: Path, twin_dir: Path) -> dict[str, bool]:
         if file not in converts:
             raise ValueError(f"compile.sh has no line for the {role} graph {file}; rerun `qeff-evs compile`")
         if converts[file]:
-            onnx.save(convert_to_fp16(onnx.load(str(export_dir / file))), str(twin_dir / file))
+            converted = convert_to_fp16(onnx.load(str(export_dir / file)))
+            if role == "language":
+                converted = _kept_fp32(export_dir, converted)
+            onnx.save(converted, str(twin_dir / file))
     return converts
+
+
+def _kept_fp32(export_dir: Path, converted: onnx.ModelProto) -> onnx.ModelProto:
+    """The converted language graph with what its compile line keeps fp32: the nodes its node-precision
+    file lists, and the layer states left out of custom IO (fp32 buffers)."""
+    manifest = read_manifest(export_dir)
+    if "language_node_precision" not in manifest.files:
+        return converted
+    listed = yaml.safe_load(manifest.path(export_dir, "language_node_precision").read_text())
+    fp32_inputs = [name for state in manifest.language_shape.layer_states if state.precision == "float32"
+                   for name in state.input_names]
+    return keep_in_fp32(converted, listed.get("FP32NodeInstanceNames") or [], fp32_inputs)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -152,16 +174,16 @@ class _LanguageRun:
         self.shape = manifest.language_shape
         self.tokens = manifest.special_tokens
         self.session = _session(manifest.path(export_dir, "language"))
-        self.io = LanguageGraphIO(self.shape.num_layers, tuple(self.shape.extras), self.shape.continuous_batching)
+        self.prefill_seq_len = manifest.prefill_seq_len
+        self.io = LanguageGraphIO.of_shape(self.shape)
         self.reset()
 
     def reset(self) -> None:
-        s = self.shape
-        kv = np.zeros((s.full_batch_size, s.kv_heads, s.ctx_len, s.head_dim), np.float32)
-        self.state = {name: kv for name in self.io.input_names if name.startswith("past_")}
-        self.state["vision_embeds"] = np.zeros((1, s.vision_size, s.hidden), np.float32)
-        for name, levels in s.extras.items():
-            self.state[name] = np.zeros((levels, 1, s.vision_size, s.hidden), np.float32)
+        self.state = {name: np.zeros(dims, np.float32) for name, dims in state_shapes(self.shape).items()}
+
+    def chunk_len(self, wanted: int) -> int:
+        """A chunk length the graph takes: a graph with layer states is unrolled for its prefill length."""
+        return min(wanted, self.prefill_seq_len) if self.shape.layer_states else wanted
 
     def run(self, input_ids: np.ndarray, positions: np.ndarray, **vision: np.ndarray) -> np.ndarray:
         feeds = {**self.state, **vision, "input_ids": input_ids, "position_ids": positions,
@@ -225,6 +247,7 @@ def _compare_runs(name: str, fp32: tuple[np.ndarray, list[int]], fp16: tuple[np.
 def position_comparisons(fp32_dir: Path, fp16_dir: Path | None, seq_len: int = 16) -> list[Comparison]:
     fp32 = _LanguageRun(fp32_dir)
     fp16 = _LanguageRun(fp16_dir) if fp16_dir else None
+    seq_len = fp32.chunk_len(seq_len)
     table = fp32.shape.rope_positions or fp32.shape.ctx_len
     last = table - seq_len - DECODE_STEPS - 1
     offsets = sorted({offset for offset in POSITION_OFFSETS if offset <= last} | {max(0, last)})
@@ -240,11 +263,50 @@ def position_comparisons(fp32_dir: Path, fp16_dir: Path | None, seq_len: int = 1
 def magnitude_comparison(fp32_dir: Path, fp16_dir: Path | None, seq_len: int = 16) -> Comparison:
     fp32 = _LanguageRun(fp32_dir)
     fp16 = _LanguageRun(fp16_dir) if fp16_dir else None
+    seq_len = fp32.chunk_len(seq_len)
     rng = np.random.default_rng(3)
     rows = (rng.choice([-1.0, 1.0], size=(seq_len // 2, fp32.shape.hidden)) * MAGNITUDE).astype(np.float32)
     chunk = _chunk(fp32, seq_len, 0, seed=11, media_rows=rows)
     return _compare_runs("magnitude_1e3", _generate(fp32, chunk, 0, DECODE_STEPS),
                          _generate(fp16, chunk, 0, DECODE_STEPS) if fp16 else None, magnitude=MAGNITUDE)
+
+
+def state_comparison(fp32_dir: Path, fp16_dir: Path | None, chunks: int = STATE_CHUNKS,
+                     steps: int = STATE_DECODE_STEPS) -> Comparison:
+    """``chunks`` prefill chunks of the compiled length at consecutive slots, then ``steps`` decode steps
+    (both runs fed fp32's greedy tokens, so the states see the same inputs): logits all along, greedy
+    agreement, and each layer state's largest relative error (Frobenius, over its layers) at the end."""
+    fp32 = _LanguageRun(fp32_dir)
+    fp16 = _LanguageRun(fp16_dir) if fp16_dir else None
+    seq_len = fp32.prefill_seq_len
+    total = chunks * seq_len + steps
+    if total > fp32.shape.ctx_len:  # as many chunks as the context holds
+        chunks = max(1, (fp32.shape.ctx_len - steps) // seq_len)
+    runs = {"fp32": fp32, **({"fp16": fp16} if fp16 else {})}
+    results, fed = {}, None
+    for label, run in runs.items():  # fp32 first: the fp16 run decodes fp32's tokens (teacher forcing)
+        run.reset()
+        logits = []
+        for c in range(chunks):
+            ids, positions, vision = _chunk(fp32, seq_len, 0, seed=100 + c)
+            logits.append(run.run(ids, positions + c * seq_len, **vision))
+        tokens = [int(np.argmax(logits[-1]))]
+        for j in range(steps):
+            step_positions = np.full((4, 1, 1), chunks * seq_len + j, np.int64)
+            token = tokens[-1] if fed is None else fed[j]
+            logits.append(run.run(np.array([[token]], np.int64), step_positions))
+            tokens.append(int(np.argmax(logits[-1])))
+        fed = tokens if fed is None else fed
+        results[label] = (np.stack(logits), tokens)
+    detail = {"chunks": chunks, "chunk_len": seq_len, "decode_steps": steps}
+    if fp16:
+        names = [name for state in fp32.shape.layer_states for name in state.input_names]
+        for state in fp32.shape.layer_states:
+            errors = [float(np.linalg.norm(fp16.state[n] - fp32.state[n]) / max(np.linalg.norm(fp32.state[n]), 1e-30))
+                      for n in state.input_names]
+            detail[f"{state.name}_relative_error"] = max(errors)
+        detail["states"] = len(names)
+    return _compare_runs("layer_states", results["fp32"], results.get("fp16"), **detail)
 
 
 def _vision_feeds(export_dir: Path, role: str, session, seed: int) -> dict[str, np.ndarray]:
@@ -397,6 +459,9 @@ def verify_export(export_dir: str | Path, fp16: bool = False, progress: Progress
         report.comparisons += position_comparisons(export_dir, twin)
         progress(f"language graph with hidden states of magnitude {MAGNITUDE:g}")
         report.comparisons.append(magnitude_comparison(export_dir, twin))
+        if read_manifest(export_dir).language_shape.layer_states:
+            progress(f"language graph's layer states over {STATE_CHUNKS} chunks and {STATE_DECODE_STEPS} decode steps")
+            report.comparisons.append(state_comparison(export_dir, twin))
         if fp16:
             progress(f"EVS arithmetic at widths {EVS_WIDTHS}, norms {EVS_NORMS}")
             report.comparisons += evs_comparisons(export_dir, _evs_graph_converts(export_dir, converts))
@@ -415,6 +480,8 @@ def format_report(report: VerifyReport) -> str:
             parts.append(f"greedy agreement {c.greedy_agreement:.0%}")
         if c.kept_token_agreement is not None:
             parts.append(f"kept-token agreement {c.kept_token_agreement:.2%}")
+        parts += [f"{key.replace('_', ' ')} {value:.3g}" for key, value in c.detail.items()
+                  if key.endswith("_relative_error")]
         parts.append(f"inf/NaN fp32 {c.nonfinite_fp32}" + (f" fp16 {c.nonfinite_fp16}" if report.fp16 else ""))
         lines.append("  " + "  ".join(parts))
     lines += [f"  problem: {p}" for p in report.problems] or ["  no inf/NaN"]
