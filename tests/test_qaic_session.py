@@ -36,6 +36,7 @@ import onnxruntime as ort
 import pytest
 
 from qeff_evs.export.pipeline import ExportOptions, export_checkpoint
+from qeff_evs.models.graph_io import state_shapes
 from qeff_evs.models.tiny import save_tiny_checkpoint
 from qeff_evs.runtime.engine.single_request import Engine, EngineConfig
 from qeff_evs.runtime.inputs.prompt import video_question_pieces
@@ -51,6 +52,9 @@ QUESTION = "What happens in this video?"
 EXPORT = dict(video_pruning_rate=0.5, frames=(8,), resolutions=((112, 196),), prefill_seq_len=32, ctx_len=256,
               user_vision_size=48)
 FULL_BATCH = 2
+# Qwen3.5: 16 px patches (120x200 -> 128x192), layers linear, full, linear, linear.
+FAMILY_EXPORT = {"qwen3_5": dict(resolutions=((128, 192),))}
+FAMILY_CHECKPOINT = {"qwen3_5": dict(text_layers=4)}
 
 # --------------------------------------------------------------------------------------------------
 # the fake Apps SDK
@@ -337,20 +341,23 @@ def build_fake_sdk(device: FakeDevice) -> tuple[types.ModuleType, types.ModuleTy
 # fixtures
 
 
-def export_tiny(root: Path, full_batch_size: int | None) -> Path:
-    checkpoint = save_tiny_checkpoint("qwen2_5_vl", root / "checkpoint", seed=0)
+def export_tiny(root: Path, full_batch_size: int | None, family: str = "qwen2_5_vl") -> Path:
+    checkpoint = save_tiny_checkpoint(family, root / "checkpoint", seed=0, **FAMILY_CHECKPOINT.get(family, {}))
     out = root / "export"
+    options = {**EXPORT, **FAMILY_EXPORT.get(family, {})}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
-        export_checkpoint(checkpoint, out, ExportOptions(**EXPORT, full_batch_size=full_batch_size))
+        export_checkpoint(checkpoint, out, ExportOptions(**options, full_batch_size=full_batch_size))
     return out
 
 
 @pytest.fixture(scope="module")
 def exports(tmp_path_factory) -> dict[str, Path]:
-    """A plain and a continuous-batching export (QPC folders not yet "compiled")."""
+    """A plain and a continuous-batching export, and a continuous-batching Qwen3.5 one (linear-attention
+    layers: conv and recurrent state kept on the device beside the KV cache); QPC folders not yet "compiled"."""
     return {"plain": export_tiny(tmp_path_factory.mktemp("plain"), None),
-            "cb": export_tiny(tmp_path_factory.mktemp("cb"), FULL_BATCH)}
+            "cb": export_tiny(tmp_path_factory.mktemp("cb"), FULL_BATCH),
+            "qwen3_5_cb": export_tiny(tmp_path_factory.mktemp("qwen3_5_cb"), FULL_BATCH, "qwen3_5")}
 
 
 @pytest.fixture(scope="module")
@@ -425,7 +432,7 @@ def test_missing_qpc_folder_says_to_compile(exports, device, tmp_path):
 # results and buffer traffic
 
 
-@pytest.mark.parametrize("kind", ["plain", "cb"])
+@pytest.mark.parametrize("kind", ["plain", "cb", "qwen3_5_cb"])
 def test_tokens_equal_onnx_runtime_backend(compiled, device, video_npy, kind):
     bundle = open_export(compiled[kind])
     expected = generate(bundle, engine_for(bundle, "ort"), video_npy)
@@ -457,13 +464,16 @@ def moved(table: dict[str, int]) -> dict[str, int]:
     return {name: size for name, size in table.items() if size}
 
 
-@pytest.mark.parametrize("kind", ["plain", "cb"])
+@pytest.mark.parametrize("kind", ["plain", "cb", "qwen3_5_cb"])
 def test_kv_goes_up_once_per_load_and_each_call_moves_only_its_inputs(compiled, device, video_npy, kind):
     bundle = open_export(compiled[kind])
     engine = engine_for(bundle, "qaic")
     shape, prefill_len = bundle.language_shape, bundle.manifest.prefill_seq_len
-    kv_names = [f"past_{kv}.{i}" for i in range(shape.num_layers) for kv in ("key", "value")]
-    fp16_kv = 2 * shape.full_batch_size * shape.kv_heads * shape.ctx_len * shape.head_dim
+    # Every retained input but the vision window, at its device size (fp16 per custom_io.yaml, else fp32).
+    custom_io = read_custom_io_yaml(compiled[kind] / "language" / "custom_io.yaml")
+    state_bytes = {name: (2 if custom_io.get(name) == "float16" else 4) * math.prod(dims)
+                   for name, dims in state_shapes(shape).items() if name != "vision_embeds" and name not in shape.extras}
+    assert len(state_bytes) == 2 * len(shape.kv_layer_indices) + sum(len(s.layers) for s in shape.layer_states)
     prefill_bytes = language_call_bytes(shape, prefill_len, 1, shape.continuous_batching)
     decode_bytes = language_call_bytes(shape, 1, shape.decode_rows, shape.continuous_batching)
     for request in range(2):  # the second request finds the first one's KV on the device: nothing re-zeroed
@@ -475,7 +485,7 @@ def test_kv_goes_up_once_per_load_and_each_call_moves_only_its_inputs(compiled, 
         for number, call in enumerate(calls):
             up, down = prefill_bytes if call in prefill else decode_bytes
             if request == 0 and number == 0:  # the first call after the program's load: zeros, once
-                up = {**up, **dict.fromkeys(kv_names, fp16_kv)}
+                up = {**up, **state_bytes}
             assert moved(call.to_device) == up, (request, number)
             assert moved(call.to_host) == down, (request, number)  # *_RetainedState never comes back
         assert [c.dims["input_ids"][1] for c in prefill] == [prefill_len] * len(prefill)

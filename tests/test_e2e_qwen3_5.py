@@ -1,0 +1,433 @@
+"""End to end on a tiny Qwen3.5 (hybrid: Gated DeltaNet + gated full attention): checkpoint folder ->
+export -> engine, against transformers' own ``Qwen3_5ForConditionalGeneration``.
+
+* q = 0: the engine's greedy tokens (32 decoded) equal transformers' ``generate`` on the same prompt
+  ids and pixel values; prefill logits within 1e-4.
+* q = 0.5 (EVS): the reference is transformers run by hand on the REAL pruned layout: the stock
+  vision tower (no deepstack), ``evs.retention_mask`` over its merged rows, the kept rows at the
+  pruned prompt's pads, explicit 3-row positions (``get_rope_index`` of the unpruned prompt
+  restricted to the kept tokens), greedy with transformers' ``DynamicCache`` (its linear-attention
+  layers carry their state in it).
+* Prefill lengths 16 and 64, each its own export (the chunked rule is unrolled for the compiled
+  length): the prompt is longer than 64, so chunk boundaries fall inside the video placeholder and
+  the linear layers' state must pass from chunk to chunk through the retained buffers.
+* Continuous batching: 4 requests of different lengths on 2 KV rows (so each row is reused by a
+  new request, whose linear state must start clean) through the serving engine; each request's
+  tokens equal transformers' on that request alone.
+* ONNX Runtime and the PyTorch reference backend agree.
+
+The reference prompt ids are built here from the tokenizer, transformers' ``replace_video_token``
+(Qwen3.5 uses Qwen3-VL's processor) and the HF frame sampler's indices, not by the package.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import types
+import warnings
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+import torch
+import yaml
+from transformers import DynamicCache, Qwen3_5ForConditionalGeneration
+from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
+from transformers.video_utils import VideoMetadata
+
+from qeff_evs import cli, evs
+from qeff_evs.export.pipeline import ExportOptions, export_checkpoint
+from qeff_evs.export.verify import verify_export
+from qeff_evs.models.tiny import save_tiny_checkpoint
+from qeff_evs.runtime.engine.request import PromptPiece
+from qeff_evs.runtime.engine.scheduler import SchedulerConfig
+from qeff_evs.runtime.engine.serving import ServeRequest, ServingEngine
+from qeff_evs.runtime.engine.single_request import Engine, EngineConfig
+from qeff_evs.runtime.inputs.synthetic import moving_square_video
+from qeff_evs.specializations import read_custom_io_yaml
+from qeff_evs.runtime.runner import open_export, sessions_for, stop_ids, video_from_file
+
+ATOL = 1e-4
+DECODE_STEPS = 32
+Q = 0.5
+QUESTION = "What happens in this video?"
+TEXT_LAYERS = 4  # linear, full, linear, linear (tiny_layer_types)
+
+# 64x96 px = 4x6 patches of 16 = 2x3 merged tokens per temporal patch.
+RESOLUTIONS = ((64, 96),)
+FRAMES = (8, 16)
+CTX_LEN = 256
+FULL_BATCH = 2
+EXPORTS = {
+    16: ExportOptions(Q, FRAMES, RESOLUTIONS, prefill_seq_len=16, ctx_len=CTX_LEN, user_vision_size=16,
+                      full_batch_size=FULL_BATCH),
+    64: ExportOptions(Q, FRAMES, RESOLUTIONS, prefill_seq_len=64, ctx_len=CTX_LEN, user_vision_size=64),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Clip:
+    name: str
+    frames: int
+    height: int
+    width: int
+    seed: int
+    source_fps: float
+
+    def hf_frame_indices(self, count: int) -> list[int]:
+        """Transformers' Qwen3-VL sampler: ``linspace(0, total - 1, n)`` rounded."""
+        return np.linspace(0, self.frames - 1, count).round().astype(int).tolist()
+
+
+# 16 frames at 2 fps -> all 16 (8 temporal patches); 8 frames -> 4 temporal patches.
+CLIPS = (Clip("long", 16, 70, 100, seed=3, source_fps=2.0), Clip("short", 8, 64, 100, seed=5, source_fps=2.0))
+
+
+# --------------------------------------------------------------------------------------------------
+# fixtures
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    return save_tiny_checkpoint("qwen3_5", tmp_path_factory.mktemp("q35_checkpoint"), seed=0,
+                                text_layers=TEXT_LAYERS)
+
+
+@pytest.fixture(scope="module")
+def bundles(checkpoint, tmp_path_factory) -> dict:
+    out = {}
+    for seq_len, options in EXPORTS.items():
+        folder = tmp_path_factory.mktemp(f"q35_export_{seq_len}")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            export_checkpoint(checkpoint, folder, options)
+        out[seq_len] = open_export(folder)
+    return out
+
+
+@pytest.fixture(scope="module")
+def hf_model(checkpoint):
+    return Qwen3_5ForConditionalGeneration.from_pretrained(checkpoint, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def clips(tmp_path_factory, bundles):
+    """``{name: (MediaInput, HF frame indices, fps)}``."""
+    folder = tmp_path_factory.mktemp("q35_clips")
+    bundle = bundles[16]
+    out = {}
+    for clip in CLIPS:
+        path = folder / f"{clip.name}.npy"
+        np.save(path, moving_square_video(clip.frames, clip.height, clip.width, seed=clip.seed))
+        video = video_from_file(path, bundle, source_fps=clip.source_fps)
+        indices = clip.hf_frame_indices(2 * video.grid_thw[0])
+        assert video.frame_times == tuple(i / clip.source_fps for i in indices)
+        out[clip.name] = (video, indices, clip.source_fps)
+    return out
+
+
+@pytest.fixture(scope="module")
+def sessions(bundles):
+    return {(seq_len, backend): sessions_for(bundle, backend)
+            for seq_len, bundle in bundles.items() for backend in ("ort", "torch")}
+
+
+def make_engine(bundles, sessions, seq_len: int, backend: str, q: float) -> Engine:
+    m = bundles[seq_len].manifest
+    vision, language = sessions[(seq_len, backend)]
+    config = EngineConfig(m.prefill_seq_len, m.ctx_len, m.user_vision_size, q, max_new_tokens=DECODE_STEPS)
+    return Engine(bundles[seq_len].family, vision, language, config)
+
+
+# --------------------------------------------------------------------------------------------------
+# the reference prompt and model run, as transformers does them
+
+
+def hf_video_ids(tokenizer, config, grid_thw, frame_indices: list[int], fps: float) -> list[int]:
+    """``Qwen3VLProcessor.replace_video_token`` on a stand-in (its video processor needs torchvision)."""
+    vision = config.vision_config
+    stand_in = types.SimpleNamespace(
+        video_processor=types.SimpleNamespace(merge_size=vision.spatial_merge_size,
+                                              temporal_patch_size=vision.temporal_patch_size),
+        vision_start_token="<|vision_start|>", vision_end_token="<|vision_end|>", video_token="<|video_pad|>")
+    stand_in._calculate_timestamps = functools.partial(Qwen3VLProcessor._calculate_timestamps, stand_in)
+    metadata = VideoMetadata(total_num_frames=max(frame_indices) + 1, fps=fps, frames_indices=list(frame_indices))
+    text = Qwen3VLProcessor.replace_video_token(
+        stand_in, {"video_grid_thw": torch.tensor([list(grid_thw)]), "video_metadata": [metadata]}, 0)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def split_template(tokenizer, question: str) -> tuple[list[int], list[int]]:
+    """The chat template for one video and ``question``, split at the video pad: ids before and after."""
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": question}]}],
+        tokenize=False, add_generation_prompt=True)
+    before, after = text.split("<|video_pad|>")
+    return tokenizer.encode(before, add_special_tokens=False), tokenizer.encode(after, add_special_tokens=False)
+
+
+def our_pieces(before: list[int], after: list[int]) -> list[PromptPiece]:
+    return [PromptPiece(ids=tuple(before)), PromptPiece(video=0), PromptPiece(ids=tuple(after))]
+
+
+@dataclasses.dataclass
+class Reference:
+    ids: list[int]  # the prompt transformers sees (pruned layout when q > 0)
+    positions: np.ndarray  # (3, N)
+    retained: np.ndarray  # the video's kept merged-token indices
+    tokens: list[int]
+    first_logits: torch.Tensor
+
+
+@torch.no_grad()
+def hf_reference(model, tokenizer, question: str, video, indices, fps, q: float, steps: int) -> Reference:
+    """Transformers' vision tower, EVS on its merged rows, and its text model over the pruned layout."""
+    config = model.config
+    merge = config.vision_config.spatial_merge_size
+    before, after = split_template(tokenizer, question)
+    grid = tuple(video.grid_thw)
+    merged = model.model.visual(video.pixel_values, grid_thw=torch.tensor([grid])).pooler_output
+    mask = evs.retention_mask(merged, grid, merge, q) if q > 0 else torch.ones(merged.shape[0], dtype=torch.bool)
+    video_ids = hf_video_ids(tokenizer, config, grid, indices, fps)
+    keep = np.ones(len(video_ids), dtype=bool)
+    keep[np.asarray(video_ids) == config.video_token_id] = mask.numpy()
+    unpruned = torch.tensor([before + video_ids + after])
+    keep_t = torch.tensor([True] * len(before) + keep.tolist() + [True] * len(after))
+    token_types = torch.zeros_like(unpruned, dtype=torch.int32)
+    token_types[unpruned == config.video_token_id] = 2
+    unpruned_positions, _ = model.model.get_rope_index(unpruned, mm_token_type_ids=token_types,
+                                                       video_grid_thw=torch.tensor([list(grid)]))
+    ids, positions = unpruned[:, keep_t], unpruned_positions[:, :, keep_t]
+
+    text_model = model.model.language_model
+    embeds = text_model.embed_tokens(ids).clone()
+    embeds[ids == config.video_token_id] = merged[mask]
+    cache = DynamicCache(config=config.text_config)
+    out = text_model(inputs_embeds=embeds, position_ids=positions, past_key_values=cache, use_cache=True)
+    first_logits = model.lm_head(out.last_hidden_state[0, -1])
+    tokens = [int(first_logits.argmax())]
+    decode_start = int(unpruned_positions.max()) + 1
+    for j in range(1, steps):
+        step_positions = torch.full((3, 1, 1), decode_start + j - 1, dtype=torch.int64)
+        out = text_model(inputs_embeds=text_model.embed_tokens(torch.tensor([[tokens[-1]]])),
+                         position_ids=step_positions, past_key_values=cache, use_cache=True)
+        tokens.append(int(model.lm_head(out.last_hidden_state[0, -1]).argmax()))
+    return Reference(ids[0].tolist(), positions[:, 0].numpy(), torch.nonzero(mask).reshape(-1).numpy(), tokens,
+                     first_logits)
+
+
+@torch.no_grad()
+def hf_generate(model, tokenizer, question: str, video, indices, fps, steps: int):
+    """Transformers' own ``generate`` (greedy, no stop) on the unpruned prompt."""
+    config = model.config
+    before, after = split_template(tokenizer, question)
+    ids = before + hf_video_ids(tokenizer, config, tuple(video.grid_thw), indices, fps) + after
+    ids_t = torch.tensor([ids])
+    token_types = torch.zeros_like(ids_t, dtype=torch.int32)
+    token_types[ids_t == config.video_token_id] = 2
+    out = model.generate(input_ids=ids_t, attention_mask=torch.ones_like(ids_t), mm_token_type_ids=token_types,
+                         pixel_values_videos=video.pixel_values, video_grid_thw=torch.tensor([list(video.grid_thw)]),
+                         max_new_tokens=steps, min_new_tokens=steps, do_sample=False, output_logits=True,
+                         return_dict_in_generate=True)
+    return ids, out.sequences[0, ids_t.shape[1]:].tolist(), out.logits[0][0]
+
+
+def assert_top_logits_match(ours: list[list[float]], reference: torch.Tensor) -> None:
+    ids = [int(i) for i, _ in ours]
+    assert ids[0] == int(reference.argmax())
+    assert set(ids) == set(reference.topk(len(ids)).indices.tolist())
+    for token_id, value in ours:
+        assert abs(value - float(reference[int(token_id)])) <= ATOL, (token_id, value)
+
+
+@pytest.fixture(scope="module")
+def references(hf_model, bundles, clips):
+    tokenizer = bundles[16].tokenizer
+    return {(name, q): hf_reference(hf_model, tokenizer, QUESTION, *clips[name], q, DECODE_STEPS)
+            for name in ("long", "short") for q in (0.0, Q)}
+
+
+# --------------------------------------------------------------------------------------------------
+# single requests
+
+
+def test_q0_equals_transformers_generate(bundles, sessions, hf_model, clips, references):
+    """Transformers' ``generate`` (its own processor layout, positions, cache) against the engine and the
+    hand-run reference: they must agree before the pruned comparisons mean anything."""
+    video, indices, fps = clips["long"]
+    tokenizer = bundles[16].tokenizer
+    ids, hf_tokens, hf_first = hf_generate(hf_model, tokenizer, QUESTION, video, indices, fps, DECODE_STEPS)
+    assert references[("long", 0.0)].ids == ids and references[("long", 0.0)].tokens == hf_tokens
+    assert len(set(hf_tokens)) > 3, "the tiny model's greedy output is too uniform to tell runs apart"
+    before, after = split_template(tokenizer, QUESTION)
+    engine = make_engine(bundles, sessions, 16, "ort", 0.0)
+    prompt = engine.prepare(our_pieces(before, after), [video])
+    assert prompt.ids.tolist() == ids
+    result = engine.generate(prompt, eos_ids=())
+    assert result.num_prefill_chunks == -(-len(ids) // 16)
+    assert result.generated_token_ids == hf_tokens
+    assert_top_logits_match(result.prefill_top_logits, hf_first)
+
+
+@pytest.mark.parametrize("backend", ("ort", "torch"))
+@pytest.mark.parametrize("seq_len", sorted(EXPORTS))
+@pytest.mark.parametrize("q", (0.0, Q))
+def test_chunked_prefill_and_decode_equal_transformers(bundles, sessions, clips, references, seq_len, backend, q):
+    video = clips["long"][0]
+    ref = references[("long", q)]
+    tokenizer = bundles[seq_len].tokenizer
+    engine = make_engine(bundles, sessions, seq_len, backend, q)
+    prompt = engine.prepare(our_pieces(*split_template(tokenizer, QUESTION)), [video])
+    assert prompt.ids.tolist() == ref.ids
+    np.testing.assert_array_equal(prompt.positions, ref.positions)
+    np.testing.assert_array_equal(prompt.encoded[0].retained_indices, ref.retained)
+    # Chunk boundaries fall inside the video placeholder (the state crosses them mid-video).
+    placeholder = prompt.placeholders[0]
+    cuts = range(seq_len, len(ref.ids), seq_len)
+    assert any(placeholder.offset < cut < placeholder.offset + placeholder.length for cut in cuts)
+    result = engine.generate(prompt, eos_ids=())
+    assert result.num_prefill_chunks == -(-len(ref.ids) // seq_len) >= 2
+    assert result.generated_token_ids == ref.tokens
+    assert_top_logits_match(result.prefill_top_logits, ref.first_logits)
+
+
+# --------------------------------------------------------------------------------------------------
+# continuous batching: 4 requests on 2 rows, each row reused
+
+
+class RecordingLanguage:
+    """Delegates to a language session and logs each prefill call's (cache row, first KV slot)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.prefills: list[tuple[int, int]] = []
+
+    @property
+    def shape(self):
+        return self.inner.shape
+
+    def close(self) -> None:
+        self.inner.close()
+
+    def prefill(self, cache_row: int, step):
+        self.prefills.append((cache_row, int(step.position_ids[0, 0, 0])))
+        return self.inner.prefill(cache_row, step)
+
+    def decode(self, rows, pad_token_id: int = 0):
+        return self.inner.decode(rows, pad_token_id)
+
+
+def test_continuous_batching_reused_rows_equal_transformers(bundles, sessions, hf_model, clips, references):
+    """Four requests (two clips, three questions: four prompt lengths) through the serving engine over
+    a 2-row export, after the single-request tests used row 0: the third and fourth request start in
+    rows whose linear-attention state holds a finished request's. Each request's tokens equal
+    transformers' on that request alone."""
+    bundle = bundles[16]
+    m = bundle.manifest
+    vision, language = sessions[(16, "ort")]
+    recording = RecordingLanguage(language)
+    scheduler = SchedulerConfig(max_num_batched_tokens=2 * m.prefill_seq_len, max_num_seqs=FULL_BATCH,
+                                prefill_seq_len=m.prefill_seq_len, ctx_len=m.ctx_len, encoder_compute_budget=256,
+                                encoder_cache_size=256)
+    config = EngineConfig(m.prefill_seq_len, m.ctx_len, m.user_vision_size, Q)
+    engine = ServingEngine(bundle.family, vision, recording, config, scheduler)
+    tokenizer = bundle.tokenizer
+    requests = {"a": ("long", QUESTION), "b": ("short", QUESTION), "c": ("short", "Describe the video in detail."),
+                "d": ("long", "Where")}
+    expected, lengths = {}, set()
+    for request_id, (clip, question) in requests.items():
+        video, indices, fps = clips[clip]
+        ref = (references[(clip, Q)] if question == QUESTION else
+               hf_reference(hf_model, tokenizer, question, video, indices, fps, Q, DECODE_STEPS))
+        expected[request_id] = ref.tokens
+        lengths.add(len(ref.ids))
+        engine.add_request(ServeRequest(request_id, our_pieces(*split_template(tokenizer, question)), [video],
+                                        max_new_tokens=DECODE_STEPS))
+    assert len(lengths) == 4
+    outputs = engine.run_to_completion()
+    first_chunks = [row for row, slot in recording.prefills if slot == 0]
+    assert len(first_chunks) == 4 and sorted(set(first_chunks)) == list(range(FULL_BATCH)), recording.prefills
+    for request_id, tokens in expected.items():
+        assert outputs[request_id] == tokens, request_id
+
+
+# --------------------------------------------------------------------------------------------------
+# what the export folder tells the compiler and the runtime about the state buffers
+
+
+def test_export_describes_the_state_buffers(bundles, hf_model):
+    """Manifest, custom IO, node precision and compile line of the CB export, against the checkpoint's
+    own layer types and widths (read from transformers' config, not from the package)."""
+    bundle = bundles[16]
+    folder = bundle.export_dir
+    text = hf_model.config.text_config
+    linear = [i for i, kind in enumerate(text.layer_types) if kind == "linear_attention"]
+    full = [i for i, kind in enumerate(text.layer_types) if kind == "full_attention"]
+    assert linear and full
+    conv_dim = 2 * text.linear_num_key_heads * text.linear_key_head_dim + \
+        text.linear_num_value_heads * text.linear_value_head_dim
+    shape = bundle.manifest.language_shape
+    assert shape.kv_layers == tuple(full)
+    states = {state.name: state for state in shape.layer_states}
+    assert states["conv_state"].layers == states["recurrent_state"].layers == tuple(linear)
+    assert states["conv_state"].row_shape == (conv_dim, text.linear_conv_kernel_dim - 1)
+    assert states["recurrent_state"].row_shape == (text.linear_num_value_heads, text.linear_key_head_dim,
+                                                   text.linear_value_head_dim)
+    assert (states["conv_state"].precision, states["recurrent_state"].precision) == ("float16", "float32")
+
+    graph = onnx.load(str(folder / "language" / "language.onnx"), load_external_data=False)
+    inputs = {i.name: [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim] for i in graph.graph.input}
+    outputs = {o.name for o in graph.graph.output}
+    for i in linear:
+        assert f"past_key.{i}" not in inputs
+        assert inputs[f"conv_state.{i}"] == ["full_batch_size", conv_dim, text.linear_conv_kernel_dim - 1]
+        assert inputs[f"recurrent_state.{i}"][1:] == list(states["recurrent_state"].row_shape)
+        assert {f"conv_state.{i}_RetainedState", f"recurrent_state.{i}_RetainedState"} <= outputs
+    for i in full:
+        assert inputs[f"past_key.{i}"] == ["full_batch_size", text.num_key_value_heads, "ctx_len", text.head_dim]
+
+    custom_io = read_custom_io_yaml(folder / "language" / "custom_io.yaml")
+    for i in linear:  # fp16 conv state on the card; the recurrent state stays an fp32 buffer
+        assert custom_io[f"conv_state.{i}"] == custom_io[f"conv_state.{i}_RetainedState"] == "float16"
+        assert f"recurrent_state.{i}" not in custom_io and f"recurrent_state.{i}_RetainedState" not in custom_io
+    listed = yaml.safe_load((folder / "language" / "node_precision.yaml").read_text())["FP32NodeInstanceNames"]
+    produced = {name for node in graph.graph.node for name in node.output}
+    assert listed and set(listed) <= produced
+    assert {f"recurrent_state.{i}_RetainedState" for i in linear} <= set(listed)
+    language_line = next(line for line in (folder / "compile.sh").read_text().splitlines()
+                         if "-m=language/language.onnx" in line)
+    assert "-node-precision-info=language/node_precision.yaml" in language_line and "-retained-state" in language_line
+    assert bundle.manifest.files["language_node_precision"] == "language/node_precision.yaml"
+
+
+def test_verify_fp16_follows_the_state_over_many_chunks(bundles):
+    """``qeff-evs verify --fp16``: the state workload runs chunk after chunk then decodes, with the fp32
+    state path kept as the node-precision file says; the state stays close to fp32's."""
+    report = verify_export(bundles[16].export_dir, fp16=True)
+    assert not report.problems
+    state = next(c for c in report.comparisons if c.name == "layer_states")
+    assert state.detail["chunks"] >= 8 and state.detail["decode_steps"] >= 32
+    assert state.detail["recurrent_state_relative_error"] < 5e-2
+    assert state.detail["conv_state_relative_error"] < 5e-2
+    assert state.greedy_agreement >= 0.9
+
+
+def test_qeff_evs_run_equals_transformers(bundles, references, tmp_path, capsys):
+    """``qeff-evs run`` (the CLI, its own prompt and stop ids) over the 64-token export at its q = 0.5."""
+    clip = CLIPS[0]
+    path = tmp_path / "clip.npy"
+    np.save(path, moving_square_video(clip.frames, clip.height, clip.width, seed=clip.seed))
+    bundle = bundles[64]
+    capsys.readouterr()
+    code = cli.main(["run", str(bundle.export_dir), "--video", str(path), "--prompt", QUESTION,
+                     "--max-new-tokens", str(DECODE_STEPS), "--json"])
+    assert code == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    ref = references[("long", Q)]
+    stops = set(stop_ids(bundle))
+    expected = ref.tokens[: next((i + 1 for i, t in enumerate(ref.tokens) if t in stops), len(ref.tokens))]
+    assert result["prompt_token_ids"] == ref.ids
+    assert result["generated_token_ids"] == expected
