@@ -143,7 +143,7 @@ def build(served_export, tmp_path_factory):
     return get
 
 
-@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl", "qwen3_5"])
 def served(request, build):
     return build(request.param)
 

@@ -1,0 +1,54 @@
+"""``vllm serve`` on a Qwen3.5 export (a hybrid language graph: linear-attention state on the device).
+
+vLLM 0.32's own Qwen3.5 class crashes as soon as a video pruning rate is set (vllm #54170); the export's
+``config.json`` names our interface class instead, so nothing of vLLM's model code runs. A ``video_url``
+chat completion gives exactly the tokens of ``qeff-evs run`` on the same file, and so do two requests
+served at once (two KV rows, each row's conv and recurrent state its own). A module of its own so this
+server never runs beside ``test_vllm_serve.py``'s.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm.v1.worker.worker_base")
+pytest.importorskip("openai")
+pytest.importorskip("uvicorn", reason="vLLM's server packages are missing: run bash scripts/install.sh --test")
+
+from qeff_evs.runtime.engine.executor import retained_count  # noqa: E402
+from qeff_evs.runtime.engine.request import plan_prompt  # noqa: E402
+from qeff_evs.runtime.inputs.prompt import video_question_pieces  # noqa: E402
+from qeff_evs.runtime.inputs.synthetic import moving_square_video  # noqa: E402
+from qeff_evs.runtime.runner import answer, build_engine, open_export, video_from_file  # noqa: E402
+from test_vllm_serve import QUESTION, chat, serving, video_message, write_mkv  # noqa: E402
+
+NEW_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def export(served_export) -> Path:
+    return served_export("qwen3_5")[1]
+
+
+def test_video_url_equals_qeff_evs_run(export, tmp_path):
+    clip = write_mkv(tmp_path / "clip.mkv", moving_square_video(8, 120, 120, seed=3), fps=2)
+    bundle = open_export(export)
+    video = video_from_file(clip, bundle)
+    questions = (QUESTION, "Describe the moving square.")
+    expected = {q: answer(bundle, build_engine(bundle, "ort", max_new_tokens=NEW_TOKENS), video, q) for q in questions}
+    # vLLM reports the prompt it scheduled: the video's placeholder as planned before encoding.
+    pieces = video_question_pieces(bundle.tokenizer, QUESTION, bundle.family.token_strings)
+    retained = retained_count(bundle.family, video, bundle.manifest.video_pruning_rate)
+    planned = plan_prompt(pieces, [video], [retained], bundle.family).ids.tolist()
+    with serving(export, tmp_path / "server.log") as client:
+        response = chat(client, video_message(clip), max_tokens=NEW_TOKENS)
+        with ThreadPoolExecutor(2) as pool:
+            together = list(pool.map(lambda q: chat(client, video_message(clip, q), max_tokens=NEW_TOKENS), questions))
+    assert len(expected[QUESTION].generated_token_ids) > 1
+    assert response.choices[0].token_ids == expected[QUESTION].generated_token_ids
+    assert response.prompt_token_ids == planned
+    for question, got in zip(questions, together):
+        assert got.choices[0].token_ids == expected[question].generated_token_ids, question
