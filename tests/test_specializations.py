@@ -19,6 +19,7 @@ import pytest
 import torch
 import yaml
 
+from qeff_evs.manifest import LayerState
 from qeff_evs.specializations import (
     CompileCommand,
     Specialization,
@@ -366,6 +367,21 @@ def test_language_custom_io_defaults_to_fp16_kv_without_deepstack():
         "past_key.0": "float16", "past_key.0_RetainedState": "float16",
         "past_value.0": "float16", "past_value.0_RetainedState": "float16",
     }
+
+
+def test_language_custom_io_of_a_hybrid_model_lists_states_by_their_precision():
+    """KV only in the cached layers (even with mxint8 KV); an fp16 layer state listed, an fp32 one left out."""
+    states = (LayerState("conv_state", (0, 2), (96, 3), "float16"), LayerState("recurrent_state", (0, 2), (4, 16, 8),
+                                                                                "float32"))
+    assert language_custom_io(3, (), "mxint8", kv_layers=(1,), layer_states=states) == {
+        "vision_embeds": "float16", "vision_embeds_RetainedState": "float16",
+        "past_key.1": "mxint8", "past_key.1_RetainedState": "mxint8",
+        "past_value.1": "mxint8", "past_value.1_RetainedState": "mxint8",
+        "conv_state.0": "float16", "conv_state.0_RetainedState": "float16",
+        "conv_state.2": "float16", "conv_state.2_RetainedState": "float16",
+    }
+    with pytest.raises(ValueError, match=r"precision 'bfloat16'"):
+        LayerState("conv_state", (0,), (96, 3), "bfloat16")
 
 
 def test_vision_custom_io_is_fp16_embeds():

@@ -53,7 +53,13 @@ def random_model(hf_config, family: str, seed: int) -> torch.nn.Module:
                 parameter.uniform_(-bound, bound, generator=generator)
             elif name.endswith("bias"):
                 parameter.zero_()
-            # 1-D non-bias parameters are norm weights, created as ones by their modules.
+        # Other 1-D parameters are norm weights (or made by their modules, as Gated DeltaNet's A_log).
+        # transformers' RMSNorms create theirs filled, but torch's LayerNorm fills its weight through
+        # nn.init, which no_init_weights skips: left uninitialised it can hold anything (1e38 was seen,
+        # NaN vision rows), so fill it here.
+        for module in model.modules():
+            if isinstance(module, torch.nn.LayerNorm) and module.weight is not None:
+                module.weight.fill_(1.0)
     return model.to(torch.float32).eval()
 
 

@@ -75,8 +75,15 @@ def layer_types(config) -> list[str]:
 
 def tiny_layer_types(layers: int) -> list[str]:
     """The tiny models' layers: full attention at layers 1, 4, 7, ... (so 2 layers still hold one of each and
-    4 hold two linear layers in a row and a linear layer after the last full one)."""
-    return [FULL if i % 3 == 1 else LINEAR for i in range(layers)]
+    4 hold two linear layers in a row and a linear layer after the last full one); one layer is full attention
+    (a language graph needs one KV cache for its slots)."""
+    return [FULL if i % 3 == 1 or layers == 1 else LINEAR for i in range(layers)]
+
+
+def released_layer_types(layers: int) -> list[str]:
+    """The released checkpoints' pattern (full attention every 4th layer), the last layer always full
+    attention so a shallow bench model keeps one KV cache."""
+    return [FULL if (i + 1) % 4 == 0 or i == layers - 1 else LINEAR for i in range(layers)]
 
 
 def _remembering_decays(gdn: nn.Module, generator: torch.Generator) -> None:
@@ -183,9 +190,11 @@ class Qwen3_5Family(Qwen3_VLFamily):
     @classmethod
     def realistic_widths(cls, text_layers: int, vision_layers: int) -> tuple[dict[str, Any], dict[str, Any]]:
         """Qwen3.5-0.8B widths (the smallest released; config.json as quoted by third parties, see
-        ``shared/reference/qwen3_5.md`` §1.3): full attention every 4th layer (transformers' default)."""
+        ``shared/reference/qwen3_5.md`` §1.3): full attention every 4th layer and in the last
+        (``released_layer_types``)."""
         text = dict(
             vocab_size=248320, hidden_size=1024, intermediate_size=3584, num_hidden_layers=text_layers,
+            layer_types=released_layer_types(text_layers),
             num_attention_heads=8, num_key_value_heads=2, head_dim=256, max_position_embeddings=262144,
             rms_norm_eps=1e-6, linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128,
             linear_num_key_heads=16, linear_num_value_heads=16, tie_word_embeddings=True,
@@ -205,7 +214,11 @@ class Qwen3_5Family(Qwen3_VLFamily):
         return Qwen3_5LanguageGraph(model, media_token_ids, rope_positions, prefill_seq_len)
 
     def kv_layers(self) -> tuple[int, ...]:
-        return tuple(i for i, kind in enumerate(layer_types(self.config)) if kind == FULL)
+        layers = tuple(i for i, kind in enumerate(layer_types(self.config)) if kind == FULL)
+        if not layers:
+            raise ValueError("this Qwen3.5 config has no full_attention layer; the language graph keeps its KV "
+                             "slots in the full-attention layers' caches, so give layer_types at least one")
+        return layers
 
     def layer_states(self) -> tuple[LayerState, ...]:
         text = self.config.text_config
