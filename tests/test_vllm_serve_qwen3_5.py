@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("vllm.v1.worker.worker_base")
-pytest.importorskip("openai")
+openai = pytest.importorskip("openai")
 pytest.importorskip("uvicorn", reason="vLLM's server packages are missing: run bash scripts/install.sh --test")
 
 from qeff_evs.runtime.engine.executor import retained_count  # noqa: E402
@@ -23,7 +23,9 @@ from qeff_evs.runtime.engine.request import plan_prompt  # noqa: E402
 from qeff_evs.runtime.inputs.prompt import video_question_pieces  # noqa: E402
 from qeff_evs.runtime.inputs.synthetic import moving_square_video  # noqa: E402
 from qeff_evs.runtime.runner import answer, build_engine, open_export, video_from_file  # noqa: E402
-from test_vllm_serve import QUESTION, chat, serving, video_message, write_mkv  # noqa: E402
+from conftest import SERVED_FULL_BATCH as FULL_BATCH  # noqa: E402
+from helpers.vllm_server import vllm_servers  # noqa: E402
+from test_vllm_serve import QUESTION, REQUEST_TIMEOUT_S, chat, video_message, write_mkv  # noqa: E402
 
 NEW_TOKENS = 8
 
@@ -43,7 +45,10 @@ def test_video_url_equals_qeff_evs_run(export, tmp_path):
     pieces = video_question_pieces(bundle.tokenizer, QUESTION, bundle.family.token_strings)
     retained = retained_count(bundle.family, video, bundle.manifest.video_pruning_rate)
     planned = plan_prompt(pieces, [video], [retained], bundle.family).ids.tolist()
-    with serving(export, tmp_path / "server.log") as client:
+    arguments = [str(export), "--video-pruning-rate", "0.5", "--max-num-seqs", str(FULL_BATCH),
+                 "--served-model-name", "tiny"]
+    with vllm_servers([(arguments, {"QEFF_EVS_BACKEND": "ort"}, tmp_path / "server.log", None)]) as (server,):
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", timeout=REQUEST_TIMEOUT_S, max_retries=0)
         response = chat(client, video_message(clip), max_tokens=NEW_TOKENS)
         with ThreadPoolExecutor(2) as pool:
             together = list(pool.map(lambda q: chat(client, video_message(clip, q), max_tokens=NEW_TOKENS), questions))
