@@ -26,8 +26,9 @@ dv)`` with their ``_RetainedState`` outputs (``LayerState``), run by
   ``custom_io.yaml`` and kept fp32 along its path through the graph by a ``-node-precision-info`` file
   (fp16 storage drifts with every decode step: ``benchmarks/README.md``, the Gated DeltaNet layer bench).
 
-Prefix caching cannot serve this family: a cached prefix would have to restore the linear layers'
-state at the prefix's end, which no KV block holds (``layer_states`` makes the serving limits say so).
+Prefix caching could not serve this family even if exports shared KV blocks: a cached prefix would have
+to restore the linear layers' state at the prefix's end, which no KV block holds (the vLLM plugin refuses
+prefix caching for every export, ``qeff_evs.vllm.limits``).
 """
 
 from __future__ import annotations
