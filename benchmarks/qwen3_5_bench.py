@@ -34,7 +34,7 @@ def _peak_rss_mib() -> float:
 def build(args) -> dict:
     import torch
 
-    from qeff_evs.bench.graphs import random_model
+    from qeff_evs.bench.checkpoint import random_model
     from qeff_evs.models.qwen3_5 import Qwen3_5Family, _remembering_decays
     from qeff_evs.models.qwen_vl import special_token_ids
     from qeff_evs.models.tiny import build_tokenizer
