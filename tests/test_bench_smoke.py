@@ -215,6 +215,18 @@ def test_qwen3_smoke_sends_deepstack_rows_too(tmp_path):
         assert r["logits_max_abs_diff"] <= 1e-4
 
 
+def test_qwen3_5_smoke_runs_the_hybrid_graph(tmp_path):
+    """Qwen3.5 with a linear-attention and a full-attention layer: the language graph carries layer states
+    from chunk to chunk; the user_vision_size and QEfficient ways give the same logits."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert cli.main(["bench", "--smoke", "--family", "qwen3_5", "--text-layers", "2", "-o", str(tmp_path)]) == 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["config"]["family"] == "qwen3_5" and results["config"]["text_layers"] == 2
+    rows = results["window_sweep"]["rows"]
+    assert rows and all(r["logits_max_abs_diff"] <= 1e-4 for r in rows)
+
+
 def test_bench_without_matplotlib_names_the_extra(monkeypatch, tmp_path, capsys):
     """matplotlib is the optional bench extra: without it the bench stops first, exit 2, with the install line."""
     for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")]:
