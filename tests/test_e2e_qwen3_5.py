@@ -48,7 +48,9 @@ from qeff_evs.runtime.engine.serving import ServeRequest, ServingEngine
 from qeff_evs.runtime.engine.single_request import Engine, EngineConfig
 from qeff_evs.runtime.inputs.synthetic import moving_square_video
 from qeff_evs.specializations import read_custom_io_yaml
-from qeff_evs.runtime.runner import open_export, sessions_for, stop_ids, video_from_file
+from qeff_evs.models.pruning import VideoPruning
+from qeff_evs.runtime.runner import build_engine, open_export, sessions_for, stop_ids, video_from_file
+from helpers.pruning_oracles import vllm_vidcom2_mask
 
 ATOL = 1e-4
 DECODE_STEPS = 32
@@ -122,7 +124,7 @@ def clips(tmp_path_factory, bundles):
     for clip in CLIPS:
         path = folder / f"{clip.name}.npy"
         np.save(path, moving_square_video(clip.frames, clip.height, clip.width, seed=clip.seed))
-        video = video_from_file(path, bundle, source_fps=clip.source_fps)
+        video = video_from_file(path, bundle, array_fps=clip.source_fps)
         indices = clip.hf_frame_indices(2 * video.grid_thw[0])
         assert video.frame_times == tuple(i / clip.source_fps for i in indices)
         out[clip.name] = (video, indices, clip.source_fps)
@@ -183,14 +185,21 @@ class Reference:
 
 
 @torch.no_grad()
-def hf_reference(model, tokenizer, question: str, video, indices, fps, q: float, steps: int) -> Reference:
-    """Transformers' vision tower, EVS on its merged rows, and its text model over the pruned layout."""
+def hf_reference(model, tokenizer, question: str, video, indices, fps, q: float, steps: int,
+                 method: str = "evs") -> Reference:
+    """Transformers' vision tower, EVS (or vLLM's VidCom2) on its merged rows, and its text model over the
+    pruned layout."""
     config = model.config
     merge = config.vision_config.spatial_merge_size
     before, after = split_template(tokenizer, question)
     grid = tuple(video.grid_thw)
     merged = model.model.visual(video.pixel_values, grid_thw=torch.tensor([grid])).pooler_output
-    mask = evs.retention_mask(merged, grid, merge, q) if q > 0 else torch.ones(merged.shape[0], dtype=torch.bool)
+    if q == 0:
+        mask = torch.ones(merged.shape[0], dtype=torch.bool)
+    elif method == "vidcom2":
+        mask = vllm_vidcom2_mask(merged, grid, merge, q)
+    else:
+        mask = evs.retention_mask(merged, grid, merge, q)
     video_ids = hf_video_ids(tokenizer, config, grid, indices, fps)
     keep = np.ones(len(video_ids), dtype=bool)
     keep[np.asarray(video_ids) == config.video_token_id] = mask.numpy()
@@ -431,3 +440,17 @@ def test_qeff_evs_run_equals_transformers(bundles, references, tmp_path, capsys)
     expected = ref.tokens[: next((i + 1 for i, t in enumerate(ref.tokens) if t in stops), len(ref.tokens))]
     assert result["prompt_token_ids"] == ref.ids
     assert result["generated_token_ids"] == expected
+
+
+def test_vidcom2_equals_transformers(bundles, hf_model, clips):
+    """VidCom2 (vLLM's scores, its own pruning graph) at q = 0.5 over the 16-token export, chunked and decoded."""
+    video, indices, fps = clips["long"]
+    bundle = bundles[16]
+    ref = hf_reference(hf_model, bundle.tokenizer, QUESTION, video, indices, fps, Q, DECODE_STEPS, method="vidcom2")
+    engine = build_engine(bundle, "ort", max_new_tokens=DECODE_STEPS, pruning=VideoPruning("vidcom2", Q))
+    prompt = engine.prepare(our_pieces(*split_template(bundle.tokenizer, QUESTION)), [video])
+    assert prompt.ids.tolist() == ref.ids
+    np.testing.assert_array_equal(prompt.encoded[0].retained_indices, ref.retained)
+    result = engine.generate(prompt, eos_ids=())
+    assert result.generated_token_ids == ref.tokens
+    assert_top_logits_match(result.prefill_top_logits, ref.first_logits)
