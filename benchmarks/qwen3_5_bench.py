@@ -86,7 +86,7 @@ def run(args) -> dict:
     bundle = open_export(Path(args.out) / "export")
     shape = bundle.language_shape
     frames = moving_square_video(args.frames, args.size, args.size, seed=0)
-    video = video_from_frames(frames, 2.0, bundle)
+    video = video_from_frames(frames, {"total_num_frames": len(frames), "fps": 2.0}, bundle)
     started = time.perf_counter()
     engine = build_engine(bundle, "ort", max_new_tokens=args.decode_steps)
     opened = time.perf_counter() - started
