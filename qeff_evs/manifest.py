@@ -18,7 +18,8 @@ MODEL_CONFIG_DIR = "model_config"  # the checkpoint's config and preprocessor fi
 GRAPHS = ("encoder", "evs", "language")
 # role -> path relative to the export folder
 EXPORT_FILES = dict(
-    encoder="vision/encoder.onnx", evs="vision/evs.onnx", language="language/language.onnx", tokenizer="tokenizer",
+    encoder="vision/encoder.onnx", evs="vision/evs.onnx", language="language/language.onnx",
+    tokenizer=".",  # the checkpoint's tokenizer files sit at the top (exports before issue 15: "tokenizer")
     encoder_specializations="vision/encoder_specializations.json",
     evs_specializations="vision/evs_specializations.json",
     language_specializations="language/specializations.json",

@@ -12,7 +12,9 @@ Layout of the export folder::
     language/language.onnx        language graph (QEfficient contract, user_vision_size windows)
     language/specializations.json prefill + decode; + specializations.named.json
     language/custom_io.yaml
-    tokenizer/                    the checkpoint's tokenizer (and chat template)
+    tokenizer.json, tokenizer_config.json, chat_template.jinja, ...
+                                  the checkpoint's tokenizer (and chat template), at the top like a model folder
+    config.json, generation_config.json   the export as a model folder (vLLM, transformers' Auto* classes)
     compile.sh                    the qaic-compile command lines
     placement.json                each graph's cores and devices, as compile.sh compiles it
 """
@@ -75,13 +77,13 @@ def stop_token_ids(checkpoint, config_eos: tuple[int, ...]) -> list[int]:
 
 
 def save_serving_config(checkpoint, family: ModelFamily, eos: list[int], ctx_len: int, folder: Path) -> None:
-    """The export as a vLLM model folder: ``config.json`` and ``generation_config.json`` at its top.
+    """The export as a model folder: ``config.json`` and ``generation_config.json`` at its top, beside the tokenizer.
 
     The config names qeff-evs's interface class for the family (its ``serving_architecture``) instead of
-    Hugging Face's, and the generation config stops on the same ids as ``qeff-evs run``. A copy of the
-    config sits beside the tokenizer too: vLLM reads a model config next to the tokenizer it loads
-    (the plugin points it at ``tokenizer/``). Its ``max_position_embeddings`` is the export's ``ctx_len``,
-    so vLLM's default ``max_model_len`` is what the graphs hold.
+    Hugging Face's, and the generation config stops on the same ids as ``qeff-evs run``. Its
+    ``max_position_embeddings`` is the export's ``ctx_len``, so vLLM's default ``max_model_len`` is what
+    the graphs hold. ``AutoConfig``, ``AutoTokenizer``, ``GenerationConfig`` and vLLM all read the folder
+    as they read a checkpoint.
     """
     from transformers import GenerationConfig
 
@@ -89,7 +91,6 @@ def save_serving_config(checkpoint, family: ModelFamily, eos: list[int], ctx_len
     config.architectures = [family.serving_architecture]
     getattr(config, "text_config", config).max_position_embeddings = int(ctx_len)
     config.save_pretrained(folder)  # EXPORT_FILES["serving_config"]
-    config.save_pretrained(folder / EXPORT_FILES["tokenizer"])
     GenerationConfig(eos_token_id=list(eos)).save_pretrained(folder)
 
 
@@ -225,7 +226,7 @@ def export_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, 
     commands = compile_commands(out, CompileOptions(num_cores=options.num_cores, mxfp6_matmul=options.mxfp6_matmul),
                                 options.kv_precision, specs, embedding_io_names(family))
     write_compile_script(out / "compile.sh", commands)
-    checkpoint.tokenizer.save_pretrained(out / "tokenizer")
+    checkpoint.tokenizer.save_pretrained(out / EXPORT_FILES["tokenizer"])
     save_model_config(checkpoint, out / MODEL_CONFIG_DIR)
     save_serving_config(checkpoint, family, stop_token_ids(checkpoint, family.special_tokens().eos),
                         options.ctx_len, out)
