@@ -73,12 +73,12 @@ def test_settings_the_export_serves_pass(served_manifest):
 @pytest.mark.parametrize("change, expected", [
     (dict(max_num_seqs=8), "max_num_seqs 8 is above the export's full batch size 4 (its KV rows); pass --max-num-seqs 4"),
     (dict(max_model_len=257), "max_model_len 257 is above the export's ctx_len 256; pass --max-model-len 256"),
-    (dict(video_pruning_rate=0.75), "video_pruning_rate 0.75 is not the rate the export was made for (0.5); "
+    (dict(video_pruning_rate=0.75), "video_pruning_rate 0.75 is not a rate the export serves (0.5); "
                                     "pass --video-pruning-rate 0.5"),
     (dict(video_pruning_rate=None), "pass --video-pruning-rate 0.5"),
+    (dict(video_pruning_method="vidcom2"), "video_pruning_method 'vidcom2' is not one this export carries (evs); "
+                                           "pass --video-pruning-method evs"),
     (dict(enable_prefix_caching=True), "pass --no-enable-prefix-caching"),
-    (dict(tensor_parallel_size=2), "an export runs as one worker"),
-    (dict(speculative=True), "remove --speculative-config"),
 ])
 def test_each_unservable_setting_is_one_line(served_manifest, change, expected):
     problems = refusals(dataclasses.replace(GOOD, **change), served_manifest)

@@ -1,18 +1,25 @@
-"""``vllm serve`` on an export, through the OpenAI API (issue 12).
+"""``vllm serve`` on an export, through the OpenAI API (issues 12 and 15).
 
 One server (a child process on 127.0.0.1 only, stopped whatever happens) serves a tiny Qwen2.5-VL
 export with 4 KV rows. Through the ``openai`` client: a ``video_url`` chat completion gives exactly the
 tokens of ``qeff-evs run`` on the same file; an ``image_url`` one those of our engine on the same image;
-streaming gives the same text; 32 concurrent requests all complete; a video no specialization serves
-gets HTTP 400 naming what was exported and the next request succeeds; a client that disconnects
+streaming gives the same text; 32 concurrent requests all complete; a client that disconnects
 mid-generation frees its KV row (4 requests afterwards run at once and complete).
+
+Nothing a request carries can stop the server (issue 15): each kind of bad request (media pad tokens in
+the text, more pads than media, too many media, positions past the RoPE tables, a video or image no
+specialization serves, corrupt, truncated and one-frame videos, an unsupported media type, a huge image,
+refused parameters) gets a 4xx naming the value and the limit, and the next request succeeds. vLLM's own
+benchmark client (``vllm bench serve``, ShareGPT-style dataset with local videos) runs with 0 failures.
 """
 
 from __future__ import annotations
 
 import base64
 import io
+import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -20,6 +27,7 @@ import sys
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from fractions import Fraction
 from pathlib import Path
 
 import numpy as np
@@ -30,7 +38,9 @@ openai = pytest.importorskip("openai")
 # vLLM's server imports more than its pure-Python oracles; scripts/install.sh --test installs it all.
 pytest.importorskip("uvicorn", reason="vLLM's server packages are missing: run bash scripts/install.sh --test")
 
-from qeff_evs.runtime.engine.request import PromptPiece  # noqa: E402
+from qeff_evs.runtime.engine.executor import retained_count  # noqa: E402
+from qeff_evs.runtime.engine.request import PromptPiece, plan_prompt  # noqa: E402
+from qeff_evs.runtime.inputs.prompt import chat_pieces  # noqa: E402
 from qeff_evs.runtime.inputs.synthetic import moving_square_video  # noqa: E402
 from qeff_evs.runtime.runner import answer, build_engine, image_from_array, open_export, stop_ids, video_from_file  # noqa: E402
 
@@ -38,6 +48,7 @@ from conftest import SERVED_CTX_LEN as CTX_LEN, SERVED_FULL_BATCH as FULL_BATCH 
 QUESTION = "What happens in this video?"
 START_TIMEOUT_S = 240
 REQUEST_TIMEOUT_S = 120
+MEDIA_LIMIT = {"video": 2, "image": 2}
 
 
 def write_mkv(path: Path, frames: np.ndarray, fps: int) -> Path:
@@ -75,22 +86,30 @@ def media(tmp_path_factory):
 
     image = folder / "image.png"
     Image.fromarray(moving_square_video(1, 112, 168, seed=5)[0]).save(image)
-    return dict(clip=write_mkv(folder / "clip.mkv", moving_square_video(8, 120, 120, seed=3), fps=2),
+    Image.new("RGB", (20000, 20000)).save(folder / "huge.png")  # 400 M pixels: a 1.2 MB file
+    clip = write_mkv(folder / "clip.mkv", moving_square_video(8, 120, 120, seed=3), fps=2)
+    (folder / "truncated.mkv").write_bytes(clip.read_bytes()[:200])  # the container's header, no frame
+    (folder / "corrupt.mp4").write_bytes(b"\x00\x01 not a video " * 100)
+    return dict(folder=folder, clip=clip, image=image, huge=folder / "huge.png", truncated=folder / "truncated.mkv",
+                corrupt=folder / "corrupt.mp4",
                 other=write_mkv(folder / "other.mkv", moving_square_video(4, 112, 170, seed=4), fps=2),
                 # 2 frames at 4 fps: 1 frame at the 2 fps the checkpoint samples at, fewer than any exported count
                 too_short=write_mkv(folder / "short.mkv", moving_square_video(2, 120, 120, seed=6), fps=4),
-                image=image)
+                one_frame=write_mkv(folder / "one.mkv", moving_square_video(1, 120, 120, seed=7), fps=2),
+                # 8 frames 50 s apart: Qwen2.5-VL's temporal positions follow the timestamps, far past 512
+                sparse=write_mkv(folder / "sparse.mkv", moving_square_video(8, 120, 120, seed=8), fps=Fraction(1, 50)))
 
 
 @pytest.fixture(scope="module")
-def server(export, tmp_path_factory):
+def server(export, media, tmp_path_factory):
     port = free_port()
     log = tmp_path_factory.mktemp("serve_log") / "server.log"
     env = dict(os.environ, QEFF_EVS_BACKEND="ort")
     argv = [str(Path(sys.executable).with_name("vllm")), "serve", str(export), "--host", "127.0.0.1", "--port",
             str(port), "--video-pruning-rate", "0.5", "--max-num-seqs",
             # No --max-model-len, no --no-enable-prefix-caching: the export's config and the platform set them.
-            str(FULL_BATCH), "--served-model-name", "tiny"]
+            str(FULL_BATCH), "--served-model-name", "tiny", "--allowed-local-media-path", str(media["folder"]),
+            "--limit-mm-per-prompt", json.dumps(MEDIA_LIMIT)]
     with open(log, "w") as out:
         process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     try:
@@ -107,8 +126,10 @@ def server(export, tmp_path_factory):
             if time.monotonic() > deadline:
                 pytest.fail(f"vllm serve not ready after {START_TIMEOUT_S} s:\n{log.read_text()[-5000:]}")
             time.sleep(1)
-        yield openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", timeout=REQUEST_TIMEOUT_S,
-                            max_retries=0)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", timeout=REQUEST_TIMEOUT_S,
+                               max_retries=0)
+        client.port, client.pid, client.log = port, process.pid, log
+        yield client
     finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGTERM)
@@ -174,12 +195,100 @@ def test_32_concurrent_requests_complete(server, media):
     assert all(c.finish_reason == "length" and len(c.token_ids) == 4 for c in choices)
 
 
-def test_unservable_video_is_a_400_and_the_server_goes_on(server, media):
+def text_message(text: str) -> list[dict]:
+    return [{"role": "user", "content": text}]
+
+
+def media_message(parts: list[tuple[str, Path, str]], text: str = QUESTION) -> list[dict]:
+    """``(kind, file, mime)`` parts then the text: kind "video_url", "image_url" or "input_audio"."""
+    content = []
+    for kind, path, mime in parts:
+        if kind == "input_audio":
+            content.append({"type": kind, "input_audio": {"data": base64.b64encode(path.read_bytes()).decode(),
+                                                          "format": "wav"}})
+        else:
+            content.append({"type": kind, kind: {"url": data_url(path, mime)}})
+    return [{"role": "user", "content": content + [{"type": "text", "text": text}]}]
+
+
+MKV = "video/x-matroska"
+# kind -> (messages from the media, extra request fields, what the 4xx must say)
+BAD_REQUESTS = {
+    "image pad in the text": (lambda m: text_message("look <|image_pad|> here"), {},
+                              "1 media pad token(s) <|image_pad|> that no attached image or video fills"),
+    "marker and video pad in the text": (lambda m: text_message("see <|vision_start|><|video_pad|> it"), {},
+                                         "<|video_pad|> that no attached image or video fills"),
+    "more pads than media": (lambda m: media_message([("video_url", m["clip"], MKV)], "and <|video_pad|> too"), {},
+                             "1 video(s) attached but the prompt has 2 <|video_pad|>"),
+    "more media than allowed": (lambda m: media_message([("video_url", m["clip"], MKV)] * 3), {},
+                                "At most 2 video(s) may be provided in one prompt"),
+    "positions past the RoPE tables": (lambda m: media_message([("video_url", m["sparse"], MKV)]), {},
+                                       "but the export's RoPE tables cover [0, 512); its prompt alone passes them"),
+    "a video no specialization serves": (lambda m: media_message([("video_url", m["too_short"], MKV)]), {},
+                                         "exported frame count [2, 4, 8]"),
+    "a one-frame video": (lambda m: media_message([("video_url", m["one_frame"], MKV)]), {},
+                          "no frame could be decoded from it; exported videos have [2, 4, 8] frames"),
+    "a corrupt video": (lambda m: media_message([("video_url", m["corrupt"], "video/mp4")]), {},
+                        "Could not open video stream"),
+    "a truncated video": (lambda m: media_message([("video_url", m["truncated"], MKV)]), {},
+                          "Could not open video stream"),
+    "an unsupported media type": (lambda m: media_message([("input_audio", m["image"], "")]), {},
+                                  "At most 0 audio(s) may be provided in one prompt"),
+    "not an image": (lambda m: media_message([("image_url", m["corrupt"], "image/png")]), {},
+                     "Failed to load image"),
+    "a huge image": (lambda m: media_message([("image_url", m["huge"], "image/png")]), {},
+                     "Image dimensions 20000x20000 (400000000 pixels) exceed the maximum"),
+    "prompt_logprobs": (lambda m: text_message("hello"), {"prompt_logprobs": 1},
+                        "prompt_logprobs=1: the language graph returns the last position's logits only"),
+    "mm_processor_kwargs": (lambda m: media_message([("video_url", m["clip"], MKV)]),
+                            # vLLM refuses them first unless --trust-request-mm-kwargs; then the processor does (tested
+                            # through LLM.generate in test_vllm_settings.py)
+                            {"mm_processor_kwargs": {"fps": 1}}, "mm_processor_kwargs are disabled"),
+}
+
+
+def bad_request(client, messages, extra: dict):
+    """The error of a request expected to fail (openai raises APIStatusError subclasses with the status)."""
+    with pytest.raises(openai.APIStatusError) as error:
+        client.chat.completions.create(model="tiny", messages=messages, temperature=0, max_tokens=4,
+                                       extra_body=dict(extra))
+    return error.value
+
+
+@pytest.mark.parametrize("kind", list(BAD_REQUESTS))
+def test_bad_request_is_a_400_and_the_server_goes_on(server, media, kind):
+    build, extra, says = BAD_REQUESTS[kind]
+    error = bad_request(server, build(media), extra)
+    assert 400 <= error.status_code < 500, (kind, error.status_code, str(error))
+    assert says in str(error), (kind, str(error))
+    assert chat(server, text_message("next one"), max_tokens=2).choices[0].finish_reason == "length"
+
+
+def test_a_refused_request_does_not_spoil_its_media_for_the_next(server, tmp_path):
+    """A request refused after its video was processed (here: prompt_logprobs) never reaches the engine; the same
+    video in the next request is served (vLLM 0.32's API-server cache would have sent it without its data)."""
+    path = write_mkv(tmp_path / "fresh.mkv", moving_square_video(8, 120, 120, seed=21), fps=2)
+    error = bad_request(server, video_message(path), {"prompt_logprobs": 1})
+    assert error.status_code == 400
+    for _ in range(2):
+        assert chat(server, video_message(path)).choices[0].finish_reason == "length"
+
+
+def test_max_tokens_past_the_rope_tables_names_the_largest_that_fits(server, export, tmp_path):
+    """8 frames 32 s apart: the prompt's unpruned positions end 99 short of the 512-row RoPE tables (the worker's own
+    prompt plan says where), so 150 new tokens is a 400 naming max_tokens=99, and 99 are served."""
+    bundle = open_export(export)
+    path = write_mkv(tmp_path / "slow.mkv", moving_square_video(8, 120, 120, seed=9), fps=Fraction(1, 32))
+    video = video_from_file(path, bundle)
+    pieces = chat_pieces(bundle.tokenizer, [{"type": "video"}, {"type": "text", "text": QUESTION}])
+    end = plan_prompt(pieces, [video], [retained_count(bundle.family, video, 0.5)], bundle.family).decode_start
+    room = bundle.manifest.language_shape.rope_positions - end
+    assert 0 < room < 150
     with pytest.raises(openai.BadRequestError) as error:
-        chat(server, video_message(media["too_short"]))
-    assert error.value.status_code == 400
-    assert "exported frame count [2, 4, 8]" in str(error.value)
-    assert chat(server, video_message(media["clip"])).choices[0].finish_reason == "length"
+        chat(server, video_message(path), max_tokens=150)
+    assert f"positions up to {end + 149}" in str(error.value) and f"ask for at most max_tokens={room}," in str(error.value)
+    reply = chat(server, video_message(path), max_tokens=room)
+    assert reply.choices[0].finish_reason in ("length", "stop") and len(reply.choices[0].token_ids) <= room
 
 
 def test_disconnected_client_frees_its_kv_row(server, media):

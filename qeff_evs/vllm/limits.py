@@ -25,9 +25,35 @@ class ServingSettings:
     max_model_len: int
     video_pruning_rate: float | None
     enable_prefix_caching: bool
-    tensor_parallel_size: int = 1
-    pipeline_parallel_size: int = 1
-    speculative: bool = False
+    video_pruning_method: str = "evs"
+
+
+@dataclass(frozen=True)
+class ServedPruning:
+    """What the export's graphs can prune with at serve time: the methods it carries and the rates they run."""
+
+    methods: tuple[str, ...]
+    rates: tuple[float, ...]  # the rates the export serves exactly
+
+
+def served_pruning(manifest: Manifest) -> ServedPruning:
+    """Read from the manifest: an export made with ``--video-pruning-rate q`` runs EVS at q (its EVS graph's
+    specializations are sized for q's retained counts)."""
+    return ServedPruning(methods=("evs",), rates=(manifest.video_pruning_rate,))
+
+
+def pruning_refusals(method: str, rate: float | None, manifest: Manifest) -> list[str]:
+    """``--video-pruning-method``/``--video-pruning-rate`` against what the export carries (one place for both)."""
+    served = served_pruning(manifest)
+    problems = []
+    if method not in served.methods:
+        problems.append(f"video_pruning_method {method!r} is not one this export carries ({', '.join(served.methods)}"
+                        f"); pass --video-pruning-method {served.methods[0]}, or use an export that carries {method}")
+    if (rate or 0.0) not in served.rates:
+        rates = ", ".join(str(r) for r in served.rates)
+        problems.append(f"video_pruning_rate {rate} is not a rate the export serves ({rates}); pass "
+                        f"--video-pruning-rate {served.rates[0]}, or re-export with the rate you want")
+    return problems
 
 
 def refusals(settings: ServingSettings, manifest: Manifest) -> list[str]:
@@ -52,16 +78,8 @@ def refusals(settings: ServingSettings, manifest: Manifest) -> list[str]:
                         f"{rope_table_length(settings.max_model_len, q, multiple=1)} (positions stay unpruned) but the "
                         f"export's RoPE tables cover {table}; pass a smaller --max-model-len, or re-export with a "
                         "larger --rope-positions")
-    if (settings.video_pruning_rate or 0.0) != q:
-        problems.append(f"video_pruning_rate {settings.video_pruning_rate} is not the rate the export was made for "
-                        f"({q}); pass --video-pruning-rate {q}, or re-export with the rate you want")
+    problems += pruning_refusals(settings.video_pruning_method, settings.video_pruning_rate, manifest)
     if settings.enable_prefix_caching:
         problems.append("prefix caching is on, but an export's KV rows are not shared blocks; pass "
                         "--no-enable-prefix-caching")
-    if settings.tensor_parallel_size != 1 or settings.pipeline_parallel_size != 1:
-        problems.append(f"tensor/pipeline parallel sizes {settings.tensor_parallel_size}/"
-                        f"{settings.pipeline_parallel_size}: an export runs as one worker; pass 1 for both")
-    if settings.speculative:
-        problems.append("speculative decoding is configured; the export decodes one token per step: remove "
-                        "--speculative-config")
     return problems
