@@ -306,3 +306,149 @@ def test_disconnected_client_frees_its_kv_row(server, media):
     with ThreadPoolExecutor(FULL_BATCH) as pool:
         choices = list(pool.map(one, range(FULL_BATCH)))
     assert all(c.finish_reason == "length" and len(c.token_ids) == 20 for c in choices)
+
+
+def test_vllm_bench_serve_runs_with_no_failed_request(server, export, media):
+    """vLLM's own benchmark client with ``--model <export>`` (its tokenizer from the export's top) over a local
+    ShareGPT-style file whose entries carry local videos (sent as file:// video_url): every request completes."""
+    from qeff_evs.bench.serving import ServingLoad, ServingTarget, bench_command, write_sharegpt_videos
+
+    folder = media["folder"]
+    dataset = write_sharegpt_videos(folder / "sharegpt.json", [media["clip"], media["other"]], 8)
+    load = ServingLoad(num_prompts=8, max_concurrency=4, output_len=4)
+    result = folder / "bench_result.json"
+    argv = bench_command(ServingTarget(export, 0.5), server.port, dataset, load, result)
+    argv[argv.index("--served-model-name") + 1] = "tiny"
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    measured = json.loads(result.read_text())
+    assert measured["completed"] == 8 and measured["failed"] == 0
+    assert measured["total_output_tokens"] == 8 * 4 and measured["median_ttft_ms"] > 0
+
+
+# --- soak -------------------------------------------------------------------------------------------------
+
+SOAK_REQUESTS = 300
+SOAK_CONCURRENCY = 8
+SOAK_BAD_EVERY = 10  # ~10% bad requests, every kind in BAD_REQUESTS
+SOAK_DISCONNECT_EVERY = 20  # streaming clients that go away after two chunks
+
+
+def server_rss(pid: int) -> int:
+    """Resident bytes of the server: the API server and every process under it (the engine core)."""
+    import psutil
+
+    root = psutil.Process(pid)
+    total = 0
+    for process in [root, *root.children(recursive=True)]:
+        try:
+            total += process.memory_info().rss
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
+@pytest.fixture(scope="module")
+def soak_media(media, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("soak_media")
+    from PIL import Image
+
+    clips = {f"video_{frames}x{size}": write_mkv(folder / f"v{frames}_{size}.mkv",
+                                                 moving_square_video(frames, 120, size, seed=frames + size), fps=2)
+             for frames, size in ((2, 120), (4, 170), (8, 120), (16, 120))}
+    images = {}
+    for n, (height, width) in enumerate(((112, 168), (300, 200))):
+        images[f"image_{height}x{width}"] = folder / f"i{n}.png"
+        Image.fromarray(moving_square_video(1, height, width, seed=40 + n)[0]).save(images[f"image_{height}x{width}"])
+    return dict(clips, **images)
+
+
+def soak_good_requests(soak_media) -> dict[str, tuple[list[dict], int]]:
+    """The distinct good requests (messages, max_tokens): videos of 4 lengths/sizes, images, text, a mix."""
+    good = {}
+    for n, (name, path) in enumerate(soak_media.items()):
+        kind, mime = ("video_url", MKV) if name.startswith("video") else ("image_url", "image/png")
+        good[name] = (media_message([(kind, path, mime)], f"what is in {name}?"), 4 + n % 4)
+    for n, text in enumerate(("hello there", "count from one to ten", "a longer question about squares and frames")):
+        good[f"text_{n}"] = (text_message(text), 5 + n)
+    good["video_and_image"] = (media_message([("video_url", soak_media["video_4x170"], MKV),
+                                              ("image_url", soak_media["image_112x168"], "image/png")]), 6)
+    return good
+
+
+def test_soak_mixed_load_with_faults(server, media, soak_media):
+    """300 requests at concurrency 8: videos of 4 lengths, images, text, a video with an image, ~10% bad requests
+    of every kind, streaming clients that disconnect. Every good answer equals the same request run alone on
+    the same server; every bad one is a 4xx naming its problem; no 5xx; the server is healthy at the end and
+    its resident memory grows less than 5% over the last two thirds of the run."""
+    import random
+    import threading
+
+    good = soak_good_requests(soak_media)
+    names, bad_kinds = list(good), list(BAD_REQUESTS)
+    jobs = []
+    for n in range(SOAK_REQUESTS):
+        if n % SOAK_BAD_EVERY == SOAK_BAD_EVERY - 1:
+            jobs.append(("bad", bad_kinds[(n // SOAK_BAD_EVERY) % len(bad_kinds)]))
+        elif n % SOAK_DISCONNECT_EVERY == 3:
+            jobs.append(("disconnect", names[n % len(names)]))
+        else:
+            jobs.append(("good", names[n % len(names)]))
+    random.Random(0).shuffle(jobs)
+
+    def run(job):
+        kind, name = job
+        if kind == "bad":
+            build, extra, says = BAD_REQUESTS[name]
+            error = bad_request(server, build(media), extra)
+            return kind, name, (error.status_code, says in str(error), str(error)[:300])
+        messages, max_tokens = good[name]
+        if kind == "disconnect":
+            stream = server.chat.completions.create(model="tiny", messages=messages, temperature=0, max_tokens=64,
+                                                    stream=True)
+            for number, _ in enumerate(stream):
+                if number == 2:
+                    break
+            stream.close()
+            return kind, name, None
+        reply = chat(server, messages, max_tokens=max_tokens)
+        return kind, name, reply.choices[0].token_ids
+
+    samples, done, stop = [], [0], threading.Event()
+
+    def sample_rss():
+        while not stop.is_set():
+            samples.append((done[0], server_rss(server.pid)))
+            stop.wait(0.5)
+
+    sampler = threading.Thread(target=sample_rss, daemon=True)
+    sampler.start()
+    results = []
+    with ThreadPoolExecutor(SOAK_CONCURRENCY) as pool:
+        for result in pool.map(run, jobs):
+            results.append(result)
+            done[0] += 1
+    samples.append((done[0], server_rss(server.pid)))
+    stop.set()
+    sampler.join()
+
+    alone = {name: chat(server, messages, max_tokens=max_tokens).choices[0].token_ids
+             for name, (messages, max_tokens) in good.items()}
+    counts = {"good": 0, "bad": 0, "disconnect": 0}
+    for kind, name, outcome in results:
+        counts[kind] += 1
+        if kind == "good":
+            assert outcome == alone[name], name
+        elif kind == "bad":
+            status, named, text = outcome
+            assert 400 <= status < 500 and named, (name, status, text)
+    assert sum(counts.values()) == SOAK_REQUESTS and counts["bad"] >= SOAK_REQUESTS // 10 - 1
+    assert len({name for kind, name, _ in results if kind == "bad"}) >= 8
+    with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/health", timeout=10) as response:
+        assert response.status == 200
+    assert " 500 " not in server.log.read_text() and " 503 " not in server.log.read_text()
+    third = [rss for finished, rss in samples if finished >= SOAK_REQUESTS // 3][0]
+    growth = samples[-1][1] / third - 1
+    print(f"soak: {counts}, {len(set(bad_kinds))} bad kinds, RSS {third / 2**20:.0f} -> {samples[-1][1] / 2**20:.0f} "
+          f"MiB ({growth:+.1%}) over the last two thirds")
+    assert growth < 0.05
