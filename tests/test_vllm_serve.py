@@ -264,6 +264,15 @@ def test_bad_request_is_a_400_and_the_server_goes_on(server, media, kind):
     assert chat(server, text_message("next one"), max_tokens=2).choices[0].finish_reason == "length"
 
 
+def test_truncate_prompt_tokens_as_vllm_documents(server, media):
+    """vLLM's frontend truncates the prompt to the last N tokens, and refuses a limit that would cut a media item."""
+    reply = server.chat.completions.create(model="tiny", temperature=0, max_tokens=2, extra_body={
+        "truncate_prompt_tokens": 6}, messages=text_message("a question long enough to be cut down to six tokens"))
+    assert reply.usage.prompt_tokens == 6
+    error = bad_request(server, video_message(media["clip"]), {"truncate_prompt_tokens": 6})
+    assert error.status_code == 400 and "truncate_prompt_tokens=6 would split or drop a(n) video item" in str(error)
+
+
 def test_a_refused_request_does_not_spoil_its_media_for_the_next(server, tmp_path):
     """A request refused after its video was processed (here: prompt_logprobs) never reaches the engine; the same
     video in the next request is served (vLLM 0.32's API-server cache would have sent it without its data)."""

@@ -79,6 +79,15 @@ def test_rows_are_exactly_vllms_arguments_and_parameters():
             s in SAMPLING_SETTINGS, f"{s.name}: a refused row needs an example the tests set"
 
 
+def test_every_named_test_exists():
+    for s in ENGINE_SETTINGS + SAMPLING_SETTINGS:
+        if not s.test:
+            continue
+        file, _, name = s.test.partition("::")
+        source = (TESTS / file.split(" ")[0]).read_text()
+        assert not name or re.search(rf"^def {name}\(", source, flags=re.M), f"{s.name}: {s.test} does not exist"
+
+
 def test_readme_table_is_the_code_table():
     text = README.read_text()
     assert settings.readme_table(ENGINE_SETTINGS, "engine argument") in text
@@ -255,7 +264,7 @@ def cases(world, plain):
 # the specific-token logprobs once one request asks for them, whatever the others asked: the same on a GPU).
 ALONE = {"prompt_logprobs": dict(prompt_logprobs=1), "prompt_logprob_start": dict(prompt_logprob_start=1),
          "logprob_token_ids": dict(logprobs=2, logprob_token_ids=[5, 17], max_tokens=3),
-         "mm_processor_kwargs": dict(max_tokens=2)}
+         "max_logprobs": dict(logprobs=25, max_tokens=2), "mm_processor_kwargs": dict(max_tokens=2)}
 
 
 @pytest.fixture(scope="module")
@@ -272,9 +281,8 @@ def answers(world, cases, export, tmp_path_factory):
 
     folder = tmp_path_factory.mktemp("settings_run")
     payload = dict(export=str(export[1]), backend="ort", engine=ENGINE, requests=[job(c) for c in cases.values()],
-                   alone=[job(Case(PROMPT, s)) for s in ALONE.values() if s.get("max_tokens") != 2]
-                   + [dict(job(Case("what moves?", ALONE["mm_processor_kwargs"], video="clip")),
-                           mm_processor_kwargs={"fps": 1})],
+                   alone=[dict(job(Case("what moves?", s, video="clip")), mm_processor_kwargs={"fps": 1})
+                          if name == "mm_processor_kwargs" else job(Case(PROMPT, s)) for name, s in ALONE.items()],
                    beam=dict(prompts=[world["vllm_ids"](PROMPT)], params=dict(beam_width=2, max_tokens=3,
                                                                              ignore_eos=True)))
     (folder / "job.json").write_text(json.dumps(payload))
@@ -470,5 +478,6 @@ def test_refused_sampling_parameters_fail_alone_with_their_line(answers):
     assert "prompt_logprobs=1: the language graph returns the last position's logits only" in \
         answers["alone"]["prompt_logprobs"]["error"]
     assert "prompt_logprob_start requires prompt_logprob_token_ids" in answers["alone"]["prompt_logprob_start"]["error"]
+    assert "greater than max allowed: 20" in answers["alone"]["max_logprobs"]["error"]  # --max-logprobs 20
     assert "mm_processor_kwargs {'fps': 1} are not applied by qeff-evs exports" in \
         answers["alone"]["mm_processor_kwargs"]["error"]

@@ -145,15 +145,18 @@ def bench_target(target: ServingTarget, dataset: Path, media: Path, load: Servin
         wait_healthy(port, process, start_timeout_s, log)
         result = folder / f"bench_{name}.json"
         progress(f"q={target.q:g}: vllm bench serve, {load.num_prompts} requests at concurrency {load.max_concurrency}")
+        load_before = os.getloadavg()[0]
         done = subprocess.run(bench_command(target, port, dataset, load, result), env=env, capture_output=True,
                               text=True)
+        machine_load = (load_before, os.getloadavg()[0])
         (folder / f"bench_{name}.log").write_text(done.stdout + done.stderr)
         if done.returncode != 0 or not result.is_file():
             raise RuntimeError(f"vllm bench serve failed ({done.returncode}):\n{(done.stdout + done.stderr)[-4000:]}")
     finally:
         stop(process)
     measured = json.loads(result.read_text())
-    return dict(target=dict(export=str(target.export), q=target.q), **measured)
+    # The 1-minute load average when the client started and ended: other programs' work shows in the latencies.
+    return dict(target=dict(export=str(target.export), q=target.q), load_average=machine_load, **measured)
 
 
 def serving_checkpoint(family: str, folder: Path, seed: int = 0) -> Path:
@@ -208,12 +211,14 @@ def run_serving_sweep(targets: Sequence[ServingTarget], folder: Path, load: Serv
 def serving_markdown(results: Sequence[dict], load: ServingLoad) -> str:
     lines = [f"{load.num_prompts} requests ({load.frames} frames {load.frame_size}x{load.frame_size}, {load.output_len} "
              f"new tokens each) at concurrency {load.max_concurrency}, `vllm bench serve` (sharegpt, openai-chat):", "",
-             "| q | completed / failed | median TTFT ms | p99 TTFT ms | median TPOT ms | p99 TPOT ms | requests/s |",
-             "|---|---|---|---|---|---|---|"]
+             "| q | completed / failed | median TTFT ms | p99 TTFT ms | median TPOT ms | p99 TPOT ms | requests/s | "
+             "load average (start, end) |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in results:
+        start, end = r.get("load_average", (float("nan"), float("nan")))
         lines.append(f"| {r['target']['q']:g} | {r['completed']} / {r['failed']} | {r['median_ttft_ms']:.0f} | "
                      f"{r['p99_ttft_ms']:.0f} | {r['median_tpot_ms']:.0f} | {r['p99_tpot_ms']:.0f} | "
-                     f"{r['request_throughput']:.3f} |")
+                     f"{r['request_throughput']:.3f} | {start:.1f}, {end:.1f} |")
     return "\n".join(lines)
 
 
@@ -244,7 +249,7 @@ def plot_serving(results: Sequence[dict], path: Path) -> Path:
 
 def save_serving(results: Sequence[dict], load: ServingLoad, output: Path) -> list[Path]:
     output.mkdir(parents=True, exist_ok=True)
-    kept = [{k: r[k] for k in ("target", "completed", "failed", "duration", *METRICS)} for r in results]
+    kept = [{k: r[k] for k in ("target", "completed", "failed", "duration", "load_average", *METRICS)} for r in results]
     files = [output / "serving.json", output / "serving.md"]
     files[0].write_text(json.dumps(dict(load=asdict(load), results=kept), indent=2) + "\n")
     files[1].write_text(serving_markdown(results, load) + "\n")

@@ -138,7 +138,7 @@ ENGINE_SETTINGS: tuple[Setting, ...] = (
        "the language graph embeds token ids itself and takes no embeddings input; remove it", True, unused=(False,)),
     _h("tokenizer_mode", LOADING, example="slow"),
     _h("trust_remote_code", LOADING + " (an export carries no remote code)", example=True),
-    _h("allowed_local_media_path", FRONTEND, "test_vllm_serve_bench.py (videos as file:// paths)", "/tmp"),
+    _h("allowed_local_media_path", FRONTEND, "test_vllm_serve.py::test_vllm_bench_serve_runs_with_no_failed_request", "/tmp"),
     _h("allowed_media_domains", FRONTEND, example=["example.com"]),
     _r("download_dir", "load_config.download_dir", WEIGHTS, "/tmp/downloads"),
     _r("safetensors_load_strategy", "load_config.safetensors_load_strategy", WEIGHTS, "eager"),
@@ -151,8 +151,8 @@ ENGINE_SETTINGS: tuple[Setting, ...] = (
     _n("dtype", "vLLM resolves 'auto' from the config before qeff-evs sees it; the graphs' precision is the "
        "export's (fp32 on ONNX Runtime, fp16 on the card after `qeff-evs compile`), whatever --dtype says"),
     _r("kv_cache_dtype", "cache_config.cache_dtype", KV, "fp8", unused=("auto",)),
-    _h("seed", "vLLM's seeding: the worker seeds torch with it (unseeded sampled requests); per-request seeds "
-       "through vLLM's sampler", "test_vllm_settings.py::test_unseeded_sampling_follows_the_engine_seed", 7),
+    _h("seed", "vLLM's seeding: the worker seeds torch with it for unseeded sampled requests (vLLM's set_random_seed, "
+       "as its GPU workers do); per-request seeds through vLLM's sampler", example=7),
     _h("max_model_len", "up to the export's ctx_len and its RoPE tables (limits.py refuses more)",
        "test_vllm_platform_plugin.py::test_each_unservable_setting_is_one_line", 128),
     _r("cudagraph_capture_sizes", "compilation_config.cudagraph_capture_sizes", RUNNER, [1, 2]),
@@ -249,7 +249,7 @@ ENGINE_SETTINGS: tuple[Setting, ...] = (
     _h("max_num_queued_reqs", SCHEDULER, example=10),
     _h("max_num_queued_tokens", SCHEDULER, example=1000),
     _h("max_logprobs", FRONTEND + " (a request asking for more logprobs gets HTTP 400)",
-       "test_vllm_settings.py::test_settings_through_llm_generate", 5),
+       "test_vllm_settings.py::test_refused_sampling_parameters_fail_alone_with_their_line", 5),
     _h("logprobs_mode", "vLLM's sampler computes the logprobs it names from the graph's logits (raw_logprobs: "
        "log_softmax of the logits)", "test_vllm_settings.py::test_logprobs_are_log_softmax_of_the_graph_logits",
        "processed_logprobs"),
@@ -349,7 +349,7 @@ ENGINE_SETTINGS: tuple[Setting, ...] = (
     _n("disable_hybrid_kv_cache_manager", "vLLM resolves it (one KV cache group here) and refuses the hybrid "
        "manager itself"),
     _h("structured_outputs_config", "vLLM's structured output manager; the worker applies its grammar bitmask to "
-       "the graph's logits before vLLM's sampler", "test_vllm_settings.py::test_settings_through_llm_generate"),
+       "the graph's logits before vLLM's sampler", "test_vllm_settings.py::test_structured_output_is_a_choice_picked_on_the_graph_logits"),
     _n("aux_output_config", "vLLM reads it only with --enable-return-routed-experts, which vLLM refuses here"),
     _v("reasoning_parser", "vLLM 0.32's reasoning parsers import mistral_common, which this install leaves out "
        "(and qwen3's needs single-token think markers): vLLM stops at start-up. A thinking budget works through "
@@ -414,7 +414,7 @@ ENGINE_SETTINGS: tuple[Setting, ...] = (
                                                                 "ec_role": "ec_both"}),
     _n("ec_manager_config", "vLLM's encoder-cache manager options apply to EC connectors (refused)"),
     _h("reasoning_config", "vLLM's thinking-budget state in the plugin's sampler: after the budget, the end string's "
-       "tokens are forced on the graph's logits", "test_vllm_settings.py::test_settings_through_llm_generate"),
+       "tokens are forced on the graph's logits", "test_vllm_settings.py::test_thinking_budget_forces_the_end_of_thinking"),
     _h("generation_config", FRONTEND + " (default sampling parameters from the export's generation_config.json)",
        example="vllm"),
     _v("enable_sleep_mode", "vLLM: 'Sleep mode is not supported on current platform'", True),
@@ -450,7 +450,7 @@ ENGINE_SETTINGS: tuple[Setting, ...] = (
     _r("use_tqdm_on_load", "load_config.use_tqdm_on_load", WEIGHTS, False, unused=(True,)),
     _r("pt_load_map_location", "load_config.pt_load_map_location", WEIGHTS, "cuda", unused=("cpu",)),
     _h("logits_processors", "vLLM's logits processors run in the plugin's sampler on the graph's logits",
-       "test_vllm_settings.py::test_custom_logits_processor"),
+       "test_vllm_settings.py::test_custom_logits_processor_with_extra_args"),
     _n("async_scheduling", "vLLM turns it on by default before qeff-evs sees it; the plugin turns it off (its "
        "worker samples each step before the next is scheduled); outputs are the same either way"),
     _h("stream_interval", FRONTEND, "test_vllm_serve.py::test_streaming_gives_the_same_text", 4),
@@ -478,23 +478,23 @@ DETOK = "vLLM's detokenizer and output processor, unchanged"
 
 SAMPLING_SETTINGS: tuple[Setting, ...] = (
     _h("n", "vLLM's frontend fans a request out into n requests; each runs through the worker",
-       "test_vllm_settings.py::test_settings_through_llm_generate"),
-    _h("presence_penalty", SAMPLER, "test_vllm_settings.py::test_settings_through_llm_generate"),
-    _h("frequency_penalty", SAMPLER, "test_vllm_settings.py::test_settings_through_llm_generate"),
-    _h("repetition_penalty", SAMPLER, "test_vllm_settings.py::test_settings_through_llm_generate"),
+       "test_vllm_settings.py::test_n_gives_n_completions"),
+    _h("presence_penalty", SAMPLER, "test_vllm_settings.py::test_sampling_parameter_follows_vllms_rule_on_the_graph_logits"),
+    _h("frequency_penalty", SAMPLER, "test_vllm_settings.py::test_sampling_parameter_follows_vllms_rule_on_the_graph_logits"),
+    _h("repetition_penalty", SAMPLER, "test_vllm_settings.py::test_sampling_parameter_follows_vllms_rule_on_the_graph_logits"),
     _h("temperature", SAMPLER, "test_vllm_plugin.py::test_vllm_sampler_runs_on_our_logits"),
     _h("watermarking", "vLLM resolves it per request: off without --watermark-config (refused)"),
     _h("top_p", SAMPLER, "test_vllm_plugin.py::test_vllm_sampler_runs_on_our_logits"),
     _h("top_k", SAMPLER, "test_vllm_plugin.py::test_vllm_sampler_runs_on_our_logits"),
-    _h("min_p", SAMPLER, "test_vllm_settings.py::test_settings_through_llm_generate"),
+    _h("min_p", SAMPLER, "test_vllm_settings.py::test_sampling_parameter_follows_vllms_rule_on_the_graph_logits"),
     _h("seed", SAMPLER + " (a seeded generator per request)", "test_vllm_plugin.py::test_vllm_sampler_runs_on_our_logits"),
-    _h("stop", DETOK, "test_vllm_settings.py::test_settings_through_llm_generate"),
-    _h("stop_token_ids", "vLLM's scheduler stops on them", "test_vllm_settings.py::test_settings_through_llm_generate"),
-    _h("ignore_eos", "vLLM's scheduler", "test_vllm_settings.py::test_settings_through_llm_generate"),
+    _h("stop", DETOK, "test_vllm_settings.py::test_stop_strings_cut_the_text_as_vllm_documents"),
+    _h("stop_token_ids", "vLLM's scheduler stops on them", "test_vllm_settings.py::test_sampling_parameter_follows_vllms_rule_on_the_graph_logits"),
+    _h("ignore_eos", "vLLM's scheduler", "test_vllm_settings.py::test_sampling_parameter_follows_vllms_rule_on_the_graph_logits"),
     _h("max_tokens", "vLLM's scheduler (the frontend also checks the RoPE tables with it)",
        "test_vllm_serve.py::test_bad_request_is_a_400_and_the_server_goes_on"),
     _h("min_tokens", SAMPLER + " (vLLM's min-tokens logits processor)",
-       "test_vllm_settings.py::test_settings_through_llm_generate"),
+       "test_vllm_settings.py::test_sampling_parameter_follows_vllms_rule_on_the_graph_logits"),
     _h("logprobs", SAMPLER + " (log_softmax of the graph's logits)",
        "test_vllm_settings.py::test_logprobs_are_log_softmax_of_the_graph_logits"),
     _r("prompt_logprobs", "prompt_logprobs", "the language graph returns the last position's logits only; drop "
@@ -506,23 +506,23 @@ SAMPLING_SETTINGS: tuple[Setting, ...] = (
        "asks for them, as on a GPU)", "test_vllm_settings.py::test_logprobs_are_log_softmax_of_the_graph_logits"),
     _h("flat_logprobs", DETOK),
     _h("detokenize", DETOK),
-    _h("skip_special_tokens", DETOK, "test_vllm_settings.py::test_settings_through_llm_generate"),
+    _h("skip_special_tokens", DETOK, "test_vllm_settings.py::test_special_tokens_in_the_text"),
     _h("spaces_between_special_tokens", DETOK),
-    _h("include_stop_str_in_output", DETOK, "test_vllm_settings.py::test_settings_through_llm_generate"),
+    _h("include_stop_str_in_output", DETOK, "test_vllm_settings.py::test_stop_strings_cut_the_text_as_vllm_documents"),
     _h("output_kind", DETOK + " (streaming)", "test_vllm_serve.py::test_streaming_gives_the_same_text"),
     _h("stream_interval", DETOK + " (streaming)"),
     _h("skip_clone", "vLLM-internal"),
     _h("output_text_buffer_length", "vLLM-internal (set from the stop strings)"),
     _h("structured_outputs", "vLLM's grammar bitmask applied to the graph's logits before vLLM's sampler",
-       "test_vllm_settings.py::test_settings_through_llm_generate"),
+       "test_vllm_settings.py::test_structured_output_is_a_choice_picked_on_the_graph_logits"),
     _h("logit_bias", SAMPLER + " (vLLM's logit-bias logits processor)",
-       "test_vllm_settings.py::test_settings_through_llm_generate"),
-    _h("allowed_token_ids", SAMPLER, "test_vllm_settings.py::test_settings_through_llm_generate"),
-    _h("extra_args", "passed to custom logits processors", "test_vllm_settings.py::test_custom_logits_processor"),
-    _h("bad_words", SAMPLER, "test_vllm_settings.py::test_settings_through_llm_generate"),
+       "test_vllm_settings.py::test_sampling_parameter_follows_vllms_rule_on_the_graph_logits"),
+    _h("allowed_token_ids", SAMPLER, "test_vllm_settings.py::test_sampling_parameter_follows_vllms_rule_on_the_graph_logits"),
+    _h("extra_args", "passed to custom logits processors", "test_vllm_settings.py::test_custom_logits_processor_with_extra_args"),
+    _h("bad_words", SAMPLER, "test_vllm_settings.py::test_sampling_parameter_follows_vllms_rule_on_the_graph_logits"),
     _h("skip_reading_prefix_cache", "prefix caching is off (as vLLM without it)"),
     _h("thinking_token_budget", "vLLM's thinking-budget state in the plugin's sampler (needs --reasoning-config; "
-       "vLLM refuses it without)", "test_vllm_settings.py::test_settings_through_llm_generate"),
+       "vLLM refuses it without)", "test_vllm_settings.py::test_thinking_budget_forces_the_end_of_thinking"),
     _h("repetition_detection", "vLLM's scheduler stops a repeating output"),
     _h("routed_experts_prompt_start", "only with --enable-return-routed-experts, which vLLM refuses here"),
     _h("trace_decode_token_ids", "only with --enable-trace-replay, which vLLM refuses here; vLLM refuses the "
@@ -540,10 +540,34 @@ def sampling_refusals(params: Any) -> list[str]:
     return [line for s in SAMPLING_SETTINGS if (line := s.refusal(params))]
 
 
+def _example(setting: Setting, engine: bool) -> str:
+    value = setting.example
+    if engine and isinstance(value, bool):
+        return f"`{setting.flag}`" if value else f"`--no-{setting.flag[2:]}`"
+    if isinstance(value, (dict, list)):
+        import json
+
+        value = "'" + json.dumps(value) + "'" if engine else json.dumps(value)
+    return f"`{setting.flag} {value}`" if engine else f"`{setting.name}={value}`"
+
+
+def _tested(setting: Setting, engine: bool) -> str:
+    """How a row is held to its verdict (see tests/test_vllm_settings.py)."""
+    has_example = setting.example is not _UNSET
+    if setting.verdict in (REFUSED, VLLM_REFUSES) and has_example:
+        return _example(setting, engine) + " fails" + (" (start-up)" if engine else "")
+    if setting.test:
+        return setting.test
+    if setting.verdict == HONOURED and has_example and engine:
+        return _example(setting, engine) + " starts"
+    return ""
+
+
 def readme_table(settings: Iterable[Setting], heading: str) -> str:
-    """The README's rows for ``settings``: name, verdict, how (or the refusal's reason), test."""
-    lines = [f"| {heading} | verdict | how / why | tested by |", "|---|---|---|---|"]
+    """The README's rows for ``settings``: name, verdict, how (or the refusal's reason), how it is tested."""
+    engine = heading == "engine argument"
+    lines = [f"| {heading} | verdict | how / why | tested |", "|---|---|---|---|"]
     for s in settings:
-        name = s.flag if heading == "engine argument" else f"`{s.name}`"
-        lines.append(f"| `{name}` | {s.verdict} | {s.how} | {s.test} |".replace("``", "`"))
+        name = f"`{s.flag}`" if engine else f"`{s.name}`"
+        lines.append(f"| {name} | {s.verdict} | {s.how} | {_tested(s, engine)} |")
     return "\n".join(lines)
