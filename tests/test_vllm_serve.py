@@ -7,10 +7,11 @@ streaming gives the same text; 32 concurrent requests all complete; a client tha
 mid-generation frees its KV row (4 requests afterwards run at once and complete).
 
 Nothing a request carries can stop the server (issue 15): each kind of bad request (media pad tokens in
-the text, more pads than media, too many media, positions past the RoPE tables, a video or image no
-specialization serves, corrupt, truncated and one-frame videos, an unsupported media type, a huge image,
-refused parameters) gets a 4xx naming the value and the limit, and the next request succeeds. vLLM's own
-benchmark client (``vllm bench serve``, ShareGPT-style dataset with local videos) runs with 0 failures.
+the text, more pads than media, too many media, positions past the RoPE tables, corrupt and truncated
+videos, videos that come to one frame (refused until issue 16; see ONE_FRAME_REFUSED), an unsupported media
+type, a huge image, refused parameters) gets a 4xx naming the value and the limit, and the next request
+succeeds. vLLM's own benchmark client (``vllm bench serve``, ShareGPT-style dataset with local videos) runs
+with 0 failures.
 """
 
 from __future__ import annotations
@@ -224,10 +225,6 @@ BAD_REQUESTS = {
                                 "At most 2 video(s) may be provided in one prompt"),
     "positions past the RoPE tables": (lambda m: media_message([("video_url", m["sparse"], MKV)]), {},
                                        "but the export's RoPE tables cover [0, 512); its prompt alone passes them"),
-    "a video no specialization serves": (lambda m: media_message([("video_url", m["too_short"], MKV)]), {},
-                                         "exported frame count [2, 4, 8]"),
-    "a one-frame video": (lambda m: media_message([("video_url", m["one_frame"], MKV)]), {},
-                          "no frame could be decoded from it; exported videos have [2, 4, 8] frames"),
     "a corrupt video": (lambda m: media_message([("video_url", m["corrupt"], "video/mp4")]), {},
                         "Could not open video stream"),
     "a truncated video": (lambda m: media_message([("video_url", m["truncated"], MKV)]), {},
@@ -245,6 +242,17 @@ BAD_REQUESTS = {
                             # through LLM.generate in test_vllm_settings.py)
                             {"mm_processor_kwargs": {"fps": 1}}, "mm_processor_kwargs are disabled"),
 }
+
+# Videos that come to one frame at the checkpoint's rate: kind -> (media key, what the 4xx says while refused).
+ONE_FRAME_VIDEOS = {
+    "a video sampled to one frame": ("too_short", "exported frame count [2, 4, 8]"),
+    "a one-frame video": ("one_frame", "no frame could be decoded from it; exported videos have [2, 4, 8] frames"),
+}
+# Refused today. vLLM pads such a video in time; once qeff-evs does too (issue 16), delete a kind from this list:
+# it leaves BAD_REQUESTS and the soak sends it as a good request (its tokens equal to the request alone).
+ONE_FRAME_REFUSED = ["a video sampled to one frame", "a one-frame video"]
+BAD_REQUESTS.update({kind: (lambda m, key=key: media_message([("video_url", m[key], MKV)]), {}, says)
+                     for kind, (key, says) in ONE_FRAME_VIDEOS.items() if kind in ONE_FRAME_REFUSED})
 
 
 def bad_request(client, messages, extra: dict):
@@ -264,13 +272,22 @@ def test_bad_request_is_a_400_and_the_server_goes_on(server, media, kind):
     assert chat(server, text_message("next one"), max_tokens=2).choices[0].finish_reason == "length"
 
 
-def test_truncate_prompt_tokens_as_vllm_documents(server, media):
-    """vLLM's frontend truncates the prompt to the last N tokens, and refuses a limit that would cut a media item."""
+def test_truncate_prompt_tokens_as_vllm_documents(server, export, media):
+    """vLLM's frontend truncates the prompt to the last N tokens, and refuses a limit that would cut a media item
+    (vLLM truncates before the placeholders expand, then refuses an expanded prompt whose items the limit cuts)."""
     reply = server.chat.completions.create(model="tiny", temperature=0, max_tokens=2, extra_body={
         "truncate_prompt_tokens": 6}, messages=text_message("a question long enough to be cut down to six tokens"))
     assert reply.usage.prompt_tokens == 6
-    error = bad_request(server, video_message(media["clip"]), {"truncate_prompt_tokens": 6})
-    assert error.status_code == 400 and "truncate_prompt_tokens=6 would split or drop a(n) video item" in str(error)
+    prompt = chat(server, video_message(media["clip"]), max_tokens=1).prompt_token_ids
+    pads = [n for n, token in enumerate(prompt) if token == open_export(export).family.special_tokens().video_pad]
+    after = len(prompt) - pads[-1] - 1
+    # The video's one pad token and what follows it survive the first cut; its expanded placeholder does not.
+    error = bad_request(server, video_message(media["clip"]), {"truncate_prompt_tokens": after + 1})
+    assert error.status_code == 400, str(error)
+    assert f"truncate_prompt_tokens={after + 1} would split or drop a(n) video item" in str(error)
+    reply = server.chat.completions.create(model="tiny", temperature=0, max_tokens=1, messages=video_message(
+        media["clip"]), extra_body={"truncate_prompt_tokens": len(prompt) - pads[0]})
+    assert reply.usage.prompt_tokens == len(prompt) - pads[0]  # a limit that keeps the video cuts only the text
 
 
 def test_a_refused_request_does_not_spoil_its_media_for_the_next(server, tmp_path):
@@ -372,9 +389,11 @@ def soak_media(media, tmp_path_factory):
     return dict(clips, **images)
 
 
-def soak_good_requests(soak_media) -> dict[str, tuple[list[dict], int]]:
-    """The distinct good requests (messages, max_tokens): videos of 4 lengths/sizes, images, text, a mix."""
-    good = {}
+def soak_good_requests(soak_media, media) -> dict[str, tuple[list[dict], int]]:
+    """The distinct good requests (messages, max_tokens): videos of 4 lengths/sizes, images, text, a mix, and the
+    one-frame videos once served (ONE_FRAME_REFUSED)."""
+    good = {kind: (media_message([("video_url", media[key], MKV)]), 4)
+            for kind, (key, _) in ONE_FRAME_VIDEOS.items() if kind not in ONE_FRAME_REFUSED}
     for n, (name, path) in enumerate(soak_media.items()):
         kind, mime = ("video_url", MKV) if name.startswith("video") else ("image_url", "image/png")
         good[name] = (media_message([(kind, path, mime)], f"what is in {name}?"), 4 + n % 4)
@@ -393,7 +412,7 @@ def test_soak_mixed_load_with_faults(server, media, soak_media):
     import random
     import threading
 
-    good = soak_good_requests(soak_media)
+    good = soak_good_requests(soak_media, media)
     names, bad_kinds = list(good), list(BAD_REQUESTS)
     jobs = []
     for n in range(SOAK_REQUESTS):

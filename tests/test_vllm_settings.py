@@ -92,6 +92,9 @@ def test_readme_table_is_the_code_table():
     text = README.read_text()
     assert settings.readme_table(ENGINE_SETTINGS, "engine argument") in text
     assert settings.readme_table(SAMPLING_SETTINGS, "sampling parameter") in text
+    assert settings.readme_table(settings.named(ENGINE_SETTINGS, settings.NAMED_ENGINE), "engine argument") in text
+    assert settings.readme_table(settings.named(SAMPLING_SETTINGS, settings.NAMED_SAMPLING), "sampling parameter") in text
+    assert settings.readme_groups(ENGINE_SETTINGS) in text
 
 
 def test_refused_sampling_parameters_name_themselves():
@@ -99,6 +102,22 @@ def test_refused_sampling_parameters_name_themselves():
     lines = settings.sampling_refusals(SamplingParams(max_tokens=4, prompt_logprobs=2))
     assert lines == ["prompt_logprobs=2: the language graph returns the last position's logits only; drop "
                      "prompt_logprobs"]
+
+
+def test_additional_config_keys_other_than_qeff_evs_own_are_refused():
+    """--additional-config: qeff-evs's own keys (plugin.ADDITIONAL_CONFIG_KEYS) and the keys vLLM fills from its own
+    arguments pass this row; any other key is named in one line (a key meant for another platform would do nothing)."""
+    from types import SimpleNamespace
+
+    from qeff_evs.vllm.plugin import ADDITIONAL_CONFIG_KEYS, DEVICE_IDS_KEY
+
+    row = next(s for s in ENGINE_SETTINGS if s.name == "additional_config")
+    assert DEVICE_IDS_KEY in ADDITIONAL_CONFIG_KEYS
+    for fine in (None, {}, {DEVICE_IDS_KEY: "0"}, {"gdn_prefill_backend": "triton"}):
+        assert row.refusal(SimpleNamespace(additional_config=fine)) is None, fine
+    line = row.refusal(SimpleNamespace(additional_config={DEVICE_IDS_KEY: "0", "devices": "0+1", "x": 2}))
+    assert line.startswith("additional_config={'devices': '0+1', 'x': 2}: keys the qeff-evs platform does not read "
+                           f"(it reads {DEVICE_IDS_KEY};")
 
 
 # --- start-up: every engine argument with an example --------------------------------------------------

@@ -20,9 +20,12 @@ Verdicts:
 from __future__ import annotations
 
 import enum
+import json
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
+
+from qeff_evs.vllm.plugin import ADDITIONAL_CONFIG_KEYS
 
 HONOURED, REFUSED, VLLM_REFUSES, NO_EFFECT = "honoured", "refused", "vllm refuses", "no effect"
 _UNSET = object()
@@ -114,6 +117,16 @@ def _lora(c) -> Any:
 
 def _additional(key: str) -> Callable[[Any], Any]:
     return lambda c: (c.additional_config or {}).get(key)
+
+
+# Keys vLLM itself puts into additional_config from engine arguments (their own rows refuse them).
+VLLM_ADDITIONAL_KEYS = ("gdn_prefill_backend", "kda_prefill_backend", "kda_decode_backend")
+
+
+def _unknown_additional_keys(c) -> dict | None:
+    """The --additional-config entries neither qeff-evs (plugin.ADDITIONAL_CONFIG_KEYS) nor vLLM's own rows read."""
+    known = ADDITIONAL_CONFIG_KEYS + VLLM_ADDITIONAL_KEYS
+    return {k: v for k, v in (c.additional_config or {}).items() if k not in known} or None
 
 
 ENGINE_SETTINGS: tuple[Setting, ...] = (
@@ -443,10 +456,9 @@ ENGINE_SETTINGS: tuple[Setting, ...] = (
     _v("enable_mamba_cache_stochastic_rounding", "vLLM: 'Stochastic rounding for Mamba cache requires the SSM cache "
        "to be float16'", True),
     _r("mamba_cache_philox_rounds", "mamba_config.stochastic_rounding_philox_rounds", FEATURE, 2, unused=(None, 0)),
-    _r("additional_config", lambda c: {k: v for k, v in (c.additional_config or {}).items()
-                                       if k not in ("gdn_prefill_backend", "kda_prefill_backend",
-                                                    "kda_decode_backend")} or None,
-       "platform-specific settings for other platforms; the qeff-evs platform reads none; remove it", {"a": 1}),
+    _r("additional_config", _unknown_additional_keys,
+       f"keys the qeff-evs platform does not read (it reads {', '.join(ADDITIONAL_CONFIG_KEYS)}; a key for another "
+       "platform does nothing here); remove them", {"a": 1}),
     _r("use_tqdm_on_load", "load_config.use_tqdm_on_load", WEIGHTS, False, unused=(True,)),
     _r("pt_load_map_location", "load_config.pt_load_map_location", WEIGHTS, "cuda", unused=("cpu",)),
     _h("logits_processors", "vLLM's logits processors run in the plugin's sampler on the graph's logits",
@@ -545,8 +557,6 @@ def _example(setting: Setting, engine: bool) -> str:
     if engine and isinstance(value, bool):
         return f"`{setting.flag}`" if value else f"`--no-{setting.flag[2:]}`"
     if isinstance(value, (dict, list)):
-        import json
-
         value = "'" + json.dumps(value) + "'" if engine else json.dumps(value)
     return f"`{setting.flag} {value}`" if engine else f"`{setting.name}={value}`"
 
@@ -570,4 +580,32 @@ def readme_table(settings: Iterable[Setting], heading: str) -> str:
     for s in settings:
         name = f"`{s.flag}`" if engine else f"`{s.name}`"
         lines.append(f"| {name} | {s.verdict} | {s.how} | {_tested(s, engine)} |")
+    return "\n".join(lines)
+
+
+# The settings issue 15 names: the README shows their rows first, then the rest grouped, then every row.
+NAMED_ENGINE = ("video_pruning_method", "video_pruning_rate", "enable_lora", "enable_prompt_embeds",
+                "logits_processors", "reasoning_parser", "reasoning_config", "num_gpu_blocks_override",
+                "kv_cache_dtype", "speculative_config", "max_logprobs", "additional_config")
+NAMED_SAMPLING = ("n", "stop", "stop_token_ids", "min_tokens", "ignore_eos", "logit_bias", "allowed_token_ids",
+                  "bad_words", "presence_penalty", "frequency_penalty", "repetition_penalty", "seed", "logprobs",
+                  "logprob_token_ids", "skip_special_tokens", "prompt_logprobs", "structured_outputs",
+                  "thinking_token_budget")
+
+
+def named(settings: Iterable[Setting], names: Iterable[str]) -> list[Setting]:
+    by_name = {s.name: s for s in settings}
+    return [by_name[name] for name in names]
+
+
+def readme_groups(settings: Iterable[Setting], min_size: int = 3) -> str:
+    """The README's grouped view: settings sharing a verdict and a reason, one row per group of ``min_size`` or more
+    (largest first); the full table holds every row, these included."""
+    groups: dict[tuple[str, str], list[Setting]] = {}
+    for s in settings:
+        groups.setdefault((s.verdict, s.how), []).append(s)
+    lines = ["| verdict | how / why | engine arguments |", "|---|---|---|"]
+    for (verdict, how), rows in sorted(groups.items(), key=lambda item: -len(item[1])):
+        if len(rows) >= min_size:
+            lines.append(f"| {verdict} | {how} | {', '.join(f'`{s.flag}`' for s in rows)} |")
     return "\n".join(lines)
