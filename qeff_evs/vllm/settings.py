@@ -105,6 +105,16 @@ KV = ("the KV cache lives in the export's graphs: one KV row per request, sized 
 FEATURE = "a feature of vLLM's torch model runner that the export's graphs do not have; remove it"
 
 
+# Tests that hold several rows (tests/test_vllm_settings.py checks that every named test exists).
+RULE_TEST = "test_vllm_settings.py::test_sampling_parameter_follows_vllms_rule_on_the_graph_logits"
+STRUCTURED_TEST = "test_vllm_settings.py::test_structured_output_is_a_choice_picked_on_the_graph_logits"
+BUDGET_TEST = "test_vllm_settings.py::test_thinking_budget_forces_the_end_of_thinking"
+SAMPLER_TEST = "test_vllm_plugin.py::test_vllm_sampler_runs_on_our_logits"
+STOP_TEST = "test_vllm_settings.py::test_stop_strings_cut_the_text_as_vllm_documents"
+PROCESSOR_TEST = "test_vllm_settings.py::test_custom_logits_processor_with_extra_args"
+BENCH_TEST = "test_vllm_serve.py::test_vllm_bench_serve_runs_with_no_failed_request"
+
+
 def _default(path: str, value: Any) -> Callable[[Any], Any]:
     """``path`` with None read as ``value`` (settings vLLM leaves None until a later step resolves them)."""
     read = _path(path)
@@ -151,7 +161,7 @@ ENGINE_SETTINGS: tuple[Setting, ...] = (
        "the language graph embeds token ids itself and takes no embeddings input; remove it", True, unused=(False,)),
     _h("tokenizer_mode", LOADING, example="slow"),
     _h("trust_remote_code", LOADING + " (an export carries no remote code)", example=True),
-    _h("allowed_local_media_path", FRONTEND, "test_vllm_serve.py::test_vllm_bench_serve_runs_with_no_failed_request", "/tmp"),
+    _h("allowed_local_media_path", FRONTEND, BENCH_TEST, "/tmp"),
     _h("allowed_media_domains", FRONTEND, example=["example.com"]),
     _r("download_dir", "load_config.download_dir", WEIGHTS, "/tmp/downloads"),
     _r("safetensors_load_strategy", "load_config.safetensors_load_strategy", WEIGHTS, "eager"),
@@ -362,7 +372,7 @@ ENGINE_SETTINGS: tuple[Setting, ...] = (
     _n("disable_hybrid_kv_cache_manager", "vLLM resolves it (one KV cache group here) and refuses the hybrid "
        "manager itself"),
     _h("structured_outputs_config", "vLLM's structured output manager; the worker applies its grammar bitmask to "
-       "the graph's logits before vLLM's sampler", "test_vllm_settings.py::test_structured_output_is_a_choice_picked_on_the_graph_logits"),
+       "the graph's logits before vLLM's sampler", STRUCTURED_TEST),
     _n("aux_output_config", "vLLM reads it only with --enable-return-routed-experts, which vLLM refuses here"),
     _v("reasoning_parser", "vLLM 0.32's reasoning parsers import mistral_common, which this install leaves out "
        "(and qwen3's needs single-token think markers): vLLM stops at start-up. A thinking budget works through "
@@ -427,7 +437,7 @@ ENGINE_SETTINGS: tuple[Setting, ...] = (
                                                                 "ec_role": "ec_both"}),
     _n("ec_manager_config", "vLLM's encoder-cache manager options apply to EC connectors (refused)"),
     _h("reasoning_config", "vLLM's thinking-budget state in the plugin's sampler: after the budget, the end string's "
-       "tokens are forced on the graph's logits", "test_vllm_settings.py::test_thinking_budget_forces_the_end_of_thinking"),
+       "tokens are forced on the graph's logits", BUDGET_TEST),
     _h("generation_config", FRONTEND + " (default sampling parameters from the export's generation_config.json)",
        example="vllm"),
     _v("enable_sleep_mode", "vLLM: 'Sleep mode is not supported on current platform'", True),
@@ -462,7 +472,7 @@ ENGINE_SETTINGS: tuple[Setting, ...] = (
     _r("use_tqdm_on_load", "load_config.use_tqdm_on_load", WEIGHTS, False, unused=(True,)),
     _r("pt_load_map_location", "load_config.pt_load_map_location", WEIGHTS, "cuda", unused=("cpu",)),
     _h("logits_processors", "vLLM's logits processors run in the plugin's sampler on the graph's logits",
-       "test_vllm_settings.py::test_custom_logits_processor_with_extra_args"),
+       PROCESSOR_TEST),
     _n("async_scheduling", "vLLM turns it on by default before qeff-evs sees it; the plugin turns it off (its "
        "worker samples each step before the next is scheduled); outputs are the same either way"),
     _h("stream_interval", FRONTEND, "test_vllm_serve.py::test_streaming_gives_the_same_text", 4),
@@ -491,22 +501,22 @@ DETOK = "vLLM's detokenizer and output processor, unchanged"
 SAMPLING_SETTINGS: tuple[Setting, ...] = (
     _h("n", "vLLM's frontend fans a request out into n requests; each runs through the worker",
        "test_vllm_settings.py::test_n_gives_n_completions"),
-    _h("presence_penalty", SAMPLER, "test_vllm_settings.py::test_sampling_parameter_follows_vllms_rule_on_the_graph_logits"),
-    _h("frequency_penalty", SAMPLER, "test_vllm_settings.py::test_sampling_parameter_follows_vllms_rule_on_the_graph_logits"),
-    _h("repetition_penalty", SAMPLER, "test_vllm_settings.py::test_sampling_parameter_follows_vllms_rule_on_the_graph_logits"),
-    _h("temperature", SAMPLER, "test_vllm_plugin.py::test_vllm_sampler_runs_on_our_logits"),
+    _h("presence_penalty", SAMPLER, RULE_TEST),
+    _h("frequency_penalty", SAMPLER, RULE_TEST),
+    _h("repetition_penalty", SAMPLER, RULE_TEST),
+    _h("temperature", SAMPLER, SAMPLER_TEST),
     _h("watermarking", "vLLM resolves it per request: off without --watermark-config (refused)"),
-    _h("top_p", SAMPLER, "test_vllm_plugin.py::test_vllm_sampler_runs_on_our_logits"),
-    _h("top_k", SAMPLER, "test_vllm_plugin.py::test_vllm_sampler_runs_on_our_logits"),
-    _h("min_p", SAMPLER, "test_vllm_settings.py::test_sampling_parameter_follows_vllms_rule_on_the_graph_logits"),
-    _h("seed", SAMPLER + " (a seeded generator per request)", "test_vllm_plugin.py::test_vllm_sampler_runs_on_our_logits"),
-    _h("stop", DETOK, "test_vllm_settings.py::test_stop_strings_cut_the_text_as_vllm_documents"),
-    _h("stop_token_ids", "vLLM's scheduler stops on them", "test_vllm_settings.py::test_sampling_parameter_follows_vllms_rule_on_the_graph_logits"),
-    _h("ignore_eos", "vLLM's scheduler", "test_vllm_settings.py::test_sampling_parameter_follows_vllms_rule_on_the_graph_logits"),
+    _h("top_p", SAMPLER, SAMPLER_TEST),
+    _h("top_k", SAMPLER, SAMPLER_TEST),
+    _h("min_p", SAMPLER, RULE_TEST),
+    _h("seed", SAMPLER + " (a seeded generator per request)", SAMPLER_TEST),
+    _h("stop", DETOK, STOP_TEST),
+    _h("stop_token_ids", "vLLM's scheduler stops on them", RULE_TEST),
+    _h("ignore_eos", "vLLM's scheduler", RULE_TEST),
     _h("max_tokens", "vLLM's scheduler (the frontend also checks the RoPE tables with it)",
        "test_vllm_serve.py::test_bad_request_is_a_400_and_the_server_goes_on"),
     _h("min_tokens", SAMPLER + " (vLLM's min-tokens logits processor)",
-       "test_vllm_settings.py::test_sampling_parameter_follows_vllms_rule_on_the_graph_logits"),
+       RULE_TEST),
     _h("logprobs", SAMPLER + " (log_softmax of the graph's logits)",
        "test_vllm_settings.py::test_logprobs_are_log_softmax_of_the_graph_logits"),
     _r("prompt_logprobs", "prompt_logprobs", "the language graph returns the last position's logits only; drop "
@@ -520,21 +530,21 @@ SAMPLING_SETTINGS: tuple[Setting, ...] = (
     _h("detokenize", DETOK),
     _h("skip_special_tokens", DETOK, "test_vllm_settings.py::test_special_tokens_in_the_text"),
     _h("spaces_between_special_tokens", DETOK),
-    _h("include_stop_str_in_output", DETOK, "test_vllm_settings.py::test_stop_strings_cut_the_text_as_vllm_documents"),
+    _h("include_stop_str_in_output", DETOK, STOP_TEST),
     _h("output_kind", DETOK + " (streaming)", "test_vllm_serve.py::test_streaming_gives_the_same_text"),
     _h("stream_interval", DETOK + " (streaming)"),
     _h("skip_clone", "vLLM-internal"),
     _h("output_text_buffer_length", "vLLM-internal (set from the stop strings)"),
     _h("structured_outputs", "vLLM's grammar bitmask applied to the graph's logits before vLLM's sampler",
-       "test_vllm_settings.py::test_structured_output_is_a_choice_picked_on_the_graph_logits"),
+       STRUCTURED_TEST),
     _h("logit_bias", SAMPLER + " (vLLM's logit-bias logits processor)",
-       "test_vllm_settings.py::test_sampling_parameter_follows_vllms_rule_on_the_graph_logits"),
-    _h("allowed_token_ids", SAMPLER, "test_vllm_settings.py::test_sampling_parameter_follows_vllms_rule_on_the_graph_logits"),
-    _h("extra_args", "passed to custom logits processors", "test_vllm_settings.py::test_custom_logits_processor_with_extra_args"),
-    _h("bad_words", SAMPLER, "test_vllm_settings.py::test_sampling_parameter_follows_vllms_rule_on_the_graph_logits"),
+       RULE_TEST),
+    _h("allowed_token_ids", SAMPLER, RULE_TEST),
+    _h("extra_args", "passed to custom logits processors", PROCESSOR_TEST),
+    _h("bad_words", SAMPLER, RULE_TEST),
     _h("skip_reading_prefix_cache", "prefix caching is off (as vLLM without it)"),
     _h("thinking_token_budget", "vLLM's thinking-budget state in the plugin's sampler (needs --reasoning-config; "
-       "vLLM refuses it without)", "test_vllm_settings.py::test_thinking_budget_forces_the_end_of_thinking"),
+       "vLLM refuses it without)", BUDGET_TEST),
     _h("repetition_detection", "vLLM's scheduler stops a repeating output"),
     _h("routed_experts_prompt_start", "only with --enable-return-routed-experts, which vLLM refuses here"),
     _h("trace_decode_token_ids", "only with --enable-trace-replay, which vLLM refuses here; vLLM refuses the "
