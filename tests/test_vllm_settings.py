@@ -117,7 +117,7 @@ def test_additional_config_keys_other_than_qeff_evs_own_are_refused():
         assert row.refusal(SimpleNamespace(additional_config=fine)) is None, fine
     line = row.refusal(SimpleNamespace(additional_config={DEVICE_IDS_KEY: "0", "devices": "0+1", "x": 2}))
     assert line.startswith("additional_config={'devices': '0+1', 'x': 2}: keys the qeff-evs platform does not read "
-                           f"(it reads {DEVICE_IDS_KEY};")
+                           f"(it reads {', '.join(ADDITIONAL_CONFIG_KEYS)};")
 
 
 # --- start-up: every engine argument with an example --------------------------------------------------

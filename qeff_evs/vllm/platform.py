@@ -92,9 +92,10 @@ class QeffEvsPlatform(Platform):
             video_pruning_rate=None if mm is None else mm.video_pruning_rate,
             video_pruning_method="evs" if mm is None else mm.video_pruning_method,
             enable_prefix_caching=bool(cache.enable_prefix_caching))
+        # Before record_local_ranks: settings.py reads --device-ids only where the config is made (see there).
+        ours = [f"{line} (the qeff-evs platform)" for line in engine_refusals(vllm_config)]
         record_local_ranks(vllm_config)
-        problems = refusals(settings, manifest) + ec_refusals(vllm_config) + data_parallel_problems(vllm_config) + [
-            f"{line} (the qeff-evs platform)" for line in engine_refusals(vllm_config)]
+        problems = refusals(settings, manifest) + ec_refusals(vllm_config) + data_parallel_problems(vllm_config) + ours
         if problems:
             raise ValueError(f"{BACKEND_ENV}={active_backend()}: the export {export_dir} cannot serve these settings:\n"
                              + "\n".join(f"  - {p}" for p in problems))

@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from qeff_evs.vllm.plugin import ADDITIONAL_CONFIG_KEYS
+from qeff_evs.vllm.plugin import ADDITIONAL_CONFIG_KEYS, RANKS_KEY
 
 HONOURED, REFUSED, VLLM_REFUSES, NO_EFFECT = "honoured", "refused", "vllm refuses", "no effect"
 _UNSET = object()
@@ -97,8 +97,9 @@ WEIGHTS = ("loads torch weights, but an export's graphs are the model and its wo
            "remove it")
 RUNNER = ("configures vLLM's torch model runner (kernels, memory, compilation), which the export's graphs "
           "replace; remove it")
-ONE_WORKER = ("an export runs as one worker over its own sessions (data parallel and encoder "
-              "disaggregation come through the plugin later); remove it")
+ONE_WORKER = ("an export runs as one worker per engine core over its own sessions (data parallel and encoder "
+              "disaggregation are served: --data-parallel-size, --ec-transfer-config); remove it")
+DATA_PARALLEL = "vLLM's own data-parallel launch, unchanged (with --data-parallel-size)"
 LORA = "only with --enable-lora, which is refused"
 KV = ("the KV cache lives in the export's graphs: one KV row per request, sized by `qeff-evs export "
       "--full-batch-size/--ctx-len`, its precision fixed by the export (--kv-precision); remove it")
@@ -112,6 +113,7 @@ BUDGET_TEST = "test_vllm_settings.py::test_thinking_budget_forces_the_end_of_thi
 SAMPLER_TEST = "test_vllm_plugin.py::test_vllm_sampler_runs_on_our_logits"
 STOP_TEST = "test_vllm_settings.py::test_stop_strings_cut_the_text_as_vllm_documents"
 PROCESSOR_TEST = "test_vllm_settings.py::test_custom_logits_processor_with_extra_args"
+EPD_REFUSALS_TEST = "test_vllm_epd.py::test_what_encoder_disaggregation_cannot_serve_is_refused_one_line_each"
 BENCH_TEST = "test_vllm_serve.py::test_vllm_bench_serve_runs_with_no_failed_request"
 
 
@@ -127,6 +129,12 @@ def _lora(c) -> Any:
 
 def _additional(key: str) -> Callable[[Any], Any]:
     return lambda c: (c.additional_config or {}).get(key)
+
+
+def _user_device_ids(c) -> Any:
+    """--device-ids as the user gave it, read where the config is made. vLLM later assigns each data-parallel
+    rank's engine core ids of its own; by then the platform has recorded RANKS_KEY in additional_config."""
+    return None if RANKS_KEY in (c.additional_config or {}) else c.parallel_config.assigned_physical_gpu_ids
 
 
 # Keys vLLM itself puts into additional_config from engine arguments (their own rows refuse them).
@@ -197,7 +205,7 @@ ENGINE_SETTINGS: tuple[Setting, ...] = (
        "refused)", [0]),
     _v("numa_bind_cpus", "vLLM: 'numa_bind_nodes and numa_bind_cpus require numa_bind=True' (numa_bind is "
        "refused)", ["0"]),
-    _r("device_ids", "parallel_config.assigned_physical_gpu_ids",
+    _r("device_ids", _user_device_ids,
        "GPU ids of vLLM's workers; an export's sessions choose their device (QEFF_EVS_BACKEND); remove it", "0"),
     _r("tensor_parallel_size", "parallel_config.tensor_parallel_size", ONE_WORKER, 2, unused=(1,)),
     _v("prefill_context_parallel_size", "vLLM: 'Model Runner V1 does not support: prefill context parallel'", 2),
@@ -206,15 +214,17 @@ ENGINE_SETTINGS: tuple[Setting, ...] = (
     _r("dcp_q_replicate", "parallel_config.dcp_q_replicate", ONE_WORKER, True, unused=(False,)),
     _r("dcp_kv_cache_interleave_size", "parallel_config.dcp_kv_cache_interleave_size", ONE_WORKER, 2, unused=(1,)),
     _r("cp_kv_cache_interleave_size", "parallel_config.cp_kv_cache_interleave_size", ONE_WORKER, 2, unused=(1,)),
-    _r("data_parallel_size", "parallel_config.data_parallel_size", ONE_WORKER, 2, unused=(1,)),
+    _h("data_parallel_size", "one engine core per rank, each a whole replica on its own sessions and devices "
+       "(data_parallel.py; device groups per rank on the card)",
+       "test_vllm_data_parallel.py::test_two_ranks_serve_16_concurrent_videos_with_single_request_tokens"),
     _v("data_parallel_rank", "vLLM: 'data_parallel_external_lb can only be set when data_parallel_size > 1'", 1),
-    _n("data_parallel_start_rank", "vLLM reads it only with several data-parallel ranks (--data-parallel-size, refused)"),
+    _h("data_parallel_start_rank", DATA_PARALLEL),
     _v("data_parallel_size_local", "vLLM: 'data_parallel_size_local (2) must be <= data_parallel_size (1)'", 2),
-    _n("data_parallel_address", "vLLM reads it only with several data-parallel ranks (--data-parallel-size, refused)"),
-    _r("data_parallel_rpc_port", "parallel_config.data_parallel_rpc_port", ONE_WORKER, 29700, unused=(29550,)),
+    _h("data_parallel_address", DATA_PARALLEL),
+    _h("data_parallel_rpc_port", DATA_PARALLEL, example=29700),
     _v("data_parallel_hybrid_lb", "vLLM: '--data-parallel-hybrid-lb requires --data-parallel-size-local'", True),
     _v("data_parallel_external_lb", "vLLM: '--data-parallel-external-lb requires a data-parallel rank'", True),
-    _n("data_parallel_multi_port_external_lb", "vLLM reads it only with several data-parallel ranks (refused)"),
+    _h("data_parallel_multi_port_external_lb", DATA_PARALLEL),
     _r("data_parallel_backend", "parallel_config.data_parallel_backend", ONE_WORKER, "ray", unused=("mp",)),
     _r("enable_hc_sp", "parallel_config.enable_hc_sp", ONE_WORKER, True, unused=(False,)),
     _v("enable_expert_parallel", "vLLM: 'Number of experts in the model must be greater than 0'", True),
@@ -322,7 +332,8 @@ ENGINE_SETTINGS: tuple[Setting, ...] = (
     _h("mm_hasher_algorithm", FRONTEND + " (media hashes key vLLM's caches and our encoder outputs)",
        example="sha256"),
     _v("mm_shm_cache_max_object_size_mb", "vLLM: only with --mm-processor-cache-type shm (refused)", 64),
-    _r("mm_encoder_only", "model_config.multimodal_config.mm_encoder_only", ONE_WORKER, True, unused=(False,)),
+    _h("mm_encoder_only", "an encoder instance of encoder disaggregation (with --ec-transfer-config, ec_producer; "
+       "ec_config.py refuses it alone)", EPD_REFUSALS_TEST),
     _n("mm_encoder_tp_mode", "vLLM reads it only with tensor parallelism (--tensor-parallel-size, refused)"),
     _r("mm_encoder_attn_backend", "model_config.multimodal_config.mm_encoder_attn_backend", RUNNER, "TORCH_SDPA"),
     _r("mm_encoder_attn_dtype", "model_config.multimodal_config.mm_encoder_attn_dtype", RUNNER, "fp8"),
@@ -433,9 +444,10 @@ ENGINE_SETTINGS: tuple[Setting, ...] = (
     _r("kv_events_config", lambda c: None if c.kv_events_config is None else c.kv_events_config.enable_kv_cache_events,
        "KV cache events describe vLLM's block pool, which holds placeholders for the export's KV rows; remove it",
        {"enable_kv_cache_events": True}, unused=(None, False)),
-    _r("ec_transfer_config", "ec_transfer_config", ONE_WORKER, {"ec_connector": "ECExampleConnector",
-                                                                "ec_role": "ec_both"}),
-    _n("ec_manager_config", "vLLM's encoder-cache manager options apply to EC connectors (refused)"),
+    _h("ec_transfer_config", "encoder disaggregation through qeff-evs's EC connector: an ec_producer encodes and "
+       "prunes, ec_consumers run the language graph on the kept rows (ec_config.py refuses other connectors and "
+       "roles, one line each)", "test_vllm_epd.py::test_tokens_equal_a_single_instance"),
+    _h("ec_manager_config", "vLLM's encoder-cache manager options for EC connectors, unchanged"),
     _h("reasoning_config", "vLLM's thinking-budget state in the plugin's sampler: after the budget, the end string's "
        "tokens are forced on the graph's logits", BUDGET_TEST),
     _h("generation_config", FRONTEND + " (default sampling parameters from the export's generation_config.json)",
