@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from qeff_evs.vllm.ec_config import EC_WORKER_CLASS
 from qeff_evs.vllm.plugin import ADDITIONAL_CONFIG_KEYS, RANKS_KEY
 
 HONOURED, REFUSED, VLLM_REFUSES, NO_EFFECT = "honoured", "refused", "vllm refuses", "no effect"
@@ -433,7 +434,7 @@ ENGINE_SETTINGS: tuple[Setting, ...] = (
        "kernel runs"),
     _n("enable_flashinfer_autotune", "vLLM resolves it before qeff-evs sees it; no FlashInfer kernel runs"),
     _r("worker_cls", "parallel_config.worker_cls", "the plugin's worker runs the export's graphs; remove "
-       "--worker-cls", "x.Worker", unused=(None, "auto", "qeff_evs.vllm.worker.QeffEvsWorker")),
+       "--worker-cls", "x.Worker", unused=(None, "auto", "qeff_evs.vllm.worker.QeffEvsWorker", EC_WORKER_CLASS)),
     _r("worker_extension_cls", "parallel_config.worker_extension_cls", "extends vLLM's GPU worker, which the "
        "plugin replaces; remove it", "x.Extension", unused=(None, "")),
     _h("profiler_config", "vLLM's own profiler (torch profiler of the engine process)"),
