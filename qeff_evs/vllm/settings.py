@@ -138,6 +138,13 @@ def _user_device_ids(c) -> Any:
     return None if RANKS_KEY in (c.additional_config or {}) else c.parallel_config.assigned_physical_gpu_ids
 
 
+def _user_mm_embeds(c) -> Any:
+    """--enable-mm-embeds, except where vLLM turns it on itself: an EC consumer receives the encoder's outputs."""
+    if c.ec_transfer_config is not None and c.ec_transfer_config.is_ec_consumer:
+        return None
+    return _path("model_config.multimodal_config.enable_mm_embeds")(c)
+
+
 # Keys vLLM itself puts into additional_config from engine arguments (their own rows refuse them).
 VLLM_ADDITIONAL_KEYS = ("gdn_prefill_backend", "kda_prefill_backend", "kda_decode_backend")
 
@@ -314,9 +321,9 @@ ENGINE_SETTINGS: tuple[Setting, ...] = (
        True, unused=(False,)),
     _h("limit_mm_per_prompt", FRONTEND + " (more items gets HTTP 400)",
        "test_vllm_serve.py::test_bad_request_is_a_400_and_the_server_goes_on", {"video": 2, "image": 2}),
-    _r("enable_mm_embeds", "model_config.multimodal_config.enable_mm_embeds",
+    _r("enable_mm_embeds", _user_mm_embeds,
        "the export's vision graphs take pixels; precomputed media embeddings are not an input; remove it", True,
-       unused=(False,)),
+       unused=(None, False)),
     _h("interleave_mm_strings", FRONTEND + " (chat content order)", example=True),
     _h("media_io_kwargs", FRONTEND + " (vLLM's media loaders; the processor then samples the frames it was given)",
        example={"video": {"num_frames": 8}}),
