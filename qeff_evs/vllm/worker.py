@@ -142,8 +142,7 @@ class QeffEvsWorker(WorkerBase):
         if not np.array_equal(plan.ids, np.asarray(new.prompt_token_ids)):
             raise AssertionError(f"request {new.req_id}: vLLM's prompt ids differ from the export's layout of the "
                                  "same media; the prompt was not made by the qeff-evs processor")
-        check_rope_range(plan.decode_start, new.sampling_params.max_tokens,
-                         self.driver.executor.language.shape.rope_positions)
+        check_rope_range(plan.decode_start, new.sampling_params.max_tokens, self.bundle.language_shape.rope_positions)
         self.driver.admit(new.req_id, plan, media, features)
 
     def check_health(self) -> None:
