@@ -6,8 +6,8 @@ graphs only), sends each video the way vLLM's disaggregated-encoder proxy does (
 ``max_tokens`` 1), and measures what the instance wrote for the prefill/decode instances: the kept-rows file
 of each video (its size on disk and its arrays' bytes: rows, retained indices, per-frame counts, extra rows)
 against the same tensors for every row of the unpruned merged grid (what vLLM ships without pruning on the
-encoder side). Today one export serves one rate, so each rate is its own export; once an export serves every
-rate at serve time, pass the same export with several rates.
+encoder side). An export serves every rate its RoPE tables cover, so one export can be given with several rates
+(the results below were measured when each rate needed its own export).
 
     QEFF_EVS_BACKEND=ort python benchmarks/epd_bytes.py build_q0:0 build_q05:0.5 build_q075:0.75 \\
         --video clip.mp4 -o epd_bytes.md

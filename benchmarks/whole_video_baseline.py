@@ -4,7 +4,8 @@
 Before issue 10 one graph took a whole video: the tower attended over all ``S = T*H*W`` patches with a
 dense ``(S, S)`` block mask built from ``cu_seqlens`` (cost and memory ``S^2`` per head), then EVS. It
 is composed here from the package's pieces, never as a switch in them: a weight-sharing copy of the
-family encoder's tower given the block-mask attention below, followed by the family's ``EVSSelection``.
+family encoder's tower given the block-mask attention below, followed by the EVS pruning graph's ranking
+(``PruningRanking``) over the video as its own bucket; the host keeps the first K of it.
 It rebuilds a windowed tower's whole-video inputs and carries no extra rows (``whole_video_serves``):
 Qwen2.5-VL, the bench's default family. The published comparison (``benchmarks/README.md``, "Vision
 sweep") came from this graph; ``issue_targets.py --whole-video`` judges issue 10's speedup target on
@@ -44,15 +45,16 @@ from qeff_evs.bench.workload import synthetic_clip
 from qeff_evs.export.onnx_graph import legacy_export
 from qeff_evs.models.checkpoint import load_checkpoint
 from qeff_evs.models.registry import family_for_config
-from qeff_evs.models.vision_common import EncoderWrapper, EVSSelection, evs_host_inputs, grid_tensor, share_weights_copy
+from qeff_evs.models.pruning import PruningRanking, VideoPruning, pruning_host_inputs
+from qeff_evs.models.vision_common import EncoderWrapper, grid_tensor, share_weights_copy
 
 BLOCK_MASK_ATTENTION = "qeff_evs_flash_block_mask"  # "flash": transformers hands cu_seqlens through
 INPUTS = {
     "pixel_values": {0: "grid_height"}, "rotary_position_ids": {0: "grid_height"}, "cu_seqlens": {0: "frame_bounds"},
-    "window_index": {0: "vision_size"}, "cu_window_seqlens": {0: "window_bounds"}, "time_carrier": {0: "time"},
-    "retained_carrier": {0: "retained_size"},
+    "window_index": {0: "vision_size"}, "cu_window_seqlens": {0: "window_bounds"}, "bucket_carrier": {0: "time"},
+    "frame_count": {},
 }
-OUTPUTS = {"vision_embeds": {0: "retained_size"}, "retained_indices": {0: "retained_size"}}
+OUTPUTS = {"vision_embeds": {0: "video_tokens"}, "ranking": {0: "video_tokens"}}
 ENCODER, WHOLE_VIDEO = "encoder", "whole_video"
 # Frame counts per preset: the whole-video graph's peak grows 4x per doubling (~13 GB at 16 frames of 448x448).
 FRAMES = {"full": (4, 8, 16), "quick": (4, 8), "smoke": (2, 4)}
@@ -76,9 +78,9 @@ def block_mask_attention(module, query, key, value, attention_mask=None, scaling
 
 
 class WholeVideoVision(nn.Module):
-    """Tower over the whole video (block-mask attention) + the EVS selection: the pre-issue-10 graph."""
+    """Tower over the whole video (block-mask attention) + the EVS ranking: the pre-issue-10 graph's work."""
 
-    def __init__(self, encoder: EncoderWrapper, selection: EVSSelection) -> None:
+    def __init__(self, encoder: EncoderWrapper, selection: PruningRanking) -> None:
         super().__init__()
         if ALL_ATTENTION_FUNCTIONS.get(BLOCK_MASK_ATTENTION) is not block_mask_attention:
             AttentionInterface.register(BLOCK_MASK_ATTENTION, block_mask_attention)
@@ -87,14 +89,14 @@ class WholeVideoVision(nn.Module):
         self.selection = selection
 
     def forward(self, pixel_values, rotary_position_ids, cu_seqlens, window_index, cu_window_seqlens,
-                time_carrier, retained_carrier):
+                bucket_carrier, frame_count):
         merged = self.visual(pixel_values, grid_thw=None, position_ids=rotary_position_ids, cu_seqlens=cu_seqlens,
                              window_index=window_index, cu_window_seqlens=cu_window_seqlens, max_seqlen=0,
                              max_window_seqlen=0).pooler_output
-        return self.selection(merged, time_carrier, retained_carrier)
+        return merged, self.selection(merged, bucket_carrier, frame_count)
 
 
-def host_inputs(vision_config, grid_thw, merged_grid, retained: int) -> dict[str, np.ndarray]:
+def host_inputs(vision_config, grid_thw) -> dict[str, np.ndarray]:
     """Every input but ``pixel_values``, for the whole video ``grid_thw``."""
     grid = grid_tensor(grid_thw)
     window_index, cu_window_seqlens = get_vision_window_index(
@@ -103,16 +105,16 @@ def host_inputs(vision_config, grid_thw, merged_grid, retained: int) -> dict[str
     return {"rotary_position_ids": get_vision_position_ids(grid, vision_config.spatial_merge_size).numpy(),
             "cu_seqlens": get_vision_cu_seqlens(grid).numpy().astype(np.int32),
             "window_index": window_index.numpy(), "cu_window_seqlens": cu_window_seqlens.numpy().astype(np.int32),
-            **evs_host_inputs(merged_grid, retained)}
+            **pruning_host_inputs("evs", int(grid_thw[0]), int(grid_thw[0]), 0.0)}
 
 
-def export_whole_video_graph(encoder: EncoderWrapper, selection: EVSSelection, path: Path) -> Path:
-    """Trace the baseline on a 2-patch 8x8 video keeping one frame's tokens; every size stays a symbol."""
+def export_whole_video_graph(encoder: EncoderWrapper, selection: PruningRanking, path: Path) -> Path:
+    """Trace the baseline on a 2-patch 8x8 video; every size stays a symbol."""
     module = WholeVideoVision(encoder, selection).eval()
     config = encoder.vision_config
-    grid, merged = (2, 8, 8), (2, 4, 4)
+    grid = (2, 8, 8)
     width = config.in_channels * config.temporal_patch_size * config.patch_size ** 2
-    inputs = {"pixel_values": np.zeros((128, width), np.float32), **host_inputs(config, grid, merged, 16)}
+    inputs = {"pixel_values": np.zeros((128, width), np.float32), **host_inputs(config, grid)}
     path.parent.mkdir(parents=True, exist_ok=True)
     legacy_export(module, [torch.from_numpy(v) for v in inputs.values()], path, input_names=list(INPUTS),
                   output_names=list(OUTPUTS), dynamic_axes={**INPUTS, **OUTPUTS})
@@ -129,7 +131,7 @@ def measure(config, frame_counts: tuple[int, ...], workdir: Path, progress) -> d
         raise ValueError(f"--family {config.family}: the whole-video baseline needs a windowed tower without "
                          "extra rows (qwen2_5_vl)")
     progress("exporting the whole-video graph")
-    path = export_whole_video_graph(encoder, family.evs_selection(), workdir / "whole_video" / "vision.onnx")
+    path = export_whole_video_graph(encoder, family.pruning_ranking("evs"), workdir / "whole_video" / "vision.onnx")
     del model, encoder
     whole_video = open_inference_session(path)
     pipeline = graphs.vision_pipeline()
@@ -139,8 +141,9 @@ def measure(config, frame_counts: tuple[int, ...], workdir: Path, progress) -> d
         t, h, w = graphs.family.merged_grid(clip.grid_thw)
         k = evs.retained_token_count(h * w, t, config.window_rate)
         feeds = {"pixel_values": clip.video.pixel_values.numpy().astype(np.float32),
-                 **host_inputs(graphs.hf_config.vision_config, clip.grid_thw, (t, h, w), k)}
-        calls = {ENCODER: lambda video=clip.video, k=k: pipeline.encode(video, k),
+                 **host_inputs(graphs.hf_config.vision_config, clip.grid_thw)}
+        pruning = VideoPruning("evs", config.window_rate)
+        calls = {ENCODER: lambda video=clip.video: pipeline.encode(video, pruning),
                  WHOLE_VIDEO: lambda feeds=feeds: whole_video.run(None, feeds)}
         row = {"frames": frames, "temporal_patches": t, "retained_tokens": k}
         samples = {}

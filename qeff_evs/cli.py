@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from qeff_evs.specializations import DEFAULT_FRAMES_PER_CALL, FLOAT16, MXINT8
+from qeff_evs.specializations import DEFAULT_FRAMES_PER_CALL, DEFAULT_MAX_FRAMES, FLOAT16, MXINT8
 
 
 def _progress(message: str) -> None:
@@ -55,12 +55,32 @@ def _resolutions(heights: list[int], widths: list[int]) -> list[tuple[int, int]]
     return list(zip(heights, widths))
 
 
+def _methods(text: str) -> tuple[str, ...]:
+    return tuple(m.strip() for m in text.split(",") if m.strip())
+
+
+def _json_object(option: str):
+    """``--media-io-kwargs`` / ``--mm-processor-kwargs``: a JSON object, as vLLM takes them."""
+    def parse(text: str) -> dict:
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise argparse.ArgumentTypeError(f"{option} takes a JSON object, got {text!r} ({error})") from None
+        if not isinstance(value, dict):
+            raise argparse.ArgumentTypeError(f"{option} takes a JSON object, got {text!r}")
+        return value
+    return parse
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     from qeff_evs.export.pipeline import ExportOptions, export_checkpoint
 
     options = ExportOptions(
         video_pruning_rate=args.video_pruning_rate,
         frames=tuple(_flatten(args.frames)),
+        max_frames=args.max_frames,
+        max_video_pruning_rate=args.max_video_pruning_rate,
+        video_pruning_methods=args.video_pruning_methods,
         resolutions=tuple(_resolutions(_flatten(args.height), _flatten(args.width))),
         prefill_seq_len=args.prefill_seq_len,
         ctx_len=args.ctx_len,
@@ -75,7 +95,9 @@ def cmd_export(args: argparse.Namespace) -> int:
     manifest = export_checkpoint(args.model_dir, args.output, options, progress=_progress)
     print(json.dumps({"export_dir": str(args.output), "family": manifest.family,
                       "encoder_specializations": len(manifest.encoder_entries),
-                      "evs_specializations": len(manifest.evs_entries)}))
+                      "frame_buckets": list(manifest.frame_buckets),
+                      "video_pruning_methods": list(manifest.video_pruning_methods),
+                      "pruning_specializations": len(manifest.pruning_entries)}))
     return 0
 
 
@@ -112,22 +134,25 @@ def _video(args: argparse.Namespace, bundle):
     from qeff_evs.runtime.runner import video_from_file, video_from_patches
 
     if args.video:
-        return video_from_file(args.video, bundle, target_fps=args.fps)
+        return video_from_file(args.video, bundle, media_io_kwargs=(args.media_io_kwargs or {}).get("video"),
+                               mm_processor_kwargs=args.mm_processor_kwargs, array_fps=args.fps)
     if args.video_grid_thw is None:
         raise ValueError("--pixel-values-videos needs --video-grid-thw T,H,W")
     return video_from_patches(args.pixel_values_videos, args.video_grid_thw, args.fps, bundle)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from qeff_evs.runtime.runner import answer, build_engine, open_export
+    from qeff_evs.runtime.runner import answer, build_engine, open_export, video_pruning
 
     bundle = open_export(args.export_dir)
+    pruning = video_pruning(bundle, args.video_pruning_method, args.video_pruning_rate)
     if args.requests:
-        return _serve_requests(args, bundle)
+        return _serve_requests(args, bundle, pruning)
     video = _video(args, bundle)
     if args.prompt is None:
         raise ValueError("--prompt is required with --video / --pixel-values-videos")
-    engine = build_engine(bundle, args.backend, args.max_new_tokens, progress=_progress, device_ids=_device_ids(args))
+    engine = build_engine(bundle, args.backend, args.max_new_tokens, progress=_progress, device_ids=_device_ids(args),
+                          pruning=pruning)
     try:
         result = answer(bundle, engine, video, args.prompt)
     finally:
@@ -142,10 +167,12 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_encode(args: argparse.Namespace) -> int:
-    from qeff_evs.runtime.runner import encode_video, open_export
+    from qeff_evs.runtime.runner import encode_video, open_export, video_pruning
 
     bundle = open_export(args.export_dir)
-    report = encode_video(bundle, _video(args, bundle), args.backend, progress=_progress, device_ids=_device_ids(args))
+    pruning = video_pruning(bundle, args.video_pruning_method, args.video_pruning_rate)
+    report = encode_video(bundle, _video(args, bundle), args.backend, progress=_progress, device_ids=_device_ids(args),
+                          pruning=pruning)
     if args.json:
         print(json.dumps(report.to_json()))
         return 0
@@ -153,19 +180,20 @@ def cmd_encode(args: argparse.Namespace) -> int:
     print(f"{report.frames} frames at {report.resolution[0]}x{report.resolution[1]}: {t} temporal patches of "
           f"{h}x{w} tokens, {len(report.retained_indices)} of {t * h * w} kept "
           f"(encoder {report.seconds['encoder']:.2f} s in calls of {report.frames_per_call}, "
-          f"EVS {report.seconds['evs']:.3f} s)")
+          f"pruning ({report.pruning.method}, q = {report.pruning.rate:g}) {report.seconds['pruning']:.3f} s)")
     print("retained tokens per frame:", report.retained_tokens_per_frame)
     print("\n".join(report.kept_map()))
     return 0
 
 
-def _serve_requests(args: argparse.Namespace, bundle) -> int:
+def _serve_requests(args: argparse.Namespace, bundle, pruning) -> int:
     """Many requests at once through the continuous-batching engine; one JSON line per finished request."""
     from qeff_evs.runtime.runner import build_serving_engine, requests_from_jsonl
 
     requests = requests_from_jsonl(args.requests, bundle)
     engine = build_serving_engine(bundle, args.backend, args.max_num_seqs, args.max_num_batched_tokens,
-                                  args.encoder_cache_rows, progress=_progress, device_ids=_device_ids(args))
+                                  args.encoder_cache_rows, progress=_progress, device_ids=_device_ids(args),
+                                  pruning=pruning)
     try:
         for request in requests:
             engine.add_request(request)
@@ -194,17 +222,29 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _add_video_arguments(p: argparse.ArgumentParser, source) -> None:
-    """The video input flags ``run`` and ``encode`` share (``source``: their mutually exclusive group)."""
-    source.add_argument("--video", help="a video file or a .npy array (T, H, W, 3) uint8")
+    """The video input and pruning flags ``run`` and ``encode`` share (``source``: their exclusive group)."""
+    source.add_argument("--video", help="a video file or a .npy array (T, H, W, 3) uint8 of every frame of a clip")
     source.add_argument("--pixel-values-videos", help=".npy of patchified pixels (rows, C*tp*p*p)")
     p.add_argument("--video-grid-thw", type=_grid, default=None, help="T,H,W patch grid for --pixel-values-videos")
-    p.add_argument("--fps", type=float, default=None, help="sampling rate (default: the checkpoint's, 2)")
+    p.add_argument("--fps", type=float, default=None,
+                   help="frame rate of a .npy --video's frames or of --pixel-values-videos (default 2); a video "
+                        "file is sampled with --media-io-kwargs / --mm-processor-kwargs as vLLM samples it")
+    p.add_argument("--media-io-kwargs", type=_json_object("--media-io-kwargs"), default=None,
+                   help='vLLM\'s --media-io-kwargs, e.g. \'{"video": {"num_frames": 16}}\' (its video loader; default '
+                        "the loader vLLM picks for the checkpoint)")
+    p.add_argument("--mm-processor-kwargs", type=_json_object("--mm-processor-kwargs"), default=None,
+                   help="vLLM's --mm-processor-kwargs for the video processor: fps, num_frames, do_sample_frames, "
+                        "min_frames, max_frames")
+    p.add_argument("--video-pruning-rate", type=float, default=None,
+                   help="pruning rate q in [0, 1) (0: off; default: the export's)")
+    p.add_argument("--video-pruning-method", default=None,
+                   help="evs or vidcom2, one the export carries (default: the export's)")
 
 
 def _add_device_ids_argument(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device-ids", default=None,
                    help="--backend qaic: the devices each graph's program opens on: 0 (every graph), or e.g. "
-                        "encoder=1,evs=1,language=0 (a multi-device program: language=0+1); default 0 "
+                        "encoder=1,pruning=1,language=0 (a multi-device program: language=0+1); default 0 "
                         "(0..N-1 for a program compiled for N devices)")
 
 
@@ -212,12 +252,22 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="qeff-evs", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("export", help="export encoder, EVS and language ONNX graphs, specializations, compile.sh")
+    p = sub.add_parser("export", help="export encoder, pruning and language ONNX graphs, specializations, compile.sh")
     p.add_argument("model_dir", help="a local Qwen2.5-VL / Qwen3-VL checkpoint folder")
     p.add_argument("-o", "--output", required=True, type=Path, help="export folder")
-    p.add_argument("--video-pruning-rate", type=float, default=0.5, help="EVS pruning rate q in [0, 1)")
-    p.add_argument("--frames", type=_int_list, action="append", required=True,
-                   help="sampled frame counts to compile (even), e.g. 16 or 8,16")
+    p.add_argument("--video-pruning-rate", type=float, default=0.5,
+                   help="the default pruning rate q in [0, 1) (run, encode and vllm serve may pass another)")
+    p.add_argument("--max-video-pruning-rate", type=float, default=0.9,
+                   help="the largest rate served: the RoPE tables cover ctx_len / (1 - it) positions (default 0.9)")
+    p.add_argument("--video-pruning-methods", type=_methods, default=("evs", "vidcom2"),
+                   help="pruning graphs to export, the first the default method (default: evs,vidcom2)")
+    p.add_argument("--frames", type=_int_list, action="append", default=None,
+                   help="frame buckets in sampled frames (multiples of the temporal patch), e.g. 8,16,32: a video "
+                        "is padded to the smallest that holds it; the largest is the export's maximum "
+                        "(default: 2, 4, 8, ... frames up to --max-frames)")
+    p.add_argument("--max-frames", type=int, default=None,
+                   help=f"the most sampled frames a video may have, when --frames is not given (default "
+                        f"{DEFAULT_MAX_FRAMES})")
     p.add_argument("--height", type=_int_list, action="append", required=True,
                    help="frame heights the encoder sees (multiples of patch*merge), paired with --width")
     p.add_argument("--width", type=_int_list, action="append", required=True, help="frame widths")
@@ -231,8 +281,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--full-batch-size", type=int, default=None,
                    help="continuous batching: KV cache rows (requests served at once) and a batch_index input")
     p.add_argument("--rope-positions", type=int, default=None,
-                   help="M-RoPE positions the language graph's cos/sin tables cover (default: ctx_len / (1 - q), "
-                        "rounded up to 64: EVS keeps the unpruned positions)")
+                   help="M-RoPE positions the language graph's cos/sin tables cover (default: ctx_len / (1 - "
+                        "max rate), rounded up to 64: pruning keeps the unpruned positions)")
     p.add_argument("--frames-per-call", type=int, default=DEFAULT_FRAMES_PER_CALL,
                    help="temporal patches per encoder call (one encoder specialization per resolution serves "
                         f"every video length; default {DEFAULT_FRAMES_PER_CALL}, see README Performance)")
@@ -241,8 +291,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("compile", help="run qaic-compile where the SDK is installed, else print the commands")
     p.add_argument("export_dir", type=Path)
     p.add_argument("--num-cores", default=None,
-                   help="cores of each graph's program: N for every graph, or e.g. encoder=6,evs=1,language=9 "
-                        "(the default: the three fit one 16-core device, all active together)")
+                   help="cores of each graph's program: N for every graph, or e.g. encoder=6,pruning=1,language=9 "
+                        "(the default: the three fit one 16-core device, all active together; every method's "
+                        "pruning graph gets the pruning cores)")
     p.add_argument("--mxfp6", action="store_true")
     p.add_argument("--aic-hw-version", choices=("auto", "ai100", "ai200"), default="auto",
                    help="-aic-hw-version (auto: what qaic-util -q reports, else ai100)")
@@ -279,7 +330,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_run)
 
-    p = sub.add_parser("encode", help="only the vision side of one video: encoder + EVS, kept tokens per frame")
+    p = sub.add_parser("encode", help="only the vision side of one video: encoder + pruning, kept tokens per frame")
     p.add_argument("export_dir", type=Path)
     _add_video_arguments(p, p.add_mutually_exclusive_group(required=True))
     p.add_argument("--backend", choices=("ort", "torch", "qaic"), default="ort")
@@ -293,7 +344,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", choices=("ort", "torch"), default="ort")
     p.set_defaults(func=cmd_demo)
 
-    p = sub.add_parser("bench", help="measure what EVS and user_vision_size buy (JSON, Markdown, PNG plots)")
+    p = sub.add_parser("bench", help="measure what pruning and user_vision_size buy (JSON, Markdown, PNG plots)")
     from qeff_evs.bench import add_bench_arguments
 
     add_bench_arguments(p)

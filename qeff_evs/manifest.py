@@ -10,29 +10,62 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from qeff_evs.positions import rope_table_length
+
 MANIFEST_NAME = "manifest.json"
+# 2: frame-bucketed pruning graphs, one per method (the rate and method chosen at serve time). Exports
+# without a version carried one EVS graph with a specialization per (frame count, rate).
+MANIFEST_VERSION = 2
 MODEL_CONFIG_DIR = "model_config"  # the checkpoint's config and preprocessor files, without weights
 
-# The three graphs, in compile order. The encoder and the EVS graph share the vision folder, so their
-# compile inputs carry the graph's name (``vision/encoder_specializations.json``, ``vision/evs_qpc``).
-GRAPHS = ("encoder", "evs", "language")
-# role -> path relative to the export folder
+# The graph roles, in compile order: a program's cores and devices are chosen per role. The pruning role has
+# one graph per method the export carries (``pruning_graph``); a deployment loads the encoder, the pruning
+# graph of the method it serves and the language graph, all active together.
+GRAPHS = ("encoder", "pruning", "language")
+PRUNING_ROLE = "pruning"
+# role -> path relative to the export folder (the pruning graphs' files: ``pruning_files``)
 EXPORT_FILES = dict(
-    encoder="vision/encoder.onnx", evs="vision/evs.onnx", language="language/language.onnx",
+    encoder="vision/encoder.onnx", language="language/language.onnx",
     tokenizer=".",  # the checkpoint's tokenizer files sit at the top (exports before issue 15: "tokenizer")
     encoder_specializations="vision/encoder_specializations.json",
-    evs_specializations="vision/evs_specializations.json",
     language_specializations="language/specializations.json",
     encoder_specializations_named="vision/encoder_specializations.named.json",
-    evs_specializations_named="vision/evs_specializations.named.json",
     language_specializations_named="language/specializations.named.json",
     model_config=MODEL_CONFIG_DIR,
-    encoder_custom_io="vision/encoder_custom_io.yaml", evs_custom_io="vision/evs_custom_io.yaml",
+    encoder_custom_io="vision/encoder_custom_io.yaml",
     language_custom_io="language/custom_io.yaml",
     compile_script="compile.sh",
     placement="placement.json",  # each graph's cores and devices, as compile.sh compiles it
     serving_config="config.json", generation_config="generation_config.json",
+    # names the family's HF video processor at the top, so vLLM picks the video loader a checkpoint gets
+    video_processor_config="video_preprocessor_config.json",
 )
+
+
+def pruning_graph(method: str) -> str:
+    """The graph (and file key) of one pruning method: ``pruning_evs`` at ``vision/pruning_evs.onnx``."""
+    return f"{PRUNING_ROLE}_{method}"
+
+
+def graph_role(graph: str) -> str:
+    """The role a graph is placed under: ``pruning`` for every method's pruning graph, else the graph itself."""
+    return PRUNING_ROLE if graph.startswith(f"{PRUNING_ROLE}_") else graph
+
+
+def pruning_files(method: str) -> dict[str, str]:
+    """The files of one method's pruning graph, by file key (they share the vision folder with the encoder)."""
+    graph = pruning_graph(method)
+    return {graph: f"vision/{graph}.onnx", f"{graph}_specializations": f"vision/{graph}_specializations.json",
+            f"{graph}_specializations_named": f"vision/{graph}_specializations.named.json",
+            f"{graph}_custom_io": f"vision/{graph}_custom_io.yaml"}
+
+
+def export_files(methods: tuple[str, ...]) -> dict[str, str]:
+    """Every file of an export carrying the pruning graphs of ``methods``, by file key."""
+    files = dict(EXPORT_FILES)
+    for method in methods:
+        files.update(pruning_files(method))
+    return files
 
 
 @dataclass(frozen=True)
@@ -114,14 +147,19 @@ class EncoderEntry:
 
 
 @dataclass(frozen=True)
-class EVSEntry:
-    """One EVS specialization and the (resolution, frames, q) it serves: T temporal patches, K kept."""
+class PruningEntry:
+    """One specialization of a method's pruning graph: videos of one resolution up to a frame bucket.
 
+    ``frames``: the bucket in sampled frames (``--frames``); ``temporal_patches``: the same bucket in temporal
+    patches (the graph's ``frame_bucket``). It serves every video of that resolution with at most that many
+    temporal patches (padded to it), at every rate.
+    """
+
+    method: str
     height: int
     width: int
     frames: int
-    grid_thw: tuple[int, int, int]
-    retained: int
+    temporal_patches: int
     symbols: dict[str, int]
 
 
@@ -129,16 +167,20 @@ class EVSEntry:
 class Manifest:
     family: str
     model_dir: str  # the checkpoint the graphs came from (the PyTorch backend loads it)
-    video_pruning_rate: float
+    video_pruning_rate: float  # the default rate q (run, encode and vllm serve take another)
     prefill_seq_len: int
-    frames: tuple[int, ...]
+    frame_buckets: tuple[int, ...]  # sampled frames each pruning specialization pads a video to; the largest
     resolutions: tuple[tuple[int, int], ...]  # (height, width) frame sizes the encoder sees
     special_tokens: SpecialTokens
     language_shape: LanguageShape
-    files: dict[str, str]  # role -> path relative to the export folder
+    files: dict[str, str]  # file key -> path relative to the export folder
     encoder_entries: tuple[EncoderEntry, ...] = field(default=())
-    evs_entries: tuple[EVSEntry, ...] = field(default=())
+    pruning_entries: tuple[PruningEntry, ...] = field(default=())
+    video_pruning_methods: tuple[str, ...] = ("evs",)  # the methods whose pruning graphs the export carries
+    video_pruning_method: str = "evs"  # the default method
+    max_video_pruning_rate: float = 0.9  # the largest rate the RoPE tables were sized for
     kv_precision: str = "float16"
+    version: int = MANIFEST_VERSION
 
     @property
     def ctx_len(self) -> int:
@@ -147,6 +189,21 @@ class Manifest:
     @property
     def user_vision_size(self) -> int:
         return self.language_shape.vision_size
+
+    @property
+    def max_frames(self) -> int:
+        """The most sampled frames a video may have: the largest frame bucket (vLLM's ``max_frames``)."""
+        return max(self.frame_buckets)
+
+    @property
+    def graphs(self) -> tuple[str, ...]:
+        """The export's graphs, in compile order: the encoder, one pruning graph per method, the language graph."""
+        return ("encoder", *(pruning_graph(m) for m in self.video_pruning_methods), "language")
+
+    @property
+    def temporal_buckets(self) -> tuple[int, ...]:
+        """The frame buckets in temporal patches, ascending (what the host pads a video's rows to)."""
+        return tuple(sorted({e.temporal_patches for e in self.pruning_entries}))
 
     def path(self, export_dir: Path, role: str) -> Path:
         if role not in self.files:
@@ -163,24 +220,74 @@ class Manifest:
             f"no encoder specialization for frames of {tuple(grid_hw)} patches (H/patch, W/patch); exported "
             f"resolutions (height, width) are {served}; re-export with matching --height/--width")
 
-    def evs_entry(self, grid_thw: tuple[int, int, int]) -> EVSEntry:
-        """The EVS specialization of a video grid ``(T, H, W)`` (its resolution must have an encoder one too).
-
-        ValueError naming what was exported otherwise.
-        """
+    def check_video(self, grid_thw: tuple[int, int, int]) -> None:
+        """Raise ValueError naming the limit unless a video of patch grid ``(T, H, W)`` can be encoded and pruned:
+        its resolution exported, ``T`` within the largest frame bucket."""
         grid = tuple(int(v) for v in grid_thw)
         try:
             self.encoder_entry(grid[1:])
         except ValueError as error:
             raise ValueError(f"no vision specialization for video grid {grid}: {error}") from None
-        for entry in self.evs_entries:
-            if tuple(entry.grid_thw) == grid:
-                return entry
-        served = sorted({tuple(e.grid_thw) for e in self.evs_entries})
-        raise ValueError(
-            f"no vision specialization for video grid {grid} (frames/2, H/patch, W/patch): no EVS specialization "
-            f"for {grid[0]} temporal patches; exported grids are {served} (frames {list(self.frames)}); "
-            "re-export with matching --frames")
+        largest = max(self.temporal_buckets)
+        if grid[0] > largest:
+            raise ValueError(
+                f"video grid {grid} has {grid[0]} temporal patches but the export's largest frame bucket holds "
+                f"{largest} ({self.max_frames} frames); sample at most {self.max_frames} frames, or re-export with "
+                "a larger --frames / --max-frames")
+
+    def check_pruning(self, method: str, q: float) -> None:
+        """Raise ValueError naming the limit unless the export carries ``method`` and ``q`` is a rate in [0, 1).
+
+        A run checks each request's own positions against the RoPE tables (``positions.check_rope_range``); a
+        server, which cannot, refuses rates past them up front (``rate_refusal``)."""
+        problem = self.method_refusal(method) or self.rate_refusal(q, None)
+        if problem:
+            raise ValueError(problem)
+
+    def method_refusal(self, method: str) -> str | None:
+        """Why ``method`` cannot be served (one line), or None."""
+        if method in self.video_pruning_methods:
+            return None
+        return (f"video pruning method {method!r} is not one this export carries "
+                f"({', '.join(self.video_pruning_methods)}); pass --video-pruning-method "
+                f"{self.video_pruning_method}, or re-export with --video-pruning-methods including {method}")
+
+    def rate_refusal(self, q: float, max_model_len: int | None) -> str | None:
+        """Why rate ``q`` cannot be served with contexts of ``max_model_len`` tokens (one line), or None.
+
+        Positions stay unpruned, so a context of ``n`` kept tokens may reach position ``n / (1 - q)``; the RoPE
+        tables must cover that (the export sized them for ``max_video_pruning_rate`` at its ``ctx_len``).
+        ``max_model_len`` None: only that ``q`` is a rate.
+        """
+        if isinstance(q, bool) or not isinstance(q, (int, float)) or not 0.0 <= q < 1.0:
+            return f"video pruning rate {q!r} is not in [0, 1) (0 disables pruning); pass e.g. --video-pruning-rate 0.5"
+        if max_model_len is None:
+            return None
+        table = self.language_shape.rope_positions
+        needed = rope_table_length(max_model_len, q, multiple=1)
+        if table is not None and needed > table:
+            return (f"video pruning rate {q} reaches M-RoPE positions up to {needed} in a context of {max_model_len} "
+                    f"tokens (positions stay unpruned) but the export's RoPE tables cover {table} (sized for "
+                    f"--max-video-pruning-rate {self.max_video_pruning_rate}); pass a rate of at most "
+                    f"{self.max_video_pruning_rate} or a smaller --max-model-len, or re-export with a larger "
+                    "--max-video-pruning-rate")
+        return None
+
+    def pruning_entry(self, method: str, grid_thw: tuple[int, int, int], patch_size: int) -> PruningEntry:
+        """The specialization of ``method``'s graph a video of patch grid ``(T, H, W)`` runs in: its resolution's
+        smallest bucket of at least ``T`` temporal patches."""
+        self.check_video(grid_thw)
+        problem = self.method_refusal(method)
+        if problem:
+            raise ValueError(problem)
+        t, big_h, big_w = (int(v) for v in grid_thw)
+        fitting = [e for e in self.pruning_entries
+                   if e.method == method and (e.height, e.width) == (big_h * patch_size, big_w * patch_size)
+                   and e.temporal_patches >= t]
+        if not fitting:
+            raise ValueError(f"the manifest lists no {method} pruning specialization for video grid "
+                             f"{tuple(grid_thw)}; re-export this folder")
+        return min(fitting, key=lambda e: e.temporal_patches)
 
     @property
     def frames_per_call(self) -> int:
@@ -197,7 +304,7 @@ class Manifest:
             raw[key] = shape.pop(field_name)
         shape.pop("decode_batch_size")  # a property of a compiled program, not of the export
         raw["language_shape"] = shape
-        return raw
+        return {"version": raw.pop("version"), **raw}
 
     def write(self, export_dir: Path) -> Path:
         path = Path(export_dir) / MANIFEST_NAME
@@ -210,13 +317,16 @@ def read_manifest(export_dir: Path) -> Manifest:
     if not path.is_file():
         raise ValueError(f"{path} not found: run `qeff-evs export MODEL_DIR -o {export_dir}` first")
     raw = json.loads(path.read_text())
-    if "vision_entries" in raw:
-        raise ValueError(f"{path} is an export from before the encoder/EVS split (one vision graph); "
+    version = raw.pop("version", None)
+    if version is None:
+        raise ValueError(f"{path} is an export from before frame-bucketed pruning (one EVS graph per frame count "
+                         "and rate, no manifest version); re-run `qeff-evs export` with this version")
+    if version != MANIFEST_VERSION:
+        raise ValueError(f"{path} has manifest version {version}, this qeff-evs reads version {MANIFEST_VERSION}; "
                          "re-run `qeff-evs export` with this version")
     encoder = tuple(EncoderEntry(e["height"], e["width"], e["frames_per_call"], tuple(e["grid_hw"]), e["symbols"])
                     for e in raw.pop("encoder_entries", []))
-    evs = tuple(EVSEntry(e["height"], e["width"], e["frames"], tuple(e["grid_thw"]), e["retained"], e["symbols"])
-                for e in raw.pop("evs_entries", []))
+    pruning = tuple(PruningEntry(**e) for e in raw.pop("pruning_entries", []))
     shape = dict(raw.pop("language_shape"))
     for field_name, key in _TOP_LEVEL_SHAPE.items():
         shape[field_name] = raw.pop(key)
@@ -225,7 +335,8 @@ def read_manifest(export_dir: Path) -> Manifest:
         shape["extras"] = {"deepstack_features": levels} if levels else {}
     tokens = dict(raw.pop("special_tokens"))
     tokens["eos"] = tuple(tokens.get("eos", ()))
-    raw["frames"] = tuple(raw["frames"])
+    raw["frame_buckets"] = tuple(raw["frame_buckets"])
+    raw["video_pruning_methods"] = tuple(raw["video_pruning_methods"])
     raw["resolutions"] = tuple(tuple(r) for r in raw["resolutions"])
     return Manifest(**raw, special_tokens=SpecialTokens(**tokens), language_shape=LanguageShape(**shape),
-                    encoder_entries=encoder, evs_entries=evs)
+                    encoder_entries=encoder, pruning_entries=pruning)

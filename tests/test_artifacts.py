@@ -27,15 +27,17 @@ PATCH, MERGE, TEMPORAL_PATCH, CHANNELS, WINDOW = 14, 2, 2, 3, 56
 NUM_LAYERS = 2
 
 ENCODER_SYMBOLS = ("frames_per_call", "grid_h", "grid_w", "grid_height", "grid_width", "vision_size")
-EVS_SYMBOLS = ("time", "video_tokens", "retained_size")
+PRUNING_SYMBOLS = ("frame_bucket", "bucket_tokens")
+METHODS = ("evs", "vidcom2")  # the default --video-pruning-methods, the first the default method
 FRAMES_PER_CALL = 2  # the export's default
 
 # graph -> (onnx, specializations.json, its named copy, custom IO), relative to the export folder
 GRAPH_FILES = {
     "encoder": ("vision/encoder.onnx", "vision/encoder_specializations.json",
                 "vision/encoder_specializations.named.json", "vision/encoder_custom_io.yaml"),
-    "evs": ("vision/evs.onnx", "vision/evs_specializations.json", "vision/evs_specializations.named.json",
-            "vision/evs_custom_io.yaml"),
+    **{f"pruning_{m}": (f"vision/pruning_{m}.onnx", f"vision/pruning_{m}_specializations.json",
+                        f"vision/pruning_{m}_specializations.named.json", f"vision/pruning_{m}_custom_io.yaml")
+       for m in METHODS},
     "language": ("language/language.onnx", "language/specializations.json", "language/specializations.named.json",
                  "language/custom_io.yaml"),
 }
@@ -100,7 +102,10 @@ def test_manifest_records_family_and_export_options(manifest_json, export_option
     assert m["prefill_seq_len"] == export_options.prefill_seq_len
     assert m["ctx_len"] == export_options.ctx_len
     assert m["user_vision_size"] == export_options.user_vision_size
-    assert m["frames"] == list(export_options.frames)
+    assert m["version"] == 2
+    assert m["frame_buckets"] == list(export_options.frames)  # --frames are the buckets
+    assert m["video_pruning_methods"] == list(METHODS) and m["video_pruning_method"] == "evs"
+    assert m["max_video_pruning_rate"] == 0.9
     assert [tuple(r) for r in m["resolutions"]] == list(export_options.resolutions)
     assert m["kv_precision"] == "float16"
     assert m["language_shape"]["num_layers"] == NUM_LAYERS
@@ -121,8 +126,9 @@ def test_manifest_special_tokens_are_the_tokenizers(manifest_json, tokenizer, ti
 def test_manifest_reads_back(tiny_export, manifest_json):
     manifest = read_manifest(tiny_export)
     assert manifest.user_vision_size == manifest_json["user_vision_size"]
-    grids = [tuple(e["grid_thw"]) for e in manifest_json["evs_entries"]]
-    assert [e.grid_thw for e in manifest.evs_entries] == grids
+    buckets = [(e["method"], e["height"], e["width"], e["temporal_patches"]) for e in manifest_json["pruning_entries"]]
+    assert [(e.method, e.height, e.width, e.temporal_patches) for e in manifest.pruning_entries] == buckets
+    assert manifest.temporal_buckets == tuple(f // TEMPORAL_PATCH for f in manifest_json["frame_buckets"])
     assert [e.grid_hw for e in manifest.encoder_entries] == [tuple(e["grid_hw"]) for e in manifest_json["encoder_entries"]]
     assert manifest.frames_per_call == FRAMES_PER_CALL
 
@@ -184,12 +190,10 @@ def expected_encoder_symbols(height: int, width: int) -> dict[str, str]:
     return {k: str(v) for k, v in symbols.items()}
 
 
-def expected_evs_symbols(height: int, width: int, frames: int, q: float) -> dict[str, str]:
-    t = frames // TEMPORAL_PATCH
+def expected_pruning_symbols(height: int, width: int, frames: int) -> dict[str, str]:
+    bucket = frames // TEMPORAL_PATCH
     per_frame = (height // PATCH // MERGE) * (width // PATCH // MERGE)
-    symbols = {"time": t, "video_tokens": t * per_frame,
-               "retained_size": max(per_frame, int(per_frame * t * (1 - q)))}  # vLLM's count rule
-    return {k: str(v) for k, v in symbols.items()}
+    return {"frame_bucket": str(bucket), "bucket_tokens": str(bucket * per_frame)}  # no rate: K is the host's
 
 
 def test_encoder_specializations_one_per_resolution(tiny_export, export_options, manifest_json):
@@ -202,17 +206,19 @@ def test_encoder_specializations_one_per_resolution(tiny_export, export_options,
     assert served == [(h, w, FRAMES_PER_CALL) for h, w in export_options.resolutions]
 
 
-def test_evs_specializations_one_per_resolution_and_frame_count(tiny_export, export_options, manifest_json):
-    flat = [e["symbols"] for e in load_json(tiny_export / "vision" / "evs_specializations.json")["specializations"]]
-    q = export_options.video_pruning_rate
+@pytest.mark.parametrize("method", METHODS)
+def test_pruning_specializations_one_per_resolution_and_frame_bucket(tiny_export, export_options, manifest_json,
+                                                                     method):
+    path = tiny_export / "vision" / f"pruning_{method}_specializations.json"
+    flat = [e["symbols"] for e in load_json(path)["specializations"]]
     targets = [(h, w, f) for h, w in export_options.resolutions for f in export_options.frames]
-    assert len(flat) == len(targets)
+    assert len(flat) == len(targets)  # whatever the rate
     for entry, (height, width, frames) in zip(flat, targets):
-        assert set(EVS_SYMBOLS) <= set(entry)
-        assert entry == expected_evs_symbols(height, width, frames, q), (height, width, frames)
-    served = [(e["height"], e["width"], e["frames"]) for e in manifest_json["evs_entries"]]
-    assert served == targets
-    assert [str(e["retained"]) for e in manifest_json["evs_entries"]] == [e["retained_size"] for e in flat]
+        assert set(entry) == set(PRUNING_SYMBOLS)
+        assert entry == expected_pruning_symbols(height, width, frames), (height, width, frames)
+    served = [(e["height"], e["width"], e["frames"], e["temporal_patches"]) for e in manifest_json["pruning_entries"]
+              if e["method"] == method]
+    assert served == [(h, w, f, f // TEMPORAL_PATCH) for h, w, f in targets]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -231,7 +237,8 @@ def test_every_graph_symbol_is_bound_in_every_specialization(tiny_export, graph)
 
 
 @pytest.mark.parametrize("graph, symbol", [("language", "vision_size"), ("language", "ctx_len"),
-                                           ("evs", "retained_size"), ("encoder", "grid_height"),
+                                           ("pruning_evs", "bucket_tokens"), ("pruning_vidcom2", "frame_bucket"),
+                                           ("encoder", "grid_height"),
                                            ("encoder", "window_len")])
 def test_symbol_check_fails_loudly_on_the_real_graph(tiny_export, graph, symbol):
     onnx_file, flat_file, _, _ = GRAPH_FILES[graph]
@@ -254,7 +261,7 @@ def test_custom_io_names_real_graph_ios_in_fp16(tiny_export):
         for entry in records:
             assert set(entry) == {"IOName", "Precision"}
             assert entry["IOName"] in ios, (graph, entry)
-    language, encoder, selection = entries["language"], entries["encoder"], entries["evs"]
+    language, encoder = entries["language"], entries["encoder"]
     precisions = {e["IOName"]: e["Precision"] for e in language}
     expected = ["vision_embeds", "vision_embeds_RetainedState"]
     for i in range(NUM_LAYERS):
@@ -262,8 +269,10 @@ def test_custom_io_names_real_graph_ios_in_fp16(tiny_export):
                      f"past_value.{i}_RetainedState"]
     assert precisions == {name: "float16" for name in expected}
     assert {e["IOName"]: e["Precision"] for e in encoder} == {"pixel_values": "float16", "vision_embeds": "float16"}
-    # The EVS graph computes in fp32 (compiled without -convert-to-fp16); only its rows cross in fp16.
-    assert {e["IOName"]: e["Precision"] for e in selection} == {"merged_embeds": "float16", "vision_embeds": "float16"}
+    # A pruning graph computes in fp32 (compiled without -convert-to-fp16); only its rows cross in fp16, its
+    # ranking stays int64 and VidCom2's retention_ratio fp32.
+    for method in METHODS:
+        assert {e["IOName"]: e["Precision"] for e in entries[f"pruning_{method}"]} == {"merged_embeds": "float16"}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -285,7 +294,7 @@ def test_compile_script_has_one_qaic_compile_line_per_graph(tiny_export):
     script = tiny_export / "compile.sh"
     assert script.stat().st_mode & 0o100, "compile.sh is not executable"
     commands = compile_lines(script)
-    assert list(commands) == ["encoder", "evs", "language"]
+    assert list(commands) == ["encoder", *(f"pruning_{m}" for m in METHODS), "language"]
     for graph, argv in commands.items():
         options = dict(a.split("=", 1) if "=" in a else (a, None) for a in argv)
         onnx_file, flat_file, _, custom_io = GRAPH_FILES[graph]
@@ -296,9 +305,25 @@ def test_compile_script_has_one_qaic_compile_line_per_graph(tiny_export):
             assert (tiny_export / options[key]).is_file()
         assert options["-aic-hw-version"] == "ai100" and "-aic-hw" in options
         # The default split: all three programs active on one 16-core device together.
-        assert options["-aic-num-cores"] == {"encoder": "6", "evs": "1", "language": "9"}[graph]
-        # The EVS graph's cosine would overflow in fp16 (DESIGN §11): it alone keeps fp32 compute.
-        assert ("-convert-to-fp16" in options) == (graph != "evs")
+        pruning = graph.startswith("pruning_")
+        assert options["-aic-num-cores"] == ("1" if pruning else {"encoder": "6", "language": "9"}[graph])
+        # The EVS cosine would overflow in fp16 (DESIGN §11): the pruning graphs alone keep fp32 compute.
+        assert ("-convert-to-fp16" in options) == (not pruning)
         assert options["-aic-binary-dir"] == str(Path(onnx_file).parent / ("qpc" if graph == "language" else f"{graph}_qpc"))
         assert ("-retained-state" in options) == (graph == "language")
         assert "-mxfp6-matmul" not in options
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda m: m.pop("version"), r"export from before frame-bucketed pruning .*re-run `qeff-evs export`"),
+    (lambda m: m.update(version=3), r"manifest version 3, this qeff-evs reads version 2"),
+])
+def test_an_export_of_another_manifest_version_is_refused(tiny_export, tmp_path, change, message):
+    """A version-1 export carried one EVS graph per (frame count, K); its graphs cannot serve a rate or a bucket."""
+    folder = tmp_path / "old"
+    folder.mkdir()
+    raw = load_json(tiny_export / "manifest.json")
+    change(raw)
+    (folder / "manifest.json").write_text(json.dumps(raw))
+    with pytest.raises(ValueError, match=message):
+        read_manifest(folder)

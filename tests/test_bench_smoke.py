@@ -92,7 +92,7 @@ def test_bench_graphs_are_a_qeff_evs_export(smoke_run):
     assert (work / "checkpoint" / "config.json").is_file() and (work / "export" / "compile.sh").is_file()
     frames = {SMOKE.frames, SMOKE.vision_frames, SMOKE.overhead_frames, *SMOKE.window_frames,
               *SMOKE.vision_sweep_frames}
-    assert set(manifest.frames) == frames
+    assert set(manifest.frame_buckets) == frames  # every clip its own bucket: nothing padded
     assert {(SMOKE.frame_size,) * 2, (SMOKE.vision_frame_size,) * 2} == set(manifest.resolutions)
     assert manifest.video_pruning_rate == SMOKE.window_rate
     shape = manifest.language_shape
@@ -348,6 +348,7 @@ def test_whole_video_baseline_equals_the_stock_tower_and_evs(tmp_path):
     import onnxruntime as ort
 
     from qeff_evs.bench.checkpoint import model_config, random_model
+    from qeff_evs.evs import kept_indices
     from qeff_evs.models.qwen2_5_vl import reference_vision_evs
     from qeff_evs.models.registry import family_for_config
 
@@ -356,15 +357,16 @@ def test_whole_video_baseline_equals_the_stock_tower_and_evs(tmp_path):
     hf_config = model_config(SMOKE)
     model = random_model(hf_config, SMOKE.family, seed=3)
     family = family_for_config(hf_config, None)
-    path = export_whole_video_graph(family.encoder(model), family.evs_selection(), tmp_path / "whole.onnx")
+    path = export_whole_video_graph(family.encoder(model), family.pruning_ranking("evs"), tmp_path / "whole.onnx")
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     grid, q = (3, 8, 12), 0.5
     pixels = torch.randn(3 * 8 * 12, 1176, generator=torch.Generator().manual_seed(0))
     ref_rows, ref_indices = reference_vision_evs(model.model.visual, pixels, grid, q)
-    feeds = {"pixel_values": pixels.numpy(), **host_inputs(hf_config.vision_config, grid, (3, 4, 6), len(ref_indices))}
-    rows, indices = session.run(None, feeds)
+    feeds = {"pixel_values": pixels.numpy(), **host_inputs(hf_config.vision_config, grid)}
+    rows, ranking = session.run(None, feeds)
+    indices = kept_indices(ranking, len(ref_indices))  # the host keeps the first K of the ranking
     np.testing.assert_array_equal(indices, ref_indices.numpy())
-    np.testing.assert_allclose(rows, ref_rows.numpy(), atol=1e-4, rtol=0)
+    np.testing.assert_allclose(rows[indices], ref_rows.numpy(), atol=1e-4, rtol=0)
 
 
 def test_whole_video_baseline_script(smoke_run, tmp_path, capsys):

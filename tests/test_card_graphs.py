@@ -234,8 +234,8 @@ def test_rope_table_length_covers_unpruned_positions():
 
 def test_export_records_its_rope_table(tiny_export, export_options):
     shape = read_manifest(tiny_export).language_shape
-    q = export_options.video_pruning_rate
-    assert shape.rope_positions == positions.rope_table_length(export_options.ctx_len, q)
+    q = export_options.max_video_pruning_rate  # the largest rate it serves (0.9 by default), not the default rate
+    assert q == 0.9 and shape.rope_positions == positions.rope_table_length(export_options.ctx_len, q)
 
 
 def test_run_refuses_a_request_beyond_the_rope_table(tiny_export, video_npy, question, tmp_path, capsys):

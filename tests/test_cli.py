@@ -185,7 +185,49 @@ def test_encode_json_equals_the_stock_tower_and_the_run(run_json, tiny_checkpoin
     assert result["retained_tokens_per_frame"] == run_json["retained_tokens_per_frame"][0]
     assert result["retained_tokens"] == KEPT and result["merged_grid"] == [GRID[0], 4, 7]
     assert result["frames"] == 8 and result["resolution"] == [112, 196] and result["frames_per_call"] == 2
-    assert set(result["seconds"]) == {"encoder", "evs", "total"} and result["seconds"]["total"] > 0
+    assert set(result["seconds"]) == {"encoder", "pruning", "total"} and result["seconds"]["total"] > 0
+    assert result["video_pruning_method"] == "evs" and result["video_pruning_rate"] == export_options.video_pruning_rate
+
+
+@pytest.mark.parametrize("method, q", [("vidcom2", 0.75), ("evs", 0.25), ("vidcom2", 0.0)])
+def test_run_and_encode_take_the_rate_and_method(tiny_checkpoint, tiny_export, video_npy, question, method, q, capsys):
+    """One export, another rate and method at run time: encode keeps vLLM's own set for that method and rate on
+    the stock tower's rows, and run's per-frame counts and prompt follow it."""
+    import torch
+    from helpers.pruning_oracles import vllm_count, vllm_kept
+
+    from qeff_evs.models.checkpoint import load_checkpoint
+
+    flags = ["--video-pruning-rate", q, "--video-pruning-method", method]
+    code, out, err = cli(["encode", tiny_export, "--video", video_npy, "--json", *flags], capsys)
+    assert code == 0, err
+    result = json.loads(out)
+    video = video_from_file(video_npy, open_export(tiny_export))
+    visual = load_checkpoint(tiny_checkpoint).model.model.visual
+    with torch.no_grad():
+        merged = visual(video.pixel_values, grid_thw=torch.tensor([GRID])).pooler_output
+    kept = vllm_kept(method, merged, GRID[0], (4, 7), q)
+    assert len(kept) == vllm_count(method, TOKENS_PER_FRAME, GRID[0], q)
+    assert result["retained_indices"] == kept.tolist()
+    assert result["video_pruning_method"] == method and result["video_pruning_rate"] == q
+
+    code, out, err = cli(run_argv(tiny_export, "--video", video_npy, *flags, question=question), capsys)
+    assert code == 0, err
+    run = json.loads(out)
+    assert run["retained_tokens_per_frame"] == [result["retained_tokens_per_frame"]]
+    tokenizer = AutoTokenizer.from_pretrained(tiny_checkpoint)
+    assert run["prompt_token_ids"] == expected_prompt_ids(tokenizer, question, len(kept))
+
+
+@pytest.mark.parametrize("source, grid", [("two_frames", (1, 8, 14)), ("three_patches", (3, 8, 14))])
+def test_videos_shorter_than_a_bucket_are_served(bad_inputs, tiny_export, question, source, grid, capsys):
+    """A 2-frame clip (one temporal patch) and 3 temporal patches (a bucket of 4 holds them) are answered."""
+    argv = ["--pixel-values-videos", bad_inputs["unexported_frames"], "--video-grid-thw", "3,8,14"] \
+        if source == "three_patches" else ["--video", bad_inputs["two_frames"]]
+    code, out, err = cli(run_argv(tiny_export, *argv, question=question), capsys)
+    assert code == 0, err
+    counts = json.loads(out)["retained_tokens_per_frame"][0]
+    assert len(counts) == grid[0] and sum(counts) == max(TOKENS_PER_FRAME, int(TOKENS_PER_FRAME * grid[0] * 0.5))
 
 
 def test_encode_prints_counts_and_the_kept_map(run_json, tiny_export, video_npy, capsys):
@@ -205,7 +247,8 @@ def test_export_then_run(tiny_checkpoint, video_npy, question, tokenizer, tmp_pa
                           "--ctx-len", 128, "--kv-precision", "mxint8", "--mxfp6", "--num-cores", 4], capsys)
     assert code == 0, err
     assert json.loads(out) == {"export_dir": str(out_dir), "family": "qwen2_5_vl", "encoder_specializations": 1,
-                               "evs_specializations": 2}
+                               "frame_buckets": [4, 8], "video_pruning_methods": ["evs", "vidcom2"],
+                               "pruning_specializations": 4}
     manifest = json.loads((out_dir / "manifest.json").read_text())
     assert manifest["user_vision_size"] == 16  # defaults to the prefill length
     assert manifest["video_pruning_rate"] == 0.25
@@ -239,12 +282,12 @@ def test_compile_without_the_sdk_prints_the_commands(tiny_export, tmp_path, monk
     code, out, err = cli(["compile", build, "--num-cores", 8], capsys)
     assert code == 0, err
     lines = [line for line in out.splitlines() if line.startswith("qaic-compile ")]
-    assert len(lines) == 3
+    assert len(lines) == 4
     assert all("-aic-num-cores=8" in line for line in lines)
-    assert "-m=vision/encoder.onnx" in lines[0] and "-m=vision/evs.onnx" in lines[1]
-    assert "-m=language/language.onnx" in lines[2]
+    assert "-m=vision/encoder.onnx" in lines[0] and "-m=vision/pruning_evs.onnx" in lines[1]
+    assert "-m=vision/pruning_vidcom2.onnx" in lines[2] and "-m=language/language.onnx" in lines[3]
     assert "not found" in out
-    assert (build / "compile.sh").read_text().count("-aic-num-cores=8") == 3
+    assert (build / "compile.sh").read_text().count("-aic-num-cores=8") == 4
 
 
 def test_demo_runs(tmp_path, capsys):
@@ -266,6 +309,8 @@ def bad_inputs(tmp_path_factory, tiny_checkpoint, tiny_export):
 
     paths["unexported_frames"] = root / "grid_3_8_14.npy"
     np.save(paths["unexported_frames"], np.zeros((3 * 8 * 14, 1176), dtype=np.float32))
+    paths["too_many_frames"] = root / "grid_5_8_14.npy"
+    np.save(paths["too_many_frames"], np.zeros((5 * 8 * 14, 1176), dtype=np.float32))
     paths["unexported_size"] = root / "grid_4_10_10.npy"
     np.save(paths["unexported_size"], np.zeros((4 * 10 * 10, 1176), dtype=np.float32))
     paths["wrong_rows"] = root / "rows_10.npy"
@@ -301,21 +346,45 @@ def bad_inputs(tmp_path_factory, tiny_checkpoint, tiny_export):
     # the tokenizer files at the export's top (and tokenizer/ of exports made before issue 15)
     shutil.copytree(tiny_export, export_no_tokenizer, ignore=shutil.ignore_patterns("tokenizer*", "vocab.json"))
     paths["export_no_tokenizer"] = export_no_tokenizer
+
+    export_evs_only = root / "export_evs_only"  # as `--video-pruning-methods evs` writes it
+    shutil.copytree(tiny_export, export_evs_only, ignore=shutil.ignore_patterns("pruning_vidcom2*"))
+    manifest = json.loads((export_evs_only / "manifest.json").read_text())
+    manifest["video_pruning_methods"] = ["evs"]
+    manifest["pruning_entries"] = [e for e in manifest["pruning_entries"] if e["method"] == "evs"]
+    manifest["files"] = {k: v for k, v in manifest["files"].items() if "vidcom2" not in k}
+    (export_evs_only / "manifest.json").write_text(json.dumps(manifest))
+    paths["export_evs_only"] = export_evs_only
     return paths
 
 
 EXPORT_GRID = ["--frames", "8", "--height", "112", "--width", "196"]
 
 BAD_COMMANDS = {
-    "frame count 6 not exported": (["run", "{export}", "--pixel-values-videos", "{unexported_frames}",
-                                    "--video-grid-thw", "3,8,14", "--prompt", "hi"],
-                                   r"no vision specialization for video grid \(3, 8, 14\)"),
+    "10 frames above the largest bucket": (["run", "{export}", "--pixel-values-videos", "{too_many_frames}",
+                                            "--video-grid-thw", "5,8,14", "--prompt", "hi"],
+                                           r"video grid \(5, 8, 14\) has 5 temporal patches but the export's largest "
+                                           r"frame bucket holds 4 \(8 frames\)"),
     "resolution 140x140 not exported": (["run", "{export}", "--pixel-values-videos", "{unexported_size}",
                                          "--video-grid-thw", "4,10,10", "--prompt", "hi"],
                                         r"no vision specialization for video grid \(4, 10, 10\)"),
-    "encode: frame count 6 not exported": (["encode", "{export}", "--pixel-values-videos", "{unexported_frames}",
-                                            "--video-grid-thw", "3,8,14"],
-                                           r"no EVS specialization for 3 temporal patches.*frames \[4, 8\]"),
+    "encode: 10 frames above the largest bucket": (["encode", "{export}", "--pixel-values-videos", "{too_many_frames}",
+                                                    "--video-grid-thw", "5,8,14"],
+                                                   r"5 temporal patches but the export's largest frame bucket"),
+    "unknown pruning method": (["run", "{export}", "--video", "{video}", "--prompt", "hi", "--video-pruning-method",
+                                "topk"], r"unknown video pruning method 'topk'; choose one of evs, vidcom2"),
+    "encode: rate 1": (["encode", "{export}", "--video", "{video}", "--video-pruning-rate", "1"],
+                       r"video pruning rate must be in \[0, 1\) \(0 disables EVS\), got 1\.0"),
+    "method the export lacks": (["run", "{export_evs_only}", "--video", "{video}", "--prompt", "hi",
+                                 "--video-pruning-method", "vidcom2"],
+                                r"video pruning method 'vidcom2' is not one this export carries \(evs\)"),
+    "default rate above the maximum rate": (["export", "{checkpoint}", "-o", "{out}", *EXPORT_GRID,
+                                             "--video-pruning-rate", "0.8", "--max-video-pruning-rate", "0.5"],
+                                            r"--video-pruning-rate 0.8 is above --max-video-pruning-rate 0.5"),
+    "a method twice": (["export", "{checkpoint}", "-o", "{out}", *EXPORT_GRID, "--video-pruning-methods", "evs,evs"],
+                       r"--video-pruning-methods must list distinct methods"),
+    "max frames off the largest bucket": (["export", "{checkpoint}", "-o", "{out}", *EXPORT_GRID, "--max-frames", "16"],
+                                          r"--max-frames 16 is not the largest of --frames \[8\]"),
     "encode: resolution 140x140 not exported": (["encode", "{export}", "--pixel-values-videos", "{unexported_size}",
                                                  "--video-grid-thw", "4,10,10"],
                                                 r"no encoder specialization .*\(10, 10\).*\[\(112, 196\), \(168, 168\)\]"),
@@ -326,8 +395,6 @@ BAD_COMMANDS = {
                                          r"shape \(10, 1176\) do not match --video-grid-thw 4,8,14"),
     "pixel values without a grid": (["run", "{export}", "--pixel-values-videos", "{wrong_rows}", "--prompt", "hi"],
                                     r"needs --video-grid-thw"),
-    "clip shorter than every exported frame count": (["run", "{export}", "--video", "{two_frames}", "--prompt", "hi"],
-                                                     r"2 frames .*fewer than every exported frame count \[4, 8\]"),
     "prompt does not fit ctx_len": (["run", "{export}", "--video", "{video}", "--prompt", "{long_question}"],
                                     r"the prompt \(\d+ tokens\).* ctx_len is 256"),
     "max new tokens do not fit ctx_len": (["run", "{export}", "--video", "{video}", "--prompt", "hi",

@@ -41,11 +41,11 @@ def test_flags_reach_compile_sh(build, capsys):
     code = main(["compile", str(build), "--aic-hw-version", "ai200", "--num-devices", "2", "--num-cores", "14",
                  "--extra-flags", "-mos=1 -aic-enable-depth-first -node-precision-info=fp32_nodes.yaml"])
     assert code == 0, capsys.readouterr().err
-    encoder, selection, language = compile_lines(build)
-    for line in (encoder, selection, language):
+    encoder, evs, vidcom2, language = compile_lines(build)
+    for line in (encoder, evs, vidcom2, language):
         assert "-aic-hw-version=ai200" in line and "-aic-num-cores=14" in line
         assert "-mos=1" in line and "-aic-enable-depth-first" in line
-    for graph, vision in (("encoder", encoder), ("evs", selection)):  # each vision graph its own cores
+    for graph, vision in (("encoder", encoder), ("pruning_evs", evs), ("pruning_vidcom2", vidcom2)):  # each its own
         assert f"-mdp-load-partition-config=vision/{graph}_mdp_ts_2.json" in vision
         assert "node-precision" not in vision
     assert "-mdp-load-partition-config=language/mdp_ts_2.json" in language
@@ -57,7 +57,8 @@ def test_flags_reach_compile_sh(build, capsys):
                                                           {"deviceId": 1, "numCores": 14}]}]}
     script = (build / "compile.sh").read_text()
     assert script.index("rm -rf vision/encoder_qpc") < script.index("-m=vision/encoder.onnx")
-    assert script.index("rm -rf vision/evs_qpc") < script.index("-m=vision/evs.onnx")
+    assert script.index("rm -rf vision/pruning_evs_qpc") < script.index("-m=vision/pruning_evs.onnx")
+    assert script.index("rm -rf vision/pruning_vidcom2_qpc") < script.index("-m=vision/pruning_vidcom2.onnx")
     assert script.index("rm -rf language/qpc") < script.index("-m=language/language.onnx")
 
 

@@ -123,7 +123,7 @@ def clips(tmp_path_factory, bundle):
     for clip in (CLIP_A, CLIP_B):
         path = folder / f"{clip.name}.npy"
         np.save(path, moving_square_video(clip.frames, clip.height, clip.width, seed=clip.seed))
-        video = video_from_file(path, bundle, source_fps=clip.source_fps)
+        video = video_from_file(path, bundle, array_fps=clip.source_fps)
         indices = clip.hf_frame_indices(2 * video.grid_thw[0])
         # the sampler's times are the HF sampler's frames over the source rate
         assert video.frame_times == tuple(i / clip.source_fps for i in indices)

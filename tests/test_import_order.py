@@ -22,7 +22,7 @@ ALLOWED: dict[str, set[str]] = {
     "evs": set(),
     "vidcom2": {"evs"},
     "positions": {"evs"},
-    "manifest": set(),
+    "manifest": {"evs", "positions"},
     "specializations": {"manifest"},
     "models": BASE | {"models"},
     "export": BASE | {"models", "export"},

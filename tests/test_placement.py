@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from qeff_evs.cli import main
-from qeff_evs.manifest import GRAPHS
+from qeff_evs.manifest import GRAPHS, graph_role
 from qeff_evs.runtime.runner import open_export, sessions_for
 from qeff_evs.specializations import CompileOptions
 from qeff_evs.specializations.placement import (
@@ -41,14 +41,18 @@ def build(tiny_export, tmp_path) -> Path:
 
 
 def compiled_cores(build: Path) -> dict[str, tuple[int, str | None]]:
-    """Per graph of compile.sh: its -aic-num-cores and its -mdp-load-partition-config (None: one device)."""
+    """Per graph role of compile.sh: its -aic-num-cores and its -mdp-load-partition-config (None: one device);
+    every method's pruning graph compiles with its role's values."""
     found = {}
     for line in (build / "compile.sh").read_text().splitlines():
         if "$QAIC_COMPILE" not in line or line.startswith("QAIC_COMPILE="):
             continue
         options = dict(a.split("=", 1) for a in shlex.split(line) if a.startswith("-") and "=" in a)
-        graph = Path(options["-m"]).stem
-        found[graph] = (int(options["-aic-num-cores"]), options.get("-mdp-load-partition-config"))
+        role = graph_role(Path(options["-m"]).stem)
+        partition = options.get("-mdp-load-partition-config")
+        values = (int(options["-aic-num-cores"]), partition and partition.replace(Path(options["-m"]).stem, role))
+        assert found.setdefault(role, values) == values, line
+        found[role] = values
     return found
 
 
@@ -70,12 +74,12 @@ def test_compile_writes_each_graphs_cores_into_compile_sh_and_placement_json(bui
 
     assert main(["compile", str(build), "--num-cores", "language=12,encoder=3", "--num-devices", "language=2"]) == 0
     err = capsys.readouterr().err
-    assert "encoder 3 cores, evs 1 cores, language 12 cores on each of 2 devices" in err
-    assert compiled_cores(build) == {"encoder": (3, None), "evs": (1, None),
+    assert "encoder 3 cores, pruning 1 cores, language 12 cores on each of 2 devices" in err
+    assert compiled_cores(build) == {"encoder": (3, None), "pruning": (1, None),
                                      "language": (12, "language/mdp_ts_2.json")}
     partition = json.loads((build / "language" / "mdp_ts_2.json").read_text())["partitions"][0]
     assert partition["devices"] == [{"deviceId": 0, "numCores": 12}, {"deviceId": 1, "numCores": 12}]
-    assert read_placement_record(build) == {"encoder": CompiledGraph(3, 1), "evs": CompiledGraph(1, 1),
+    assert read_placement_record(build) == {"encoder": CompiledGraph(3, 1), "pruning": CompiledGraph(1, 1),
                                             "language": CompiledGraph(12, 2)}
 
     assert main(["compile", str(build), "--num-cores", "16"]) == 0  # one value: every graph (one per device)
@@ -89,7 +93,7 @@ def test_export_writes_the_same_record_as_its_compile_sh(tiny_export):
 
 @pytest.mark.parametrize("argv, message", [
     (["--num-cores", "vision=4"], r"--num-cores 'vision=4' names \['vision'\], which are not graphs of an export; "
-                                  r"the graphs are encoder, evs, language"),
+                                  r"the graphs are encoder, pruning, language"),
     (["--num-cores", "language=0"], r"--num-cores of the language graph must be a positive integer, got 0"),
     (["--num-cores", "language=two"], r"--num-cores: 'two' is not an integer"),
     (["--num-cores", "language"], r"--num-cores: 'language' is not an integer"),
@@ -116,9 +120,10 @@ def test_record_missing_names_the_fix(build):
 def test_device_ids_text_and_json_forms():
     assert parse_device_ids("0") == (0,)
     assert parse_device_ids("0+1") == (0, 1)
-    assert parse_device_ids(" encoder=1, evs=1 ,language=0+2") == {"encoder": (1,), "evs": (1,), "language": (0, 2)}
-    assert parse_device_ids({"encoder": [1], "language": "0+2", "evs": 1}) == {"encoder": (1,), "language": (0, 2),
-                                                                                "evs": (1,)}
+    assert parse_device_ids(" encoder=1, pruning=1 ,language=0+2") == {"encoder": (1,), "pruning": (1,),
+                                                                        "language": (0, 2)}
+    assert parse_device_ids({"encoder": [1], "language": "0+2", "pruning": 1}) == {"encoder": (1,), "language": (0, 2),
+                                                                                    "pruning": (1,)}
     assert parse_device_ids([3]) == (3,)
     for bad, message in [("-1", "not a non-negative integer"), ("0+0", "with a repeat"), ("gpu=0", "not graphs"),
                          ("", "is empty"), ({"language": []}, "must be device ids"), ("a", "not an integer")]:
@@ -127,8 +132,8 @@ def test_device_ids_text_and_json_forms():
 
 
 def test_placement_defaults_and_id_counts():
-    compiled = {"encoder": CompiledGraph(6), "evs": CompiledGraph(1), "language": CompiledGraph(9, 2)}
-    assert place_programs(compiled) == [ProgramPlacement("encoder", 6, (0,)), ProgramPlacement("evs", 1, (0,)),
+    compiled = {"encoder": CompiledGraph(6), "pruning": CompiledGraph(1), "language": CompiledGraph(9, 2)}
+    assert place_programs(compiled) == [ProgramPlacement("encoder", 6, (0,)), ProgramPlacement("pruning", 1, (0,)),
                                         ProgramPlacement("language", 9, (0, 1))]
     assert [p.device_ids for p in place_programs(compiled, {"encoder": (3,), "language": (2, 5)})] == \
         [(3,), (0,), (2, 5)]
@@ -140,13 +145,13 @@ def test_placement_defaults_and_id_counts():
 
 
 def test_over_subscribed_device_is_refused_naming_the_numbers_and_the_fix():
-    placements = [ProgramPlacement("encoder", 8, (0,)), ProgramPlacement("evs", 1, (0,)),
+    placements = [ProgramPlacement("encoder", 8, (0,)), ProgramPlacement("pruning", 1, (0,)),
                   ProgramPlacement("language", 9, (0, 1))]
     with pytest.raises(ValueError) as error:
         check_device_cores(placements)
     message = str(error.value)
-    assert "device 0 would hold encoder 8 + evs 1 + language 9 = 18 cores, but a device has 16" in message
-    assert "--num-cores encoder=6,evs=1,language=9" in message
+    assert "device 0 would hold encoder 8 + pruning 1 + language 9 = 18 cores, but a device has 16" in message
+    assert "--num-cores encoder=6,pruning=1,language=9" in message
     assert "(--device-ids / QEFF_EVS_DEVICE_IDS, e.g. language=2+3)" in message  # as many ids as it needs
     check_device_cores(placements[1:])  # 10 on device 0, 9 on device 1
     check_device_cores(placements, device_cores=18)  # exactly full is fine

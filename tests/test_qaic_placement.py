@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from qeff_evs.cli import main
+from qeff_evs.manifest import graph_role
 from qeff_evs.runtime.backends.qaic import QaicProgram, load_sdk, qpc_dir
 from qeff_evs.runtime.backends.qaic_device import DATA_PATH_TIMEOUT_MS
 from qeff_evs.runtime.runner import answer, build_engine, open_export, sessions_for, video_from_file
@@ -26,13 +27,15 @@ from qeff_evs.specializations.placement import DEFAULT_GRAPH_CORES
 from test_qaic_session import DEVICE_MEMORY, FakeDevice, build_fake_sdk, fake_compile
 
 QUESTION = "What happens in this video?"
-GRAPH_ORDER = ("encoder", "evs", "language")
+# The roles a deployment loads, in load order: the encoder, its method's pruning graph (evs by default), language.
+GRAPH_ORDER = ("encoder", "pruning", "language")
+COMPILED = ("encoder", "pruning_evs", "pruning_vidcom2", "language")  # every graph of the export
 
 
 def compile_for_the_card(export: Path, *compile_args: str) -> Path:
     """``qeff-evs compile`` (no SDK here: it writes compile.sh and placement.json), then the fake's compile."""
     assert main(["compile", str(export), *compile_args]) == 0
-    for graph in GRAPH_ORDER:
+    for graph in COMPILED:
         fake_compile(export, graph)
     return export
 
@@ -55,10 +58,10 @@ def device(monkeypatch) -> FakeDevice:
 
 
 def events_by_graph(device: FakeDevice) -> list[tuple[str, str, tuple[int, ...]]]:
-    """``(what, graph, devices)`` of every program event, graphs named by their QPC folder."""
+    """``(what, role, devices)`` of every program event, graphs named by their QPC folder's role."""
     def graph(qpc: str) -> str:
         name = Path(qpc).name
-        return "language" if name == "qpc" else name.removesuffix("_qpc")
+        return "language" if name == "qpc" else graph_role(name.removesuffix("_qpc"))
     return [(what, graph(qpc), devices) for what, qpc, devices in device.events]
 
 
@@ -94,12 +97,12 @@ def test_programs_stay_active_across_requests_and_are_released_on_close(build, d
 def test_over_subscribed_placement_is_refused_before_loading_and_runs_spread(build, device, video_npy):
     compile_for_the_card(build, "--num-cores", "encoder=8")  # 8 + 1 + 9 = 18 cores on device 0
     bundle = open_export(build)
-    with pytest.raises(ValueError, match=r"device 0 would hold encoder 8 \+ evs 1 \+ language 9 = 18 cores, but a "
+    with pytest.raises(ValueError, match=r"device 0 would hold encoder 8 \+ pruning 1 \+ language 9 = 18 cores, but a "
                                          r"device has 16.*--num-cores.*e\.g\. language=1\)"):
         sessions_for(bundle, "qaic")
     assert device.events == [] and device.calls == []  # nothing was loaded
 
-    spread = {"encoder": (0,), "evs": (0,), "language": (1,)}
+    spread = {"encoder": (0,), "pruning": (0,), "language": (1,)}
     expected = answer(bundle, build_engine(bundle, "ort", max_new_tokens=4), video_from_file(video_npy, bundle),
                       QUESTION)
     engine = build_engine(bundle, "qaic", max_new_tokens=4, device_ids={"language": (1,)})
@@ -115,7 +118,7 @@ def test_the_fake_card_refuses_past_a_devices_cores_and_memory(build, device):
     """Without the host's check, the card itself fails the activation that over-subscribes a device."""
     compile_for_the_card(build, "--num-cores", "encoder=8")
     bundle, sdk = open_export(build), load_sdk()
-    programs = [QaicProgram(qpc_dir(bundle, graph), sdk) for graph in ("encoder", "evs")]  # 9 of 16 cores
+    programs = [QaicProgram(qpc_dir(bundle, graph), sdk) for graph in ("encoder", "pruning_evs")]  # 9 of 16 cores
     with pytest.raises(RuntimeError, match=r"activating .*language/qpc on device\(s\) \[0\] failed .*lack free "
                                            r"memory or cores"):
         QaicProgram(qpc_dir(bundle, "language"), sdk)
@@ -137,7 +140,7 @@ def test_multi_device_program_opens_on_as_many_ids(build, device, video_npy):
         sessions_for(bundle, "qaic", device_ids={"language": (1,)})
     assert device.events == []
     engine = build_engine(bundle, "qaic", max_new_tokens=4)  # default ids: 0 for one device, 0+1 for two
-    placement = {"encoder": (0,), "evs": (0,), "language": (0, 1)}
+    placement = {"encoder": (0,), "pruning": (0,), "language": (0, 1)}
     assert events_by_graph(device) == opened(device, placement)
     assert device.cores_used == {0: 16, 1: 9}
     expected = answer(bundle, build_engine(bundle, "ort", max_new_tokens=4), video_from_file(video_npy, bundle),
@@ -149,9 +152,9 @@ def test_multi_device_program_opens_on_as_many_ids(build, device, video_npy):
 
 def test_run_command_places_by_device_ids_and_releases(build, device, video_npy, capsys):
     code = main(["run", str(build), "--video", str(video_npy), "--prompt", QUESTION, "--backend", "qaic",
-                 "--device-ids", "encoder=1,evs=1,language=0", "--max-new-tokens", "3", "--json"])
+                 "--device-ids", "encoder=1,pruning=1,language=0", "--max-new-tokens", "3", "--json"])
     assert code == 0, capsys.readouterr().err
-    placement = {"encoder": (1,), "evs": (1,), "language": (0,)}
+    placement = {"encoder": (1,), "pruning": (1,), "language": (0,)}
     assert events_by_graph(device) == opened(device, placement) + released(device, placement)
     assert main(["run", str(build), "--video", str(video_npy), "--prompt", QUESTION, "--backend", "qaic",
                  "--device-ids", "language=0+1"]) == 2
@@ -165,10 +168,11 @@ def test_vllm_worker_places_by_config_and_releases_on_shutdown(build, device, mo
     monkeypatch.setenv("QEFF_EVS_BACKEND", "qaic")
     monkeypatch.delenv("QEFF_EVS_DEVICE_IDS", raising=False)
     worker = QeffEvsWorker.__new__(QeffEvsWorker)  # vLLM's engine would build it; only load and shutdown run here
-    worker.model_config = types.SimpleNamespace(model=str(build))
-    worker.vllm_config = types.SimpleNamespace(additional_config={"device_ids": {"encoder": [1], "evs": "1"}})
+    pruning = types.SimpleNamespace(video_pruning_method="evs", video_pruning_rate=0.5)  # vLLM's settings
+    worker.model_config = types.SimpleNamespace(model=str(build), multimodal_config=pruning)
+    worker.vllm_config = types.SimpleNamespace(additional_config={"device_ids": {"encoder": [1], "pruning": "1"}})
     worker.load_model()
-    placement = {"encoder": (1,), "evs": (1,), "language": (0,)}
+    placement = {"encoder": (1,), "pruning": (1,), "language": (0,)}
     assert events_by_graph(device) == opened(device, placement)
     worker.shutdown()
     assert events_by_graph(device)[6:] == released(device, placement)

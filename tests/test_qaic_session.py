@@ -83,7 +83,7 @@ def compiled_for(export: Path, onnx_file: str) -> tuple[int, int]:
 def fake_compile(export: Path, graph: str, size_bytes: int | None = None) -> Path:
     """What qaic-compile would consume, written as the QPC folder's program file (the fake loads it).
 
-    The encoder and EVS graphs share ``vision/``: their files (and QPC folders) carry the graph's name.
+    The encoder and pruning graphs share ``vision/``: their files (and QPC folders) carry the graph's name.
     Cores and devices come from the graph's ``compile.sh`` line; ``size_bytes`` declares the program's
     device memory (default: its weights and retained state).
     """
@@ -356,7 +356,7 @@ def exports(tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def compiled(exports) -> dict[str, Path]:
     for export in exports.values():
-        for graph in ("encoder", "evs", "language"):
+        for graph in ("encoder", "pruning_evs", "pruning_vidcom2", "language"):
             fake_compile(export, graph)
     return exports
 
@@ -413,9 +413,9 @@ def test_missing_qpc_folder_says_to_compile(exports, device, tmp_path):
     with pytest.raises(ValueError, match=r"no compiled encoder QPC .*qeff-evs compile"):
         sessions_for(open_export(copy), "qaic")
     fake_compile(copy, "encoder")
-    with pytest.raises(ValueError, match=r"no compiled evs QPC"):
+    with pytest.raises(ValueError, match=r"no compiled pruning_evs QPC"):
         sessions_for(open_export(copy), "qaic")
-    fake_compile(copy, "evs")
+    fake_compile(copy, "pruning_evs")  # the default method's: a deployment loads only its method's graph
     with pytest.raises(ValueError, match=r"no compiled language QPC"):
         sessions_for(open_export(copy), "qaic")
     assert device.calls == []
@@ -479,9 +479,9 @@ def test_kv_goes_up_once_per_load_and_each_call_moves_only_its_inputs(compiled, 
             assert moved(call.to_device) == up, (request, number)
             assert moved(call.to_host) == down, (request, number)  # *_RetainedState never comes back
         assert [c.dims["input_ids"][1] for c in prefill] == [prefill_len] * len(prefill)
-    # Per request: the video's 4 temporal patches in encoder calls of 2, then EVS once.
+    # Per request: the video's 4 temporal patches in encoder calls of 2, then the EVS ranking once.
     encoder_calls = [c for c in device.calls if c.qpc.endswith("vision/encoder_qpc")]
-    evs_calls = [c for c in device.calls if c.qpc.endswith("vision/evs_qpc")]
+    evs_calls = [c for c in device.calls if c.qpc.endswith("vision/pruning_evs_qpc")]
     assert (len(encoder_calls), len(evs_calls)) == (2 * 2, 2)
     grid_height, grid_width = encoder_calls[0].dims["pixel_values"]
     assert encoder_calls[0].to_device["pixel_values"] == 2 * grid_height * grid_width  # fp16 per custom_io.yaml

@@ -28,6 +28,7 @@ import torch
 from qeff_evs import cli
 from qeff_evs.export.pipeline import ExportOptions, export_checkpoint
 from qeff_evs.models.protocol import MediaInput
+from qeff_evs.models.pruning import VideoPruning
 from qeff_evs.models.tiny import save_tiny_checkpoint
 from qeff_evs.runtime.engine.single_request import Engine, EngineConfig
 from qeff_evs.runtime.engine.request import PromptPiece
@@ -294,7 +295,7 @@ def test_sixteen_random_requests_equal_each_request_alone_qwen2_5(q25):
     assert set(log.finished) == {a.request.request_id for a in arrivals}
     assert_each_as_alone(q25, arrivals, log)
     assert_engine_is_empty(engine)
-    distinct = {media_hash(m, q25.q) for a in arrivals for m in a.request.media}
+    distinct = {media_hash(m, VideoPruning("evs", q25.q)) for a in arrivals for m in a.request.media}
     assert len(vision.runs) >= len(distinct)
 
 
@@ -463,9 +464,10 @@ def test_cli_run_requests_prints_each_request_as_alone(q25, tmp_path, capsys):
 
 
 def test_default_encoder_cache_holds_the_largest_exported_item(q25):
-    from qeff_evs.runtime.runner import build_serving_engine
+    from qeff_evs.models.pruning import VideoPruning
+    from qeff_evs.runtime.runner import build_serving_engine, largest_item_rows
 
-    largest = max(entry.retained for entry in q25.bundle.manifest.evs_entries)
+    largest = largest_item_rows(q25.bundle, VideoPruning("evs", q25.q))
     assert largest == 48 > TOKEN_BUDGET  # 8 frames at 112x168
     engine = build_serving_engine(q25.bundle, max_num_batched_tokens=TOKEN_BUDGET)
     assert engine.scheduler.config.encoder_cache_rows >= largest

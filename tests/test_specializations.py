@@ -22,7 +22,8 @@ import yaml
 from qeff_evs.specializations import (
     CompileCommand,
     Specialization,
-    VisionTarget,
+    PruningTarget,
+    default_frame_buckets,
     check_specializations,
     graph_symbols,
     language_custom_io,
@@ -218,53 +219,52 @@ def test_continuous_batching_specs_round_trip_through_json(tmp_path):
 
 # -------------------------------------------------------------------- vision sets
 
-# Literal per-target symbols as a family would compute them (448x448, patch 14, merge 2 -> 32x32 patches,
-# 16x16 merged per frame; 16 frames, temporal patch 2 -> time 8; K = max(256, int(2048 * (1 - q)))).
-SYM_448_Q50 = {"grid_h": 32, "grid_w": 32, "grid_height": 8192, "grid_width": 1176, "time": 8,
-               "vision_size": 2048, "retained_size": 1024}
-SYM_448_Q75 = {**SYM_448_Q50, "retained_size": 512}
-SYM_336_Q50 = {"grid_h": 24, "grid_w": 24, "grid_height": 4608, "grid_width": 1176, "time": 8,
-               "vision_size": 1152, "retained_size": 576}
-T_448_Q50 = VisionTarget(448, 448, 16, 0.5)
-T_448_Q75 = VisionTarget(448, 448, 16, 0.75)
-T_336_Q50 = VisionTarget(336, 336, 16, 0.5)
+# Literal per-target symbols as a family would compute them: pruning graphs bind the bucket in temporal
+# patches and its merged rows (448x448, patch 14, merge 2 -> 16x16 merged tokens per frame; 16 frames, temporal
+# patch 2 -> bucket 8 -> 2048 rows; 32 frames -> 16 -> 4096; 336x336 -> 12x12 -> 1152 rows at 16 frames).
+SYM_448_F16 = {"frame_bucket": 8, "bucket_tokens": 2048}
+SYM_448_F32 = {"frame_bucket": 16, "bucket_tokens": 4096}
+SYM_336_F16 = {"frame_bucket": 8, "bucket_tokens": 1152}
+T_448_F16 = PruningTarget(448, 448, 16)
+T_448_F32 = PruningTarget(448, 448, 32)
+T_336_F16 = PruningTarget(336, 336, 16)
 
 
 def test_vision_specs_dedupe_identical_bindings_and_remember_targets():
-    same_as_q50 = VisionTarget(448, 448, 16, 0.4999)  # a different q the family mapped to the same K
+    same_as_448 = PruningTarget(224, 896, 16)  # 8x32 merged tokens per frame: the same 2048 rows at bucket 8
     specs = vision_specializations([
-        (T_448_Q50, SYM_448_Q50),
-        (T_448_Q75, SYM_448_Q75),
-        (same_as_q50, dict(reversed(list(SYM_448_Q50.items())))),  # symbol order does not matter
-        (T_336_Q50, SYM_336_Q50),
-        (T_448_Q50, SYM_448_Q50),  # a repeated request adds nothing
+        (T_448_F16, SYM_448_F16),
+        (T_448_F32, SYM_448_F32),
+        (same_as_448, dict(reversed(list(SYM_448_F16.items())))),  # symbol order does not matter
+        (T_336_F16, SYM_336_F16),
+        (T_448_F16, SYM_448_F16),  # a repeated request adds nothing
     ])
     assert [s.name for s in specs] == ["Vision_0", "Vision_1", "Vision_2"]
-    assert [s.symbols for s in specs] == [SYM_448_Q50, SYM_448_Q75, SYM_336_Q50]
-    assert [s.serves for s in specs] == [(T_448_Q50, same_as_q50), (T_448_Q75,), (T_336_Q50,)]
-    assert specialization_for_target(specs, same_as_q50) is specs[0]
-    assert specialization_for_target(specs, T_336_Q50) is specs[2]
+    assert [s.symbols for s in specs] == [SYM_448_F16, SYM_448_F32, SYM_336_F16]
+    assert [s.serves for s in specs] == [(T_448_F16, same_as_448), (T_448_F32,), (T_336_F16,)]
+    assert specialization_for_target(specs, same_as_448) is specs[0]
+    assert specialization_for_target(specs, T_336_F16) is specs[2]
     with pytest.raises(ValueError, match="no vision specialization serves"):
-        specialization_for_target(specs, VisionTarget(224, 224, 16, 0.5))
+        specialization_for_target(specs, PruningTarget(224, 224, 16))
     manifest = json.loads(json.dumps(manifest_entries(specs)))
     assert manifest[0]["serves"] == [
-        {"height": 448, "width": 448, "frames": 16, "pruning_rate": 0.5},
-        {"height": 448, "width": 448, "frames": 16, "pruning_rate": 0.4999},
+        {"height": 448, "width": 448, "frames": 16},
+        {"height": 224, "width": 896, "frames": 16},
     ]
 
 
 def test_single_vision_spec_is_named_vision():
-    (spec,) = vision_specializations([(T_448_Q50, SYM_448_Q50)])
-    assert spec.name == "Vision" and spec.symbols == SYM_448_Q50
+    (spec,) = vision_specializations([(T_448_F16, SYM_448_F16)])
+    assert spec.name == "Vision" and spec.symbols == SYM_448_F16
 
 
 @pytest.mark.parametrize(
     "entries, message",
     [
         ([], "no vision targets"),
-        ([(T_448_Q50, SYM_448_Q50), (T_336_Q50, {"grid_h": 24})], "same symbols in every specialization"),
-        ([(T_448_Q50, {**SYM_448_Q50, "retained_size": 0})], "retained_size"),
-        ([((448, 448, 16, 0.5), SYM_448_Q50)], "VisionTarget"),
+        ([(T_448_F16, SYM_448_F16), (T_336_F16, {"frame_bucket": 8})], "same symbols in every specialization"),
+        ([(T_448_F16, {**SYM_448_F16, "bucket_tokens": 0})], "bucket_tokens"),
+        ([((448, 448, 16), SYM_448_F16)], "PruningTarget"),
     ],
 )
 def test_vision_bad_entries_raise(entries, message):
@@ -272,9 +272,24 @@ def test_vision_bad_entries_raise(entries, message):
         vision_specializations(entries)
 
 
-def test_vision_target_rejects_bad_pruning_rate():
-    with pytest.raises(ValueError, match="pruning_rate"):
-        VisionTarget(448, 448, 16, 1.0)
+def test_pruning_target_rejects_bad_frames():
+    with pytest.raises(ValueError, match="frames"):
+        PruningTarget(448, 448, 0)
+
+
+@pytest.mark.parametrize("max_frames, temporal_patch, expected", [
+    (48, 2, (2, 4, 8, 16, 32, 48)),  # powers of two temporal patches, then the maximum
+    (64, 2, (2, 4, 8, 16, 32, 64)),
+    (2, 2, (2,)),
+    (6, 2, (2, 4, 6)),
+])
+def test_default_frame_buckets(max_frames, temporal_patch, expected):
+    assert default_frame_buckets(max_frames, temporal_patch) == expected
+
+
+def test_default_frame_buckets_refuse_a_maximum_off_the_temporal_patch():
+    with pytest.raises(ValueError, match="multiple of temporal_patch_size"):
+        default_frame_buckets(7, 2)
 
 
 # ------------------------------------------------------------- specializations.json
@@ -282,8 +297,8 @@ def test_vision_target_rejects_bad_pruning_rate():
 
 @pytest.mark.parametrize("make_specs", [
     lambda: language_specializations(128, 8192, 256),
-    lambda: vision_specializations([(T_448_Q50, SYM_448_Q50), (T_448_Q75, SYM_448_Q75)]),
-    lambda: vision_specializations([(T_448_Q50, SYM_448_Q50)]),
+    lambda: vision_specializations([(T_448_F16, SYM_448_F16), (T_448_F32, SYM_448_F32)]),
+    lambda: vision_specializations([(T_448_F16, SYM_448_F16)]),
 ], ids=["language", "vision-2", "vision-1"])
 def test_both_json_layouts_read_back_to_the_same_entries(tmp_path, make_specs):
     specs = make_specs()
@@ -390,9 +405,10 @@ def test_vision_command_never_uses_mxfp6():
             "-aic-binary-dir=v/qpc"} <= set(command.arguments)
 
 
-def test_evs_command_keeps_fp32_compute():
-    """DESIGN §11: the EVS cosine overflows in fp16, so its graph is compiled without -convert-to-fp16."""
-    command = qaic_compile_command("evs.onnx", "v/s.json", "v/c.yaml", "v/evs_qpc", graph="evs", mxfp6_matmul=True)
+def test_pruning_command_keeps_fp32_compute():
+    """DESIGN §11: the EVS cosine overflows in fp16, so the pruning graphs compile without -convert-to-fp16."""
+    command = qaic_compile_command("pruning_evs.onnx", "v/s.json", "v/c.yaml", "v/pruning_evs_qpc", graph="pruning",
+                                   mxfp6_matmul=True)
     assert "-convert-to-fp16" not in command.arguments
     assert "-mxfp6-matmul" not in command.arguments and "-retained-state" not in command.arguments
     assert "-custom-IO-list-file=v/c.yaml" in command.arguments  # fp16 I/O all the same

@@ -46,9 +46,9 @@ def test_round_to_fp16_saturates_finite_values_and_keeps_infinities():
 
 
 def test_compile_lines_follow_compile_sh(tiny_export):
-    # The EVS graph alone keeps fp32 arithmetic (DESIGN §11).
-    assert compile_lines(tiny_export) == {"vision/encoder.onnx": True, "vision/evs.onnx": False,
-                                          "language/language.onnx": True}
+    # The pruning graphs alone keep fp32 arithmetic (DESIGN §11).
+    assert compile_lines(tiny_export) == {"vision/encoder.onnx": True, "vision/pruning_evs.onnx": False,
+                                          "vision/pruning_vidcom2.onnx": False, "language/language.onnx": True}
 
 
 def test_evs_arithmetic_collapses_in_fp16_and_agrees_in_fp32(tiny_export):
@@ -69,8 +69,12 @@ def test_position_error_does_not_grow(report):
     positions = [c for c in report.comparisons if c.name.startswith("positions@")]
     assert len(positions) >= 2 and positions[0].detail["first_position"] == 10
     near_start, far = positions[0], positions[-1]
-    assert far.detail["first_position"] > 400  # the table's end (ctx_len 256 at q = 0.5)
-    assert far.max_abs_error <= 1.5 * near_start.max_abs_error
+    # The table's end: ctx_len 256 at the largest rate, --max-video-pruning-rate 0.9, covers 2560 positions.
+    assert far.detail["first_position"] > 2500
+    # fp16 noise differs a little from chunk to chunk (measured: 0.046 at 10, 0.063-0.079 from 491 to 2539, flat);
+    # Cos(position * inv_freq) in fp16 would be off by radians at 2539.
+    assert all(c.max_abs_error <= 2 * near_start.max_abs_error for c in positions)
+    assert far.max_abs_error <= 1.5 * min(c.max_abs_error for c in positions[1:])
     assert all(c.greedy_agreement == 1.0 for c in positions)
 
 
@@ -81,14 +85,17 @@ def test_hidden_states_of_magnitude_1e3_stay_finite(report):
 
 
 def test_every_graph_is_reported_without_inf_or_nan(report, tiny_export):
-    assert set(report.graphs) == {"encoder", "evs", "language"}
-    selection = next(c for c in report.comparisons if c.name == "evs")
-    assert selection.kept_token_agreement is not None and selection.kept_token_agreement >= 0.9
+    assert set(report.graphs) == {"encoder", "pruning_evs", "pruning_vidcom2", "language"}
+    for method in ("evs", "vidcom2"):
+        ranking = next(c for c in report.comparisons if c.name == f"pruning_{method}")
+        assert ranking.kept_token_agreement is not None and ranking.kept_token_agreement >= 0.9
     assert report.problems == []
 
 
 def test_cli_verify_json(tiny_export, capsys):
     assert main(["verify", str(tiny_export), "--json"]) == 0
     document = json.loads(capsys.readouterr().out)
-    assert document["fp16"] is False and set(document["graphs"]) == {"encoder", "evs", "language"}
-    assert {c["name"] for c in document["comparisons"]} >= {"encoder", "evs", "positions@10", "magnitude_1e3"}
+    assert document["fp16"] is False
+    assert set(document["graphs"]) == {"encoder", "pruning_evs", "pruning_vidcom2", "language"}
+    assert {c["name"] for c in document["comparisons"]} >= {"encoder", "pruning_evs", "pruning_vidcom2", "positions@10",
+                                                            "magnitude_1e3"}

@@ -2,7 +2,7 @@
 
 End-to-end parity of encoder + EVS against the stock tower lives in ``test_vision_pipeline.py``;
 here the pieces: the window layout the host computes, the attention that consumes it, the graph's
-symbols, the EVS graph's interface and vLLM's mask as the reference's mask.
+symbols, the pruning graphs' interface and vLLM's mask as the reference's mask.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from qeff_evs.models.attention import (
 )
 from qeff_evs.models.graph_io import VisionGraphSpec
 from qeff_evs.models.qwen2_5_vl import encoder_symbols, frame_inputs, padded_windows, reference_vision_evs
-from qeff_evs.models.vision_common import evs_host_inputs, evs_symbols
+from qeff_evs.models.pruning import pruning_host_inputs
 
 
 @pytest.fixture(scope="module")
@@ -60,12 +60,14 @@ def test_encoder_graph_interface_has_no_video_length(exported):
     }
 
 
-def test_evs_graph_interface(exported):
-    shapes, ops = shapes_of(exported.evs_path)
+@pytest.mark.parametrize("method", ["evs", "vidcom2"])
+def test_pruning_graph_interface(exported, method):
+    shapes, ops = shapes_of(exported.pruning_paths[method])
     assert "TopK" in ops and "NonZero" not in ops
+    ratio = {"retention_ratio": [1]} if method == "vidcom2" else {}
     assert shapes == {
-        "merged_embeds": ["video_tokens", 64], "time_carrier": ["time"], "retained_carrier": ["retained_size"],
-        "vision_embeds": ["retained_size", 64], "retained_indices": ["retained_size"],
+        "merged_embeds": ["bucket_tokens", 64], "bucket_carrier": ["frame_bucket"], "frame_count": [1], **ratio,
+        "ranking": ["bucket_tokens"],
     }
 
 
@@ -89,14 +91,16 @@ def test_encoder_symbols_bind_every_dim(exported, config, grid_hw, frames):
         assert list(arrays[vi.name].shape) == expected, vi.name
 
 
-def test_evs_symbols_and_carriers():
-    assert evs_symbols((6, 4, 7), 50) == {"time": 6, "video_tokens": 168, "retained_size": 50}
-    carriers = evs_host_inputs((6, 4, 7), 50)
-    assert {k: v.shape for k, v in carriers.items()} == {"time_carrier": (6,), "retained_carrier": (50,)}
-    with pytest.raises(ValueError, match="retained count 169"):
-        evs_host_inputs((6, 4, 7), 169)
-    with pytest.raises(ValueError, match="retained count 0"):
-        evs_symbols((6, 4, 7), 0)
+def test_pruning_symbols_and_carriers(exported):
+    assert exported.family.pruning_symbols((8, 14), 6) == {"frame_bucket": 6, "bucket_tokens": 168}
+    carriers = pruning_host_inputs("evs", 6, 5, 0.5)
+    assert {k: v.shape for k, v in carriers.items()} == {"bucket_carrier": (6,), "frame_count": (1,)}
+    assert carriers["frame_count"].tolist() == [5]
+    assert set(pruning_host_inputs("vidcom2", 6, 5, 0.5)) == {"bucket_carrier", "frame_count", "retention_ratio"}
+    with pytest.raises(ValueError, match="frame_count 7 is outside"):
+        pruning_host_inputs("evs", 6, 7, 0.5)
+    with pytest.raises(ValueError, match="bucket must be a positive integer"):
+        pruning_host_inputs("evs", 0, 1, 0.5)
 
 
 @pytest.mark.parametrize("grid_hw", [(8, 8), (12, 10), (4, 16), (6, 6)])

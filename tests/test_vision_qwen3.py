@@ -93,15 +93,14 @@ def test_graph_interfaces_and_no_data_dependent_ops(exported):
         "deepstack_features": [LEVELS, "vision_size", OUT_HIDDEN],
     }
     assert outputs == ["vision_embeds", "deepstack_features"]
-    shapes, ops, outputs = _shapes(exported.evs_path)
-    assert "TopK" in ops and "NonZero" not in ops
-    assert shapes == {
-        "merged_embeds": ["video_tokens", OUT_HIDDEN], "merged_deepstack": [LEVELS, "video_tokens", OUT_HIDDEN],
-        "time_carrier": ["time"], "retained_carrier": ["retained_size"],
-        "vision_embeds": ["retained_size", OUT_HIDDEN], "deepstack_features": [LEVELS, "retained_size", OUT_HIDDEN],
-        "retained_indices": ["retained_size"],
-    }
-    assert outputs == ["vision_embeds", "deepstack_features", "retained_indices"]
+    for method, ratio in (("evs", {}), ("vidcom2", {"retention_ratio": [1]})):
+        shapes, ops, outputs = _shapes(exported.pruning_paths[method])
+        assert "TopK" in ops and "NonZero" not in ops
+        assert shapes == {
+            "merged_embeds": ["bucket_tokens", OUT_HIDDEN], "score_extras": [LEVELS, "bucket_tokens", OUT_HIDDEN],
+            "bucket_carrier": ["frame_bucket"], "frame_count": [1], **ratio, "ranking": ["bucket_tokens"],
+        }
+        assert outputs == ["ranking"]
 
 
 @pytest.mark.parametrize("grid_hw,frames", [((8, 8), 2), ((12, 8), 3), ((4, 16), 1)])

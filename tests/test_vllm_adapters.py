@@ -17,6 +17,7 @@ import torch
 from transformers import AutoTokenizer, Qwen2_5_VLConfig
 
 from qeff_evs.models.protocol import MediaInput
+from qeff_evs.models.pruning import VideoPruning
 from qeff_evs.models.registry import family_for_config
 from qeff_evs.models.tiny import tiny_config
 from qeff_evs.runtime.engine.scheduler import RequestSpec, Scheduler, SchedulerConfig
@@ -26,6 +27,7 @@ from qeff_evs.vllm import adapters
 vllm_inputs = pytest.importorskip("vllm.multimodal.inputs")
 vllm_utils = pytest.importorskip("vllm.multimodal.utils")
 vllm_evs = pytest.importorskip("vllm.multimodal.video_prune.evs")
+vllm_vidcom2 = pytest.importorskip("vllm.multimodal.video_prune.vidcom2")
 PlaceholderRange = vllm_inputs.PlaceholderRange
 MultiModalFeatureSpec = vllm_inputs.MultiModalFeatureSpec
 get_mm_features_in_window = vllm_utils.get_mm_features_in_window
@@ -206,11 +208,13 @@ def qwen3_family(tiny_checkpoint):
 
 @pytest.mark.parametrize("grid, merge, q", [((8, 8, 12), 2, 0.5), ((1, 4, 4), 2, 0.9), ((16, 14, 10), 2, 0.75),
                                             ((5, 6, 6), 1, 0.0), ((32, 4, 8), 2, 0.99)])
-def test_qwen2_5_reservation_is_vllm_retained_count(grid, merge, q):
+@pytest.mark.parametrize("method", ["evs", "vidcom2"])
+def test_qwen2_5_reservation_is_vllm_retained_count(grid, merge, q, method):
     t, h, w = grid[0], grid[1] // merge, grid[2] // merge
-    k = vllm_evs.compute_retained_tokens_count(h * w, t, q)
+    module = vllm_evs if method == "evs" else vllm_vidcom2  # each method's own count rule (VidCom2: a token a frame)
+    k = module.compute_retained_tokens_count(h * w, t, q)
     family = family_for_config(Qwen2_5_VLConfig(vision_config={"spatial_merge_size": merge}))
-    reservation = adapters.evs_reservation(family, media_item(grid), q)
+    reservation = adapters.evs_reservation(family, media_item(grid), VideoPruning(method, q))
     assert (reservation.length, reservation.num_video_rows, reservation.is_embed) == (k, k, None)
     assert reservation.placeholder_range(5) == PlaceholderRange(offset=5, length=k)
 
@@ -238,7 +242,7 @@ def test_qwen3_reservation_is_the_lumped_layout_and_fits_every_real_split(seed, 
     hw = (h // merge) * (w // merge)
     k = vllm_evs.compute_retained_tokens_count(hw, t, q)
     video = media_item((t, h, w), frame_times)
-    reservation = adapters.evs_reservation(qwen3_family, video, q)
+    reservation = adapters.evs_reservation(qwen3_family, video, VideoPruning("evs", q))
     lumped = token_layout(timestamps, [k] + [0] * (t - 1), vs, ve, vid)
     assert reservation.length == len(lumped) == sum(len(ts) + 2 for ts in timestamps) + k
     np.testing.assert_array_equal(reservation.is_embed, np.asarray(lumped) == vid)
@@ -256,4 +260,4 @@ def test_qwen3_reservation_is_the_lumped_layout_and_fits_every_real_split(seed, 
 
 def test_qwen3_reservation_needs_one_timestamp_per_temporal_patch(qwen3_family):
     with pytest.raises(ValueError, match="4 temporal patches but 6 frame times"):
-        adapters.evs_reservation(qwen3_family, media_item((4, 8, 8), tuple(range(6))), 0.5)
+        adapters.evs_reservation(qwen3_family, media_item((4, 8, 8), tuple(range(6))), VideoPruning("evs", 0.5))

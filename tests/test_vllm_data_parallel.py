@@ -47,8 +47,8 @@ def config(rank: int, ranks: int, **additional) -> types.SimpleNamespace:
 
 def test_groups_are_one_per_rank_in_rank_order():
     assert parse_device_groups("0;1", "x") == ((0,), (1,))
-    assert parse_device_groups("encoder=0,evs=0,language=1; encoder=2,evs=2,language=3", "x") == (
-        {"encoder": (0,), "evs": (0,), "language": (1,)}, {"encoder": (2,), "evs": (2,), "language": (3,)})
+    assert parse_device_groups("encoder=0,pruning=0,language=1; encoder=2,pruning=2,language=3", "x") == (
+        {"encoder": (0,), "pruning": (0,), "language": (1,)}, {"encoder": (2,), "pruning": (2,), "language": (3,)})
     assert parse_device_groups("language=0+1", "x") == ({"language": (0, 1)},)  # no ';': one group
     with pytest.raises(ValueError, match=r"'0;;1' has an empty device group; give one group per data-parallel rank"):
         parse_device_groups("0;;1", "x")
@@ -84,7 +84,7 @@ COMPILED = {graph: CompiledGraph(DEFAULT_GRAPH_CORES[graph]) for graph in GRAPHS
 @pytest.mark.parametrize("backend, groups, expected", [
     ("qaic", None, r"--data-parallel-size 2 on qaic: each rank loads every program .* QEFF_EVS_DEVICE_IDS='0;1'"),
     ("qaic", ((0,),), r"names 1 device group\(s\) for 2 data-parallel rank\(s\) .* '0;1'; repeat a group"),
-    ("qaic", ((0,), (0,)), r"device 0 would hold rank 0's encoder 6 \+ rank 0's evs 1 \+ rank 0's language 9 \+ "
+    ("qaic", ((0,), (0,)), r"device 0 would hold rank 0's encoder 6 \+ rank 0's pruning 1 \+ rank 0's language 9 \+ "
                            r"rank 1's encoder 6 .* = 32 cores, but a device has 16"),
     ("qaic", ((0,), (0, 1)), r"the encoder program was compiled for 1 device\(s\) but is given 2"),
 ])
@@ -95,7 +95,7 @@ def test_a_placement_two_ranks_cannot_share_is_refused(backend, groups, expected
 
 def test_placements_that_fit_pass():
     assert data_parallel_refusals("qaic", 2, ((0,), (1,)), "x", COMPILED, GRAPHS) == []
-    small = {graph: CompiledGraph(cores) for graph, cores in dict(encoder=3, evs=1, language=4).items()}
+    small = {graph: CompiledGraph(cores) for graph, cores in dict(encoder=3, pruning=1, language=4).items()}
     assert data_parallel_refusals("qaic", 2, ((0,), (0,)), "x", small, GRAPHS) == []  # 2 x 8 cores on one device
     assert data_parallel_refusals("ort", 2, None, "", None, GRAPHS) == []  # host backends: each rank its sessions
     assert data_parallel_refusals("qaic", 1, None, "", COMPILED, GRAPHS) == []
@@ -135,7 +135,7 @@ def test_two_ranks_load_every_program_each_on_its_own_device(build, device, monk
     workers = []
     for rank in (0, 1):  # what vLLM's two engine-core processes do, here on one fake card
         worker = QeffEvsWorker.__new__(QeffEvsWorker)
-        worker.model_config = types.SimpleNamespace(model=str(build))
+        worker.model_config = types.SimpleNamespace(model=str(build), multimodal_config=None)  # pruning off
         worker.vllm_config = config(rank, 2)
         worker.load_model()
         workers.append(worker)

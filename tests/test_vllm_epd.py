@@ -203,7 +203,7 @@ def epd(served_export, tmp_path_factory):
     shutil.copytree(export, encoder_host / "export")
     shutil.copytree(export, pd_host / "export")
     manifest = read_manifest(export)
-    for graph in ("encoder", "evs"):
+    for graph in ("encoder", "pruning_evs", "pruning_vidcom2"):
         for path in manifest.path(pd_host / "export", graph).parent.glob(manifest.files[graph].split("/")[-1] + "*"):
             path.unlink()
     assert not manifest.path(pd_host / "export", "encoder").exists()
@@ -244,6 +244,7 @@ def test_tokens_equal_a_single_instance(answers):
 def test_each_video_ships_only_its_kept_rows(epd, answers):
     from safetensors.numpy import load_file
 
+    from qeff_evs.models.pruning import VideoPruning
     from qeff_evs.runtime.runner import open_export, video_from_file, vision_pipeline
     from qeff_evs.vllm.ec_connector import payload_path
 
@@ -259,7 +260,7 @@ def test_each_video_ships_only_its_kept_rows(epd, answers):
         media = video_from_file(clip, bundle)
         t, h, w = bundle.family.merged_grid(media.grid_thw)
         k = compute_retained_tokens_count(h * w, t, 0.5)
-        reference = vision.encode(media, k)  # the encoder and pruning graphs on the same pixels, here
+        reference = vision.encode(media, VideoPruning("evs", 0.5))  # the encoder and pruning graphs, here
         np.testing.assert_array_equal(arrays["rows"], reference.rows)
         np.testing.assert_array_equal(arrays["retained_indices"], reference.retained_indices)
         assert sorted(reference.extras) == ["deepstack_features"]

@@ -58,7 +58,7 @@ def test_a_second_out_of_tree_platform_is_named(monkeypatch, caplog):
 def served_manifest(tiny_export):
     """The session export's manifest, as if exported with --full-batch-size 4."""
     m = read_manifest(tiny_export)
-    return dataclasses.replace(m, language_shape=dataclasses.replace(
+    return dataclasses.replace(m, max_video_pruning_rate=0.5, language_shape=dataclasses.replace(
         m.language_shape, full_batch_size=4, continuous_batching=True, rope_positions=512))
 
 
@@ -68,16 +68,19 @@ GOOD = ServingSettings(max_num_seqs=4, max_model_len=256, video_pruning_rate=0.5
 def test_settings_the_export_serves_pass(served_manifest):
     assert refusals(GOOD, served_manifest) == []
     assert refusals(dataclasses.replace(GOOD, max_num_seqs=1, max_model_len=64), served_manifest) == []
+    # The rate and method are serve-time choices within what the export carries (vLLM's flags).
+    for rate, method in ((None, "evs"), (0.0, "vidcom2"), (0.25, "vidcom2"), (0.5, "evs"), (0.5, "vidcom2")):
+        settings = dataclasses.replace(GOOD, video_pruning_rate=rate, video_pruning_method=method)
+        assert refusals(settings, served_manifest) == [], (rate, method)
+    assert refusals(dataclasses.replace(GOOD, video_pruning_rate=0.75, max_model_len=128), served_manifest) == []
 
 
 @pytest.mark.parametrize("change, expected", [
     (dict(max_num_seqs=8), "max_num_seqs 8 is above the export's full batch size 4 (its KV rows); pass --max-num-seqs 4"),
     (dict(max_model_len=257), "max_model_len 257 is above the export's ctx_len 256; pass --max-model-len 256"),
-    (dict(video_pruning_rate=0.75), "video_pruning_rate 0.75 is not a rate the export serves (0.5); "
-                                    "pass --video-pruning-rate 0.5"),
-    (dict(video_pruning_rate=None), "pass --video-pruning-rate 0.5"),
-    (dict(video_pruning_method="vidcom2"), "video_pruning_method 'vidcom2' is not one this export carries (evs); "
-                                           "pass --video-pruning-method evs"),
+    (dict(video_pruning_rate=0.75), "video pruning rate 0.75 reaches M-RoPE positions up to 1024 in a context of 256 "
+                                    "tokens (positions stay unpruned) but the export's RoPE tables cover 512 (sized "
+                                    "for --max-video-pruning-rate 0.5); pass a rate of at most 0.5"),
     (dict(enable_prefix_caching=True), "pass --no-enable-prefix-caching"),
 ])
 def test_each_unservable_setting_is_one_line(served_manifest, change, expected):
@@ -96,5 +99,12 @@ def test_a_model_length_whose_positions_pass_the_rope_tables_is_refused(served_m
         served_manifest.language_shape, rope_positions=384))
     problems = refusals(GOOD, short_tables)
     assert len(problems) == 1 and "reaches M-RoPE positions up to 512" in problems[0]
-    assert "cover 384" in problems[0] and "--rope-positions" in problems[0]
+    assert "cover 384" in problems[0] and "--max-video-pruning-rate" in problems[0]
     assert refusals(dataclasses.replace(GOOD, max_model_len=192), short_tables) == []
+
+
+def test_a_method_the_export_does_not_carry_is_refused(served_manifest):
+    evs_only = dataclasses.replace(served_manifest, video_pruning_methods=("evs",))
+    problems = refusals(dataclasses.replace(GOOD, video_pruning_method="vidcom2"), evs_only)
+    assert problems == ["video pruning method 'vidcom2' is not one this export carries (evs); pass "
+                        "--video-pruning-method evs, or re-export with --video-pruning-methods including vidcom2"]

@@ -38,6 +38,7 @@ from qeff_evs.runtime.runner import (  # noqa: E402
     sessions_for,
     stop_ids,
     video_from_file,
+    video_pruning,
 )
 from qeff_evs.runtime.inputs.synthetic import moving_square_video  # noqa: E402
 
@@ -125,7 +126,7 @@ class Served:
             result = answer(bundle, engine, media[0], question)  # exactly the CLI's path
         else:
             result = engine.generate(engine.prepare(self.pieces[index], media), eos_ids=stop_ids(bundle))
-        plan = plan_prompt(self.pieces[index], media, [retained_count(bundle.family, x, m.video_pruning_rate)
+        plan = plan_prompt(self.pieces[index], media, [retained_count(bundle.family, x, video_pruning(bundle))
                                                        for x in media], bundle.family)
         return plan.ids.tolist(), result.generated_token_ids
 
@@ -170,7 +171,7 @@ def test_llm_generate_equals_each_request_alone(served, answers):
     # More requests than KV rows (prefills beside decodes), and videos longer than the budget (chunks
     # that end inside a placeholder).
     assert len(served.requests) > m.language_shape.full_batch_size
-    largest = max(retained_count(served.bundle.family, x, m.video_pruning_rate)
+    largest = max(retained_count(served.bundle.family, x, video_pruning(served.bundle))
                   for i in range(len(served.requests)) for x in served.media(i))
     assert largest > BUDGET
     for index in range(len(served.requests)):

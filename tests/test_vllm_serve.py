@@ -1,22 +1,26 @@
-"""``vllm serve`` on an export, through the OpenAI API (issues 12 and 15).
+"""``vllm serve`` on an export, through the OpenAI API (issues 12, 15 and 16).
 
 One server (a child process on 127.0.0.1 only, stopped whatever happens) serves a tiny Qwen2.5-VL
 export with 4 KV rows. Through the ``openai`` client: a ``video_url`` chat completion gives exactly the
-tokens of ``qeff-evs run`` on the same file; an ``image_url`` one those of our engine on the same image;
+tokens of ``qeff-evs run`` on the same file (a 3-frame clip and a 90-frame clip, longer than the export's
+largest frame bucket, included); an ``image_url`` one those of our engine on the same image;
 streaming gives the same text; 32 concurrent requests all complete; a client that disconnects
 mid-generation frees its KV row (4 requests afterwards run at once and complete).
 
 Nothing a request carries can stop the server (issue 15): each kind of bad request (media pad tokens in
 the text, more pads than media, too many media, positions past the RoPE tables, corrupt and truncated
-videos, videos that come to one frame (refused until issue 16; see ONE_FRAME_REFUSED), an unsupported media
+videos, an unsupported media
 type, a huge image, refused parameters) gets a 4xx naming the value and the limit, and the next request
 succeeds. vLLM's own benchmark client (``vllm bench serve``, ShareGPT-style dataset with local videos) runs
-with 0 failures.
+with 0 failures. Videos that come to one frame are padded in time as vLLM does and served (the soak
+sends them as good requests). The same export served again at other rates and with the other method
+(``--video-pruning-rate``, ``--video-pruning-method``) answers as ``qeff-evs run`` with those settings.
 """
 
 from __future__ import annotations
 
 import base64
+import contextlib
 import io
 import json
 import os
@@ -39,6 +43,7 @@ openai = pytest.importorskip("openai")
 # vLLM's server imports more than its pure-Python oracles; scripts/install.sh --test installs it all.
 pytest.importorskip("uvicorn", reason="vLLM's server packages are missing: run bash scripts/install.sh --test")
 
+from qeff_evs.models.pruning import VideoPruning  # noqa: E402
 from qeff_evs.runtime.engine.executor import retained_count  # noqa: E402
 from qeff_evs.runtime.engine.request import PromptPiece, plan_prompt  # noqa: E402
 from qeff_evs.runtime.inputs.prompt import chat_pieces  # noqa: E402
@@ -98,19 +103,22 @@ def media(tmp_path_factory):
                 too_short=write_mkv(folder / "short.mkv", moving_square_video(2, 120, 120, seed=6), fps=4),
                 one_frame=write_mkv(folder / "one.mkv", moving_square_video(1, 120, 120, seed=7), fps=2),
                 # 8 frames 50 s apart: Qwen2.5-VL's temporal positions follow the timestamps, far past 512
-                sparse=write_mkv(folder / "sparse.mkv", moving_square_video(8, 120, 120, seed=8), fps=Fraction(1, 50)))
+                sparse=write_mkv(folder / "sparse.mkv", moving_square_video(8, 120, 120, seed=8), fps=Fraction(1, 50)),
+                three=write_mkv(folder / "three.mkv", moving_square_video(3, 120, 120, seed=6), fps=2),
+                # 90 frames at 30 fps: sampled down as vLLM's processor does at the export's maximum (8 frames)
+                long=write_mkv(folder / "long.mkv", moving_square_video(90, 112, 150, seed=7), fps=30))
 
 
-@pytest.fixture(scope="module")
-def server(export, media, tmp_path_factory):
+@contextlib.contextmanager
+def vllm_server(export: Path, folder: Path, *flags: str):
+    """``vllm serve EXPORT FLAGS...`` on a free local port until the block ends: an ``openai`` client."""
     port = free_port()
-    log = tmp_path_factory.mktemp("serve_log") / "server.log"
+    log = folder / "server.log"
     env = dict(os.environ, QEFF_EVS_BACKEND="ort")
     argv = [str(Path(sys.executable).with_name("vllm")), "serve", str(export), "--host", "127.0.0.1", "--port",
-            str(port), "--video-pruning-rate", "0.5", "--max-num-seqs",
+            str(port), *flags, "--max-num-seqs",
             # No --max-model-len, no --no-enable-prefix-caching: the export's config and the platform set them.
-            str(FULL_BATCH), "--served-model-name", "tiny", "--allowed-local-media-path", str(media["folder"]),
-            "--limit-mm-per-prompt", json.dumps(MEDIA_LIMIT)]
+            str(FULL_BATCH), "--served-model-name", "tiny", "--limit-mm-per-prompt", json.dumps(MEDIA_LIMIT)]
     with open(log, "w") as out:
         process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     try:
@@ -141,21 +149,35 @@ def server(export, media, tmp_path_factory):
                 process.wait(timeout=30)
 
 
+@pytest.fixture(scope="module")
+def server(export, media, tmp_path_factory):
+    with vllm_server(export, tmp_path_factory.mktemp("serve_log"), "--video-pruning-rate", "0.5",
+                     "--allowed-local-media-path", str(media["folder"]),
+                     "--trust-request-mm-kwargs") as client:  # per-request mm_processor_kwargs reach our processor
+        yield client
+
+
 def video_message(path: Path, question: str = QUESTION) -> list[dict]:
     return [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": data_url(path, "video/x-matroska")}},
                                          {"type": "text", "text": question}]}]
 
 
-def chat(client, messages, max_tokens: int = 6, **kwargs):
+def chat(client, messages, max_tokens: int = 6, extra_body: dict | None = None, **kwargs):
     return client.chat.completions.create(model="tiny", messages=messages, temperature=0, max_tokens=max_tokens,
-                                          extra_body={"return_token_ids": True}, **kwargs)
+                                          extra_body={"return_token_ids": True, **(extra_body or {})}, **kwargs)
 
 
-def test_video_url_equals_qeff_evs_run(server, export, media):
+def run_answer(export: Path, path: Path, pruning=None):
+    """``qeff-evs run`` on the file: the export's rate and method, or ``pruning``'s."""
     bundle = open_export(export)
-    expected = answer(bundle, build_engine(bundle, "ort", max_new_tokens=6), video_from_file(media["clip"], bundle),
-                      QUESTION)
-    response = chat(server, video_message(media["clip"]))
+    engine = build_engine(bundle, "ort", max_new_tokens=6, pruning=pruning)
+    return answer(bundle, engine, video_from_file(path, bundle), QUESTION)
+
+
+@pytest.mark.parametrize("clip", ["clip", "three", "long"])
+def test_video_url_equals_qeff_evs_run(server, export, media, clip):
+    expected = run_answer(export, media[clip])
+    response = chat(server, video_message(media[clip]))
     assert response.choices[0].token_ids == expected.generated_token_ids
     assert response.prompt_token_ids == expected.prompt_token_ids
 
@@ -238,9 +260,9 @@ BAD_REQUESTS = {
     "prompt_logprobs": (lambda m: text_message("hello"), {"prompt_logprobs": 1},
                         "prompt_logprobs=1: the language graph returns the last position's logits only"),
     "mm_processor_kwargs": (lambda m: media_message([("video_url", m["clip"], MKV)]),
-                            # vLLM refuses them first unless --trust-request-mm-kwargs; then the processor does (tested
-                            # through LLM.generate in test_vllm_settings.py)
-                            {"mm_processor_kwargs": {"fps": 1}}, "mm_processor_kwargs are disabled"),
+                            # the server trusts request kwargs (--trust-request-mm-kwargs); HF's processor refuses these
+                            {"mm_processor_kwargs": {"fps": 2, "num_frames": 4}},
+                            "num_frames and fps are mutually exclusive"),
 }
 
 # Videos that come to one frame at the checkpoint's rate: kind -> (media key, what the 4xx says while refused).
@@ -248,9 +270,9 @@ ONE_FRAME_VIDEOS = {
     "a video sampled to one frame": ("too_short", "exported frame count [2, 4, 8]"),
     "a one-frame video": ("one_frame", "no frame could be decoded from it; exported videos have [2, 4, 8] frames"),
 }
-# Refused today. vLLM pads such a video in time; once qeff-evs does too (issue 16), delete a kind from this list:
-# it leaves BAD_REQUESTS and the soak sends it as a good request (its tokens equal to the request alone).
-ONE_FRAME_REFUSED = ["a video sampled to one frame", "a one-frame video"]
+# vLLM pads such a video in time, and so does qeff-evs (issue 16): a kind not in this list leaves BAD_REQUESTS and the
+# soak sends it as a good request (its tokens equal to the request alone).
+ONE_FRAME_REFUSED: list[str] = []  # served since issue 16
 BAD_REQUESTS.update({kind: (lambda m, key=key: media_message([("video_url", m[key], MKV)]), {}, says)
                      for kind, (key, says) in ONE_FRAME_VIDEOS.items() if kind in ONE_FRAME_REFUSED})
 
@@ -307,7 +329,8 @@ def test_max_tokens_past_the_rope_tables_names_the_largest_that_fits(server, exp
     path = write_mkv(tmp_path / "slow.mkv", moving_square_video(8, 120, 120, seed=9), fps=Fraction(1, 32))
     video = video_from_file(path, bundle)
     pieces = chat_pieces(bundle.tokenizer, [{"type": "video"}, {"type": "text", "text": QUESTION}])
-    end = plan_prompt(pieces, [video], [retained_count(bundle.family, video, 0.5)], bundle.family).decode_start
+    kept = retained_count(bundle.family, video, VideoPruning("evs", 0.5))
+    end = plan_prompt(pieces, [video], [kept], bundle.family).decode_start
     room = bundle.manifest.language_shape.rope_positions - end
     assert 0 < room < 150
     with pytest.raises(openai.BadRequestError) as error:
@@ -315,6 +338,14 @@ def test_max_tokens_past_the_rope_tables_names_the_largest_that_fits(server, exp
     assert f"positions up to {end + 149}" in str(error.value) and f"ask for at most max_tokens={room}," in str(error.value)
     reply = chat(server, video_message(path), max_tokens=room)
     assert reply.choices[0].finish_reason in ("length", "stop") and len(reply.choices[0].token_ids) <= room
+
+
+def test_unservable_video_is_a_400_and_the_server_goes_on(server, media):
+    with pytest.raises(openai.BadRequestError) as error:  # HF's processor refuses fps with num_frames too
+        chat(server, video_message(media["clip"]), extra_body={"mm_processor_kwargs": {"fps": 2, "num_frames": 4}})
+    assert error.value.status_code == 400
+    assert "num_frames and fps are mutually exclusive" in str(error.value)
+    assert chat(server, video_message(media["clip"])).choices[0].finish_reason == "length"
 
 
 def test_disconnected_client_frees_its_kv_row(server, media):
@@ -480,3 +511,21 @@ def test_soak_mixed_load_with_faults(server, media, soak_media):
     print(f"soak: {counts}, {len(set(bad_kinds))} bad kinds, RSS {third / 2**20:.0f} -> {samples[-1][1] / 2**20:.0f} "
           f"MiB ({growth:+.1%}) over the last two thirds")
     assert growth < 0.05
+
+
+@pytest.mark.parametrize("q, method", [(0.25, "evs"), (0.75, "vidcom2")])
+def test_rate_and_method_chosen_at_serve_time(export, media, tmp_path, q, method):
+    """The same export served at another rate and method; each answer (q 0.25 and 0.75, EVS and VidCom2, on two
+    clips) equals ``qeff-evs run`` with those settings, and the other settings' answers differ in length."""
+    other = {"evs": "vidcom2", "vidcom2": "evs"}[method]
+    with vllm_server(export, tmp_path, "--video-pruning-rate", str(q), "--video-pruning-method", method) as client:
+        for clip in ("clip", "long"):
+            for rate, name in ((q, method), (1 - q, other)):
+                expected = run_answer(export, media[clip], VideoPruning(name, rate))
+                if name == method and rate == q:
+                    response = chat(client, video_message(media[clip]))
+                    assert response.choices[0].token_ids == expected.generated_token_ids, clip
+                    assert response.prompt_token_ids == expected.prompt_token_ids, clip
+                    served = len(response.prompt_token_ids)
+                else:
+                    assert len(expected.prompt_token_ids) != served  # another rate: another count of video pads

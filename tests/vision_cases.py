@@ -20,15 +20,19 @@ from transformers import (
 )
 
 from qeff_evs import evs
-from qeff_evs.export.vision import export_encoder_graph, export_evs_graph
+from qeff_evs.export.vision import export_encoder_graph, export_pruning_graph
 from qeff_evs.models.protocol import MediaInput
+from qeff_evs.models.pruning import PRUNING_METHODS, VideoPruning
 from qeff_evs.models.registry import family_for_config
 from qeff_evs.runtime.backends.base import MergedRows
-from qeff_evs.runtime.backends.ort import OrtEncoderSession, OrtEVSSession
+from qeff_evs.runtime.backends.ort import OrtEncoderSession, OrtPruningSession
 from qeff_evs.runtime.backends.vision import VisionPipeline
 
 ATOL = 1e-4
 EXAMPLE_GRID_HW, EXAMPLE_FRAMES = (8, 12), 2  # the export's example: a grid none of the checks use
+# Frame buckets in temporal patches: a video pads to the smallest holding it (T = 5 runs in 8 with 3 padding
+# frames), as an export's pruning specializations do.
+BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
 
 def tiny_qwen2_5_vl_config() -> Qwen2_5_VLConfig:
@@ -97,24 +101,33 @@ def retained_for(grid, q) -> int:
     return evs.retained_token_count(h * w, t, q)
 
 
+def evs_at(q: float) -> VideoPruning:
+    return VideoPruning("evs", q)
+
+
 @dataclass
 class Exported:
-    """A family's tiny model, its encoder wrapper and the two exported graphs."""
+    """A family's tiny model, its encoder wrapper and the exported graphs (the encoder, a pruning graph per method)."""
 
     model: torch.nn.Module
     family: object
     encoder: torch.nn.Module
     encoder_path: Path
-    evs_path: Path
+    pruning_paths: dict[str, Path]
     messages: list[str] = field(default_factory=list)
+
+    @property
+    def evs_path(self) -> Path:
+        return self.pruning_paths["evs"]
 
     @property
     def visual(self):
         return self.model.model.visual
 
-    def ort_pipeline(self, frames_per_call: int) -> VisionPipeline:
-        return VisionPipeline(self.family, OrtEncoderSession(self.encoder_path), OrtEVSSession(self.evs_path),
-                              frames_per_call)
+    def ort_pipeline(self, frames_per_call: int, buckets: tuple[int, ...] = BUCKETS) -> VisionPipeline:
+        return VisionPipeline(self.family, OrtEncoderSession(self.encoder_path),
+                              {m: OrtPruningSession(p) for m, p in self.pruning_paths.items()}, frames_per_call,
+                              buckets)
 
 
 def export_family(family_name: str, folder: Path) -> Exported:
@@ -124,10 +137,10 @@ def export_family(family_name: str, folder: Path) -> Exported:
     messages: list[str] = []
     encoder_path = export_encoder_graph(encoder, EXAMPLE_GRID_HW, EXAMPLE_FRAMES, folder / "encoder.onnx",
                                         progress=messages.append)
-    _, h, w = family.merged_grid((2, *EXAMPLE_GRID_HW))
-    evs_path = export_evs_graph(family.evs_selection(), (2, h, w), h * w + 3, model.config.vision_config.out_hidden_size,
-                                family.extras, folder / "evs.onnx", progress=messages.append)
-    return Exported(model, family, encoder, encoder_path, evs_path, messages)
+    hidden = model.config.vision_config.out_hidden_size
+    pruning_paths = {m: export_pruning_graph(family.pruning_ranking(m), hidden, folder / f"pruning_{m}.onnx",
+                                             progress=messages.append) for m in PRUNING_METHODS}
+    return Exported(model, family, encoder, encoder_path, pruning_paths, messages)
 
 
 def assert_matches_reference(result, reference) -> None:
@@ -154,13 +167,13 @@ class RecordingEncoder:
         return self.inner.encode(pixel_values, host_inputs)
 
 
-class RecordingEVS:
-    """An EVS session that remembers what reached it."""
+class RecordingPruning:
+    """A pruning session that remembers what reached it."""
 
     def __init__(self, inner):
         self.inner = inner
-        self.seen: list[dict] = []  # the EVS graph's feeds by input name
+        self.seen: list[dict] = []  # the pruning graph's feeds by input name
 
-    def select(self, feeds):
+    def rank(self, feeds):
         self.seen.append(feeds)
-        return self.inner.select(feeds)
+        return self.inner.rank(feeds)

@@ -1,8 +1,8 @@
 """The benchmarked graphs: the random checkpoint exported by ``qeff-evs export``'s pipeline, opened in ORT.
 
 ``build_graphs`` saves the checkpoint (``checkpoint.save_checkpoint``), exports it with
-``export_checkpoint`` (encoder, EVS and language graphs, specializations for every frame count and frame
-size the phases use) and opens the export as ``qeff-evs run`` does (``open_export``: manifest, family,
+``export_checkpoint`` (encoder, EVS pruning and language graphs, a frame bucket for every frame count and
+frame size the phases use, so no clip is padded) and opens the export as ``qeff-evs run`` does (``open_export``: manifest, family,
 tokenizer, preprocessing), each graph in its own timing session (``sessions``). The language graph's
 ``vision_size`` is a symbol, so one file serves both the ``user_vision_size`` way and the QEfficient way.
 """
@@ -20,7 +20,8 @@ from qeff_evs.bench.sessions import open_inference_session
 from qeff_evs.export.pipeline import ExportOptions, export_checkpoint
 from qeff_evs.manifest import LanguageShape
 from qeff_evs.models.protocol import ModelFamily
-from qeff_evs.runtime.backends.ort import OrtEncoderSession, OrtEVSSession
+from qeff_evs.manifest import pruning_graph
+from qeff_evs.runtime.backends.ort import OrtEncoderSession, OrtPruningSession
 from qeff_evs.runtime.backends.vision import VisionPipeline
 from qeff_evs.runtime.inputs.processor import VisionPreprocessSpec
 from qeff_evs.runtime.runner import open_export
@@ -38,10 +39,11 @@ class BenchGraphs:
     preprocess: VisionPreprocessSpec
     language_shape: LanguageShape  # the export's; vision_size is per way, see with_vision_size
     encoder: object  # ort.InferenceSession of the encoder graph
-    evs: object  # ... of the EVS graph
+    evs: object  # ... of the EVS pruning graph
     language: object | None  # None when the run measures no language phase
-    files: dict[str, str]  # role (encoder, evs, language, ...) -> path, as the manifest lists them
+    files: dict[str, str]  # encoder, evs (the EVS pruning graph), language -> path
     frames_per_call: int
+    buckets: tuple[int, ...]  # the export's frame buckets in temporal patches
     checkpoint_dir: Path  # the saved random checkpoint
     export_dir: Path  # qeff-evs export's folder: what `qeff-evs run` and `vllm serve` take
 
@@ -53,21 +55,23 @@ class BenchGraphs:
         return dataclasses.replace(self.language_shape, vision_size=vision_size)
 
     def vision_pipeline(self) -> VisionPipeline:
-        """The runtime's vision side over the opened sessions: encoder calls of F patches, then EVS."""
-        return VisionPipeline(self.family, OrtEncoderSession(self.encoder), OrtEVSSession(self.evs),
-                              self.frames_per_call)
+        """The runtime's vision side over the opened sessions: encoder calls of F patches, then EVS's ranking."""
+        return VisionPipeline(self.family, OrtEncoderSession(self.encoder), {"evs": OrtPruningSession(self.evs)},
+                              self.frames_per_call, self.buckets)
 
 
 def export_options(config: BenchConfig) -> ExportOptions:
     """The export of every clip the phases run: each frame count at each frame size, the config's prefill
-    chunks and window, pruning rate ``window_rate`` (it sizes the RoPE tables, as a user's export does)."""
+    chunks and window, default rate ``window_rate``; every frame count is a bucket (no clip is padded) and the
+    EVS pruning graph the one method (the phases prune with EVS)."""
     frames = {config.frames, config.vision_frames, config.overhead_frames, *config.window_frames,
               *config.vision_sweep_frames}
     sides = {config.frame_size, config.vision_frame_size}
     return ExportOptions(video_pruning_rate=config.window_rate, frames=tuple(sorted(frames)),
                          resolutions=tuple((side, side) for side in sorted(sides)),
                          prefill_seq_len=config.prefill_seq_len, ctx_len=config.ctx_len,
-                         user_vision_size=config.user_vision_size, frames_per_call=config.frames_per_call)
+                         user_vision_size=config.user_vision_size, frames_per_call=config.frames_per_call,
+                         video_pruning_methods=("evs",))
 
 
 def build_graphs(config: BenchConfig, workdir: Path, progress: Progress, language: bool = True) -> BenchGraphs:
@@ -82,7 +86,8 @@ def build_graphs(config: BenchConfig, workdir: Path, progress: Progress, languag
     progress("opening the graphs in ONNX Runtime")
     bundle = open_export(export_dir)
     manifest = bundle.manifest
-    files = {role: str(manifest.path(export_dir, role)) for role in ("encoder", "evs", "language")}
+    files = {role: str(manifest.path(export_dir, graph))
+             for role, graph in (("encoder", "encoder"), ("evs", pruning_graph("evs")), ("language", "language"))}
     return BenchGraphs(
         family=bundle.family,
         hf_config=bundle.family.config,
@@ -93,6 +98,7 @@ def build_graphs(config: BenchConfig, workdir: Path, progress: Progress, languag
         language=open_inference_session(files["language"]) if language else None,
         files=files,
         frames_per_call=manifest.frames_per_call,
+        buckets=manifest.temporal_buckets,
         checkpoint_dir=checkpoint_dir,
         export_dir=export_dir,
     )

@@ -23,7 +23,8 @@ from qeff_evs.bench.phase import MS, Phase, Progress, fmt, fmt_percent, measured
 from qeff_evs.bench.sessions import open_inference_session
 from qeff_evs.bench.timing import CLOCKS, CPU, WALL, Samples, median, timed
 from qeff_evs.bench.workload import synthetic_clip
-from qeff_evs.runtime.backends.ort import OrtEncoderSession, OrtEVSSession
+from qeff_evs.models.pruning import VideoPruning
+from qeff_evs.runtime.backends.ort import OrtEncoderSession, OrtPruningSession
 from qeff_evs.runtime.backends.vision import VisionPipeline
 
 if TYPE_CHECKING:
@@ -66,15 +67,16 @@ def run_evs_overhead(config: BenchConfig, graphs: BenchGraphs, progress: Progres
     clip = synthetic_clip(graphs.preprocess, config.overhead_frames, config.frame_size, config.seed)
     t, h, w = graphs.family.merged_grid(clip.grid_thw)
     k = evs.retained_token_count(h * w, t, config.window_rate)
+    pruning = VideoPruning("evs", config.window_rate)
     video = clip.video
     pipeline = graphs.vision_pipeline()
     result = OverheadResult(config.overhead_frames, config.frame_size, config.window_rate, t * h * w, k)
     progress(f"EVS overhead: {config.overhead_frames} frames, warm-up run")
-    pipeline.encode(video, k)
+    pipeline.encode(video, pruning)
     for rep in range(config.overhead_repeats):
         merged = timed(lambda: pipeline.merged_rows(video), result.samples[WITHOUT_EVS])
         selection = Samples()
-        timed(lambda: pipeline.prune(video, merged, k), selection)
+        timed(lambda: pipeline.prune(video, merged, pruning), selection)
         result.samples[WITH_EVS].add(result.samples[WITHOUT_EVS].wall[-1] + selection.wall[-1],
                                      result.samples[WITHOUT_EVS].cpu[-1] + selection.cpu[-1])
         progress(f"EVS overhead rep {rep + 1}/{config.overhead_repeats}: encoder CPU "
@@ -83,12 +85,12 @@ def run_evs_overhead(config: BenchConfig, graphs: BenchGraphs, progress: Progres
     scratch = Path(graphs.files["evs"]).parent
 
     def encode(session) -> None:
-        VisionPipeline(graphs.family, OrtEncoderSession(session), pipeline.evs, pipeline.frames_per_call) \
-            .merged_rows(video)
+        VisionPipeline(graphs.family, OrtEncoderSession(session), pipeline.pruning, pipeline.frames_per_call,
+                       pipeline.buckets).merged_rows(video)
 
     def select(session) -> None:
-        VisionPipeline(graphs.family, pipeline.encoder, OrtEVSSession(session), pipeline.frames_per_call) \
-            .prune(video, merged, k)
+        VisionPipeline(graphs.family, pipeline.encoder, {"evs": OrtPruningSession(session)}, pipeline.frames_per_call,
+                       pipeline.buckets).prune(video, merged, pruning)
 
     result.profile_us = {"tower": _profiled(graphs.files["encoder"], scratch, encode),
                          "selection": _profiled(graphs.files["evs"], scratch, select)}

@@ -26,6 +26,7 @@ from qeff_evs.bench.phase import MS, Phase, Progress, fmt, fmt_seconds, measured
 from qeff_evs.bench.timing import CLOCKS, CPU, WALL, ChunkedRun, Samples, alternating, median, run_interleaved, timed
 from qeff_evs.bench.workload import Clip, first_special_id, language_prompt, question_ids, synthetic_clip
 from qeff_evs.models.protocol import MediaInput
+from qeff_evs.models.pruning import VideoPruning
 from qeff_evs.runtime.backends.base import LanguageInputs
 from qeff_evs.runtime.backends.ort import OrtLanguageSession
 from qeff_evs.runtime.backends.vision import VisionPipeline
@@ -113,7 +114,7 @@ def _memory_pass(case: _Case, vision: VisionPipeline, language: OrtLanguageSessi
     """The q's vision run and prefill alone: warm-up, kept indices and peak resident memory."""
     start_mb = memory.resident_mb()
     memory.reset_peak()
-    result = vision.encode(video, case.vision_k)
+    result = vision.encode(video, VideoPruning("evs", case.point.q))
     run_interleaved([ChunkedRun(language, case.steps)])
     peak = memory.peak_mb()
     point = case.point
@@ -140,7 +141,7 @@ def run_pruning_sweep(config: BenchConfig, graphs: BenchGraphs, progress: Progre
     for rep in range(config.repeats):
         order = alternating(cases, rep)
         for case in order:
-            timed(lambda: vision.encode(video, case.vision_k), case.point.vision)
+            timed(lambda: vision.encode(video, VideoPruning("evs", case.point.q)), case.point.vision)
         runs = [ChunkedRun(OrtLanguageSession(graphs.language, graphs.language_shape), case.steps)
                 for case in order]
         run_interleaved(runs)

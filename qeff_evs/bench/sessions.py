@@ -4,7 +4,7 @@ The runtime opens ORT with its default memory arena, which keeps the largest act
 allocated; then every later call looks as big as the biggest earlier one. Here the arena is off,
 so the peak resident memory of a call reflects that call, and thread spinning is off, so process
 CPU time measures work. One ``InferenceSession`` per graph is
-opened once and handed to the runtime's ``OrtEncoderSession``/``OrtEVSSession``/``OrtLanguageSession``, which take an
+opened once and handed to the runtime's ``OrtEncoderSession``/``OrtPruningSession``/``OrtLanguageSession``, which take an
 opened session as well as a path (the language graph serves both ways).
 """
 

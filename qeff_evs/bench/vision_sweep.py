@@ -21,6 +21,7 @@ from qeff_evs.bench.config import BenchConfig
 from qeff_evs.bench.phase import Phase, Progress, fmt, measured_in
 from qeff_evs.bench.timing import CLOCKS, Samples, alternating, median, timed
 from qeff_evs.bench.workload import synthetic_clip
+from qeff_evs.models.pruning import VideoPruning
 
 if TYPE_CHECKING:
     from qeff_evs.bench.graphs import BenchGraphs
@@ -63,7 +64,8 @@ def run_vision_sweep(config: BenchConfig, graphs: BenchGraphs, progress: Progres
         t, h, w = graphs.family.merged_grid(clip.grid_thw)
         k = evs.retained_token_count(h * w, t, config.window_rate)
         point = VisionSweepPoint(frames, t, t * h * w, k, t * h * w * hidden * 4)
-        calls = {ENCODER: lambda video=clip.video, k=k: pipeline.encode(video, k)}
+        pruning = VideoPruning("evs", config.window_rate)
+        calls = {ENCODER: lambda video=clip.video: pipeline.encode(video, pruning)}
         for name, call in calls.items():
             progress(f"vision sweep: {frames} frames, {name} alone (warm-up, peak memory)")
             point.peak_above_start_mb[name] = memory.peak_above(call)

@@ -6,7 +6,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from qeff_evs.export.pipeline import compile_commands, embedding_io_names
-from qeff_evs.manifest import GRAPHS, read_manifest
+from qeff_evs.manifest import read_manifest
 from qeff_evs.models.registry import family_class
 from qeff_evs.specializations import CompileOptions, read_specializations_json, run_compile, write_compile_script
 
@@ -21,7 +21,7 @@ def compile_export(export_dir: Path, options: CompileOptions = CompileOptions(),
     """
     manifest = read_manifest(export_dir)
     specs = {graph: read_specializations_json(manifest.path(export_dir, f"{graph}_specializations"))
-             for graph in GRAPHS}
+             for graph in manifest.graphs}
     commands = compile_commands(export_dir, options, manifest.kv_precision, specs,
                                 embedding_io_names(family_class(manifest.family)))
     script = write_compile_script(manifest.path(export_dir, "compile_script"), commands)

@@ -6,15 +6,17 @@ Layout of the export folder::
     vision/encoder.onnx           encoder graph: F temporal patches per call, one file for every resolution
     vision/encoder_specializations.json   one entry per (resolution, F); + .named.json
     vision/encoder_custom_io.yaml
-    vision/evs.onnx               EVS graph: a whole video's merged rows -> the K retained rows + indices
-    vision/evs_specializations.json       one entry per (resolution, frames, q); + .named.json
-    vision/evs_custom_io.yaml
+    vision/pruning_<method>.onnx  one pruning graph per method (evs, vidcom2): a video's merged rows padded to a
+                                  frame bucket -> a ranking; the host keeps its first K(method, q, T)
+    vision/pruning_<method>_specializations.json  one entry per (resolution, frame bucket); + .named.json
+    vision/pruning_<method>_custom_io.yaml
     language/language.onnx        language graph (QEfficient contract, user_vision_size windows)
     language/specializations.json prefill + decode; + specializations.named.json
     language/custom_io.yaml
     tokenizer.json, tokenizer_config.json, chat_template.jinja, ...
                                   the checkpoint's tokenizer (and chat template), at the top like a model folder
     config.json, generation_config.json   the export as a model folder (vLLM, transformers' Auto* classes)
+    video_preprocessor_config.json        names the family's HF video processor (vLLM's video loader)
     compile.sh                    the qaic-compile command lines
     placement.json                each graph's cores and devices, as compile.sh compiles it
 """
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import os
 import shutil
 from collections.abc import Callable, Mapping, Sequence
@@ -32,29 +35,35 @@ from pathlib import Path
 from qeff_evs import evs
 from qeff_evs.positions import rope_table_length
 from qeff_evs.export.language import export_language_graph
-from qeff_evs.export.vision import export_encoder_graph, export_evs_graph
+from qeff_evs.export.vision import export_encoder_graph, export_pruning_graph
 from qeff_evs.manifest import (
     EXPORT_FILES,
-    GRAPHS,
     MODEL_CONFIG_DIR,
+    PRUNING_ROLE,
     EncoderEntry,
-    EVSEntry,
     LanguageShape,
     Manifest,
+    PruningEntry,
+    export_files,
+    graph_role,
+    pruning_graph,
 )
 from qeff_evs.models.checkpoint import load_checkpoint
 from qeff_evs.models.language import language_spec
 from qeff_evs.models.protocol import ModelFamily
+from qeff_evs.models.pruning import PRUNING_METHODS, pruning_method
 from qeff_evs.models.registry import family_for_config
 from qeff_evs.specializations import (
     DEFAULT_FRAMES_PER_CALL,
+    DEFAULT_MAX_FRAMES,
     EMBEDDING_NAMES,
     FLOAT16,
     CompileCommand,
     CompileOptions,
     EncoderTarget,
+    PruningTarget,
     Specialization,
-    VisionTarget,
+    default_frame_buckets,
     language_specializations,
     prepare_graph_compile,
     vision_specializations,
@@ -65,6 +74,7 @@ from qeff_evs.specializations.placement import PerGraph, write_placement_record
 
 Progress = Callable[[str], None]
 PREPROCESSOR_FILES = ("preprocessor_config.json", "video_preprocessor_config.json")
+DEFAULT_MAX_PRUNING_RATE = 0.9  # --max-video-pruning-rate: the RoPE tables cover ctx_len / (1 - 0.9)
 
 
 def stop_token_ids(checkpoint, config_eos: tuple[int, ...]) -> list[int]:
@@ -105,8 +115,8 @@ def save_model_config(checkpoint, folder: Path) -> None:
 
 @dataclass(frozen=True)
 class ExportOptions:
-    video_pruning_rate: float
-    frames: tuple[int, ...]
+    video_pruning_rate: float  # the default rate q (run/encode/vllm serve may choose another)
+    frames: tuple[int, ...]  # frame buckets in sampled frames; () for powers of two up to max_frames
     resolutions: tuple[tuple[int, int], ...]  # (height, width) the encoder sees
     prefill_seq_len: int
     ctx_len: int
@@ -114,13 +124,42 @@ class ExportOptions:
     kv_precision: str = FLOAT16
     num_cores: PerGraph | None = None  # cores per graph in compile.sh; None: the one-device split (placement.py)
     mxfp6_matmul: bool = False
-    rope_positions: int | None = None  # RoPE table rows; None: positions.rope_table_length(ctx_len, q)
+    rope_positions: int | None = None  # RoPE table rows; None: ctx_len / (1 - max_video_pruning_rate)
     full_batch_size: int | None = None  # continuous batching: KV rows + batch_index input (QEfficient CB)
     frames_per_call: int = DEFAULT_FRAMES_PER_CALL  # temporal patches per encoder call (F)
+    max_frames: int | None = None  # the largest bucket when frames is (); None: DEFAULT_MAX_FRAMES
+    max_video_pruning_rate: float = DEFAULT_MAX_PRUNING_RATE  # the largest rate the RoPE tables cover
+    video_pruning_methods: tuple[str, ...] = PRUNING_METHODS  # pruning graphs exported; the first is the default
 
     @property
     def vision_size(self) -> int:
         return self.user_vision_size if self.user_vision_size is not None else self.prefill_seq_len
+
+    def frame_buckets(self, temporal_patch_size: int) -> tuple[int, ...]:
+        """The buckets in sampled frames, ascending: ``frames``, else powers of two up to ``max_frames``."""
+        if not self.frames:
+            return default_frame_buckets(self.max_frames or DEFAULT_MAX_FRAMES, temporal_patch_size)
+        buckets = tuple(sorted(set(int(f) for f in self.frames)))
+        if self.max_frames is not None and self.max_frames != buckets[-1]:
+            raise ValueError(f"--max-frames {self.max_frames} is not the largest of --frames {list(buckets)} (the "
+                             "largest bucket is the export's maximum); drop one of the two")
+        return buckets
+
+
+def check_pruning_options(options: ExportOptions) -> tuple[float, float, tuple[str, ...]]:
+    """``(q, max rate, methods)``: the default rate within [0, max rate], max rate in [0, 1), known methods."""
+    q = evs.validate_pruning_rate(options.video_pruning_rate)
+    top = evs.validate_pruning_rate(options.max_video_pruning_rate)
+    if q > top:
+        raise ValueError(f"--video-pruning-rate {q} is above --max-video-pruning-rate {top}; the RoPE tables are "
+                         "sized for the largest rate: raise --max-video-pruning-rate")
+    methods = tuple(options.video_pruning_methods)
+    if not methods or len(set(methods)) != len(methods):
+        raise ValueError(f"--video-pruning-methods must list distinct methods (of {', '.join(PRUNING_METHODS)}), "
+                         f"got {list(methods)}")
+    for method in methods:
+        pruning_method(method)
+    return q, top, methods
 
 
 def check_frame_sizes(options: ExportOptions, patch_size: int, merge_size: int, temporal_patch_size: int) -> None:
@@ -140,45 +179,62 @@ def check_frame_sizes(options: ExportOptions, patch_size: int, merge_size: int, 
                          f"got {options.frames_per_call!r}")
 
 
-def vision_grid(height: int, width: int, frames: int, patch_size: int, temporal_patch_size: int) -> tuple[int, int, int]:
-    return frames // temporal_patch_size, height // patch_size, width // patch_size
-
-
 def embedding_io_names(family: ModelFamily | type[ModelFamily]) -> tuple[str, ...]:
     """Graph I/O kept in fp16 on the card (``custom_io.yaml``): vision rows and the family's extra rows."""
-    return (*EMBEDDING_NAMES, *(name for rows in family.extra_rows for name in (rows.name, rows.evs_input)))
+    return (*EMBEDDING_NAMES, *(rows.name for rows in family.extra_rows))
 
 
 def compile_commands(export_dir: Path, options: CompileOptions, kv_precision: str,
                      specs: Mapping[str, Sequence[Specialization]],
                      embedding_names: Sequence[str]) -> list[CompileCommand]:
-    """Check each graph (``GRAPHS``) against its specializations, write its compile inputs and
-    ``placement.json``, return the commands. ``embedding_names``: the I/O kept in fp16 on the card
-    (``embedding_io_names``)."""
+    """Check each graph of ``specs`` (by graph, in compile order: ``Manifest.graphs``) against its
+    specializations, write its compile inputs and ``placement.json``, return the commands. Cores and devices
+    are per role (``manifest.graph_role``): every method's pruning graph gets the pruning role's.
+    ``embedding_names``: the I/O kept in fp16 on the card (``embedding_io_names``)."""
     commands = []
     cores, devices = options.cores, options.devices
-    for graph in GRAPHS:
-        onnx_path = export_dir / EXPORT_FILES[graph]
+    files = export_files(tuple(graph[len(PRUNING_ROLE) + 1:] for graph in specs if graph_role(graph) == PRUNING_ROLE))
+    for graph in specs:
+        role = graph_role(graph)
+        onnx_path = export_dir / files[graph]
         graph_dir = onnx_path.parent
-        # The encoder and EVS graphs share the vision folder: their files carry the graph's name.
+        # The encoder and pruning graphs share the vision folder: their files carry the graph's name.
         stem = None if graph == "language" else graph
         commands.append(prepare_graph_compile(
-            onnx_path, graph_dir, specs[graph], graph=graph, kv_precision=kv_precision,
-            style=options.specializations_layout, num_cores=cores[graph],
-            mxfp6_matmul=options.mxfp6_matmul, extra_flags=options.flags_for(graph), relative_to=export_dir,
-            aic_hw_version=options.aic_hw_version, num_devices=devices[graph], stem=stem,
+            onnx_path, graph_dir, specs[graph], graph=role, kv_precision=kv_precision,
+            style=options.specializations_layout, num_cores=cores[role],
+            mxfp6_matmul=options.mxfp6_matmul, extra_flags=options.flags_for(role), relative_to=export_dir,
+            aic_hw_version=options.aic_hw_version, num_devices=devices[role], stem=stem,
             embedding_names=embedding_names))
-        write_specializations_json(export_dir / EXPORT_FILES[f"{graph}_specializations_named"], specs[graph], "named")
+        write_specializations_json(export_dir / files[f"{graph}_specializations_named"], specs[graph], "named")
     write_placement_record(export_dir, cores, devices)
     return commands
 
 
+def save_video_processor_config(checkpoint, family: ModelFamily, folder: Path) -> None:
+    """``video_preprocessor_config.json`` at the export's top, naming the family's HF video processor.
+
+    vLLM picks its video loader by the model folder's ``video_processor_type`` (else by ``model_type``
+    through torchvision, else its generic OpenCV loader): with this file an export gets the loader a real
+    checkpoint gets (``qwen2_vl`` / ``qwen3_vl``), so vLLM hands our processor the frames it would hand the
+    model's. The checkpoint's own video (else image) preprocessor settings are kept.
+    """
+    settings: dict = {}
+    for name in PREPROCESSOR_FILES:
+        source = Path(checkpoint.model_dir) / name
+        if source.is_file():
+            settings.update(json.loads(source.read_text()))
+    settings.pop("image_processor_type", None)
+    settings.setdefault("video_processor_type", family.preprocessing.video_processor)
+    (folder / EXPORT_FILES["video_processor_config"]).write_text(json.dumps(settings, indent=2) + "\n")
+
+
 def export_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, options: ExportOptions,
                       progress: Progress = lambda message: None) -> Manifest:
-    q = evs.validate_pruning_rate(options.video_pruning_rate)
+    q, max_rate, methods = check_pruning_options(options)
     lang_specs = language_specializations(options.prefill_seq_len, options.ctx_len, options.user_vision_size,
                                           full_batch_size=options.full_batch_size)
-    rope_positions = options.rope_positions or rope_table_length(options.ctx_len, q)
+    rope_positions = options.rope_positions or rope_table_length(options.ctx_len, max_rate)
     if rope_positions < options.ctx_len:
         raise ValueError(f"--rope-positions {rope_positions} is below --ctx-len {options.ctx_len}; the RoPE tables "
                          "must cover at least every KV slot's position")
@@ -188,48 +244,48 @@ def export_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, 
     family = family_for_config(checkpoint.config, checkpoint.tokenizer)
     vc = family.normalized_config
     check_frame_sizes(options, vc.patch_size, vc.merge_size, vc.temporal_patch_size)
+    buckets = options.frame_buckets(vc.temporal_patch_size)
 
-    encoder_targets, evs_targets = [], []
+    encoder_targets, pruning_targets = [], []
     for height, width in options.resolutions:
         grid_hw = (height // vc.patch_size, width // vc.patch_size)
         encoder_targets.append((EncoderTarget(height, width, options.frames_per_call), grid_hw))
-        for frames in options.frames:
-            grid = vision_grid(height, width, frames, vc.patch_size, vc.temporal_patch_size)
-            t, h, w = family.merged_grid(grid)
-            retained = evs.retained_token_count(h * w, t, q)
-            evs_targets.append((VisionTarget(height, width, frames, q), grid, retained))
+        for frames in buckets:
+            pruning_targets.append((PruningTarget(height, width, frames), grid_hw, frames // vc.temporal_patch_size))
+    pruning_specs = vision_specializations(
+        [(target, family.pruning_symbols(grid_hw, bucket)) for target, grid_hw, bucket in pruning_targets])
     specs = {
         "encoder": vision_specializations(
             [(target, family.encoder_symbols(grid_hw, target.frames_per_call)) for target, grid_hw in encoder_targets]),
-        "evs": vision_specializations(
-            [(target, family.evs_symbols(grid, k)) for target, grid, k in evs_targets]),
+        **{pruning_graph(method): pruning_specs for method in methods},
         "language": lang_specs,
     }
+    files = export_files(methods)
 
     (out / "vision").mkdir(parents=True, exist_ok=True)
     (out / "language").mkdir(parents=True, exist_ok=True)
     _, example_hw = encoder_targets[0]
     # Traced with 2+ frames so the per-frame tiling is in the graph (F stays a symbol either way).
     export_encoder_graph(family.encoder(checkpoint.model), example_hw, max(2, options.frames_per_call),
-                         out / EXPORT_FILES["encoder"], progress=progress)
-    # Traced on 2 temporal patches keeping one frame's worth: every op of the selection runs.
-    _, example_h, example_w = family.merged_grid((2, *example_hw))
+                         out / files["encoder"], progress=progress)
+    for method in methods:
+        export_pruning_graph(family.pruning_ranking(method), vc.vision_hidden, out / files[pruning_graph(method)],
+                             progress=progress)
     spec = language_spec(checkpoint.model)
-    export_evs_graph(family.evs_selection(), (2, example_h, example_w), example_h * example_w,
-                     vc.vision_hidden, family.extras, out / EXPORT_FILES["evs"], progress=progress)
     progress("exporting language graph")
-    export_language_graph(checkpoint.model, out / "language" / "language.onnx",
+    export_language_graph(checkpoint.model, out / files["language"],
                           media_token_ids=family.special_tokens().media_pads,
                           continuous_batching=options.full_batch_size is not None, rope_positions=rope_positions)
 
     progress("checking specializations against the graphs and writing compile inputs")
     commands = compile_commands(out, CompileOptions(num_cores=options.num_cores, mxfp6_matmul=options.mxfp6_matmul),
                                 options.kv_precision, specs, embedding_io_names(family))
-    write_compile_script(out / "compile.sh", commands)
-    checkpoint.tokenizer.save_pretrained(out / EXPORT_FILES["tokenizer"])
+    write_compile_script(out / files["compile_script"], commands)
+    checkpoint.tokenizer.save_pretrained(out / files["tokenizer"])
     save_model_config(checkpoint, out / MODEL_CONFIG_DIR)
     save_serving_config(checkpoint, family, stop_token_ids(checkpoint, family.special_tokens().eos),
                         options.ctx_len, out)
+    save_video_processor_config(checkpoint, family, out)
 
     specials = family.special_tokens()
     manifest = Manifest(
@@ -237,7 +293,7 @@ def export_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, 
         model_dir=str(Path(model_dir).resolve()),
         video_pruning_rate=q,
         prefill_seq_len=options.prefill_seq_len,
-        frames=tuple(options.frames),
+        frame_buckets=buckets,
         resolutions=tuple(tuple(r) for r in options.resolutions),
         special_tokens=dataclasses.replace(specials, eos=tuple(stop_token_ids(checkpoint, specials.eos))),
         language_shape=LanguageShape(
@@ -245,14 +301,18 @@ def export_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, 
             ctx_len=options.ctx_len, vision_size=options.vision_size, extras=dict(spec.extras),
             full_batch_size=options.full_batch_size or 1, vocab=spec.vocab_size,
             continuous_batching=options.full_batch_size is not None, rope_positions=rope_positions),
-        files=dict(EXPORT_FILES),
+        files=files,
         encoder_entries=tuple(
             EncoderEntry(target.height, target.width, target.frames_per_call, grid_hw,
                          family.encoder_symbols(grid_hw, target.frames_per_call))
             for target, grid_hw in encoder_targets),
-        evs_entries=tuple(
-            EVSEntry(target.height, target.width, target.frames, tuple(grid), k, family.evs_symbols(grid, k))
-            for target, grid, k in evs_targets),
+        pruning_entries=tuple(
+            PruningEntry(method, target.height, target.width, target.frames, bucket,
+                         family.pruning_symbols(grid_hw, bucket))
+            for method in methods for target, grid_hw, bucket in pruning_targets),
+        video_pruning_methods=methods,
+        video_pruning_method=methods[0],
+        max_video_pruning_rate=max_rate,
         kv_precision=options.kv_precision,
     )
     manifest.write(out)

@@ -7,17 +7,17 @@ an fp16 twin of the export that follows ``compile.sh``: a graph whose compile li
 fp32 keeps fp32 arithmetic and only sees fp16-rounded float inputs (its custom I/O). The report,
 per workload, compares the twin with fp32:
 
-* each vision-side graph on video-like inputs (the ``encoder`` graph with its family's host inputs, the
-  ``evs`` graph with video-like merged rows;
-  another with random floats at its first specialization): output error, inf/NaN, and EVS kept-token
-  agreement where the graph returns ``retained_indices``;
+* each vision-side graph on video-like inputs (the ``encoder`` graph with its family's host inputs, each
+  pruning graph with video-like merged rows of a video shorter than its first bucket, at the export's default
+  rate; another with random floats at its first specialization): output error, inf/NaN, and kept-token
+  agreement where the graph returns a ``ranking`` (its first K, the method's count);
 * ``positions``: one text chunk whose M-RoPE positions start at increasing offsets (KV slots unchanged),
   then a few decode steps: max logit error and greedy agreement per offset. With table RoPE the error
   does not grow with the position; with ``Cos(position * inv_freq)`` in fp16 it does;
 * ``magnitude``: a prefill chunk whose media rows have magnitude 1e3 (hidden states through the first
   RMSNorm at that size): inf/NaN and logit error;
-* ``evs``: the EVS selection alone on video-like embeddings with realistic norms (20..100) at widths
-  2048 and 3584, computed the way the compile line of the graph holding EVS says: kept-token agreement.
+* ``evs``: the EVS ranking alone on video-like embeddings with realistic norms (20..100) at widths
+  2048 and 3584, computed the way the compile line of the EVS pruning graph says: kept-token agreement.
 """
 
 from __future__ import annotations
@@ -31,13 +31,14 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-import torch
 
 from qeff_evs import evs
+from qeff_evs.evs import kept_indices
 from qeff_evs.export.fp16 import convert_to_fp16
 from qeff_evs.export.onnx_graph import legacy_export
-from qeff_evs.manifest import MODEL_CONFIG_DIR, read_manifest
+from qeff_evs.manifest import MODEL_CONFIG_DIR, PRUNING_ROLE, graph_role, pruning_graph, read_manifest
 from qeff_evs.models.graph_io import BATCH_INDEX, RETAINED_SUFFIX, LanguageGraphIO
+from qeff_evs.models.pruning import BUCKET_TOKENS, PruningRanking, VideoPruning, pad_to_bucket, pruning_host_inputs
 from qeff_evs.specializations import read_specializations_json
 
 Progress = Callable[[str], None]
@@ -267,19 +268,21 @@ def _vision_feeds(export_dir: Path, role: str, session, seed: int) -> dict[str, 
         width = pixels.shape[1] if isinstance(pixels.shape[1], int) else entry.symbols[pixels.shape[1]]
         return {pixels.name: video_like_rows(entry.frames_per_call, per_frame, width,
                                              (0.5 * width ** 0.5, 2 * width ** 0.5), seed), **host}
-    if role == "evs" and manifest.evs_entries:
-        from qeff_evs.models.vision_common import evs_host_inputs
-
-        entry = manifest.evs_entries[0]
-        t, tokens = entry.symbols["time"], entry.symbols["video_tokens"] // entry.symbols["time"]
+    if graph_role(role) == PRUNING_ROLE and manifest.pruning_entries:
+        entry = next(e for e in manifest.pruning_entries if pruning_graph(e.method) == role)
+        bucket = entry.temporal_patches
+        tokens = entry.symbols[BUCKET_TOKENS] // bucket
+        frames = bucket // 2 + 1  # a video shorter than its bucket (padding present) when it can be
         feeds = {}
         for value in session.get_inputs():
             if value.name == "merged_embeds":
-                feeds[value.name] = video_like_rows(t, tokens, value.shape[1], (8.0, 32.0), seed)
-            elif "float" in value.type and len(value.shape) == 3:  # a family's extra rows, (levels, rows, hidden)
-                feeds[value.name] = np.stack([video_like_rows(t, tokens, value.shape[2], (8.0, 32.0), seed + 1 + i)
-                                              for i in range(value.shape[0])])
-        return {**feeds, **evs_host_inputs((t, tokens, 1), entry.retained)}
+                rows = video_like_rows(frames, tokens, value.shape[1], (8.0, 32.0), seed)
+                feeds[value.name] = pad_to_bucket(rows, bucket * tokens)
+            elif value.name == "score_extras":  # a family's extra rows, (levels, rows, hidden)
+                levels = np.stack([video_like_rows(frames, tokens, value.shape[2], (8.0, 32.0), seed + 1 + i)
+                                   for i in range(value.shape[0])])
+                feeds[value.name] = pad_to_bucket(levels, bucket * tokens, axis=1)
+        return {**feeds, **pruning_host_inputs(entry.method, bucket, frames, manifest.video_pruning_rate)}
     symbols = read_specializations_json(manifest.path(export_dir, f"{role}_specializations"))[0].symbols
     feeds = {}
     for value in session.get_inputs():
@@ -291,8 +294,18 @@ def _vision_feeds(export_dir: Path, role: str, session, seed: int) -> dict[str, 
     return feeds
 
 
+def _kept_by_ranking(manifest, role: str, feeds: dict[str, np.ndarray], ranking: np.ndarray) -> np.ndarray:
+    """The kept indices a pruning graph's ranking gives for its sample feeds at the export's default rate."""
+    method = role[len(PRUNING_ROLE) + 1:]
+    bucket, frames = feeds["bucket_carrier"].shape[0], int(feeds["frame_count"][0])
+    tokens = ranking.shape[0] // bucket
+    pruning = VideoPruning(method, manifest.video_pruning_rate)
+    return kept_indices(ranking, pruning.retained_token_count(tokens, frames))
+
+
 def vision_comparisons(fp32_dir: Path, fp16_dir: Path | None) -> list[Comparison]:
     results = []
+    manifest = read_manifest(fp32_dir)
     for role, file in graph_files(fp32_dir).items():
         if role == "language":
             continue
@@ -307,17 +320,11 @@ def vision_comparisons(fp32_dir: Path, fp16_dir: Path | None) -> list[Comparison
             result.nonfinite_fp16 = sum(nonfinite(card[n]) for n in floats)
             errors = [np.abs(card[n] - reference[n]) for n in floats if card[n].shape == reference[n].shape]
             result.max_abs_error = float(max((np.nan_to_num(e, nan=np.inf).max() for e in errors), default=0.0))
-            if "retained_indices" in names:
-                result.kept_token_agreement = kept_agreement(reference["retained_indices"], card["retained_indices"])
+            if "ranking" in names:
+                result.kept_token_agreement = kept_agreement(_kept_by_ranking(manifest, role, feeds, reference["ranking"]),
+                                                             _kept_by_ranking(manifest, role, feeds, card["ranking"]))
         results.append(result)
     return results
-
-
-class _Selection(torch.nn.Module):
-    """The EVS selection alone (``qeff_evs.evs.select_retained``) as a graph: rows -> kept indices."""
-
-    def forward(self, embeds: torch.Tensor, frames: torch.Tensor, retained: torch.Tensor) -> torch.Tensor:
-        return evs.select_retained(embeds, frames.shape[0], retained)[1]
 
 
 def video_like_rows(frames: int, tokens: int, width: int, norms: tuple[float, float], seed: int) -> np.ndarray:
@@ -334,29 +341,29 @@ def video_like_rows(frames: int, tokens: int, width: int, norms: tuple[float, fl
 
 def evs_comparisons(export_dir: Path, converts_evs: bool, frames: int = 8, tokens: int = 256,
                     q: float = 0.5) -> list[Comparison]:
-    """Kept-token agreement of the EVS arithmetic in the precision its compile line gives it."""
+    """Kept-token agreement of the EVS ranking's arithmetic in the precision its compile line gives it."""
     import onnxruntime as ort
 
+    ranking = PruningRanking("evs")
     k = evs.retained_token_count(tokens, frames, q)
     results = []
     with tempfile.TemporaryDirectory() as scratch:
         path = Path(scratch) / "evs.onnx"
-        example = torch.zeros(frames * tokens, 8)
-        legacy_export(_Selection(), [example, torch.zeros(frames), torch.zeros(k)], path,
-                      input_names=["embeds", "frames", "retained"], output_names=["indices"],
-                      dynamic_axes={"embeds": {0: "rows", 1: "width"}, "frames": {0: "T"}, "retained": {0: "K"},
-                                    "indices": {0: "K"}})
+        example = ranking.dummy_inputs(tokens_per_frame=5, bucket=3, hidden=8, frame_count=2)
+        axes = {**ranking.graph_spec.dynamic_axes, "merged_embeds": {0: BUCKET_TOKENS, 1: "width"}}  # any width
+        legacy_export(ranking, list(example.values()), path, input_names=ranking.graph_spec.input_names,
+                      output_names=ranking.graph_spec.output_names, dynamic_axes=axes)
         model = onnx.load(str(path))
         fp32 = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
         card = convert_to_fp16(model) if converts_evs else model
         fp16 = ort.InferenceSession(card.SerializeToString(), providers=["CPUExecutionProvider"])
         for width in EVS_WIDTHS:
             rows = video_like_rows(frames, tokens, width, EVS_NORMS, seed=width)
-            feeds = {"embeds": rows, "frames": np.zeros(frames, np.float32), "retained": np.zeros(k, np.float32)}
-            reference = fp32.run(None, feeds)[0]
+            feeds = {"merged_embeds": rows, **ranking.host_inputs(frames, frames, q)}
+            reference = kept_indices(fp32.run(None, feeds)[0], k)
             # The card's I/O is fp16 either way (custom IO): the rows arrive rounded.
-            card_rows = dict(feeds, embeds=rows.astype(np.float16).astype(np.float32))
-            kept = fp16.run(None, card_rows)[0]
+            card_rows = dict(feeds, merged_embeds=rows.astype(np.float16).astype(np.float32))
+            kept = kept_indices(fp16.run(None, card_rows)[0], k)
             results.append(Comparison(f"evs@width{width}", kept_token_agreement=kept_agreement(reference, kept),
                                       detail={"frames": frames, "tokens_per_frame": tokens, "kept": k,
                                               "norms": list(EVS_NORMS), "fp32_arithmetic": not converts_evs}))
@@ -364,10 +371,9 @@ def evs_comparisons(export_dir: Path, converts_evs: bool, frames: int = 8, token
 
 
 def _evs_graph_converts(export_dir: Path, converts: dict[str, bool]) -> bool:
-    """Whether the graph that computes EVS is compiled with fp16 arithmetic (the ``evs`` graph, else ``vision``)."""
+    """Whether the EVS pruning graph is compiled with fp16 arithmetic (an export without it: as the encoder)."""
     files = graph_files(export_dir)
-    role = "evs" if "evs" in files else "vision"
-    return converts.get(files.get(role, ""), True)
+    return converts.get(files.get(pruning_graph("evs"), files["encoder"]), True)
 
 
 def verify_export(export_dir: str | Path, fp16: bool = False, progress: Progress = lambda message: None) -> VerifyReport:

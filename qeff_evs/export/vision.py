@@ -1,4 +1,4 @@
-"""Export the vision side: the encoder graph (F temporal patches per call) and the EVS graph (DESIGN §5).
+"""Export the vision side: the encoder graph (F temporal patches per call) and the pruning graphs (DESIGN §5).
 
 Each module declares its graph interface (input/output names in ``forward`` order and the named
 symbol of each dynamic axis) as a ``VisionGraphSpec`` and builds example inputs. Every dynamic
@@ -17,7 +17,8 @@ import torch
 
 from qeff_evs.export.onnx_graph import check_named_axes, check_static_ops, legacy_export
 from qeff_evs.models.graph_io import VisionGraphSpec
-from qeff_evs.models.vision_common import EncoderWrapper, EVSSelection
+from qeff_evs.models.pruning import PruningRanking
+from qeff_evs.models.vision_common import EncoderWrapper
 
 _LOG = logging.getLogger(__name__)
 
@@ -39,23 +40,21 @@ def export_encoder_graph(
     return _export(wrapper, wrapper.graph_spec, inputs, Path(path), label, progress)
 
 
-def export_evs_graph(
-    selection: EVSSelection,
-    example_merged_grid: Sequence[int],
-    example_retained: int,
+def export_pruning_graph(
+    ranking: PruningRanking,
     hidden: int,
-    levels: Mapping[str, int],
     path: str | Path,
     progress: Callable[[str], None] | None = None,
 ) -> Path:
-    """Trace the EVS graph on one merged grid ``(T, h, w)`` and K; T, the row count and K stay symbols.
+    """Trace a pruning graph (``family.pruning_ranking(method)``) on ``hidden``-wide rows.
 
-    ``levels``: the level count of each of the selection's extra rows, by name (the family's ``extras``).
-    Pick T > 1 and K < T*h*w so every op of the selection is traced.
+    The example only has to be valid: ``frame_bucket`` and ``bucket_tokens`` stay symbols, so one file
+    serves every resolution, bucket, frame count and rate. It is traced with a video shorter than its bucket
+    (T = 2 of 3, 5 tokens per frame) so the padding branches are in the graph.
     """
-    inputs = selection.dummy_inputs(example_merged_grid, example_retained, hidden, levels)
-    label = f"EVS graph (example merged grid {tuple(example_merged_grid)}, K={example_retained})"
-    return _export(selection, selection.graph_spec, inputs, Path(path), label, progress)
+    inputs = ranking.dummy_inputs(tokens_per_frame=5, bucket=3, hidden=hidden, frame_count=2)
+    label = f"{ranking.method.name} pruning graph ({ranking.score_levels} scoring levels beside the rows)"
+    return _export(ranking, ranking.graph_spec, inputs, Path(path), label, progress)
 
 
 def _export(module: torch.nn.Module, spec: VisionGraphSpec, inputs: Mapping[str, torch.Tensor], path: Path,

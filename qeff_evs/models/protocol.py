@@ -7,7 +7,7 @@ architecture name an export serves under, how its checkpoints preprocess video, 
 its media tokens, which extra per-row tensors its vision rows carry (``ExtraRows``), how its config names
 what the pipeline reads (``NormalizedConfig``), and its tiny test and realistic bench configs. An
 instance, built from one checkpoint's config (and tokenizer), is that checkpoint's adapter: its special
-ids, encoder and EVS graph wrappers, the encoder's host inputs and specialization symbols, and how a
+ids, encoder and pruning graph wrappers, the encoder's host inputs and specialization symbols, and how a
 video is laid out in the prompt before the encoder (only the kept count K known) and after it.
 
 Nothing outside a family's module names the family: the pipeline reads every family-specific fact
@@ -93,14 +93,14 @@ class ExtraRows:
     """A family tensor that travels with a media item's vision rows, row for row (Qwen3-VL's multi-level rows).
 
     On the host it is ``(levels, rows, hidden)`` beside the ``(rows, hidden)`` vision rows: the encoder
-    outputs it, the EVS graph keeps the same rows of it (scoring ``[rows | level 0 | level 1 | ...]``
-    along features), and each prefill chunk sends the language graph its window of it,
-    ``(levels, 1, window rows, hidden)``, whose level ``i`` is added to the media tokens' hidden states
-    after decoder layer ``i``. Everywhere between, it rides in an ``extras`` mapping under ``name``.
+    outputs it, the pruning graph scores with it (``[rows | level 0 | level 1 | ...]`` along features, every
+    extra's levels in ``extra_rows`` order as its ``score_extras`` input), the host keeps the same rows of it,
+    and each prefill chunk sends the language graph its window of it, ``(levels, 1, window rows, hidden)``,
+    whose level ``i`` is added to the media tokens' hidden states after decoder layer ``i``. Everywhere
+    between, it rides in an ``extras`` mapping under ``name``.
     """
 
-    name: str  # encoder and EVS output, language input (with its ``_RetainedState`` twin)
-    evs_input: str  # the EVS graph's input holding a whole video's rows of it
+    name: str  # encoder output, language input (with its ``_RetainedState`` twin)
 
 
 @dataclass(frozen=True)
@@ -269,8 +269,9 @@ class ModelFamily(Protocol):
     def encoder(self, model: torch.nn.Module) -> torch.nn.Module:
         """Exportable encoder: F temporal patches + one frame's host inputs in, merged rows [+ extras] out."""
 
-    def evs_selection(self) -> torch.nn.Module:
-        """Exportable EVS graph: a whole video's merged rows [+ extras] in, kept rows [+ extras] and indices out."""
+    def pruning_ranking(self, method: str) -> torch.nn.Module:
+        """Exportable pruning graph of ``method`` (``models.pruning.PruningRanking``): a video's merged rows padded
+        to a frame bucket [+ its extras as ``score_extras``] in, a ranking out."""
 
     def language_graph(self, model: torch.nn.Module, media_token_ids: Sequence[int] | None = None,
                        rope_positions: int | None = None) -> torch.nn.Module:
@@ -282,8 +283,8 @@ class ModelFamily(Protocol):
     def encoder_symbols(self, grid_hw: Sequence[int], frames: int) -> dict[str, int]:
         """Values of the encoder graph's dynamic symbols for one (frame grid, F) specialization."""
 
-    def evs_symbols(self, grid_thw: Sequence[int], retained: int) -> dict[str, int]:
-        """Values of the EVS graph's dynamic symbols for one (video grid, K) specialization."""
+    def pruning_symbols(self, grid_hw: Sequence[int], bucket: int) -> dict[str, int]:
+        """Values of the pruning graphs' dynamic symbols for one (frame grid, bucket of temporal patches)."""
 
     def placeholder_ids(self, video: MediaInput, retained: int) -> np.ndarray:
         """The video's prompt segment before encoding (only K known). Same length as after."""

@@ -20,7 +20,7 @@ the graph is compiled without fp16 conversion; with fp16 custom I/O only its inp
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -77,12 +77,65 @@ METHODS: Mapping[str, PruningMethod] = {
 
 
 PRUNING_METHODS: tuple[str, ...] = tuple(METHODS)
+DEFAULT_METHOD = "evs"  # vLLM's default --video-pruning-method
 
 
 def pruning_method(name: str) -> PruningMethod:
     if name not in METHODS:
         raise ValueError(f"unknown video pruning method {name!r}; choose one of {', '.join(PRUNING_METHODS)}")
     return METHODS[name]
+
+
+@dataclass(frozen=True)
+class VideoPruning:
+    """How a request's videos are pruned: vLLM's ``--video-pruning-method`` and ``--video-pruning-rate``.
+
+    ``rate`` 0 turns pruning off whatever the method (vLLM's rule). Images are never pruned.
+    """
+
+    method: str = DEFAULT_METHOD
+    rate: float = 0.0
+
+    def __post_init__(self) -> None:
+        pruning_method(self.method)
+        object.__setattr__(self, "rate", evs.validate_pruning_rate(self.rate))
+
+    def retained_token_count(self, tokens_per_frame: int, frame_count: int) -> int:
+        """``K`` of a video of ``frame_count`` temporal patches: the method's count rule at this rate."""
+        return pruning_method(self.method).retained_token_count(tokens_per_frame, frame_count, self.rate)
+
+    def kept_tokens(self, merged_grid: Sequence[int], kind: str = "video") -> int:
+        """``K`` of one media item of merged grid ``(T, h, w)``: every token of an image, the count rule's
+        for a video."""
+        t, h, w = (int(v) for v in merged_grid)
+        if kind == "image":
+            return t * h * w
+        return self.retained_token_count(h * w, t)
+
+
+def frame_bucket(frame_count: int, buckets: Sequence[int]) -> int:
+    """The smallest of ``buckets`` (temporal patches) holding ``frame_count``; ValueError naming the largest."""
+    fitting = [int(b) for b in buckets if int(b) >= frame_count]
+    if not fitting:
+        raise ValueError(f"a video of {frame_count} temporal patches is longer than the largest frame bucket "
+                         f"({max(buckets, default=0)} temporal patches); sample fewer frames or export a larger "
+                         "bucket")
+    return min(fitting)
+
+
+def pruning_host_inputs(method: str, bucket: int, frame_count: int, q: float) -> dict[str, np.ndarray]:
+    """The inputs after the rows for one video: the bucket carrier, ``T`` and, for VidCom2, the ratio."""
+    check_bucket(1, bucket)
+    if isinstance(frame_count, bool) or int(frame_count) != frame_count or not 1 <= frame_count <= bucket:
+        raise ValueError(
+            f"frame_count {frame_count!r} is outside [1, {bucket}]; use a bucket at least as long as the video")
+    inputs = {"bucket_carrier": np.zeros(int(bucket), dtype=np.int64),
+              "frame_count": np.array([int(frame_count)], dtype=np.int64)}
+    if pruning_method(method).takes_ratio:
+        inputs["retention_ratio"] = np.array([vidcom2.retention_ratio(q)], dtype=np.float32)
+    else:
+        evs.validate_pruning_rate(q)
+    return inputs
 
 
 class PruningRanking(nn.Module):
@@ -107,17 +160,7 @@ class PruningRanking(nn.Module):
 
     def host_inputs(self, bucket: int, frame_count: int, q: float) -> dict[str, np.ndarray]:
         """The inputs after the rows for one request: the bucket carrier, ``T`` and, for VidCom2, the ratio."""
-        check_bucket(1, bucket)
-        if isinstance(frame_count, bool) or int(frame_count) != frame_count or not 1 <= frame_count <= bucket:
-            raise ValueError(
-                f"frame_count {frame_count!r} is outside [1, {bucket}]; use a bucket at least as long as the video")
-        inputs = {"bucket_carrier": np.zeros(int(bucket), dtype=np.int64),
-                  "frame_count": np.array([int(frame_count)], dtype=np.int64)}
-        if self.method.takes_ratio:
-            inputs["retention_ratio"] = np.array([vidcom2.retention_ratio(q)], dtype=np.float32)
-        else:
-            evs.validate_pruning_rate(q)
-        return inputs
+        return pruning_host_inputs(self.method.name, bucket, frame_count, q)
 
     def retained_token_count(self, tokens_per_frame: int, frame_count: int, q: float) -> int:
         """``K``: how many entries of the ranking the host keeps for this ``T`` and ``q``."""

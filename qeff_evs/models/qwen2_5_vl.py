@@ -3,8 +3,8 @@
 Vision part: ``Qwen2_5_VLEncoder`` wraps the transformers vision tower into the exportable encoder
 graph (F temporal patches of one resolution per call); ``frame_inputs`` / ``encoder_symbols`` give
 one frame's host-side index tensors and the specialization symbols; ``reference_vision_evs`` is the
-independent reference (stock transformers forward over the whole video, then the EVS mask). The EVS
-graph is the family-agnostic ``vision_common.EVSSelection``.
+independent reference (stock transformers forward over the whole video, then the EVS mask). The pruning
+graphs are the family-agnostic ``pruning.PruningRanking``.
 
 Encoder graph interface (DESIGN §5, §7 symbol names):
 

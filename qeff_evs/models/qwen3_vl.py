@@ -5,7 +5,7 @@ graph (F temporal patches of one resolution per call, merged rows + deepstack ou
 ``frame_inputs`` / ``encoder_symbols`` give one frame's host-side index tensors and the
 specialization symbols; ``reference_vision_evs`` is the independent reference (stock transformers
 forward over the whole video, then the EVS mask over the deepstack-concatenated features). The
-EVS graph is the family-agnostic ``vision_common.EVSSelection`` carrying ``DEEPSTACK``.
+pruning graphs are the family-agnostic ``pruning.PruningRanking``, scoring with ``DEEPSTACK``'s levels.
 
 What differs from Qwen2.5-VL: full attention within each temporal patch (no windows), learned
 position embeddings resampled bilinearly to the grid (the taps and weights are host inputs), and
@@ -236,9 +236,9 @@ def timestamp_text(seconds: float) -> str:
     return f"<{seconds:.1f} seconds>"
 
 
-# The deepstack levels travel beside the merged rows under this graph I/O name (encoder and EVS output,
-# language input + its _RetainedState); a whole video's levels enter the EVS graph as ``merged_deepstack``.
-DEEPSTACK = ExtraRows(name="deepstack_features", evs_input="merged_deepstack")
+# The deepstack levels travel beside the merged rows under this graph I/O name (encoder output, language
+# input + its _RetainedState); a whole video's levels enter the pruning graph as its ``score_extras``.
+DEEPSTACK = ExtraRows(name="deepstack_features")
 
 # Qwen3 text attention normalises q and k per head; see _sharpen_qk_norm.
 QK_NORM_WEIGHT = 2.0

@@ -30,7 +30,8 @@ from qeff_evs.models.protocol import (
     TokenStrings,
     image_layout,
 )
-from qeff_evs.models.vision_common import EncoderWrapper, EVSSelection, encoder_host_inputs, evs_symbols
+from qeff_evs.models.pruning import PruningRanking, pruning_symbols
+from qeff_evs.models.vision_common import EncoderWrapper, encoder_host_inputs
 
 # Qwen's added special tokens, in Qwen's relative order; in the tiny tokenizer they take the ids after
 # the BPE vocabulary.
@@ -247,8 +248,8 @@ class QwenVLFamily(abc.ABC):
     def encoder(self, model: nn.Module) -> EncoderWrapper:
         return self.wrapper.from_model(model)
 
-    def evs_selection(self) -> EVSSelection:
-        return EVSSelection([rows for rows in self.extra_rows if self.extras.get(rows.name)])
+    def pruning_ranking(self, method: str) -> PruningRanking:
+        return PruningRanking(method, score_levels=sum(self.extras.get(rows.name, 0) for rows in self.extra_rows))
 
     def language_graph(self, model: nn.Module, media_token_ids: Sequence[int] | None = None,
                        rope_positions: int | None = None) -> LanguageGraph:
@@ -260,8 +261,9 @@ class QwenVLFamily(abc.ABC):
     def encoder_symbols(self, grid_hw: Sequence[int], frames: int) -> dict[str, int]:
         return self.wrapper.symbols_fn(self.vision_config, grid_hw, frames)
 
-    def evs_symbols(self, grid_thw: Sequence[int], retained: int) -> dict[str, int]:
-        return evs_symbols(self.merged_grid(grid_thw), retained)
+    def pruning_symbols(self, grid_hw: Sequence[int], bucket: int) -> dict[str, int]:
+        _, h, w = self.merged_grid((1, *grid_hw))
+        return pruning_symbols(h * w, bucket)
 
     def placeholder_ids(self, media: MediaInput, retained: int) -> np.ndarray:
         if media.kind == "image":

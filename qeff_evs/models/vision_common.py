@@ -1,22 +1,18 @@
-"""What the Qwen-VL vision graphs share: the encoder plumbing and the EVS graph.
+"""What the Qwen-VL encoder graphs share (DESIGN §5).
 
-The vision side is two graphs (DESIGN §5):
-
-* the **encoder** (one per family) takes ``F`` temporal patches of one resolution and returns their
-  merged rows (+ the family's extra rows, ``ExtraRows``). It wraps a weight-sharing copy of the
-  transformers tower whose own config selects ``segment_attention``; every grid-derived index tensor
-  comes from the host, for ONE frame (they are the same for every frame of a resolution), and the
-  graph tiles it over the F frames whose count it reads from the shape of the carrier
-  ``video_grid_thw (F, H, W)``;
-* the **EVS graph** (``EVSSelection``, family-agnostic) takes a whole video's merged rows (+ extra rows)
-  and keeps K of them with ``evs.select_retained``; T and K are the lengths of two carriers.
+The vision side is two graphs: the **encoder** here (one per family) and the family-agnostic pruning graphs
+(``models.pruning``). The encoder takes ``F`` temporal patches of one resolution and returns their merged rows
+(+ the family's extra rows, ``ExtraRows``). It wraps a weight-sharing copy of the transformers tower whose own
+config selects ``segment_attention``; every grid-derived index tensor comes from the host, for ONE frame (they
+are the same for every frame of a resolution), and the graph tiles it over the F frames whose count it reads
+from the shape of the carrier ``video_grid_thw (F, H, W)``.
 """
 
 from __future__ import annotations
 
 import copy
 import itertools
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -26,13 +22,10 @@ from transformers.vision_utils import get_vision_position_ids
 from qeff_evs import evs
 from qeff_evs.models.attention import register_segment_attention
 from qeff_evs.models.graph_io import VisionGraphSpec
-from qeff_evs.models.protocol import ExtraRows
 
 # Symbol names of the encoder graph (DESIGN §7): F, the patch grid of one frame, the rows of a call.
 FRAMES_PER_CALL, GRID_H, GRID_W = "frames_per_call", "grid_h", "grid_w"
 PATCH_ROWS, PATCH_WIDTH, FRAME_PATCHES, VISION_SIZE = "grid_height", "grid_width", "frame_patches", "vision_size"
-# ... and of the EVS graph: T, the video's merged rows, K.
-TIME, VIDEO_TOKENS, RETAINED = "time", "video_tokens", "retained_size"
 
 
 def grid_tensor(grid_thw: Sequence[int] | torch.Tensor) -> torch.Tensor:
@@ -144,74 +137,3 @@ def encoder_host_inputs(vision_config, frame_inputs_fn, grid_hw: Sequence[int], 
 def tiled(frame_input: torch.Tensor, frames: int | torch.Tensor) -> torch.Tensor:
     """A per-patch input of one frame ``(H*W, ...)`` repeated for ``frames`` frames."""
     return frame_input.repeat(frames, *([1] * (frame_input.dim() - 1)))
-
-
-# ---------------------------------------------------------------------------------------------
-# EVS graph
-# ---------------------------------------------------------------------------------------------
-
-
-def evs_graph_spec(extras: Sequence[ExtraRows] = ()) -> VisionGraphSpec:
-    """Merged rows, each extra's whole-video rows and the T/K carriers in; kept rows, kept extras, indices out."""
-    inputs = {"merged_embeds": {0: VIDEO_TOKENS}, **{x.evs_input: {1: VIDEO_TOKENS} for x in extras},
-              "time_carrier": {0: TIME}, "retained_carrier": {0: RETAINED}}
-    outputs = {"vision_embeds": {0: RETAINED}, **{x.name: {1: RETAINED} for x in extras},
-               "retained_indices": {0: RETAINED}}
-    return VisionGraphSpec(inputs=inputs, outputs=outputs)
-
-
-def check_retained(merged_grid: Sequence[int], retained: int) -> None:
-    t, h, w = (int(v) for v in merged_grid)
-    if not 1 <= int(retained) <= t * h * w:
-        raise ValueError(
-            f"retained count {retained} is outside [1, {t * h * w}] for merged grid {(t, h, w)}; "
-            "compute it with evs.retained_token_count(h*w, T, q)")
-
-
-def evs_host_inputs(merged_grid: Sequence[int], retained: int) -> dict[str, np.ndarray]:
-    """The EVS graph's two shape-only carriers: lengths T and K, values unused."""
-    check_retained(merged_grid, retained)
-    return {"time_carrier": np.zeros(int(merged_grid[0]), dtype=np.int64),
-            "retained_carrier": np.zeros(int(retained), dtype=np.int64)}
-
-
-def evs_symbols(merged_grid: Sequence[int], retained: int) -> dict[str, int]:
-    """The symbols an EVS specialization binds, for one merged grid ``(T, h, w)`` and K."""
-    check_retained(merged_grid, retained)
-    t, h, w = (int(v) for v in merged_grid)
-    return {TIME: t, VIDEO_TOKENS: t * h * w, RETAINED: int(retained)}
-
-
-class EVSSelection(nn.Module):
-    """The EVS graph: a whole video's merged rows in, the K retained rows and their indices out.
-
-    The dissimilarity is computed in float32 whatever the I/O precision (DESIGN §11: compiled without
-    fp16 conversion, its cosine must not overflow); rows are gathered from the inputs unchanged. A
-    family's extra rows (``extras``, each ``(levels, rows, hidden)``) are scored with the merged rows,
-    ``[merged | level 0 | level 1 | ...]`` along features, and kept alike.
-    """
-
-    def __init__(self, extras: Sequence[ExtraRows] = ()) -> None:
-        super().__init__()
-        self.extras = tuple(extras)
-        self.graph_spec = evs_graph_spec(self.extras)
-
-    def forward(self, merged_embeds: torch.Tensor, *rest: torch.Tensor):
-        *extra_rows, time_carrier, retained_carrier = rest
-        # [level 0 | level 1 | ...] of each extra along features, after the merged rows (vLLM's order).
-        scored = [extra.float().permute(1, 0, 2).reshape(extra.shape[1], -1) for extra in extra_rows]
-        features = None if not scored else scored[0] if len(scored) == 1 else torch.cat(scored, dim=-1)
-        rows, indices = evs.select_retained(merged_embeds.float(), time_carrier.shape[0], retained_carrier,
-                                            extra=features)
-        return (rows.to(merged_embeds.dtype), *(extra.index_select(1, indices) for extra in extra_rows), indices)
-
-    def dummy_inputs(self, merged_grid: Sequence[int], retained: int, hidden: int,
-                     levels: Mapping[str, int] | None = None, seed: int = 0) -> dict[str, torch.Tensor]:
-        """Example inputs in graph order; ``levels`` gives each extra's level count (by ``ExtraRows.name``)."""
-        t, h, w = (int(v) for v in merged_grid)
-        generator = torch.Generator().manual_seed(seed)
-        inputs = {"merged_embeds": torch.randn(t * h * w, hidden, generator=generator)}
-        for extra in self.extras:
-            inputs[extra.evs_input] = torch.randn((levels or {})[extra.name], t * h * w, hidden, generator=generator)
-        inputs.update({k: torch.from_numpy(v) for k, v in evs_host_inputs(merged_grid, retained).items()})
-        return inputs

@@ -1,6 +1,6 @@
 """Specialization sets and the compile artifacts built from them (DESIGN §7).
 
-* :mod:`.sets` -- :class:`Specialization`, :class:`VisionTarget`, the language/vision builders;
+* :mod:`.sets` -- :class:`Specialization`, :class:`PruningTarget`, the language/vision builders;
 * :mod:`.files` -- ``specializations.json`` in QEfficient's flat and named layouts;
 * :mod:`.custom_io` -- ``custom_io.yaml`` (fp16 vision embeds, fp16/mxint8 KV cache);
 * :mod:`.symbols` -- the graph's dimension symbols and the "every symbol bound" check;
@@ -25,7 +25,7 @@ from .custom_io import (
     MXINT8,
     RETAINED_SUFFIX,
     custom_io_precisions,
-    evs_custom_io,
+    pruning_custom_io,
     language_custom_io,
     read_custom_io_yaml,
     vision_custom_io,
@@ -36,7 +36,9 @@ from .sets import (
     DEFAULT_FRAMES_PER_CALL,
     EncoderTarget,
     Specialization,
-    VisionTarget,
+    DEFAULT_MAX_FRAMES,
+    PruningTarget,
+    default_frame_buckets,
     language_specializations,
     manifest_entries,
     specialization_for_target,
@@ -59,11 +61,13 @@ __all__ = [
     "DEFAULT_FRAMES_PER_CALL",
     "EncoderTarget",
     "Specialization",
-    "VisionTarget",
+    "DEFAULT_MAX_FRAMES",
+    "PruningTarget",
+    "default_frame_buckets",
     "check_specializations",
     "compile_file_name",
     "custom_io_precisions",
-    "evs_custom_io",
+    "pruning_custom_io",
     "find_qaic_compile",
     "graph_symbols",
     "language_custom_io",

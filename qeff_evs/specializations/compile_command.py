@@ -13,9 +13,10 @@ Choices made here:
   QEfficient compiles its vision graph without the flag.
 * ``-mxfp6-matmul`` is never emitted for the vision graphs, whatever the caller asks
   (QEfficient pins the vision QPC to ``mxfp6_matmul=False``).
-* ``-convert-to-fp16`` for the encoder and the language graph, never for the EVS graph: its
-  cosine dissimilarity overflows in fp16 (DESIGN §11), so it computes in fp32 and only its I/O is
-  fp16 (custom IO; the compiler converts at the graph's edge).
+* ``-convert-to-fp16`` for the encoder and the language graph, never for the pruning graphs: EVS's
+  cosine dissimilarity overflows in fp16 and VidCom2's Gaussian kernels and budgets lose their ranking
+  there (DESIGN §11), so they compute in fp32 and only their row inputs are fp16 (custom IO; the
+  compiler converts at the graph's edge).
 * ``-compile-only`` is not passed: QEfficient 1.21 did, later versions dropped it as
   deprecated. ``-aic-perf-metrics`` is not passed either (QEfficient never does). Anything
   else (``-mos=1``, ``-aic-enable-depth-first``, ...) goes through ``extra_flags``.
@@ -51,9 +52,9 @@ from typing import Literal, TextIO
 
 from .placement import DEFAULT_GRAPH_CORES, DEFAULT_GRAPH_DEVICES, PerGraph, per_graph
 
-GraphKind = Literal["encoder", "evs", "language"]
-GRAPH_KINDS: tuple[str, ...] = ("encoder", "evs", "language")
-FP32_GRAPHS: tuple[str, ...] = ("evs",)  # compiled without -convert-to-fp16
+GraphKind = Literal["encoder", "pruning", "language"]  # a graph's role (manifest.GRAPHS)
+GRAPH_KINDS: tuple[str, ...] = ("encoder", "pruning", "language")
+FP32_GRAPHS: tuple[str, ...] = ("pruning",)  # compiled without -convert-to-fp16
 COMPILER_NAME = "qaic-compile"
 SDK_COMPILER_PATH = Path("/opt/qti-aic/exec/qaic-compile")
 DEFAULT_HW_VERSION = "ai100"
@@ -145,6 +146,12 @@ class CompileCommand:
     def argv(self, executable: str | Path) -> list[str]:
         return [str(executable), *self.arguments]
 
+    @property
+    def label(self) -> str:
+        """``pruning graph vision/pruning_evs.onnx``: the role and the file (a role can hold several graphs)."""
+        model = next((arg[len("-m="):] for arg in self.arguments if arg.startswith("-m=")), "")
+        return f"{self.graph} graph {model}".rstrip()
+
     def shell_line(self, executable: str = COMPILER_NAME) -> str:
         return " ".join([executable, *(shlex.quote(arg) for arg in self.arguments)])
 
@@ -220,7 +227,7 @@ def write_compile_script(path: str | Path, commands: Sequence[CompileCommand]) -
         f'QAIC_COMPILE="${{QAIC_COMPILE:-$(command -v {COMPILER_NAME} || echo {SDK_COMPILER_PATH})}}"',
     ]
     for command in commands:
-        lines.append(f"echo 'qeff-evs: compiling the {command.graph} graph'")
+        lines.append(f"echo {shlex.quote(f'qeff-evs: compiling the {command.label}')}")
         if command.qpc_dir:
             lines.append(f"rm -rf {shlex.quote(command.qpc_dir)}  # a stale qpc folder can fail the compile")
         lines.append(command.shell_line('"$QAIC_COMPILE"'))
@@ -260,11 +267,11 @@ def run_compile(
             if stale.exists():
                 print(f"qeff-evs: removing the existing {stale}", file=out)
                 shutil.rmtree(stale)
-        print(f"qeff-evs: compiling the {command.graph} graph: {command.shell_line(executable)}", file=out)
+        print(f"qeff-evs: compiling the {command.label}: {command.shell_line(executable)}", file=out)
         out.flush()
         result = subprocess.run(command.argv(executable), cwd=cwd, check=False)
         if result.returncode != 0:
-            print(f"qeff-evs: {COMPILER_NAME} failed on the {command.graph} graph (exit {result.returncode})",
+            print(f"qeff-evs: {COMPILER_NAME} failed on the {command.label} (exit {result.returncode})",
                   file=out)
             return result.returncode
     return 0

@@ -4,9 +4,9 @@
 any IO not listed keeps the ONNX dtype (fp32 here). QEfficient lists:
 
 * vision graph: ``pixel_values`` and ``vision_embeds`` (+ a family's extra rows) as
-  ``float16`` -- halves the transfer of the largest buffers; here the encoder graph, and the EVS
-  graph's ``merged_embeds`` (+ extra rows) in and kept rows out (the EVS graph computes
-  in fp32: the compiler converts fp16 I/O at the graph's edge);
+  ``float16`` -- halves the transfer of the largest buffers; here the encoder graph, and the pruning
+  graphs' ``merged_embeds`` and ``score_extras`` in (a pruning graph computes in fp32: the compiler
+  converts fp16 I/O at the graph's edge; its ``retention_ratio`` stays fp32 and its ranking is int64);
 * language graph: ``vision_embeds`` (+ extra rows) and their ``_RetainedState``
   twins as ``float16``; every ``past_key.{i}`` / ``past_value.{i}`` and its
   ``_RetainedState`` as ``float16`` or ``mxint8`` (``mxint8`` is not a compiler flag, only
@@ -31,7 +31,7 @@ KV_PRECISIONS: tuple[str, ...] = (FLOAT16, MXINT8)
 RETAINED_SUFFIX = "_RetainedState"
 
 # Embedding-like IOs every export has, kept in fp16 (a family's extra rows are added to these).
-EMBEDDING_NAMES: tuple[str, ...] = ("vision_embeds", "merged_embeds")
+EMBEDDING_NAMES: tuple[str, ...] = ("vision_embeds", "merged_embeds", "score_extras")
 _KV_NAME = re.compile(r"^past_(key|value)\.\d+$")
 
 
@@ -68,11 +68,12 @@ def vision_custom_io(extras: Sequence[str] = (), pixel_values_fp16: bool = True)
     return custom_io_precisions(names, pixel_values_fp16=pixel_values_fp16, embedding_names=(*EMBEDDING_NAMES, *extras))
 
 
-def evs_custom_io(extras: Sequence[str] = ()) -> dict[str, str]:
-    """Custom IO of the EVS graph (§5): the whole video's merged rows in, the kept rows out; ``extras``
-    names the family's extra rows on both sides."""
-    names = ["merged_embeds", "vision_embeds", *extras]
-    return custom_io_precisions(names, pixel_values_fp16=False, embedding_names=(*EMBEDDING_NAMES, *extras))
+def pruning_custom_io(score_extras: bool = False) -> dict[str, str]:
+    """Custom IO of a pruning graph (§5): a video's merged rows (and, for a family with extra rows, its
+    ``score_extras``) in; the ranking out stays int64, ``retention_ratio`` fp32."""
+    names = ["merged_embeds", *(["score_extras"] if score_extras else []), "bucket_carrier", "frame_count",
+             "retention_ratio", "ranking"]
+    return custom_io_precisions(names, pixel_values_fp16=False)
 
 
 def language_custom_io(num_layers: int, extras: Sequence[str] = (), kv_precision: str = FLOAT16) -> dict[str, str]:

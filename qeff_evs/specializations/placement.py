@@ -12,7 +12,7 @@ Values are keyed by graph role (``manifest.GRAPHS``), never by file. The text fo
 
 * cores or devices: ``16`` (every graph) or ``encoder=6,language=9`` (the graphs named; the others keep
   their default);
-* device ids: ``0`` or ``0+1`` (every graph on these ids) or ``encoder=1,evs=1,language=0+2`` (the graphs
+* device ids: ``0`` or ``0+1`` (every graph on these ids) or ``encoder=1,pruning=1,language=0+2`` (the graphs
   named; the others on ``0 .. num_devices-1``). A program compiled for N devices opens on exactly N ids.
 
 ``qeff-evs compile`` records each graph's cores and devices in ``placement.json`` at the export's top
@@ -33,7 +33,7 @@ from qeff_evs.manifest import EXPORT_FILES, GRAPHS
 DEVICE_CORES = 16
 # Defaults that keep all three programs active on one 16-core device; README "Deploying on cards" gives
 # the reasoning (the language graph runs every step, the encoder once per video, pruning is tiny).
-DEFAULT_GRAPH_CORES: Mapping[str, int] = {"encoder": 6, "evs": 1, "language": 9}
+DEFAULT_GRAPH_CORES: Mapping[str, int] = {"encoder": 6, "pruning": 1, "language": 9}
 DEFAULT_GRAPH_DEVICES: Mapping[str, int] = dict.fromkeys(GRAPHS, 1)
 PLACEMENT_FILE = EXPORT_FILES["placement"]
 DEVICE_SEPARATOR = "+"  # between the ids of one multi-device program: "language=0+1"

@@ -12,11 +12,12 @@ Two sets exist per model:
   With continuous batching both also bind ``full_batch_size`` (the KV cache rows); prefill
   runs ``batch_size = 1`` (one request into its row) and decode ``batch_size = full_batch_size``
   (or a chosen decode batch), QEfficient's CB layout;
-* vision, two graphs (DESIGN §5): the encoder, one entry per (resolution, frames per call F)
-  (``EncoderTarget``), whatever the video's length; the EVS graph, one entry per distinct
-  symbol binding of (resolution, frames, q) (``VisionTarget``): several requests can share one
-  entry (e.g. two pruning rates that keep the same count), and the entry remembers which
-  requests it serves so the manifest and the host can find it again.
+* vision (DESIGN §5): the encoder, one entry per (resolution, frames per call F)
+  (``EncoderTarget``), whatever the video's length; each pruning graph, one entry per distinct
+  symbol binding of (resolution, frame bucket) (``PruningTarget``), whatever the video's length up to
+  the bucket and the rate: several targets can share one entry (two resolutions with as many merged
+  tokens per frame), and the entry remembers which targets it serves so the manifest and the host can
+  find it again.
 """
 
 from __future__ import annotations
@@ -34,6 +35,10 @@ VISION_NAME = "Vision"
 # 0.74, 0.82, 0.88 s; a call's memory grows with F and a short last batch pads up to F - 1 zero
 # frames. With 2, every multiple of 4 sampled frames runs unpadded.
 DEFAULT_FRAMES_PER_CALL = 2
+# The frame buckets when --frames is not given: powers of two temporal patches up to this many frames. A
+# video pads to the smallest bucket that holds it, so the pruning graph computes at most twice its real
+# rows (README "Performance": the padding's measured cost).
+DEFAULT_MAX_FRAMES = 64
 
 
 
@@ -51,29 +56,20 @@ def _check_dimension(symbol: str, value: object, context: str) -> int:
 
 
 @dataclass(frozen=True)
-class VisionTarget:
-    """One video shape the vision graph is compiled for.
-
-    ``height``/``width``: the frame size in pixels the encoder sees; ``frames``: sampled frames
-    (before temporal patching); ``pruning_rate``: the EVS rate q the retained count comes from.
-    """
+class PruningTarget:
+    """One video shape a pruning graph is compiled for: frames of ``height`` x ``width`` pixels (what the
+    encoder sees), padded to a bucket of ``frames`` sampled frames (``--frames``)."""
 
     height: int
     width: int
     frames: int
-    pruning_rate: float
 
     def __post_init__(self) -> None:
         for label in ("height", "width", "frames"):
-            _check_dimension(label, getattr(self, label), "VisionTarget")
-        q = float(self.pruning_rate)
-        if math.isnan(q) or not 0.0 <= q < 1.0:
-            raise ValueError(
-                f"VisionTarget: pruning_rate must be in [0, 1) (0 disables EVS), got {self.pruning_rate!r}"
-            )
+            _check_dimension(label, getattr(self, label), "PruningTarget")
 
-    def to_dict(self) -> dict[str, int | float]:
-        return {"height": self.height, "width": self.width, "frames": self.frames, "pruning_rate": self.pruning_rate}
+    def to_dict(self) -> dict[str, int]:
+        return {"height": self.height, "width": self.width, "frames": self.frames}
 
 
 @dataclass(frozen=True)
@@ -98,7 +94,7 @@ class Specialization:
 
     name: str
     symbols: Mapping[str, int]
-    serves: tuple[VisionTarget | EncoderTarget, ...] = field(default=())
+    serves: tuple[PruningTarget | EncoderTarget, ...] = field(default=())
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -203,22 +199,21 @@ def _continuous_batching_sizes(
 
 
 def vision_specializations(
-    entries: Iterable[tuple[VisionTarget | EncoderTarget, Mapping[str, int]]],
+    entries: Iterable[tuple[PruningTarget | EncoderTarget, Mapping[str, int]]],
 ) -> list[Specialization]:
     """De-duplicate per-target vision symbol bindings, keeping which targets each one serves.
 
-    ``entries`` pairs each (resolution, frames, q) target with the symbols its family computed
-    (``grid_h``, ``grid_w``, ``grid_height``, ``grid_width``, ``time``, ``vision_size``,
-    ``retained_size``, ...). Identical bindings collapse into one specialization, in first-seen
-    order; names follow QEfficient: ``Vision`` when there is one, else ``Vision_0``, ``Vision_1``...
-    (for the encoder and the EVS graph alike; encoder entries pair ``EncoderTarget``s).
+    ``entries`` pairs each target with the symbols its family computed (encoder: ``grid_h``, ``grid_w``,
+    ``grid_height``, ``vision_size``, ...; pruning: ``frame_bucket``, ``bucket_tokens``). Identical bindings
+    collapse into one specialization, in first-seen order; names follow QEfficient: ``Vision`` when there is
+    one, else ``Vision_0``, ``Vision_1``... (for the encoder and the pruning graphs alike).
     """
     # Keyed by the sorted binding (so symbol order does not matter); the first-seen dict is kept for output.
-    groups: dict[tuple[tuple[str, int], ...], tuple[dict[str, int], list[VisionTarget | EncoderTarget]]] = {}
+    groups: dict[tuple[tuple[str, int], ...], tuple[dict[str, int], list[PruningTarget | EncoderTarget]]] = {}
     first_keys: set[str] | None = None
     for target, symbols in entries:
-        if not isinstance(target, (VisionTarget, EncoderTarget)):
-            raise ValueError(f"vision entries pair a VisionTarget or EncoderTarget with its symbols, got {target!r}")
+        if not isinstance(target, (PruningTarget, EncoderTarget)):
+            raise ValueError(f"vision entries pair a PruningTarget or EncoderTarget with its symbols, got {target!r}")
         checked = Specialization(VISION_NAME, symbols).symbols
         keys = set(checked)
         if first_keys is None:
@@ -232,7 +227,7 @@ def vision_specializations(
         if target not in served:
             served.append(target)
     if not groups:
-        raise ValueError("no vision targets given; pass at least one (resolution, frames, q) entry")
+        raise ValueError("no vision targets given; pass at least one (resolution, frames) entry")
 
     def name(index: int) -> str:
         return VISION_NAME if len(groups) == 1 else f"{VISION_NAME}_{index}"
@@ -242,7 +237,8 @@ def vision_specializations(
     ]
 
 
-def specialization_for_target(specs: Sequence[Specialization], target: VisionTarget) -> Specialization:
+def specialization_for_target(specs: Sequence[Specialization], target: PruningTarget | EncoderTarget
+                              ) -> Specialization:
     """The vision specialization compiled for ``target``; ValueError listing what exists otherwise."""
     for spec in specs:
         if target in spec.serves:
@@ -250,7 +246,7 @@ def specialization_for_target(specs: Sequence[Specialization], target: VisionTar
     available = [t.to_dict() for spec in specs for t in spec.serves]
     raise ValueError(
         f"no vision specialization serves {target.to_dict()}; compiled targets are {available}. "
-        "Re-export with this resolution/frame count/pruning rate, or pick one of those"
+        "Re-export with this resolution/frame bucket, or pick one of those"
     )
 
 
@@ -264,3 +260,19 @@ def manifest_entries(specs: Sequence[Specialization]) -> list[dict]:
         }
         for spec in specs
     ]
+
+
+def default_frame_buckets(max_frames: int, temporal_patch_size: int) -> tuple[int, ...]:
+    """Frame buckets (sampled frames) up to ``max_frames``: 1, 2, 4, ... temporal patches, then ``max_frames``.
+
+    Example: ``max_frames=48``, temporal patch 2 -> ``(2, 4, 8, 16, 32, 48)``.
+    """
+    _check_dimension("max_frames", max_frames, "default_frame_buckets")
+    if max_frames % temporal_patch_size:
+        raise ValueError(f"--max-frames {max_frames} must be a multiple of temporal_patch_size {temporal_patch_size}")
+    patches = max_frames // temporal_patch_size
+    buckets, bucket = [], 1
+    while bucket < patches:
+        buckets.append(bucket)
+        bucket *= 2
+    return tuple(b * temporal_patch_size for b in (*buckets, patches))

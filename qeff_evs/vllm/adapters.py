@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from qeff_evs.models.protocol import MediaInput, ModelFamily
+from qeff_evs.models.pruning import VideoPruning
 from qeff_evs.runtime.engine.executor import retained_count
 from qeff_evs.runtime.engine.scheduler import MediaPlacement
 from qeff_evs.runtime.engine.steps import VisionWindow, gather_window
@@ -128,13 +129,13 @@ class EvsReservation:
         return to_placeholder_range(self.placeholder(offset))
 
 
-def evs_reservation(family: ModelFamily, media: MediaInput, q: float) -> EvsReservation:
+def evs_reservation(family: ModelFamily, media: MediaInput, pruning: VideoPruning) -> EvsReservation:
     """The family's own provisional placeholder (the one our engine puts in the prompt), sized by K.
 
     E.g. Qwen2.5-VL: K video pads; Qwen3-VL: the lumped layout ``[K, 0, ..., 0]``, ``L = sum_f(len(ts_f) + 2) + K``,
     whose length is the real layout's too, whatever split EVS picks; only its pads are embedding rows.
     """
-    k = retained_count(family, media, q)
+    k = retained_count(family, media, pruning)
     ids = family.placeholder_ids(media, k)
     placeholder = Placeholder.of_ids(0, ids, family.special_tokens().media_pads)
     return EvsReservation(placeholder.length, k, placeholder.is_embed)

@@ -8,7 +8,7 @@ each rank loads every program of the export on its own **device group**:
 
 * ``QEFF_EVS_DEVICE_IDS`` (or ``--additional-config '{"device_ids": ...}'``) names one group per rank on this
   host, separated by ``;``, in rank order: ``"0;1"`` puts rank 0 on device 0 and rank 1 on device 1;
-  ``"encoder=0,evs=0,language=1;encoder=2,evs=2,language=3"`` gives each rank two devices. Each group is
+  ``"encoder=0,pruning=0,language=1;encoder=2,pruning=2,language=3"`` gives each rank two devices. Each group is
   any form ``placement.parse_device_ids`` reads. Without ``;`` the value is the one group of a single rank.
 * the r-th rank vLLM starts on this host (its local data-parallel rank) takes the r-th group;
 * refused before anything starts, one line each: several ranks on QAIC without groups, a number of groups

@@ -89,12 +89,12 @@ class QeffEvsECWorker(QeffEvsWorker):
             ensure_model_parallel_initialized(1, 1)
         ensure_ec_transfer_initialized(self.vllm_config)
 
-    def _sessions(self, bundle):
+    def _sessions(self, bundle, method: str):
         device_ids, backend = configured_device_ids(self.vllm_config), active_backend()
         if self.encoder_only:
             shape = bundle.language_shape
             self.model_runner = _EncoderOutputWidth(shape.hidden * (1 + sum(shape.extras.values())))
-            sessions = (vision_pipeline(bundle, backend, device_ids=device_ids),
+            sessions = (vision_pipeline(bundle, backend, device_ids=device_ids, method=method),
                         NotLoaded("ec_producer", "language graph"))
         else:
             sessions = (NotLoaded("ec_consumer", "vision graphs (encoder, pruning)"),

@@ -1,7 +1,7 @@
 """What an export can serve, checked against vLLM's settings before the engine starts.
 
-The graphs fix a context length, a number of KV rows and a pruning rate; vLLM's scheduler must never ask
-for more. Each refusal is one line naming the setting, its value, the export's limit and the flag that
+The graphs fix a context length, a number of KV rows, the pruning methods they carry and the rates their RoPE
+tables cover; vLLM's scheduler must never ask for more. Each refusal is one line naming the setting, its value, the export's limit and the flag that
 fixes it. Pure: the platform hands in the values it read from ``VllmConfig``.
 
 No token budget is refused: the driver runs a scheduled chunk longer than the graph's prefill length
@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from qeff_evs.manifest import Manifest
-from qeff_evs.positions import rope_table_length
+from qeff_evs.models.pruning import DEFAULT_METHOD, VideoPruning
 
 
 @dataclass(frozen=True)
@@ -25,35 +25,14 @@ class ServingSettings:
     max_model_len: int
     video_pruning_rate: float | None
     enable_prefix_caching: bool
-    video_pruning_method: str = "evs"
+    video_pruning_method: str = DEFAULT_METHOD
 
 
-@dataclass(frozen=True)
-class ServedPruning:
-    """What the export's graphs can prune with at serve time: the methods it carries and the rates they run."""
-
-    methods: tuple[str, ...]
-    rates: tuple[float, ...]  # the rates the export serves exactly
-
-
-def served_pruning(manifest: Manifest) -> ServedPruning:
-    """Read from the manifest: an export made with ``--video-pruning-rate q`` runs EVS at q (its EVS graph's
-    specializations are sized for q's retained counts)."""
-    return ServedPruning(methods=("evs",), rates=(manifest.video_pruning_rate,))
-
-
-def pruning_refusals(method: str, rate: float | None, manifest: Manifest) -> list[str]:
-    """``--video-pruning-method``/``--video-pruning-rate`` against what the export carries (one place for both)."""
-    served = served_pruning(manifest)
-    problems = []
-    if method not in served.methods:
-        problems.append(f"video_pruning_method {method!r} is not one this export carries ({', '.join(served.methods)}"
-                        f"); pass --video-pruning-method {served.methods[0]}, or use an export that carries {method}")
-    if (rate or 0.0) not in served.rates:
-        rates = ", ".join(str(r) for r in served.rates)
-        problems.append(f"video_pruning_rate {rate} is not a rate the export serves ({rates}); pass "
-                        f"--video-pruning-rate {served.rates[0]}, or re-export with the rate you want")
-    return problems
+def served_pruning(multimodal_config) -> VideoPruning:
+    """``--video-pruning-method`` and ``--video-pruning-rate`` as vLLM resolved them (no rate: pruning off)."""
+    if multimodal_config is None:
+        return VideoPruning()
+    return VideoPruning(multimodal_config.video_pruning_method, multimodal_config.video_pruning_rate or 0.0)
 
 
 def refusals(settings: ServingSettings, manifest: Manifest) -> list[str]:
@@ -70,15 +49,10 @@ def refusals(settings: ServingSettings, manifest: Manifest) -> list[str]:
     if settings.max_model_len > manifest.ctx_len:
         problems.append(f"max_model_len {settings.max_model_len} is above the export's ctx_len {manifest.ctx_len}; "
                         f"pass --max-model-len {manifest.ctx_len} (or less)")
-    q = manifest.video_pruning_rate
-    table = shape.rope_positions
-    if (settings.max_model_len <= manifest.ctx_len and table is not None
-            and rope_table_length(settings.max_model_len, q, multiple=1) > table):
-        problems.append(f"max_model_len {settings.max_model_len} at q={q} reaches M-RoPE positions up to "
-                        f"{rope_table_length(settings.max_model_len, q, multiple=1)} (positions stay unpruned) but the "
-                        f"export's RoPE tables cover {table}; pass a smaller --max-model-len, or re-export with a "
-                        "larger --rope-positions")
-    problems += pruning_refusals(settings.video_pruning_method, settings.video_pruning_rate, manifest)
+    # The rate's positions within the contexts the export can hold at all (a longer one is refused above).
+    context = min(settings.max_model_len, manifest.ctx_len)
+    problems += [p for p in (manifest.method_refusal(settings.video_pruning_method),
+                             manifest.rate_refusal(settings.video_pruning_rate or 0.0, context)) if p]
     if settings.enable_prefix_caching:
         problems.append("prefix caching is on, but an export's KV rows are not shared blocks; pass "
                         "--no-enable-prefix-caching")

@@ -24,7 +24,7 @@ from vllm.platforms.interface import Platform, PlatformEnum
 from qeff_evs.manifest import read_manifest
 from qeff_evs.vllm.data_parallel import data_parallel_problems, record_local_ranks
 from qeff_evs.vllm.ec_config import ec_refusals, ec_worker_class
-from qeff_evs.vllm.limits import ServingSettings, refusals
+from qeff_evs.vllm.limits import ServingSettings, refusals, served_pruning
 from qeff_evs.vllm.plugin import BACKEND_ENV, active_backend, logger
 from qeff_evs.vllm.request_checks import RequestLimits, positions_problem, stray_media_pads
 from qeff_evs.vllm.settings import engine_refusals, sampling_refusals
@@ -90,7 +90,7 @@ class QeffEvsPlatform(Platform):
         settings = ServingSettings(
             max_num_seqs=scheduler.max_num_seqs, max_model_len=model_config.max_model_len,
             video_pruning_rate=None if mm is None else mm.video_pruning_rate,
-            video_pruning_method="evs" if mm is None else mm.video_pruning_method,
+            video_pruning_method=served_pruning(mm).method,
             enable_prefix_caching=bool(cache.enable_prefix_caching))
         # Before record_local_ranks: settings.py reads --device-ids only where the config is made (see there).
         ours = [f"{line} (the qeff-evs platform)" for line in engine_refusals(vllm_config)]
@@ -121,8 +121,9 @@ class QeffEvsPlatform(Platform):
         tokens = manifest.special_tokens
         names = {tokens.image_pad: "<|image_pad|>", tokens.video_pad: "<|video_pad|>"}
         cls.request_limits = RequestLimits(names, manifest.language_shape.rope_positions, model_config.max_model_len)
-        logger.info("qeff-evs serves %s (%s, q=%s) on the %s backend: %d KV rows, chunks of %d tokens",
-                    export_dir, manifest.family, manifest.video_pruning_rate, active_backend(),
+        pruning = served_pruning(mm)
+        logger.info("qeff-evs serves %s (%s, %s pruning at q=%s) on the %s backend: %d KV rows, chunks of %d tokens",
+                    export_dir, manifest.family, pruning.method, pruning.rate, active_backend(),
                     manifest.language_shape.full_batch_size, manifest.prefill_seq_len)
 
     @classmethod

@@ -2,15 +2,16 @@
 
 vLLM's frontend calls this for every request with images or videos (``LLM.generate``'s
 ``multi_modal_data``, the OpenAI server's ``image_url`` / ``video_url``). It runs the same host logic as
-``qeff-evs run``: videos are sampled to an exported frame count at the checkpoint's rate and resized to
-the exported resolution closest in aspect ratio; images likewise. Each video or image pad the chat
-template emits (the family's ``token_strings``) becomes the family's placeholder sized by the EVS count K
-before the encoder runs (Qwen3-VL: timestamps and the lumped layout). Everything a request's media can
-get wrong is checked here, in the frontend, where an error becomes a 400 for that request (an exception
-inside the worker would take vLLM's engine down): media no specialization serves, more or fewer items
-than pad tokens, processor kwargs we would not apply. The processor also records where the prompt's
-unpruned M-RoPE positions end (``POSITIONS_END``), so the platform's ``validate_request`` can check them
-against the RoPE tables with the request's ``max_tokens``.
+``qeff-evs run``: a video's frames are the ones vLLM 0.32's processor would encode out of what vLLM's loader
+(or the caller) delivered (the family's HF sampling rule, ``mm_processor_kwargs``, at most the export's
+largest frame bucket), resized to HF's size where exported, else to the exported resolution closest in aspect
+ratio; images likewise. Each video or image pad the chat template emits (the family's ``token_strings``)
+becomes the family's placeholder sized by the served method's count K (``--video-pruning-method``,
+``--video-pruning-rate``) before the encoder runs (e.g. Qwen3-VL: timestamps and the lumped layout). Everything a request can get
+wrong is checked here, in the frontend, where an error becomes a 400 for that request: an exception
+inside the worker would take vLLM's engine down. The processor also records where the prompt's unpruned
+M-RoPE positions end (``POSITIONS_END``), so the platform's ``validate_request`` can check them against the
+RoPE tables with the request's ``max_tokens``.
 
 The processed fields (``pixel_values_videos``, ``video_grid_thw``, ``video_fps``, ``video_frame_times``, ``video_num_frames``,
 ``pixel_values``, ``image_grid_thw``) travel to our worker, which rebuilds the ``MediaInput`` with
@@ -37,10 +38,12 @@ from vllm.multimodal.processing import BaseDummyInputsBuilder, BaseMultiModalPro
 from vllm.multimodal.processing.processor import PromptReplacement, PromptUpdateDetails
 
 from qeff_evs.models.protocol import MediaInput, ModelFamily
+from qeff_evs.models.pruning import VideoPruning
 from qeff_evs.runtime.engine.executor import retained_count
 from qeff_evs.runtime.engine.request import PromptPiece, plan_prompt
-from qeff_evs.runtime.runner import ExportBundle, image_from_array, open_export, video_from_frames
+from qeff_evs.runtime.runner import ExportBundle, image_from_array, largest_item_rows, open_export, video_from_frames
 from qeff_evs.runtime.inputs.video_io import DEFAULT_ARRAY_FPS
+from qeff_evs.vllm.limits import served_pruning
 from qeff_evs.vllm.request_checks import media_count, positions_end
 
 # Key of the processed input (vLLM's ``MultiModalInput``) that carries the first M-RoPE position after the
@@ -64,20 +67,15 @@ def media_from_fields(fields: Mapping[str, Any], modality: str) -> MediaInput:
     raise ValueError(f"qeff-evs exports take images and videos, not {modality!r}")
 
 
-def _frames_and_fps(item: Any) -> tuple[np.ndarray, float]:
-    """Decoded frames of one video item and the rate they were decoded at.
-
-    vLLM gives ``(frames, metadata)``: its loader's (``video_url``: the source fps), the caller's
-    (``LLM.generate`` with ``(frames, {"fps": ...})``), or :class:`_FramesWithRate`'s 2 fps for bare
-    frames, the rate ``qeff-evs run`` takes a ``.npy`` at. When the loader decoded a subset, the frames
-    are a stream at ``source fps * decoded / total``.
-    """
+def _frames_and_metadata(item: Any) -> tuple[np.ndarray, dict]:
+    """Decoded frames of one video item and vLLM's metadata for them: its loader's (``video_url``), the
+    caller's (``LLM.generate`` with ``(frames, metadata)``), or, for bare frames, every frame of a clip at
+    2 fps (what ``qeff-evs run`` takes a ``.npy`` for)."""
     frames, metadata = item if isinstance(item, tuple) else (item, None)
     frames = np.asarray(frames.cpu() if isinstance(frames, torch.Tensor) else frames)
-    if not metadata or not metadata.get("fps"):
-        return frames, DEFAULT_ARRAY_FPS
-    fps, total = float(metadata["fps"]), int(metadata.get("total_num_frames") or len(frames))
-    return frames, fps * len(frames) / total if total else fps
+    if not metadata:
+        metadata = {"total_num_frames": len(frames), "fps": DEFAULT_ARRAY_FPS, "do_sample_frames": True}
+    return frames, dict(metadata)
 
 
 def _image_array(image: Any) -> np.ndarray:
@@ -89,19 +87,20 @@ def _image_array(image: Any) -> np.ndarray:
     return array
 
 
-def process_media(bundle: ExportBundle, videos: Sequence[Any], images: Sequence[Any]) -> BatchFeature:
-    """Videos and images -> the fields our worker reads; a ``ValueError`` naming what the export serves."""
+def process_media(bundle: ExportBundle, videos: Sequence[Any], images: Sequence[Any],
+                  video_kwargs: Mapping[str, Any] | None = None) -> BatchFeature:
+    """Videos and images -> the fields our worker reads; a ``ValueError`` naming what the export serves.
+    ``video_kwargs``: the video processor's ``mm_processor_kwargs``."""
     data: dict[str, torch.Tensor] = {}
     if videos:
         media = []
         for number, item in enumerate(videos):
-            frames, fps = _frames_and_fps(item)
+            frames, metadata = _frames_and_metadata(item)
             try:
                 if len(frames) == 0:
-                    raise ValueError(f"no frame could be decoded from it; exported videos have "
-                                     f"{list(bundle.manifest.frames)} frames at {bundle.preprocess.target_fps:g} fps")
-                video = video_from_frames(frames, fps, bundle)
-                bundle.manifest.evs_entry(video.grid_thw)
+                    raise ValueError("no frame could be decoded from it; send a video file a decoder can read")
+                video = video_from_frames(frames, metadata, bundle, mm_processor_kwargs=video_kwargs)
+                bundle.manifest.check_video(video.grid_thw)
             except ValueError as error:
                 raise ValueError(f"video {number}: {error}") from None
             media.append(video)
@@ -136,15 +135,15 @@ class MediaPlaceholder(PromptUpdateDetails):
 # --- vLLM's processor interfaces -------------------------------------------------------------------
 
 
-class _FramesWithRate(MultiModalDataParser):
-    """Keeps each video's loader metadata (its source fps) with its frames through vLLM's processor cache.
+class _FramesWithMetadata(MultiModalDataParser):
+    """Keeps each video's loader metadata with its frames through vLLM's processor cache.
 
-    Bare frames (``LLM.generate`` with an array) get the rate a ``.npy`` has for ``qeff-evs run``.
+    Bare frames (``LLM.generate`` with an array) get the metadata a ``.npy`` has for ``qeff-evs run``.
     """
 
     def _get_video_with_metadata(self, video):
         frames, metadata = super()._get_video_with_metadata(video)
-        return frames, {"fps": DEFAULT_ARRAY_FPS} if metadata is None else metadata
+        return frames, _frames_and_metadata((frames, metadata))[1]
 
 
 class QeffEvsProcessingInfo(BaseProcessingInfo):
@@ -153,8 +152,13 @@ class QeffEvsProcessingInfo(BaseProcessingInfo):
         return open_export(self.ctx.model_config.model)
 
     def get_data_parser(self) -> MultiModalDataParser:
-        return _FramesWithRate(video_needs_metadata=True, expected_hidden_size=self._get_expected_hidden_size(),
+        return _FramesWithMetadata(video_needs_metadata=True, expected_hidden_size=self._get_expected_hidden_size(),
                                allow_missing_mm_embeddings=self.allow_missing_mm_embeddings)
+
+    @cached_property
+    def pruning(self) -> VideoPruning:
+        """The served ``--video-pruning-method`` and ``--video-pruning-rate`` (the platform checked them)."""
+        return served_pruning(self.ctx.model_config.multimodal_config)
 
     def get_supported_mm_limits(self) -> Mapping[str, int | None]:
         return {"image": None, "video": None}
@@ -162,9 +166,8 @@ class QeffEvsProcessingInfo(BaseProcessingInfo):
     def get_mm_max_tokens_per_item(self, seq_len: int, mm_counts: Mapping[str, int]) -> Mapping[str, int]:
         """Encoder rows of the largest item the export serves (vLLM sizes its encoder cache with them)."""
         m, factor = self.bundle.manifest, self.bundle.preprocess.factor
-        videos = [e.retained for e in m.evs_entries if e.frames > 1] or [0]
         images = [(h // factor) * (w // factor) for h, w in m.resolutions]
-        return {"video": max(videos), "image": max(images)}
+        return {"video": largest_item_rows(self.bundle, self.pruning), "image": max(images)}
 
 
 class QeffEvsDummyInputs(BaseDummyInputsBuilder[QeffEvsProcessingInfo]):
@@ -177,9 +180,7 @@ class QeffEvsDummyInputs(BaseDummyInputsBuilder[QeffEvsProcessingInfo]):
     def get_dummy_mm_data(self, seq_len: int, mm_counts: Mapping[str, int], mm_options=None):
         m = self.info.bundle.manifest
         height, width = max(m.resolutions, key=lambda r: r[0] * r[1])
-        seconds = max(m.frames) / self.info.bundle.preprocess.target_fps
-        frames = int(np.ceil(seconds * DEFAULT_ARRAY_FPS))
-        video = np.zeros((frames, height, width, 3), dtype=np.uint8)
+        video = np.zeros((m.max_frames, height, width, 3), dtype=np.uint8)
         image = np.zeros((height, width, 3), dtype=np.uint8)
         return {"video": [video] * mm_counts.get("video", 0), "image": [image] * mm_counts.get("image", 0)}
 
@@ -200,11 +201,6 @@ class QeffEvsProcessor(BaseMultiModalProcessor[QeffEvsProcessingInfo]):
 
     def apply(self, inputs, timing_ctx):
         """vLLM's ``BaseMultiModalProcessor.apply`` (0.32), with our checks and the prompt's positions end."""
-        if inputs.hf_processor_mm_kwargs:
-            raise VLLMValidationError(
-                f"mm_processor_kwargs {dict(inputs.hf_processor_mm_kwargs)} are not applied by qeff-evs exports "
-                "(frames are sampled at the checkpoint's rate to an exported count and resized to an exported "
-                "resolution); drop mm_processor_kwargs", parameter="mm_processor_kwargs")
         tokens = self.info.bundle.family.special_tokens()
         tokenizer = self.info.bundle.tokenizer
         pads = {modality: (pad, tokenizer.convert_ids_to_tokens(pad))
@@ -229,7 +225,7 @@ class QeffEvsProcessor(BaseMultiModalProcessor[QeffEvsProcessingInfo]):
         # No Hugging Face processor runs: our host preprocessing does, on (frames, metadata) per video.
         videos = [mm_items["video"].get(i) for i in range(mm_items["video"].get_count())] if "video" in mm_items else []
         images = [mm_items["image"].get(i) for i in range(mm_items["image"].get_count())] if "image" in mm_items else []
-        return process_media(self.info.bundle, videos, images)
+        return process_media(self.info.bundle, videos, images, hf_kwargs)
 
     def _get_mm_fields_config(self, hf_inputs: BatchFeature, hf_processor_mm_kwargs: Mapping[str, object]):
         fields: dict[str, MultiModalFieldConfig] = {}
@@ -248,13 +244,13 @@ class QeffEvsProcessor(BaseMultiModalProcessor[QeffEvsProcessingInfo]):
 
     def _get_prompt_updates(self, mm_items, hf_processor_mm_kwargs, out_mm_kwargs):
         bundle = self.info.bundle
-        family, q = bundle.family, bundle.manifest.video_pruning_rate
+        family, pruning = bundle.family, self.info.pruning
         tokens = family.special_tokens()
 
         def placeholder(modality: str, pad: int):
             def replacement(item_idx: int) -> MediaPlaceholder:
                 media = media_from_fields(out_mm_kwargs[modality][item_idx].get_data(), modality)
-                k = retained_count(family, media, q)
+                k = retained_count(family, media, pruning)
                 ids = [int(i) for i in family.placeholder_ids(media, k)]
                 return MediaPlaceholder(ids, PromptUpdateDetails.select_token_id(ids, pad).is_embed,
                                         position_span(family, media, k))

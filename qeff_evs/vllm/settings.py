@@ -327,9 +327,10 @@ ENGINE_SETTINGS: tuple[Setting, ...] = (
     _h("interleave_mm_strings", FRONTEND + " (chat content order)", example=True),
     _h("media_io_kwargs", FRONTEND + " (vLLM's media loaders; the processor then samples the frames it was given)",
        example={"video": {"num_frames": 8}}),
-    _r("mm_processor_kwargs", "model_config.multimodal_config.mm_processor_kwargs",
-       "the export's processor samples frames at the checkpoint's rate to an exported count and resizes to an "
-       "exported resolution; it takes no processor kwargs; remove it", {"fps": 1}, unused=(None, {})),
+    _h("mm_processor_kwargs", "the family's HF video sampling rule with vLLM's kwargs (fps, num_frames, "
+       "do_sample_frames, min/max frames), at most the export's largest frame bucket; others are a 400 naming the "
+       "ones honoured", "test_frame_sampling.py::test_loaded_frames_equal_vllm_processor_for_processor_kwargs",
+       {"fps": 1}),
     _h("mm_processor_cache_gb", "vLLM's processor cache in the engine process, unchanged; the API server processes "
        "repeated media again (its copy of the cache would drift when a request is refused after processing, which "
        "vLLM 0.32 answers with HTTP 500 on the next request with that media)",
@@ -354,10 +355,10 @@ ENGINE_SETTINGS: tuple[Setting, ...] = (
     _h("renderer_num_workers", FRONTEND, example=2),
     _h("skip_mm_profiling", "the worker profiles nothing (its KV rows are the export's); nothing to skip",
        example=True),
-    _h("video_pruning_rate", "a rate the export serves (limits.py refuses others, naming them)",
-       "test_vllm_platform_plugin.py::test_each_unservable_setting_is_one_line"),
-    _h("video_pruning_method", "a method the export carries (limits.py refuses others, naming them)",
-       "test_vllm_platform_plugin.py::test_each_unservable_setting_is_one_line"),
+    _h("video_pruning_rate", "any rate the export's RoPE tables cover, chosen at start-up (limits.py refuses others, "
+       "naming the largest)", "test_vllm_serve.py::test_rate_and_method_chosen_at_serve_time"),
+    _h("video_pruning_method", "a method the export carries (evs, vidcom2 by default; limits.py refuses others, "
+       "naming them)", "test_vllm_serve.py::test_rate_and_method_chosen_at_serve_time"),
     _v("mm_tensor_ipc", "vLLM: 'torch_shm is known to fail without VLLM_WORKER_MULTIPROC_METHOD set to spawn'",
        "torch_shm"),
     Setting("mm_processor_device", REFUSED, "vLLM passes it as mm_processor_kwargs={'device': ...} (refused)",

@@ -27,11 +27,11 @@ from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
 
 from qeff_evs.positions import check_rope_range
-from qeff_evs.runtime.engine.executor import EngineConfig
 from qeff_evs.runtime.engine.request import PromptPiece
-from qeff_evs.runtime.runner import open_export, sessions_for
+from qeff_evs.runtime.runner import engine_config, open_export, sessions_for
 from qeff_evs.vllm.data_parallel import configured_device_ids, log_rank
 from qeff_evs.vllm.driver import VllmDriver
+from qeff_evs.vllm.limits import served_pruning
 from qeff_evs.vllm.plugin import active_backend, logger
 from qeff_evs.vllm.processing import media_from_fields
 from qeff_evs.vllm.sampling import VllmSampling
@@ -64,18 +64,17 @@ class QeffEvsWorker(WorkerBase):
 
     def load_model(self, *, load_dummy_weights: bool = False) -> None:
         bundle = open_export(self.model_config.model)
-        m = bundle.manifest
-        config = EngineConfig(m.prefill_seq_len, m.ctx_len, m.user_vision_size, m.video_pruning_rate)
+        config = engine_config(bundle, served_pruning(self.model_config.multimodal_config))
         self.bundle = bundle
-        self.driver = VllmDriver(bundle.family, *self._sessions(bundle), config)
+        self.driver = VllmDriver(bundle.family, *self._sessions(bundle, config.video_pruning_method), config)
         self.sampling: VllmSampling | None = None
         self._step = None  # (scheduler output, logits, failed) between execute_model and sample_tokens
 
-    def _sessions(self, bundle):
-        """The vision pipeline and language session this worker runs: every graph of the export."""
+    def _sessions(self, bundle, method: str):
+        """The vision pipeline (with ``method``'s pruning graph) and language session this worker runs."""
         device_ids = configured_device_ids(self.vllm_config)
         log_rank(self.vllm_config, device_ids)
-        return sessions_for(bundle, active_backend(), device_ids=device_ids)
+        return sessions_for(bundle, active_backend(), device_ids=device_ids, method=method)
 
     def get_model(self) -> torch.nn.Module:
         return torch.nn.Module()  # the model lives in the sessions; nothing to inspect

@@ -1,10 +1,11 @@
 """Backends behind one interface: ONNX Runtime (default), the PyTorch reference, and QAIC.
 
 The vision side is two sessions (DESIGN §5): an encoder session runs one call of F temporal
-patches, an EVS session prunes a whole video's merged rows; ``vision.VisionPipeline`` drives both
-for a media item and is what the engines call (``VisionSession``). Sessions read graph outputs by
-name: ``vision_embeds`` (and the EVS graph's ``retained_indices``) are the rows, every other output is
-one of the family's extra rows (``ExtraRows``) and travels under its name in an ``extras`` mapping.
+patches, a pruning session ranks a video's merged rows padded to a frame bucket; ``vision.VisionPipeline``
+drives both for a media item (and keeps the first K of the ranking) and is what the engines call
+(``VisionSession``). Encoder sessions read graph outputs by name: ``vision_embeds`` are the rows, every
+other output is one of the family's extra rows (``ExtraRows``) and travels under its name in an ``extras``
+mapping.
 
 A language session owns its retained state (KV cache, last vision window) the way a QAIC
 program does with ``-retained-state``: the engine sends only the per-call inputs, and the session
@@ -60,12 +61,14 @@ class MergedRows:
 
 @dataclass(frozen=True)
 class VisionResult:
+    """One media item after the vision side: its K kept rows, their raster indices, its kept extra rows."""
+
     rows: np.ndarray  # (K, hidden)
-    retained_indices: np.ndarray  # (K,) int64
+    retained_indices: np.ndarray  # (K,) int64, ascending
     extras: Mapping[str, np.ndarray] = field(default_factory=dict)  # by name, (levels, K, hidden)
 
 
-VISION_ROWS, RETAINED_INDICES = "vision_embeds", "retained_indices"
+VISION_ROWS, RANKING = "vision_embeds", "ranking"
 
 
 def merged_rows(outputs: Mapping[str, np.ndarray]) -> MergedRows:
@@ -73,10 +76,9 @@ def merged_rows(outputs: Mapping[str, np.ndarray]) -> MergedRows:
     return MergedRows(outputs[VISION_ROWS], {k: v for k, v in outputs.items() if k != VISION_ROWS})
 
 
-def vision_result(outputs: Mapping[str, np.ndarray]) -> VisionResult:
-    """An EVS call's outputs by name: kept ``vision_embeds``, ``retained_indices`` (int64), kept extras."""
-    extras = {k: v for k, v in outputs.items() if k not in (VISION_ROWS, RETAINED_INDICES)}
-    return VisionResult(outputs[VISION_ROWS], np.asarray(outputs[RETAINED_INDICES]).astype(np.int64), extras)
+def ranking(outputs: Mapping[str, np.ndarray]) -> np.ndarray:
+    """A pruning call's ranking (int64): every row of the bucket, most worth keeping first."""
+    return np.asarray(outputs[RANKING]).astype(np.int64, copy=False)
 
 
 @dataclass(frozen=True)
@@ -94,15 +96,15 @@ class EncoderSession(Protocol):
         """One encoder call: ``(F*H*W, patch_dim)`` pixels + one frame's index inputs -> ``F*h*w`` rows."""
 
 
-class EVSSession(Protocol):
-    def select(self, feeds: Mapping[str, np.ndarray]) -> VisionResult:
-        """The EVS graph's inputs by name (a whole video's merged rows and extras, the T/K carriers)
-        -> the K retained rows, their indices and extras."""
+class PruningSession(Protocol):
+    def rank(self, feeds: Mapping[str, np.ndarray]) -> np.ndarray:
+        """One pruning graph's inputs by name (a video's merged rows padded to a bucket, [``score_extras``],
+        ``bucket_carrier``, ``frame_count`` [, ``retention_ratio``]) -> its ranking, int64."""
 
 
 class VisionSession(Protocol):
-    def encode(self, media, retained: int) -> VisionResult:
-        """One media item's retained rows (all rows of an image), ``retained`` = K."""
+    def encode(self, media, pruning) -> VisionResult:
+        """One media item's kept rows under ``pruning`` (a ``models.pruning.VideoPruning``; all rows of an image)."""
 
 
 class LanguageSession(Protocol):

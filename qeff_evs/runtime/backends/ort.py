@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 
 from qeff_evs.manifest import LanguageShape
-from qeff_evs.runtime.backends.base import HostStateSession, MergedRows, VisionResult, merged_rows, vision_result
+from qeff_evs.runtime.backends.base import HostStateSession, MergedRows, merged_rows, ranking
 
 
 def open_ort_session(path: Path):
@@ -52,16 +52,16 @@ class OrtEncoderSession(OrtGraph):
         return merged_rows(self.run({"pixel_values": np.asarray(pixel_values, dtype=np.float32), **host_inputs}))
 
 
-class OrtEVSSession(OrtGraph):
-    """The EVS graph: a whole video's merged rows -> the K retained rows and their indices."""
+class OrtPruningSession(OrtGraph):
+    """A pruning graph: a video's merged rows padded to a frame bucket -> the ranking of every row."""
 
     def __init__(self, graph):
-        super().__init__(graph, "EVS graph")
+        super().__init__(graph, "pruning graph")
 
-    def select(self, feeds: dict[str, np.ndarray]) -> VisionResult:
-        # Floats (rows, extras) as the graph's float32; the int64 carriers as they are.
-        return vision_result(self.run({name: np.asarray(value, dtype=np.float32) if value.dtype.kind == "f" else value
-                                       for name, value in feeds.items()}))
+    def rank(self, feeds: dict[str, np.ndarray]) -> np.ndarray:
+        # Floats (rows, score_extras, the ratio) as the graph's float32; the int64 carriers as they are.
+        return ranking(self.run({name: np.asarray(value, dtype=np.float32) if value.dtype.kind == "f" else value
+                                 for name, value in feeds.items()}))
 
 
 class OrtLanguageSession(HostStateSession):

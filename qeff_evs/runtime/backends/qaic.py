@@ -1,7 +1,7 @@
 """QAIC backend: run the compiled QPCs on a Cloud AI 100 card through the Apps SDK's ``qaicrt``.
 
-``qeff-evs compile`` puts one QPC per graph into ``<export>/vision/encoder_qpc``, ``<export>/vision/evs_qpc``
-and ``<export>/language/qpc``.
+``qeff-evs compile`` puts one QPC per graph into ``<export>/vision/encoder_qpc``,
+``<export>/vision/pruning_<method>_qpc`` (one per pruning method) and ``<export>/language/qpc``.
 A ``QaicProgram`` is one loaded QPC: its bindings (name, direction, device dtype, dims), the shapes
 each compiled specialization allows, and ``run(inputs, skip)``. Every call hands the runtime one
 buffer per binding; an *empty* buffer means "skip": an input keeps what the device holds, an output
@@ -16,7 +16,8 @@ Device dtypes follow ``custom_io.yaml`` (fp16 vision embeddings and pixels, fp16
 converts inputs to the binding's dtype and outputs back to float32, so the engine sees the same
 types as with ONNX Runtime. The SDK is imported only when a session is built.
 
-Placement: every program of the export is loaded and activated once, on the device ids it is given
+Placement: every program a deployment runs (the encoder, the pruning graph of its method, the language graph)
+is loaded and activated once, on the device ids its role is given
 (``specializations.placement``: checked against each device's cores before anything is loaded), and stays
 active until ``close``; the SDK calls that open and release it live in ``qaic_device``. The KV cache goes
 up as zeros once, with the first call after the language program is loaded, never per request.
@@ -37,14 +38,13 @@ from types import ModuleType
 import numpy as np
 
 from qeff_evs.models.graph_io import BATCH_INDEX, RETAINED_SUFFIX
-from qeff_evs.manifest import GRAPHS, LanguageShape
+from qeff_evs.manifest import LanguageShape, graph_role, pruning_graph
 from qeff_evs.runtime.backends.base import (
     MergedRows,
     RetainedStateSession,
-    VisionResult,
     merged_rows,
+    ranking,
     state_shapes,
-    vision_result,
 )
 from qeff_evs.runtime.backends.qaic_device import DATA_PATH_TIMEOUT_MS, open_program
 from qeff_evs.runtime.backends.vision import VisionPipeline
@@ -276,7 +276,7 @@ class QaicProgram:
 
 
 class QaicGraph:
-    """A vision QPC (encoder or EVS) fed by input name; outputs come back as float32 / int64."""
+    """A vision QPC (encoder or pruning) fed by input name; outputs come back as float32 / int64."""
 
     def __init__(self, program: QaicProgram, label: str):
         self.program = program
@@ -304,14 +304,15 @@ class QaicEncoderSession(QaicGraph):
         return merged_rows(self.run({"pixel_values": pixel_values, **host_inputs}))
 
 
-class QaicEVSSession(QaicGraph):
-    """The EVS QPC (fp32 compute, fp16 I/O): a whole video's merged rows -> the K retained rows."""
+class QaicPruningSession(QaicGraph):
+    """A pruning QPC (fp32 compute, fp16 rows in; the specialization of its resolution and frame bucket):
+    a video's padded merged rows -> the ranking of every row."""
 
     def __init__(self, program: QaicProgram):
-        super().__init__(program, "EVS")
+        super().__init__(program, "pruning")
 
-    def select(self, feeds: dict[str, np.ndarray]) -> VisionResult:
-        return vision_result(self.run(feeds))
+    def rank(self, feeds: dict[str, np.ndarray]) -> np.ndarray:
+        return ranking(self.run(feeds))
 
 
 def retained_inputs(program: QaicProgram) -> list[str]:
@@ -382,7 +383,8 @@ class QaicLanguageSession(RetainedStateSession):
 
 
 def qpc_dir(bundle, graph: str) -> Path:
-    """The compiled program of ``graph`` (``vision/encoder_qpc``, ``vision/evs_qpc``, ``language/qpc``), checked."""
+    """The compiled program of ``graph`` (``vision/encoder_qpc``, ``vision/pruning_evs_qpc``, ``language/qpc``),
+    checked."""
     folder = bundle.manifest.path(bundle.export_dir, graph).parent / compile_file_name(
         QPC_DIR, None if graph == "language" else graph)
     if not (folder / QPC_FILE).is_file():
@@ -392,22 +394,37 @@ def qpc_dir(bundle, graph: str) -> Path:
     return folder
 
 
+def deployment_graphs(bundle, method: str | None = None, language: bool = True) -> tuple[str, ...]:
+    """The graphs a deployment loads: the encoder, ``method``'s pruning graph (default: the export's default
+    method), and the language graph unless ``language`` is False. One graph per role."""
+    method = bundle.manifest.video_pruning_method if method is None else method
+    problem = bundle.manifest.method_refusal(method)
+    if problem:
+        raise ValueError(problem)
+    return ("encoder", pruning_graph(method), *(("language",) if language else ()))
+
+
 def load_programs(bundle, graphs: Sequence[str], device_ids: DeviceIdsSpec | None = None,
                   sdk_root: str | Path = DEFAULT_SDK_ROOT) -> dict[str, QaicProgram]:
-    """The programs of ``graphs``, loaded and activated on their devices, by graph role.
+    """The programs of ``graphs`` (graph names, at most one per role), loaded and activated on their role's
+    devices, by graph name.
 
     Checked before anything is loaded: the SDK, every QPC folder, and the placement (each program on as many
     ids as it was compiled for, each device's cores enough for all its programs at once). A load that fails
     releases the programs loaded before it.
     """
+    by_role = {graph_role(graph): graph for graph in graphs}
+    if len(by_role) != len(graphs):
+        raise ValueError(f"graphs {list(graphs)} share a role; a deployment loads one pruning graph (its method's)")
     sdk = load_sdk(sdk_root)
     folders = {graph: qpc_dir(bundle, graph) for graph in graphs}
-    placements = place_programs(read_placement_record(bundle.export_dir), device_ids, graphs)
+    placements = place_programs(read_placement_record(bundle.export_dir), device_ids, tuple(by_role))
     check_device_cores(placements)
     programs: dict[str, QaicProgram] = {}
     try:
         for placement in placements:
-            programs[placement.graph] = QaicProgram(folders[placement.graph], sdk, placement.device_ids)
+            graph = by_role[placement.graph]
+            programs[graph] = QaicProgram(folders[graph], sdk, placement.device_ids)
     except BaseException:
         for program in programs.values():
             program.close()
@@ -416,15 +433,17 @@ def load_programs(bundle, graphs: Sequence[str], device_ids: DeviceIdsSpec | Non
 
 
 def _vision_pipeline(bundle, programs: dict[str, QaicProgram]) -> VisionPipeline:
-    return VisionPipeline(bundle.family, QaicEncoderSession(programs["encoder"]), QaicEVSSession(programs["evs"]),
-                          bundle.manifest.frames_per_call)
+    pruning = {graph[len("pruning_"):]: QaicPruningSession(program) for graph, program in programs.items()
+               if graph_role(graph) == "pruning"}
+    return VisionPipeline(bundle.family, QaicEncoderSession(programs["encoder"]), pruning,
+                          bundle.manifest.frames_per_call, bundle.manifest.temporal_buckets)
 
 
-def qaic_vision_pipeline(bundle, device_ids: DeviceIdsSpec | None = None,
-                         sdk_root: str | Path = DEFAULT_SDK_ROOT) -> VisionPipeline:
-    """The encoder and EVS QPCs of the export (``qeff-evs compile``), at its frames per call."""
-    vision_graphs = tuple(graph for graph in GRAPHS if graph != "language")
-    return _vision_pipeline(bundle, load_programs(bundle, vision_graphs, device_ids, sdk_root))
+def qaic_vision_pipeline(bundle, device_ids: DeviceIdsSpec | None = None, sdk_root: str | Path = DEFAULT_SDK_ROOT,
+                         method: str | None = None) -> VisionPipeline:
+    """The encoder and ``method``'s pruning QPCs of the export (``qeff-evs compile``), at its frames per call."""
+    return _vision_pipeline(bundle, load_programs(bundle, deployment_graphs(bundle, method, language=False),
+                                                  device_ids, sdk_root))
 
 
 def qaic_language_session(bundle, device_ids: DeviceIdsSpec | None = None,
@@ -438,11 +457,12 @@ def qaic_language_session(bundle, device_ids: DeviceIdsSpec | None = None,
         raise
 
 
-def qaic_sessions(bundle, device_ids: DeviceIdsSpec | None = None,
-                  sdk_root: str | Path = DEFAULT_SDK_ROOT) -> tuple[VisionPipeline, QaicLanguageSession]:
-    """The vision pipeline and language session over the export's compiled QPCs (``qeff-evs compile``), every
+def qaic_sessions(bundle, device_ids: DeviceIdsSpec | None = None, sdk_root: str | Path = DEFAULT_SDK_ROOT,
+                  method: str | None = None) -> tuple[VisionPipeline, QaicLanguageSession]:
+    """The vision pipeline and language session over the export's compiled QPCs (``qeff-evs compile``): the
+    encoder, ``method``'s pruning graph (default: the export's default method) and the language graph, every
     program active on its devices until the sessions are closed."""
-    programs = load_programs(bundle, GRAPHS, device_ids, sdk_root)
+    programs = load_programs(bundle, deployment_graphs(bundle, method), device_ids, sdk_root)
     try:
         return _vision_pipeline(bundle, programs), QaicLanguageSession(programs["language"], bundle.language_shape)
     except BaseException:  # e.g. a QPC compiled for another ctx_len: give the devices back before failing

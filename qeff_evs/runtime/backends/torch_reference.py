@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from qeff_evs.manifest import LanguageShape
-from qeff_evs.runtime.backends.base import HostStateSession, MergedRows, VisionResult, merged_rows, vision_result
+from qeff_evs.runtime.backends.base import HostStateSession, MergedRows, merged_rows, ranking
 
 
 def torch_device(prefer: str | None = None):
@@ -33,21 +33,21 @@ class TorchEncoderSession:
         return merged_rows({name: o.cpu().numpy() for name, o in zip(self.wrapper.graph_spec.output_names, outputs)})
 
 
-class TorchEVSSession:
-    """The EVS module run eagerly (its selection is the stable-sort reference order)."""
+class TorchPruningSession:
+    """A pruning module (``family.pruning_ranking(method)``) run eagerly: same inputs as its graph."""
 
-    def __init__(self, selection, device=None):
+    def __init__(self, ranking, device=None):
         self.device = torch_device(device)
-        self.selection = selection.to(self.device).eval()
+        self.ranking = ranking.to(self.device).eval()
 
-    def select(self, feeds: dict[str, np.ndarray]) -> VisionResult:
+    def rank(self, feeds: dict[str, np.ndarray]) -> np.ndarray:
         import torch
 
-        spec = self.selection.graph_spec
+        spec = self.ranking.graph_spec
         with torch.no_grad():
-            outputs = self.selection(*(torch.from_numpy(np.asarray(feeds[name])).to(self.device)
-                                       for name in spec.input_names))
-        return vision_result({name: o.cpu().numpy() for name, o in zip(spec.output_names, outputs)})
+            order = self.ranking(*(torch.from_numpy(np.asarray(feeds[name])).to(self.device)
+                                   for name in spec.input_names))
+        return ranking({spec.output_names[0]: order.cpu().numpy()})
 
 
 class TorchLanguageSession(HostStateSession):

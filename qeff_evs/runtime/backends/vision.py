@@ -1,32 +1,43 @@
-"""The vision side of one media item: frame batches through the encoder, then EVS once (DESIGN §5).
+"""The vision side of one media item: frame batches through the encoder, then a pruning graph once (DESIGN §5).
 
-Memory: one call's activations plus the item's accumulated merged rows. A last batch shorter than
-F is filled with zero frames whose rows are dropped here, so padding never reaches EVS. Images, and
-videos that keep every token (q = 0), skip the EVS graph: its selection would keep every row in order.
+Memory: one call's activations plus the item's accumulated merged rows. A last batch shorter than F is filled
+with zero frames whose rows are dropped here, so encoder padding never reaches pruning.
+
+Pruning (DESIGN §2.5, §13): the video's merged rows (and its extra rows, as ``score_extras``) are zero-padded
+to the smallest frame bucket holding its ``T`` temporal patches; the method's graph ranks every row of the
+bucket and the host keeps the first ``K(method, q, T)`` (``VideoPruning.kept_tokens``), gathering the rows and
+the extra rows itself. Images, and videos that keep every token (q = 0; EVS at T = 1), skip the graph: it
+would keep every row in order.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from qeff_evs import evs
 from qeff_evs.models.protocol import MediaInput, ModelFamily
-from qeff_evs.models.vision_common import evs_host_inputs
-from qeff_evs.runtime.backends.base import EncoderSession, EVSSession, MergedRows, VisionResult, close_session
+from qeff_evs.models.pruning import VideoPruning, frame_bucket, pad_to_bucket, pruning_host_inputs
+from qeff_evs.runtime.backends.base import EncoderSession, MergedRows, PruningSession, VisionResult, close_session
 
 Progress = Callable[[str], None]
 
 
 @dataclass
 class VisionPipeline:
-    """An encoder session run ``frames_per_call`` temporal patches at a time, and an EVS session."""
+    """An encoder session run ``frames_per_call`` temporal patches at a time, and pruning sessions by method.
+
+    ``buckets``: the export's frame buckets in temporal patches (``Manifest.temporal_buckets``); a video is
+    padded to the smallest that holds it (a compiled program runs only those shapes).
+    """
 
     family: ModelFamily
     encoder: EncoderSession
-    evs: EVSSession
+    pruning: Mapping[str, PruningSession]
     frames_per_call: int
+    buckets: tuple[int, ...]
     # The encoder's host index inputs per frame grid (H, W): the same for every video of that
     # resolution at this F, so they are built once, not per video.
     _host_inputs: dict[tuple[int, int], dict[str, np.ndarray]] = field(default_factory=dict, init=False, repr=False)
@@ -35,6 +46,9 @@ class VisionPipeline:
         if isinstance(self.frames_per_call, bool) or int(self.frames_per_call) != self.frames_per_call \
                 or self.frames_per_call < 1:
             raise ValueError(f"frames_per_call must be a positive integer, got {self.frames_per_call!r}")
+        if not self.buckets or any(isinstance(b, bool) or int(b) != b or b < 1 for b in self.buckets):
+            raise ValueError(f"buckets must be positive temporal patch counts, got {self.buckets!r}")
+        self.buckets = tuple(sorted(int(b) for b in self.buckets))
 
     def merged_rows(self, media: MediaInput, progress: Progress | None = None) -> MergedRows:
         """The item's merged rows ``(T*h*w, hidden)`` (+ extras), encoded F temporal patches per call."""
@@ -67,23 +81,40 @@ class VisionPipeline:
                 progress(f"encoded temporal patches {start + count}/{t}")
         return MergedRows(rows, extras)
 
-    def prune(self, media: MediaInput, merged: MergedRows, retained: int) -> VisionResult:
-        """The EVS graph over a video keeping K < T*h*w tokens; otherwise every row, in order."""
+    def pruning_feeds(self, merged: MergedRows, merged_grid: tuple[int, int, int], pruning: VideoPruning
+                      ) -> dict[str, np.ndarray]:
+        """The pruning graph's inputs for a video's merged rows: padded to its bucket, by input name."""
+        t, h, w = merged_grid
+        bucket_rows = frame_bucket(t, self.buckets) * h * w
+        feeds = {"merged_embeds": pad_to_bucket(merged.rows, bucket_rows)}
+        # Every extra's levels, in the family's order, after the rows (vLLM scores the concatenation).
+        scored = [merged.extras[rows.name] for rows in self.family.extra_rows if rows.name in merged.extras]
+        if scored:
+            feeds["score_extras"] = pad_to_bucket(np.concatenate(scored, axis=0), bucket_rows, axis=1)
+        return {**feeds, **pruning_host_inputs(pruning.method, bucket_rows // (h * w), t, pruning.rate)}
+
+    def prune(self, media: MediaInput, merged: MergedRows, pruning: VideoPruning) -> VisionResult:
+        """The kept rows of an item: its method's ranking, first K kept; every row when K is all of them."""
         grid = self.family.merged_grid(media.grid_thw)
         total = grid[0] * grid[1] * grid[2]
+        retained = pruning.kept_tokens(grid, media.kind)
         if retained == total:
             return VisionResult(merged.rows, np.arange(total, dtype=np.int64), merged.extras)
-        if media.kind == "image":
-            raise ValueError(f"an image keeps all {total} of its tokens, asked to keep {retained}")
-        # The EVS graph's inputs by name: each extra enters under its family-declared input name.
-        extras = {rows.evs_input: merged.extras[rows.name] for rows in self.family.extra_rows
-                  if rows.name in merged.extras}
-        return self.evs.select({"merged_embeds": merged.rows, **extras, **evs_host_inputs(grid, retained)})
+        session = self.pruning.get(pruning.method)
+        if session is None:
+            raise ValueError(f"this vision pipeline runs the {', '.join(self.pruning) or 'no'} pruning graph(s), "
+                             f"not {pruning.method!r}; open the sessions with that method")
+        kept = evs.kept_indices(session.rank(self.pruning_feeds(merged, grid, pruning)), retained)
+        if kept[-1] >= total:  # padding ranks after every real row: reaching it means a broken graph
+            raise ValueError(f"the {pruning.method} pruning graph ranked padding row {int(kept[-1])} among the "
+                             f"first {retained} of a video of {total} rows; re-export this folder")
+        return VisionResult(merged.rows[kept], kept, {name: value[..., kept, :] for name, value in merged.extras.items()})
 
-    def encode(self, media: MediaInput, retained: int, progress: Progress | None = None) -> VisionResult:
-        return self.prune(media, self.merged_rows(media, progress), retained)
+    def encode(self, media: MediaInput, pruning: VideoPruning, progress: Progress | None = None) -> VisionResult:
+        return self.prune(media, self.merged_rows(media, progress), pruning)
 
     def close(self) -> None:
-        """Release both sessions' programs (QAIC); nothing to do on the host backends."""
+        """Release every session's program (QAIC); nothing to do on the host backends."""
         close_session(self.encoder)
-        close_session(self.evs)
+        for session in self.pruning.values():
+            close_session(session)

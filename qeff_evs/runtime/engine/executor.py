@@ -24,6 +24,7 @@ import numpy as np
 
 from qeff_evs import evs
 from qeff_evs.models.protocol import MediaInput, ModelFamily
+from qeff_evs.models.pruning import DEFAULT_METHOD, VideoPruning
 from qeff_evs.runtime.backends.base import DecodeRow, LanguageSession, VisionSession, close_session, decode_batch
 from qeff_evs.runtime.engine.request import EncodedMedia, PromptPiece, PromptPlan, plan_prompt
 from qeff_evs.runtime.engine.steps import prefill_step
@@ -37,9 +38,10 @@ class EngineConfig:
     video_pruning_rate: float
     max_new_tokens: int = 16
     pad_token_id: int = 0
+    video_pruning_method: str = DEFAULT_METHOD
 
     def __post_init__(self) -> None:
-        evs.validate_pruning_rate(self.video_pruning_rate)
+        VideoPruning(self.video_pruning_method, self.video_pruning_rate)  # raises on a bad method or rate
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.user_vision_size < self.prefill_seq_len:
@@ -47,27 +49,32 @@ class EngineConfig:
                 f"user_vision_size {self.user_vision_size} is below prefill_seq_len {self.prefill_seq_len}: a "
                 "chunk can hold that many media tokens; use --user-vision-size >= --prefill-seq-len")
 
-
-def retained_count(family: ModelFamily, media: MediaInput, q: float) -> int:
-    """K for one media item (an image, T = 1, keeps all its tokens by the same rule)."""
-    t, h, w = family.merged_grid(media.grid_thw)
-    return evs.retained_token_count(h * w, t, q)
+    @property
+    def pruning(self) -> VideoPruning:
+        return VideoPruning(self.video_pruning_method, self.video_pruning_rate)
 
 
-def encode_media(family: ModelFamily, vision: VisionSession, media: MediaInput, q: float) -> EncodedMedia:
-    """Encode one item (encoder calls, then EVS once): its K retained rows, their indices and per-frame counts."""
-    result = vision.encode(media, retained_count(family, media, q))
+def retained_count(family: ModelFamily, media: MediaInput, pruning: VideoPruning) -> int:
+    """K for one media item: the method's count rule for a video, every token of an image."""
+    return pruning.kept_tokens(family.merged_grid(media.grid_thw), media.kind)
+
+
+def encode_media(family: ModelFamily, vision: VisionSession, media: MediaInput, pruning: VideoPruning
+                 ) -> EncodedMedia:
+    """Encode one item (encoder calls, then its pruning graph once): its K kept rows, their indices, per-frame
+    counts."""
+    result = vision.encode(media, pruning)
     t, h, w = family.merged_grid(media.grid_thw)
     retained = result.retained_indices.astype(np.int64)
     kept = evs.tokens_per_frame_kept(retained, t, h * w)
     return EncodedMedia(result.rows, retained, result.extras, tuple(kept))
 
 
-def media_hash(media: MediaInput, q: float) -> str:
-    """Content hash of one media item as the encoder sees it (pixels, grid, kind, pruning rate)."""
+def media_hash(media: MediaInput, pruning: VideoPruning) -> str:
+    """Content hash of one media item as the encoder sees it (pixels, grid, kind, pruning method and rate)."""
     digest = hashlib.sha256()
     digest.update(np.ascontiguousarray(media.pixel_values.numpy()).tobytes())
-    digest.update(repr((tuple(int(v) for v in media.grid_thw), media.kind, float(q))).encode())
+    digest.update(repr((tuple(int(v) for v in media.grid_thw), media.kind, pruning.method, pruning.rate)).encode())
     return digest.hexdigest()
 
 
@@ -115,14 +122,14 @@ class Executor:
 
     # -- requests ---------------------------------------------------------------------------------
     def retained_count(self, media: MediaInput) -> int:
-        return retained_count(self.family, media, self.config.video_pruning_rate)
+        return retained_count(self.family, media, self.config.pruning)
 
     def plan(self, pieces: Sequence[PromptPiece], media: Sequence[MediaInput]) -> PromptPlan:
         """The request's prompt before encoding: provisional placeholders sized by K."""
         return plan_prompt(list(pieces), list(media), [self.retained_count(m) for m in media], self.family)
 
     def media_hashes(self, media: Sequence[MediaInput]) -> tuple[str, ...]:
-        return tuple(media_hash(m, self.config.video_pruning_rate) for m in media)
+        return tuple(media_hash(m, self.config.pruning) for m in media)
 
     def check_new(self, request_id: str) -> None:
         if request_id in self.requests:
@@ -163,8 +170,7 @@ class Executor:
         if content_hash in self.encoder_outputs or request.plan.encoded[item] is not None:
             return
         media = request.media[item]
-        self.encoder_outputs[content_hash] = encode_media(self.family, self.vision, media,
-                                                          self.config.video_pruning_rate)
+        self.encoder_outputs[content_hash] = encode_media(self.family, self.vision, media, self.config.pruning)
         self.progress(f"encoded {request_id} item {item}: grid {tuple(media.grid_thw)}")
 
     def prefill(self, request_id: str, computed: int, scheduled: int, cache_row: int | None = None) -> int | None:

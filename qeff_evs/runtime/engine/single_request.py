@@ -64,11 +64,11 @@ class Engine:
             close_session(self.language)
 
     def encode(self, video: MediaInput) -> EncodedMedia:
-        return encode_media(self.family, self.vision, video, self.config.video_pruning_rate)
+        return encode_media(self.family, self.vision, video, self.config.pruning)
 
     def prepare(self, pieces: list[PromptPiece], videos: list[MediaInput]) -> PreparedPrompt:
         """Encode every media item of one request and return its final ids and positions."""
-        retained = [retained_count(self.family, v, self.config.video_pruning_rate) for v in videos]
+        retained = [retained_count(self.family, v, self.config.pruning) for v in videos]
         plan = plan_prompt(pieces, videos, retained, self.family)
         self._check_fits(len(plan.ids))
         check_rope_range(plan.decode_start, self.config.max_new_tokens, self.language.shape.rope_positions)
