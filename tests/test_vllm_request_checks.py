@@ -12,6 +12,7 @@ import pytest
 
 pytest.importorskip("vllm.multimodal.processing")
 
+from qeff_evs.models.pruning import VideoPruning  # noqa: E402
 from qeff_evs.runtime.engine.executor import retained_count  # noqa: E402
 from qeff_evs.runtime.engine.request import plan_prompt  # noqa: E402
 from qeff_evs.runtime.inputs.prompt import chat_pieces  # noqa: E402
@@ -61,8 +62,8 @@ def test_positions_end_from_item_spans_is_the_plans_decode_start(family, served_
     """The frontend's sum (text tokens + each item's span) equals the worker's prompt plan, for every layout."""
     bundle = open_export(served_export(family)[1])
     (h0, w0), (h1, w1) = [(h, w) for h, w in bundle.manifest.resolutions]
-    q = bundle.manifest.video_pruning_rate
-    videos = [video_from_frames(moving_square_video(n, h, w, seed=n), fps, bundle)
+    q = VideoPruning(bundle.manifest.video_pruning_method, bundle.manifest.video_pruning_rate)
+    videos = [video_from_frames(moving_square_video(n, h, w, seed=n), {"total_num_frames": n, "fps": fps}, bundle)
               for n, h, w, fps in ((8, h0, w0, 2.0), (4, h1, w1, 2.0), (8, h1, w1, 0.25))]
     image = image_from_array(moving_square_video(1, h1, w1, seed=3)[0], bundle)
     video, picture, text = {"type": "video"}, {"type": "image"}, lambda s: {"type": "text", "text": s}
@@ -79,5 +80,5 @@ def test_positions_end_from_item_spans_is_the_plans_decode_start(family, served_
         assert stray_media_pads(plan.ids, placeholders, RequestLimits(
             {t: str(t) for t in bundle.family.special_tokens().media_pads}, None, 10**6)) is None
     if family == "qwen2_5_vl":  # temporal positions follow the timestamps: frames 4 s apart reach 8x as far as 2 fps
-        dense = video_from_frames(moving_square_video(8, h1, w1, seed=8), 2.0, bundle)
+        dense = video_from_frames(moving_square_video(8, h1, w1, seed=8), {"total_num_frames": 8, "fps": 2.0}, bundle)
         assert spans[2] > 4 * position_span(bundle.family, dense, retained_count(bundle.family, dense, q))

@@ -145,6 +145,12 @@ def _user_mm_embeds(c) -> Any:
     return _path("model_config.multimodal_config.enable_mm_embeds")(c)
 
 
+def _processor_device(c) -> Any:
+    """--mm-processor-device: vLLM hands it to the HF processor as mm_processor_kwargs["device"]."""
+    kwargs = _path("model_config.multimodal_config.mm_processor_kwargs")(c) or {}
+    return kwargs.get("device")
+
+
 # Keys vLLM itself puts into additional_config from engine arguments (their own rows refuse them).
 VLLM_ADDITIONAL_KEYS = ("gdn_prefill_backend", "kda_prefill_backend", "kda_decode_backend")
 
@@ -361,8 +367,8 @@ ENGINE_SETTINGS: tuple[Setting, ...] = (
        "naming them)", "test_vllm_serve.py::test_rate_and_method_chosen_at_serve_time"),
     _v("mm_tensor_ipc", "vLLM: 'torch_shm is known to fail without VLLM_WORKER_MULTIPROC_METHOD set to spawn'",
        "torch_shm"),
-    Setting("mm_processor_device", REFUSED, "vLLM passes it as mm_processor_kwargs={'device': ...} (refused)",
-            example="cpu", via="mm_processor_kwargs"),
+    _r("mm_processor_device", _processor_device, "the export's preprocessing runs on the host's CPU (no HF processor "
+       "to move); remove it", "cpu"),
     _r("mm_ipc_gpu_memory_gb", "model_config.multimodal_config.mm_ipc_gpu_memory_gb", RUNNER, 1, unused=(0, 0.0)),
     _n("mm_device_do_normalize", "vLLM turns it off itself for models without device normalisation (ours)"),
     _r("enable_lora", _lora, "LoRA adapters need the torch model's layers; an export's graphs have fixed weights; "
