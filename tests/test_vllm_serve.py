@@ -101,7 +101,6 @@ def media(tmp_path_factory):
                 other=write_mkv(folder / "other.mkv", moving_square_video(4, 112, 170, seed=4), fps=2),
                 # 2 frames at 4 fps: 1 frame at the 2 fps the checkpoint samples at, fewer than any exported count
                 too_short=write_mkv(folder / "short.mkv", moving_square_video(2, 120, 120, seed=6), fps=4),
-                one_frame=write_mkv(folder / "one.mkv", moving_square_video(1, 120, 120, seed=7), fps=2),
                 # 8 frames 600 s apart: Qwen2.5-VL's temporal positions follow the timestamps, far past the RoPE tables
                 sparse=write_mkv(folder / "sparse.mkv", moving_square_video(8, 120, 120, seed=8), fps=Fraction(1, 600)),
                 three=write_mkv(folder / "three.mkv", moving_square_video(3, 120, 120, seed=6), fps=2),
@@ -269,7 +268,7 @@ BAD_REQUESTS = {
 ONE_FRAME_VIDEOS = {
     "a video sampled to one frame": ("too_short", "exported frame count [2, 4, 8]"),
 }
-# A one-frame video *file* never reaches qeff-evs: vLLM 0.32's own qwen2_vl loader divides by zero on it in the
+# A one-frame video file never reaches qeff-evs: vLLM 0.32's own qwen2_vl loader divides by zero on it in the
 # frontend (an unhandled exception: HTTP 500 and the connection closed, as on a GPU; the server goes on), so the
 # soak leaves it out.
 # vLLM pads such a video in time, and so does qeff-evs (issue 16): a kind not in this list leaves BAD_REQUESTS and the
