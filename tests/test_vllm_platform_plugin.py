@@ -82,8 +82,6 @@ def test_settings_the_export_serves_pass(served_manifest):
                                     "tokens (positions stay unpruned) but the export's RoPE tables cover 512 (sized "
                                     "for --max-video-pruning-rate 0.5); pass a rate of at most 0.5"),
     (dict(enable_prefix_caching=True), "pass --no-enable-prefix-caching"),
-    (dict(tensor_parallel_size=2), "an export runs as one worker"),
-    (dict(speculative=True), "remove --speculative-config"),
 ])
 def test_each_unservable_setting_is_one_line(served_manifest, change, expected):
     problems = refusals(dataclasses.replace(GOOD, **change), served_manifest)

@@ -61,7 +61,7 @@ def vllm_child(tmp_path: Path, export: Path, backend: str, requests: list[dict],
 def run_vllm(tmp_path: Path, export: Path, backend: str, requests: list[dict]) -> list[dict]:
     done = vllm_child(tmp_path, export, backend, requests, ENGINE_ARGS)
     assert done.returncode == 0, done.stderr[-6000:]
-    return json.loads((tmp_path / f"job_{backend}.result.json").read_text())
+    return json.loads((tmp_path / f"job_{backend}.result.json").read_text())["generate"]
 
 
 def vllm_prompt_ids(pieces: list[PromptPiece], media, family) -> list[int]:

@@ -227,3 +227,64 @@ def test_an_aborted_request_frees_its_row_and_encoder_entries_follow_vllms_cache
     assert "r0" not in driver.live and 2 <= len(generated["r0"]) < tokens["r0"]
     assert all(len(generated[r]) == tokens[r] for r in tokens if r != "r0")
     assert all(n < tokens["r1"] for n in others_when_r4_done)  # r4 ran while r1..r3 still held their rows
+
+
+def test_a_request_the_worker_cannot_run_fails_alone(served, stand_in_architecture):
+    """The second line (``qeff_evs.vllm.scheduler``): should the worker fail on one request anyway (here: pixel rows
+    of the wrong width, which the frontend would never let through, make ONNX Runtime raise), that request finishes
+    with finish_reason "error" through vLLM's own FINISHED_ERROR path, and the others generate what they would alone."""
+    from vllm.v1.engine import FinishReason
+
+    from qeff_evs.models.protocol import MediaInput
+    from qeff_evs.vllm.scheduler import QeffEvsScheduler, RunnerOutput
+
+    bundle, m = served.bundle, served.bundle.manifest
+    config = EngineConfig(m.prefill_seq_len, m.ctx_len, m.user_vision_size, m.video_pruning_rate,
+                          max_new_tokens=NEW_TOKENS)
+    good = []
+    for n in range(2):
+        path = served.folder / f"alone_{n}.npy"
+        np.save(path, moving_square_video(4, 112, 112, seed=30 + n))
+        good.append((f"good{n}", pieces_for(bundle.tokenizer, f"clip {n}"), [video_from_file(path, bundle)]))
+    video = good[0][2][0]
+    broken = MediaInput(torch.cat([video.pixel_values, torch.zeros(len(video.pixel_values), 1)], dim=1),
+                        video.grid_thw, video.fps, video.frame_times)
+
+    vision, language = sessions_for(bundle, "ort")
+    alone = {}
+    for request_id, pieces, media in good:
+        engine = Engine(bundle.family, vision, language, config)
+        alone[request_id] = engine.generate(engine.prepare(pieces, media)).generated_token_ids
+
+    plain = vllm_scheduler(served.checkpoint, stand_in_architecture)
+    scheduler = QeffEvsScheduler(vllm_config=plain.vllm_config, kv_cache_config=plain.kv_cache_config,
+                                 structured_output_manager=plain.structured_output_manager, block_size=BLOCK)
+    driver = VllmDriver(bundle.family, *sessions_for(bundle, "ort"), config)
+    for request_id, pieces, media in [good[0], ("broken", good[0][1], [broken]), good[1]]:
+        scheduler.add_request(driver.make_request(request_id, pieces, media, NEW_TOKENS))
+
+    generated: dict[str, list[int]] = {}
+    finished: dict[str, object] = {}
+    reasons: dict[str, str] = {}
+    for _ in range(300):
+        if not scheduler.has_unfinished_requests():
+            break
+        out = scheduler.schedule()
+        failed: dict[str, str] = {}
+        logits = driver.step(out, failed)
+        reasons.update(failed)
+        sampled = {r: [int(np.argmax(row))] for r, row in logits.items()}
+        for r, tokens in sampled.items():
+            driver.accept(r, tokens)
+        req_ids = list(out.num_scheduled_tokens)
+        runner_output = RunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                                     sampled_token_ids=[sampled.get(r, []) for r in req_ids], failed=failed)
+        for engine_outputs in scheduler.update_from_output(out, runner_output).values():
+            for o in engine_outputs.outputs:
+                generated.setdefault(o.request_id, []).extend(o.new_token_ids)
+                if o.finish_reason is not None:
+                    finished[o.request_id] = o.finish_reason
+    assert not scheduler.has_unfinished_requests()
+    assert finished["broken"] == FinishReason.ERROR and "broken" in reasons and not generated.get("broken")
+    assert "broken" not in driver.live
+    assert {r: generated[r] for r in alone} == alone

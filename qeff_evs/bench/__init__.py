@@ -9,6 +9,8 @@ their sections into results.json and results.md. Measuring helpers: ``timing``, 
 ``workload``.
 ``benchmarks/README.md`` has the results; ``benchmarks/issue_targets.py`` judges a run against issues 6
 and 10's targets.
+``--serving`` runs ``serving`` instead: vLLM's own benchmark client against ``vllm serve`` over exports (issue
+15).
 """
 
 from __future__ import annotations
@@ -112,6 +114,16 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     for option in options():  # the phases' own settings
         parser.add_argument("--" + option.name.replace("_", "-"), dest=option.name, type=option.parse, default=None,
                             help=f"{option.help} (default {option.value('full')})".lstrip())
+    serving = parser.add_argument_group("serving sweep (--serving): vllm bench serve against vllm serve")
+    serving.add_argument("--serving", action="store_true",
+                         help="run the serving sweep instead: vllm bench serve (sharegpt, local videos) per export")
+    serving.add_argument("--serve-export", action="append", default=None, metavar="EXPORT:Q",
+                         help="an export and the rate to serve it at (repeat; default: a random checkpoint with "
+                              "Qwen2.5-VL-3B widths exported at each --serving-rates under --workdir)")
+    serving.add_argument("--serving-rates", type=_floats, default=(0.0, 0.5, 0.75), help="default 0,0.5,0.75")
+    serving.add_argument("--num-prompts", type=int, default=None, help="requests per export (default 12)")
+    serving.add_argument("--max-concurrency", type=int, default=None, help="default 4")
+    serving.add_argument("--output-len", type=int, default=None, help="new tokens per request (default 16)")
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
@@ -135,8 +147,42 @@ def require_plotting() -> None:
         raise ValueError(f"the bench draws its plots with matplotlib, which is not installed; {BENCH_EXTRA}") from None
 
 
+def run_serving(args: argparse.Namespace, progress) -> int:
+    import dataclasses
+    import tempfile
+
+    from qeff_evs.bench.serving import (ServingLoad, ServingTarget, export_targets, run_serving_sweep, save_serving,
+                                        serving_checkpoint, serving_markdown)
+
+    load = ServingLoad()
+    load = dataclasses.replace(load, **{k: v for k, v in (("num_prompts", args.num_prompts),
+                                                          ("max_concurrency", args.max_concurrency),
+                                                          ("output_len", args.output_len)) if v is not None})
+    with tempfile.TemporaryDirectory(prefix="qeff_evs_serving_") as scratch:
+        workdir = Path(args.workdir or scratch)
+        if args.serve_export:
+            targets = []
+            for item in args.serve_export:
+                export, sep, q = item.rpartition(":")
+                if not sep:
+                    raise ValueError(f"--serve-export {item!r}: give EXPORT:Q, e.g. build/:0.5")
+                targets.append(ServingTarget(Path(export), float(q)))
+        else:
+            checkpoint = workdir / "checkpoint"
+            if not (checkpoint / "config.json").is_file():
+                progress("building a random checkpoint with Qwen2.5-VL-3B widths (2 text / 2 vision layers)")
+                serving_checkpoint("qwen2_5_vl", checkpoint)
+            targets = export_targets(checkpoint, workdir, args.serving_rates, load, progress)
+        results = run_serving_sweep(targets, workdir / "serving", load, progress)
+        save_serving(results, load, args.output)
+    print(serving_markdown(results, load))
+    return 0
+
+
 def run_bench(args: argparse.Namespace, progress) -> int:
     require_plotting()
+    if args.serving:
+        return run_serving(args, progress)
     from qeff_evs.bench.report import markdown
     from qeff_evs.bench.suite import render_saved, run_suite
 

@@ -14,8 +14,9 @@ Layout of the export folder::
     language/specializations.json prefill + decode; + specializations.named.json
     language/custom_io.yaml
     language/node_precision.yaml  the ops an fp32 layer state flows through (-node-precision-info), if any
-    tokenizer/                    the checkpoint's tokenizer (and chat template)
-    config.json, generation_config.json   the export as a vLLM model folder
+    tokenizer.json, tokenizer_config.json, chat_template.jinja, ...
+                                  the checkpoint's tokenizer (and chat template), at the top like a model folder
+    config.json, generation_config.json   the export as a model folder (vLLM, transformers' Auto* classes)
     video_preprocessor_config.json        names the family's HF video processor (vLLM's video loader)
     compile.sh                    the qaic-compile command lines
     placement.json                each graph's cores and devices, as compile.sh compiles it
@@ -97,13 +98,13 @@ def stop_token_ids(checkpoint, config_eos: tuple[int, ...]) -> list[int]:
 
 
 def save_serving_config(checkpoint, family: ModelFamily, eos: list[int], ctx_len: int, folder: Path) -> None:
-    """The export as a vLLM model folder: ``config.json`` and ``generation_config.json`` at its top.
+    """The export as a model folder: ``config.json`` and ``generation_config.json`` at its top, beside the tokenizer.
 
     The config names qeff-evs's interface class for the family (its ``serving_architecture``) instead of
-    Hugging Face's, and the generation config stops on the same ids as ``qeff-evs run``. A copy of the
-    config sits beside the tokenizer too: vLLM reads a model config next to the tokenizer it loads
-    (the plugin points it at ``tokenizer/``). Its ``max_position_embeddings`` is the export's ``ctx_len``,
-    so vLLM's default ``max_model_len`` is what the graphs hold.
+    Hugging Face's, and the generation config stops on the same ids as ``qeff-evs run``. Its
+    ``max_position_embeddings`` is the export's ``ctx_len``, so vLLM's default ``max_model_len`` is what
+    the graphs hold. ``AutoConfig``, ``AutoTokenizer``, ``GenerationConfig`` and vLLM all read the folder
+    as they read a checkpoint.
     """
     from transformers import GenerationConfig
 
@@ -111,7 +112,6 @@ def save_serving_config(checkpoint, family: ModelFamily, eos: list[int], ctx_len
     config.architectures = [family.serving_architecture]
     getattr(config, "text_config", config).max_position_embeddings = int(ctx_len)
     config.save_pretrained(folder)  # EXPORT_FILES["serving_config"]
-    config.save_pretrained(folder / EXPORT_FILES["tokenizer"])
     GenerationConfig(eos_token_id=list(eos)).save_pretrained(folder)
 
 

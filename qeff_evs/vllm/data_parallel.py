@@ -34,10 +34,9 @@ from qeff_evs.specializations.placement import (
     place_programs,
     read_placement_record,
 )
-from qeff_evs.vllm.plugin import DEVICE_IDS_ENV, DEVICE_IDS_KEY, active_backend, logger
+from qeff_evs.vllm.plugin import DEVICE_IDS_ENV, DEVICE_IDS_KEY, RANKS_KEY, active_backend, logger
 
 RANK_SEPARATOR = ";"  # between the device groups of data-parallel ranks: "0;1"
-RANKS_KEY = "qeff_evs_local_ranks"  # additional_config: the data-parallel ranks on this host (local_ranks)
 
 
 def parse_device_groups(value: object, what: str) -> tuple[DeviceIdsSpec, ...]:

@@ -96,20 +96,29 @@ class VllmDriver:
         return ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
                                  sampled_token_ids=[sampled.get(r, []) for r in req_ids])
 
-    def step(self, out: Any) -> dict[str, np.ndarray]:
-        """Run one vLLM ``SchedulerOutput``: the ``(vocab,)`` logits of each request whose step yields a token."""
+    def step(self, out: Any, failed: dict[str, str] | None = None) -> dict[str, np.ndarray]:
+        """Run one vLLM ``SchedulerOutput``: the ``(vocab,)`` logits of each request whose step yields a token.
+
+        ``failed``: when given, a request whose work raises is recorded there (id -> reason) and dropped, and
+        the step goes on for the others; requests already in it are skipped (the plugin's worker, whose
+        scheduler then finishes them with an error). Without it, the error propagates.
+        """
         for request_id in out.finished_req_ids:
             self.finish(request_id)
         self.executor.free(out.free_encoder_mm_hashes)
         computed = {r.req_id: r.num_computed_tokens for r in out.scheduled_new_reqs}
         cached = out.scheduled_cached_reqs
         computed.update(zip(cached.req_ids, cached.num_computed_tokens))
+        skip = {} if failed is None else failed  # grows as requests fail: later work skips them
         for request_id, items in out.scheduled_encoder_inputs.items():
             for item in items:
-                self.executor.encode(request_id, item)
+                if request_id not in skip:
+                    self._guard([request_id], failed, lambda: self.executor.encode(request_id, item))
         logits: dict[str, np.ndarray] = {}
         decodes = []
         for request_id, scheduled in out.num_scheduled_tokens.items():
+            if request_id in skip:
+                continue
             start = computed[request_id]
             if start >= self.live[request_id].num_prompt_tokens:
                 if scheduled != 1:
@@ -117,11 +126,24 @@ class VllmDriver:
                                      "is not supported, schedule one token per decode")
                 decodes.append((request_id, start))
                 continue
-            row = self._prefill(request_id, start, scheduled)
+            row = self._guard([request_id], failed, lambda: self._prefill(request_id, start, scheduled))
             if row is not None:
                 logits[request_id] = row
-        logits.update(self.executor.decode_logits(decodes))
+        logits.update(self._guard([r for r, _ in decodes], failed, lambda: self.executor.decode_logits(decodes))
+                      or {})
         return logits
+
+    def _guard(self, request_ids: Sequence[str], failed: dict[str, str] | None, work):
+        """``work()``; with ``failed``, an exception fails ``request_ids`` (recorded, dropped) instead of the step."""
+        if failed is None:
+            return work()
+        try:
+            return work()
+        except Exception as error:  # noqa: BLE001 - any error of one request must not stop the others
+            for request_id in request_ids:
+                failed[request_id] = f"{type(error).__name__}: {error}"
+                self.finish(request_id)
+            return None
 
     def _prefill(self, request_id: str, computed: int, scheduled: int) -> np.ndarray | None:
         """vLLM's chunk in calls of at most prefill_seq_len tokens, each gathering its own window.

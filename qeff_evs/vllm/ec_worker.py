@@ -115,7 +115,7 @@ class QeffEvsECWorker(QeffEvsWorker):
             super().initialize_from_config(kv_cache_config)
 
     # -- one step ---------------------------------------------------------------------------------------
-    def execute_model(self, scheduler_output) -> ModelRunnerOutput:
+    def execute_model(self, scheduler_output) -> ModelRunnerOutput | None:
         executor = self.driver.executor
         # vLLM's order: the step's freed entries go before anything is loaded or encoded for it.
         executor.free(scheduler_output.free_encoder_mm_hashes)
@@ -126,7 +126,14 @@ class QeffEvsECWorker(QeffEvsWorker):
                 scheduler_output, encoder_cache=executor.encoder_outputs) as ec_output:
             # A consumer's connector has loaded the step's shipped items into the encoder cache by now.
             output = self._encode(scheduler_output) if self.encoder_only else super().execute_model(scheduler_output)
+        if output is None:  # a language step: it samples in sample_tokens (vLLM calls it next), which carries this
+            self._ec_output = ec_output
+            return None
         return ModelRunnerOutput.with_ec_conn_output(output, ec_output)
+
+    def sample_tokens(self, grammar_output) -> ModelRunnerOutput:
+        ec_output, self._ec_output = getattr(self, "_ec_output", None), None
+        return ModelRunnerOutput.with_ec_conn_output(super().sample_tokens(grammar_output), ec_output)
 
     def _encode(self, scheduler_output) -> ModelRunnerOutput:
         """An encoder instance's step: admit, encode and ship the scheduled items; it never samples."""

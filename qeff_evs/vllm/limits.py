@@ -25,9 +25,6 @@ class ServingSettings:
     max_model_len: int
     video_pruning_rate: float | None
     enable_prefix_caching: bool
-    tensor_parallel_size: int = 1
-    pipeline_parallel_size: int = 1
-    speculative: bool = False
     video_pruning_method: str = DEFAULT_METHOD
 
 
@@ -59,10 +56,4 @@ def refusals(settings: ServingSettings, manifest: Manifest) -> list[str]:
     if settings.enable_prefix_caching:
         problems.append("prefix caching is on, but an export's KV rows are not shared blocks; pass "
                         "--no-enable-prefix-caching")
-    if settings.tensor_parallel_size != 1 or settings.pipeline_parallel_size != 1:
-        problems.append(f"tensor/pipeline parallel sizes {settings.tensor_parallel_size}/"
-                        f"{settings.pipeline_parallel_size}: an export runs as one worker; pass 1 for both")
-    if settings.speculative:
-        problems.append("speculative decoding is configured; the export decodes one token per step: remove "
-                        "--speculative-config")
     return problems

@@ -1,8 +1,11 @@
 """The vLLM platform that serves qeff-evs exports (active while ``QEFF_EVS_BACKEND`` is set).
 
 vLLM's scheduler, API server, detokenizer and sampler run unchanged; this platform points vLLM at our
-worker (which runs the export's sessions on the chosen backend), turns off what only applies to
-torch models (compilation, CUDA graphs), and refuses at start-up any setting the export cannot serve.
+worker (which runs the export's sessions on the chosen backend) and at vLLM's scheduler with one addition
+(``scheduler.py``), turns off what only applies to torch models (compilation, CUDA graphs), refuses at
+start-up any setting the export cannot serve (``limits.py``, ``settings.py``), and refuses per request, as
+an HTTP 400, what a request asks that the worker cannot do (``validate_request``: ``settings.py`` for
+sampling parameters, ``request_checks.py`` for the prompt).
 
 KV accounting: the worker declares one KV block per exported KV row, each as long as the model
 (``block_size = max_model_len``), so vLLM's block pool admits at most as many running requests as the
@@ -13,6 +16,7 @@ preemption would need a block that cannot exist). Prefix caching is refused, so 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 from vllm.platforms.interface import Platform, PlatformEnum
@@ -22,8 +26,11 @@ from qeff_evs.vllm.data_parallel import data_parallel_problems, record_local_ran
 from qeff_evs.vllm.ec_config import ec_refusals, ec_worker_class
 from qeff_evs.vllm.limits import ServingSettings, refusals, served_pruning
 from qeff_evs.vllm.plugin import BACKEND_ENV, active_backend, logger
+from qeff_evs.vllm.request_checks import RequestLimits, positions_problem, stray_media_pads
+from qeff_evs.vllm.settings import engine_refusals, sampling_refusals
 
 WORKER_CLASS = "qeff_evs.vllm.worker.QeffEvsWorker"
+SCHEDULER_CLASS = "qeff_evs.vllm.scheduler.QeffEvsScheduler"
 
 
 class QeffEvsPlatform(Platform):
@@ -32,6 +39,9 @@ class QeffEvsPlatform(Platform):
     device_type = "cpu"
     dispatch_key = "CPU"
     dist_backend = "gloo"
+    # What requests must respect, set when vLLM builds its config in this process (check_and_update_config runs
+    # in the API server's process too): vLLM calls validate_request with the request alone.
+    request_limits: ClassVar[RequestLimits | None] = None
 
     def is_cpu(self) -> bool:
         # The host vLLM runs on is a CPU (sessions own their device); vLLM's shutdown would otherwise
@@ -51,6 +61,11 @@ class QeffEvsPlatform(Platform):
     @classmethod
     def is_pin_memory_available(cls) -> bool:
         return False
+
+    @classmethod
+    def manual_seed_all(cls, seed: int) -> None:
+        # The host's torch generator is the only one vLLM's sampler draws from here (set_random_seed seeded it).
+        torch.manual_seed(seed)
 
     @classmethod
     def inference_mode(cls):
@@ -76,11 +91,11 @@ class QeffEvsPlatform(Platform):
             max_num_seqs=scheduler.max_num_seqs, max_model_len=model_config.max_model_len,
             video_pruning_rate=None if mm is None else mm.video_pruning_rate,
             video_pruning_method=served_pruning(mm).method,
-            enable_prefix_caching=bool(cache.enable_prefix_caching),
-            tensor_parallel_size=parallel.tensor_parallel_size, pipeline_parallel_size=parallel.pipeline_parallel_size,
-            speculative=vllm_config.speculative_config is not None)
+            enable_prefix_caching=bool(cache.enable_prefix_caching))
+        # Before record_local_ranks: settings.py reads --device-ids only where the config is made (see there).
+        ours = [f"{line} (the qeff-evs platform)" for line in engine_refusals(vllm_config)]
         record_local_ranks(vllm_config)
-        problems = refusals(settings, manifest) + ec_refusals(vllm_config) + data_parallel_problems(vllm_config)
+        problems = refusals(settings, manifest) + ec_refusals(vllm_config) + data_parallel_problems(vllm_config) + ours
         if problems:
             raise ValueError(f"{BACKEND_ENV}={active_backend()}: the export {export_dir} cannot serve these settings:\n"
                              + "\n".join(f"  - {p}" for p in problems))
@@ -88,13 +103,24 @@ class QeffEvsPlatform(Platform):
         from vllm.config import CompilationMode, CUDAGraphMode
 
         parallel.worker_cls = ec_worker_class(vllm_config) or WORKER_CLASS
+        scheduler.scheduler_cls = SCHEDULER_CLASS
         parallel.distributed_executor_backend = "uni"
         vllm_config.compilation_config.mode = CompilationMode.NONE
         vllm_config.compilation_config.cudagraph_mode = CUDAGraphMode.NONE
         scheduler.async_scheduling = False
         cache.block_size = model_config.max_model_len  # one block per request: see the module docstring
-        if Path(model_config.tokenizer) == export_dir:  # no --tokenizer given: the export's own
-            model_config.tokenizer = str(manifest.path(export_dir, "tokenizer"))
+        tokenizer_dir = manifest.path(export_dir, "tokenizer")
+        if Path(model_config.tokenizer) == export_dir != tokenizer_dir:  # an export from before issue 15
+            model_config.tokenizer = str(tokenizer_dir)
+        # vLLM's image loader refuses an image over VLLM_MAX_IMAGE_PIXELS with a ValueError (HTTP 400) right after
+        # reading its header, but Pillow's own decompression-bomb check fires first above the same size and raises
+        # an error vLLM answers with HTTP 500. Hand the limit to vLLM's check (the documented knob).
+        from PIL import Image
+
+        Image.MAX_IMAGE_PIXELS = None
+        tokens = manifest.special_tokens
+        names = {tokens.image_pad: "<|image_pad|>", tokens.video_pad: "<|video_pad|>"}
+        cls.request_limits = RequestLimits(names, manifest.language_shape.rope_positions, model_config.max_model_len)
         pruning = served_pruning(mm)
         logger.info("qeff-evs serves %s (%s, %s pruning at q=%s) on the %s backend: %d KV rows, chunks of %d tokens",
                     export_dir, manifest.family, pruning.method, pruning.rate, active_backend(),
@@ -102,14 +128,31 @@ class QeffEvsPlatform(Platform):
 
     @classmethod
     def validate_request(cls, processed_inputs, params) -> None:
-        """Refuse, per request (a 400), what the worker does not do, instead of ignoring it."""
+        """Refuse, per request (an HTTP 400), what the worker would not do or could not run.
+
+        vLLM calls this in its frontend after its renderer and our processor made the prompt, before the
+        request reaches the engine; nothing a request carries may raise in the worker.
+        """
+        from vllm.exceptions import VLLMValidationError
         from vllm.sampling_params import SamplingParams
 
+        from qeff_evs.vllm.processing import POSITIONS_END
+
         if not isinstance(params, SamplingParams):
-            raise ValueError("qeff-evs exports generate text; pooling requests are not supported")
-        if params.prompt_logprobs is not None:
-            raise ValueError("prompt_logprobs are not supported by qeff-evs exports (the graphs return the last "
-                             "position's logits only); drop prompt_logprobs")
-        if params.structured_outputs is not None:
-            raise ValueError("structured outputs (guided decoding) are not supported by the qeff-evs worker; drop "
-                             "the response_format / structured_outputs")
+            raise VLLMValidationError("qeff-evs exports generate text; pooling requests are not supported")
+        problems = sampling_refusals(params)
+        if problems:
+            raise VLLMValidationError("; ".join(problems))
+        if processed_inputs.get("type") == "embeds":
+            raise VLLMValidationError("prompt embeddings are not an input of qeff-evs exports (the language graph "
+                                      "embeds token ids itself); send token ids or text", parameter="prompt_embeds")
+        limits = cls.request_limits
+        ids = processed_inputs["prompt_token_ids"]
+        ranges = [r for placed in processed_inputs.get("mm_placeholders", {}).values() for r in placed]
+        problem = stray_media_pads(ids, [(r.offset, r.length) for r in ranges], limits)
+        if problem:
+            raise VLLMValidationError(problem, parameter="messages")
+        end = processed_inputs[POSITIONS_END] if ranges else len(ids)  # text only: one position per token
+        problem = positions_problem(end, len(ids), params.max_tokens, limits)
+        if problem:
+            raise VLLMValidationError(problem, parameter="max_tokens", value=params.max_tokens)

@@ -18,6 +18,9 @@ BACKEND_ENV = "QEFF_EVS_BACKEND"
 # the same under "device_ids" in --additional-config (a string, a list of ids, or a mapping of graph to ids).
 DEVICE_IDS_ENV = "QEFF_EVS_DEVICE_IDS"
 DEVICE_IDS_KEY = "device_ids"
+RANKS_KEY = "qeff_evs_local_ranks"  # additional_config: the data-parallel ranks on this host (data_parallel.py)
+# Every key of --additional-config the qeff-evs platform reads; settings.py refuses any other (add new keys here).
+ADDITIONAL_CONFIG_KEYS = (DEVICE_IDS_KEY, RANKS_KEY)
 BACKENDS = ("ort", "qaic", "torch")
 PLATFORM_PLUGIN_NAME = "qeff_evs"
 PLATFORM_CLASS = "qeff_evs.vllm.platform.QeffEvsPlatform"

@@ -9,7 +9,9 @@ ratio; images likewise. Each video or image pad the chat template emits (the fam
 becomes the family's placeholder sized by the served method's count K (``--video-pruning-method``,
 ``--video-pruning-rate``) before the encoder runs (e.g. Qwen3-VL: timestamps and the lumped layout). Everything a request can get
 wrong is checked here, in the frontend, where an error becomes a 400 for that request: an exception
-inside the worker would take vLLM's engine down.
+inside the worker would take vLLM's engine down. The processor also records where the prompt's unpruned
+M-RoPE positions end (``POSITIONS_END``), so the platform's ``validate_request`` can check them against the
+RoPE tables with the request's ``max_tokens``.
 
 The processed fields (``pixel_values_videos``, ``video_grid_thw``, ``video_fps``, ``video_frame_times``, ``video_num_frames``,
 ``pixel_values``, ``image_grid_thw``) travel to our worker, which rebuilds the ``MediaInput`` with
@@ -18,25 +20,36 @@ The processed fields (``pixel_values_videos``, ``video_grid_thw``, ``video_fps``
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
 import numpy as np
 import torch
 from transformers import BatchFeature
+from vllm.exceptions import VLLMValidationError
+from vllm.inputs.engine import mm_input
+from vllm.multimodal.cache.base import MultiModalProcessorOnlyCache
 from vllm.multimodal.inputs import MultiModalFieldConfig
 from vllm.multimodal.parse import MultiModalDataParser
 from vllm.multimodal.processing import BaseDummyInputsBuilder, BaseMultiModalProcessor, BaseProcessingInfo
 from vllm.multimodal.processing.processor import PromptReplacement, PromptUpdateDetails
 
-from qeff_evs.models.protocol import MediaInput
+from qeff_evs.models.protocol import MediaInput, ModelFamily
 from qeff_evs.models.pruning import VideoPruning
 from qeff_evs.runtime.engine.executor import retained_count
+from qeff_evs.runtime.engine.request import PromptPiece, plan_prompt
 from qeff_evs.runtime.runner import ExportBundle, image_from_array, largest_item_rows, open_export, video_from_frames
 from qeff_evs.runtime.inputs.video_io import DEFAULT_ARRAY_FPS
 from qeff_evs.vllm.limits import served_pruning
+from qeff_evs.vllm.request_checks import media_count, positions_end
 
+# Key of the processed input (vLLM's ``MultiModalInput``) that carries the first M-RoPE position after the
+# prompt to the platform's ``validate_request``: per-item fields do not reach it for items vLLM's processor
+# cache already holds, and the check needs the request's max_tokens, which only it sees.
+POSITIONS_END = "qeff_evs_positions_end"
 
 
 # --- media <-> processed fields --------------------------------------------------------------------
@@ -84,6 +97,8 @@ def process_media(bundle: ExportBundle, videos: Sequence[Any], images: Sequence[
         for number, item in enumerate(videos):
             frames, metadata = _frames_and_metadata(item)
             try:
+                if len(frames) == 0:
+                    raise ValueError("no frame could be decoded from it; send a video file a decoder can read")
                 video = video_from_frames(frames, metadata, bundle, mm_processor_kwargs=video_kwargs)
                 bundle.manifest.check_video(video.grid_thw)
             except ValueError as error:
@@ -99,6 +114,22 @@ def process_media(bundle: ExportBundle, videos: Sequence[Any], images: Sequence[
         data.update(pixel_values=torch.cat([m.pixel_values for m in media]),
                     image_grid_thw=torch.tensor([m.grid_thw for m in media], dtype=torch.int64))
     return BatchFeature(data)
+
+
+def position_span(family: ModelFamily, media: MediaInput, retained: int) -> int:
+    """M-RoPE positions one item's unpruned segment spans (the decode start of a prompt that is only it)."""
+    return plan_prompt([PromptPiece(video=0)], [media], [retained], family).decode_start
+
+
+@dataclass
+class MediaPlaceholder(PromptUpdateDetails):
+    """vLLM's replacement for one media item's pad token, plus the positions its segment spans.
+
+    vLLM's processor cache keeps these replacements for items it has seen (their processed fields are
+    not re-sent), so the span reaches :meth:`QeffEvsProcessor.apply` for every item of every request.
+    """
+
+    position_span: int = 0
 
 
 # --- vLLM's processor interfaces -------------------------------------------------------------------
@@ -155,6 +186,41 @@ class QeffEvsDummyInputs(BaseDummyInputsBuilder[QeffEvsProcessingInfo]):
 
 
 class QeffEvsProcessor(BaseMultiModalProcessor[QeffEvsProcessingInfo]):
+    def _cached_apply_hf_processor(self, inputs, timing_ctx):
+        """vLLM's, minus the API server's copy of the engine's processor cache.
+
+        That copy marks an item as held by the engine as soon as it is processed; a request refused after
+        processing (``validate_request``, and vLLM's own checks of sampling parameters) never reaches the
+        engine, so the next request with the same media would be sent without its data and fail there (an
+        HTTP 500 "multimodal cache miss"). Here every item's data is sent; the engine's cache still keys it.
+        The in-process cache (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) holds the data itself and stays.
+        """
+        if inputs.cache is not None and not isinstance(inputs.cache, MultiModalProcessorOnlyCache):
+            inputs = dataclasses.replace(inputs, cache=None)
+        return super()._cached_apply_hf_processor(inputs, timing_ctx)
+
+    def apply(self, inputs, timing_ctx):
+        """vLLM's ``BaseMultiModalProcessor.apply`` (0.32), with our checks and the prompt's positions end."""
+        tokens = self.info.bundle.family.special_tokens()
+        tokenizer = self.info.bundle.tokenizer
+        pads = {modality: (pad, tokenizer.convert_ids_to_tokens(pad))
+                for modality, pad in (("video", tokens.video_pad), ("image", tokens.image_pad))}
+        problem = media_count(inputs.prompt, inputs.mm_data_items.get_all_counts(), pads)
+        if problem:
+            raise VLLMValidationError(problem, parameter="messages")
+
+        mm_res = self._cached_apply_hf_processor(inputs, timing_ctx)
+        with timing_ctx.record("apply_prompt_updates"):
+            prompt_ids, mm_placeholders = self._maybe_apply_prompt_updates(mm_items=inputs.mm_data_items,
+                                                                           mm_res=mm_res)
+        items = [item for placed in mm_placeholders.values() for item in placed]
+        result = mm_input(prompt_token_ids=prompt_ids, mm_kwargs=mm_res.kwargs, mm_hashes=mm_res.hashes,
+                          mm_placeholders={modality: [item.to_range() for item in placed]
+                                           for modality, placed in mm_placeholders.items()})
+        spans = [mm_res.prompt_updates[item.modality][item.item_idx][0].content.position_span for item in items]
+        result[POSITIONS_END] = positions_end(len(prompt_ids), [(i.start_idx, i.length) for i in items], spans)
+        return result
+
     def _apply_hf_processor_main(self, mm_items, hf_kwargs: Mapping[str, object]) -> BatchFeature:
         # No Hugging Face processor runs: our host preprocessing does, on (frames, metadata) per video.
         videos = [mm_items["video"].get(i) for i in range(mm_items["video"].get_count())] if "video" in mm_items else []
@@ -182,10 +248,12 @@ class QeffEvsProcessor(BaseMultiModalProcessor[QeffEvsProcessingInfo]):
         tokens = family.special_tokens()
 
         def placeholder(modality: str, pad: int):
-            def replacement(item_idx: int) -> PromptUpdateDetails:
+            def replacement(item_idx: int) -> MediaPlaceholder:
                 media = media_from_fields(out_mm_kwargs[modality][item_idx].get_data(), modality)
-                ids = family.placeholder_ids(media, retained_count(family, media, pruning))
-                return PromptUpdateDetails.select_token_id([int(i) for i in ids], pad)
+                k = retained_count(family, media, pruning)
+                ids = [int(i) for i in family.placeholder_ids(media, k)]
+                return MediaPlaceholder(ids, PromptUpdateDetails.select_token_id(ids, pad).is_embed,
+                                        position_span(family, media, k))
             return replacement
 
         return [PromptReplacement(modality=modality, target=[tokens.media_pad(modality)],

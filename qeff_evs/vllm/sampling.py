@@ -1,12 +1,13 @@
 """vLLM's own sampler on our logits, with vLLM's persistent batch holding each request's sampling state.
 
 vLLM's GPU model runner keeps an ``InputBatch`` (per-request temperature, top-p/top-k, seeded generators,
-penalties, logits processors such as min_tokens and logit_bias, allowed/bad words, logprob counts) and
-samples with ``vllm.v1.sample.sampler.Sampler`` from its ``sampling_metadata``. This module keeps the
-same batch in step with each ``SchedulerOutput`` (what ``GPUModelRunner._update_states`` does, minus
-GPU tensors, speculative decoding and pipeline stages, which our platform refuses) and samples our
-``(vocab,)`` logits with vLLM's sampler. A request whose step yields no token (a prefill chunk that does
-not finish its prompt) is sampled on a zero row and discarded, with its seeded generator rewound, as vLLM does.
+penalties, logits processors such as min_tokens and logit_bias, custom logits processors, allowed/bad
+words, logprob counts, thinking-budget state) and samples with ``vllm.v1.sample.sampler.Sampler`` from its
+``sampling_metadata``, after applying the structured-output grammar bitmask to the logits. This module
+keeps the same batch in step with each ``SchedulerOutput`` (what ``GPUModelRunner._update_states`` does,
+minus GPU tensors, speculative decoding and pipeline stages, which our platform refuses) and does the same
+with our ``(vocab,)`` logits. A request whose step yields no token (a prefill chunk that does not finish its
+prompt) is sampled on a zero row and discarded, with its seeded generator rewound, as vLLM does.
 """
 
 from __future__ import annotations
@@ -16,10 +17,12 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 from vllm.sampling_params import SamplingType
-from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.sample.logits_processor import build_logitsprocs
 from vllm.v1.sample.sampler import Sampler
+from vllm.v1.structured_output.utils import apply_grammar_bitmask
 from vllm.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
+
+from qeff_evs.vllm.scheduler import RunnerOutput
 
 CPU = torch.device("cpu")
 
@@ -44,11 +47,13 @@ class HostSampler(Sampler):
 class VllmSampling:
     def __init__(self, vllm_config, vocab_size: int, block_size: int):
         scheduler, model = vllm_config.scheduler_config, vllm_config.model_config
+        custom = tuple(model.logits_processors or ())  # --logits-processors, as vLLM's GPU runner builds them
         self.batch = InputBatch(
             max_num_reqs=scheduler.max_num_seqs, max_model_len=model.max_model_len,
             max_num_batched_tokens=scheduler.max_num_batched_tokens, device=CPU, vocab_size=vocab_size,
             block_sizes=[block_size], max_num_blocks_per_req=[1],
-            logitsprocs=build_logitsprocs(vllm_config, CPU, False, False, ()))
+            logitsprocs=build_logitsprocs(vllm_config, CPU, False, False, custom),
+            logitsprocs_need_output_token_ids=bool(custom), reasoning_config=vllm_config.reasoning_config)
         self.sampler = HostSampler(model.logprobs_mode)
         self.requests: dict[str, CachedRequestState] = {}
 
@@ -90,11 +95,16 @@ class VllmSampling:
         self.batch.condense()
         self.batch.refresh_metadata()
 
-    def sample(self, logits: Mapping[str, np.ndarray]) -> tuple[ModelRunnerOutput, dict[str, list[int]]]:
-        """Sample the requests that have logits; the runner output vLLM's scheduler takes, and the tokens."""
+    def sample(self, logits: Mapping[str, np.ndarray], scheduler_output=None,
+               grammar_output=None) -> tuple[RunnerOutput, dict[str, list[int]]]:
+        """Sample the requests that have logits; the runner output vLLM's scheduler takes, and the tokens.
+
+        ``grammar_output``: vLLM's structured-output bitmask for the step (``scheduler_output``'s), applied to
+        the logits first, as vLLM's GPU runner does.
+        """
         req_ids = list(self.batch.req_ids)
         if not req_ids:
-            return ModelRunnerOutput(req_ids=[], req_id_to_index={}), {}
+            return RunnerOutput(req_ids=[], req_id_to_index={}), {}
         vocab = self.batch.vocab_size
         rows = torch.zeros((len(req_ids), vocab), dtype=torch.float32)
         for i, request_id in enumerate(req_ids):
@@ -104,6 +114,8 @@ class VllmSampling:
                     raise ValueError(f"the language graph returned {row.shape[0]} logits, vLLM's vocabulary has "
                                      f"{vocab}; the export and its config.json disagree")
                 rows[i] = torch.from_numpy(row)
+        if grammar_output is not None:
+            apply_grammar_bitmask(scheduler_output, grammar_output, self.batch, rows)
         discarded = [i for i, r in enumerate(req_ids) if r not in logits]
         generators = self.batch.generators
         saved = {i: generators[i].get_state() for i in discarded if i in generators}
@@ -126,6 +138,6 @@ class VllmSampling:
             self.batch.num_tokens_no_spec[i] = end + 1
             self.requests[request_id].output_token_ids.append(token)
         logprobs = None if output.logprobs_tensors is None else output.logprobs_tensors.tolists()
-        runner_output = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
+        runner_output = RunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
                                           sampled_token_ids=valid, logprobs=logprobs, prompt_logprobs_dict={})
         return runner_output, sampled

@@ -1,11 +1,16 @@
 """The vLLM worker that runs a qeff-evs export: vLLM's ``SchedulerOutput`` in, ``ModelRunnerOutput`` out.
 
-Per step: vLLM's persistent batch is updated (:mod:`qeff_evs.vllm.sampling`), new requests are admitted
-to the driver with their prompt plan (rebuilt from vLLM's prompt ids and the media our processor
-prepared), the driver runs the scheduled encoder items, prefill chunks (window rows, int64 positions,
-the request's KV row) and decodes over the backend's sessions and returns logits, and vLLM's sampler
-picks the tokens. Encoder outputs are dropped when vLLM's encoder cache frees them, KV rows when vLLM
-finishes or aborts a request.
+Per step (``execute_model``): vLLM's persistent batch is updated (:mod:`qeff_evs.vllm.sampling`), new
+requests are admitted to the driver with their prompt plan (rebuilt from vLLM's prompt ids and the media
+our processor prepared), and the driver runs the scheduled encoder items, prefill chunks (window rows,
+int64 positions, the request's KV row) and decodes over the backend's sessions. Then (``sample_tokens``,
+as vLLM's GPU runner) vLLM's structured-output bitmask is applied to the logits and vLLM's sampler picks
+the tokens. Encoder outputs are dropped when vLLM's encoder cache frees them, KV rows when vLLM finishes
+or aborts a request.
+
+The frontend has refused whatever a request could get wrong; the checks here assert what it guaranteed.
+Should one fail anyway, or a backend call raise for one request, that request alone fails (logged, reported
+in ``RunnerOutput.failed``; the scheduler finishes it with an error) and the engine serves the others.
 
 On the qaic backend every program of the export is loaded once, on the devices ``QEFF_EVS_DEVICE_IDS`` or
 ``--additional-config '{"device_ids": ...}'`` name (refused before loading if they over-subscribe a device;
@@ -27,9 +32,10 @@ from qeff_evs.runtime.runner import engine_config, open_export, sessions_for
 from qeff_evs.vllm.data_parallel import configured_device_ids, log_rank
 from qeff_evs.vllm.driver import VllmDriver
 from qeff_evs.vllm.limits import served_pruning
-from qeff_evs.vllm.plugin import active_backend
+from qeff_evs.vllm.plugin import active_backend, logger
 from qeff_evs.vllm.processing import media_from_fields
 from qeff_evs.vllm.sampling import VllmSampling
+from qeff_evs.vllm.scheduler import RunnerOutput
 
 # vLLM's block accounting needs a layer name; the real KV state lives in our sessions.
 KV_LAYER = "qeff_evs.kv_rows"
@@ -51,7 +57,10 @@ def prompt_pieces(prompt_ids: list[int], features) -> list[PromptPiece]:
 
 class QeffEvsWorker(WorkerBase):
     def init_device(self) -> None:
+        from vllm.utils.torch_utils import set_random_seed
+
         self.device = torch.device("cpu")
+        set_random_seed(self.model_config.seed)  # as vLLM's workers: unseeded sampling follows --seed
 
     def load_model(self, *, load_dummy_weights: bool = False) -> None:
         bundle = open_export(self.model_config.model)
@@ -59,6 +68,7 @@ class QeffEvsWorker(WorkerBase):
         self.bundle = bundle
         self.driver = VllmDriver(bundle.family, *self._sessions(bundle, config.video_pruning_method), config)
         self.sampling: VllmSampling | None = None
+        self._step = None  # (scheduler output, logits, failed) between execute_model and sample_tokens
 
     def _sessions(self, bundle, method: str):
         """The vision pipeline (with ``method``'s pruning graph) and language session this worker runs."""
@@ -96,27 +106,41 @@ class QeffEvsWorker(WorkerBase):
         return CompilationTimes(language_model=0.0, encoder=0.0)
 
     # -- one step ---------------------------------------------------------------------------------------
-    def execute_model(self, scheduler_output) -> ModelRunnerOutput:
+    def execute_model(self, scheduler_output) -> None:
+        """Run the step's graphs; ``sample_tokens`` samples (vLLM calls it next, with the grammar bitmask)."""
         self.sampling.update(scheduler_output)
         for request_id in scheduler_output.finished_req_ids:  # first: vLLM may reuse an aborted request's id
             self.driver.finish(request_id)
+        failed: dict[str, str] = {}
         for new in scheduler_output.scheduled_new_reqs:
-            self._admit(new)
-        logits = self.driver.step(scheduler_output)
-        output, sampled = self.sampling.sample(logits)
+            try:
+                self._admit(new)
+            except Exception as error:  # noqa: BLE001 - one request's failure must not stop the engine
+                failed[new.req_id] = f"{type(error).__name__}: {error}"
+        logits = self.driver.step(scheduler_output, failed)
+        for request_id, reason in failed.items():
+            logger.error("qeff-evs could not run request %s, which fails alone (the frontend should have refused "
+                         "it): %s", request_id, reason)
+        self._step = (scheduler_output, logits, failed)
+        return None
+
+    def sample_tokens(self, grammar_output) -> RunnerOutput:
+        scheduler_output, logits, failed = self._step
+        self._step = None
+        output, sampled = self.sampling.sample(logits, scheduler_output, grammar_output)
         for request_id, tokens in sampled.items():
             self.driver.accept(request_id, tokens)
+        output.failed = failed
         return output
 
     def _admit(self, new) -> None:
         features = sorted(new.mm_features or [], key=lambda f: f.mm_position.offset)
         media = [media_from_fields(f.data.get_data(), f.modality) for f in features]
         plan = self.driver.plan(prompt_pieces(list(new.prompt_token_ids), features), media)
+        # Assertions of what the frontend guaranteed (request_checks.py, the processor and validate_request).
         if not np.array_equal(plan.ids, np.asarray(new.prompt_token_ids)):
-            raise ValueError(f"request {new.req_id}: vLLM's prompt ids differ from the export's layout of the same "
-                             "media; the prompt was not made by the qeff-evs processor")
-        # The platform's start-up check keeps max_model_len's unpruned positions inside the RoPE tables; only a
-        # Qwen2.5-VL video at a very sparse frame rate can still pass them (then this stops the engine, clearly).
+            raise AssertionError(f"request {new.req_id}: vLLM's prompt ids differ from the export's layout of the "
+                                 "same media; the prompt was not made by the qeff-evs processor")
         check_rope_range(plan.decode_start, new.sampling_params.max_tokens, self.bundle.language_shape.rope_positions)
         self.driver.admit(new.req_id, plan, media, features)
 
