@@ -43,6 +43,7 @@ openai = pytest.importorskip("openai")
 # vLLM's server imports more than its pure-Python oracles; scripts/install.sh --test installs it all.
 pytest.importorskip("uvicorn", reason="vLLM's server packages are missing: run bash scripts/install.sh --test")
 
+from qeff_evs.bench.serving import write_video as write_mkv  # noqa: E402 (lossless ffv1: the server decodes these pixels)
 from qeff_evs.models.pruning import VideoPruning  # noqa: E402
 from qeff_evs.runtime.engine.executor import retained_count  # noqa: E402
 from qeff_evs.runtime.engine.request import PromptPiece, plan_prompt  # noqa: E402
@@ -51,23 +52,11 @@ from qeff_evs.runtime.inputs.synthetic import moving_square_video  # noqa: E402
 from qeff_evs.runtime.runner import answer, build_engine, image_from_array, open_export, stop_ids, video_from_file  # noqa: E402
 
 from conftest import SERVED_CTX_LEN as CTX_LEN, SERVED_FULL_BATCH as FULL_BATCH  # noqa: E402
+
 QUESTION = "What happens in this video?"
 START_TIMEOUT_S = 240
 REQUEST_TIMEOUT_S = 120
 MEDIA_LIMIT = {"video": 2, "image": 2}
-
-
-def write_mkv(path: Path, frames: np.ndarray, fps: int) -> Path:
-    """Lossless (ffv1, RGB) Matroska: PyAV and vLLM's OpenCV loader decode the same pixels."""
-    import av
-
-    with av.open(str(path), mode="w") as container:
-        stream = container.add_stream("ffv1", rate=fps)
-        stream.width, stream.height, stream.pix_fmt = frames.shape[2], frames.shape[1], "bgr0"
-        for frame in frames:
-            container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
-        container.mux(stream.encode())
-    return path
 
 
 def data_url(path: Path, mime: str) -> str:
