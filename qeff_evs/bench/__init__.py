@@ -19,7 +19,7 @@ import argparse
 from pathlib import Path
 
 from qeff_evs.bench.config import PRESETS, BenchConfig, preset
-from qeff_evs.models.registry import family_names
+from qeff_evs.models.registry import DEFAULT_FAMILY, family_names
 
 
 class _Families:
@@ -170,8 +170,8 @@ def run_serving(args: argparse.Namespace, progress) -> int:
         else:
             checkpoint = workdir / "checkpoint"
             if not (checkpoint / "config.json").is_file():
-                progress("building a random checkpoint with Qwen2.5-VL-3B widths (2 text / 2 vision layers)")
-                serving_checkpoint("qwen2_5_vl", checkpoint)
+                progress(f"building a random {DEFAULT_FAMILY} checkpoint at released widths (2 + 2 layers)")
+                serving_checkpoint(DEFAULT_FAMILY, checkpoint)
             targets = export_targets(checkpoint, workdir, args.serving_rates, load, progress)
         results = run_serving_sweep(targets, workdir / "serving", load, progress)
         save_serving(results, load, args.output)

@@ -161,18 +161,13 @@ def bench_target(target: ServingTarget, dataset: Path, media: Path, load: Servin
 
 def serving_checkpoint(family: str, folder: Path, seed: int = 0) -> Path:
     """A random checkpoint folder with the released model's hidden widths, 2 + 2 layers, the tiny tokenizer."""
-    from qeff_evs.bench.realistic import realistic_config
+    from qeff_evs.models.registry import family_class
     from qeff_evs.models.tiny import save_tiny_checkpoint
 
-    widths = realistic_config(family, text_layers=2, vision_layers=2)
-    text_keys = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-                 "rope_parameters", "rms_norm_eps", "head_dim")
-    vision_keys = ("depth", "hidden_size", "intermediate_size", "num_heads", "out_hidden_size", "patch_size",
-                   "window_size", "fullatt_block_indexes", "tokens_per_second", "num_position_embeddings",
-                   "deepstack_visual_indexes")
-    text = {k: getattr(widths.text_config, k) for k in text_keys if hasattr(widths.text_config, k)}
-    vision = {k: getattr(widths.vision_config, k) for k in vision_keys if hasattr(widths.vision_config, k)}
-    text["max_position_embeddings"] = max(8192, getattr(widths.text_config, "max_position_embeddings", 0) or 0)
+    text, vision = family_class(family).realistic_widths(text_layers=2, vision_layers=2)
+    # The tiny tokenizer sets the vocabulary (and so the tied head); the long RoPE table serves long prompts.
+    text = {k: v for k, v in text.items() if k not in ("vocab_size", "tie_word_embeddings")}
+    text["max_position_embeddings"] = max(8192, text.get("max_position_embeddings", 0) or 0)
     return save_tiny_checkpoint(family, folder, seed=seed, text_config=text, vision_config=vision)
 
 

@@ -251,6 +251,10 @@ class ModelFamily(Protocol):
     def realistic_config_kwargs(cls, text_layers: int, vision_layers: int) -> dict[str, Any]:
         """``config_class`` kwargs of a released checkpoint's widths with these depths (the bench's models)."""
 
+    @classmethod
+    def realistic_widths(cls, text_layers: int, vision_layers: int) -> tuple[dict[str, Any], dict[str, Any]]:
+        """``(text_config, vision_config)`` kwargs of a released checkpoint's widths with these depths."""
+
     # ---- one checkpoint's adapter -----------------------------------------------------------------
     name: str  # == model_type
     config: Any  # the checkpoint's transformers config
