@@ -260,7 +260,7 @@ def rank_candidates(embeds: torch.Tensor, bucket: int, frame_count: torch.Tensor
 
     ``embeds`` is a video's merged rows padded to ``bucket`` temporal patches (``(B*h*w, D)``, raster
     order); ``frame_count`` a one-element int64 tensor ``T <= B``; ``extra`` optional scoring features
-    ``(B*h*w, E)`` concatenated after ``embeds`` (Qwen3-VL's deepstack levels). Real rows rank by
+    ``(B*h*w, E)`` concatenated after ``embeds`` (a family's extra rows, level by level). Real rows rank by
     dissimilarity, descending, ties toward the lower flat index; padding rows follow in index order.
     The first ``retained_token_count(h*w, T, q)`` entries are vLLM's kept set for every ``T`` and ``q``
     (``kept_indices``). Runs in the input dtype, like ``retention_mask``.

@@ -394,9 +394,6 @@ def read_manifest(export_dir: Path) -> Manifest:
     shape = dict(raw.pop("language_shape"))
     for field_name, key in _TOP_LEVEL_SHAPE.items():
         shape[field_name] = raw.pop(key)
-    if "deepstack_levels" in shape:  # exports written before the family extras were one mapping
-        levels = shape.pop("deepstack_levels")
-        shape["extras"] = {"deepstack_features": levels} if levels else {}
     tokens = dict(raw.pop("special_tokens"))
     tokens["eos"] = tuple(tokens.get("eos", ()))
     raw["frame_buckets"] = tuple(raw["frame_buckets"])

@@ -1,7 +1,7 @@
 """VidCom2 (Video Compression Commander, Liu et al., EMNLP 2025): which merged video tokens survive pruning.
 
 Semantics are vLLM 0.32's ``vllm.multimodal.video_prune.vidcom2``, on the same embeddings as EVS
-(``(T*h*w, D)`` in raster order; Qwen3-VL scores ``[merger | deepstack levels]``):
+(``(T*h*w, D)`` in raster order; a family with extra rows scores ``[merger | extra levels]``):
 
 * **count** ``K = max(T, min(int(T*h*w * (1.0 - q)), T*h*w))`` in Python double: at least one token per frame;
 * **scores**: keep the ``D // 2`` channels of lowest population variance (over all rows, ascending), L2-normalise

@@ -249,7 +249,7 @@ def save_video_processor_config(checkpoint, family: ModelFamily, folder: Path) -
 
     vLLM picks its video loader by the model folder's ``video_processor_type`` (else by ``model_type``
     through torchvision, else its generic OpenCV loader): with this file an export gets the loader a real
-    checkpoint gets (``qwen2_vl`` / ``qwen3_vl``), so vLLM hands our processor the frames it would hand the
+    checkpoint gets (the one named for its processor), so vLLM hands our processor the frames it would hand the
     model's. The checkpoint's own video (else image) preprocessor settings are kept.
     """
     settings: dict = {}

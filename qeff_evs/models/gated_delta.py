@@ -1,4 +1,4 @@
-"""The gated delta rule (Gated DeltaNet, Qwen3.5's linear attention) in standard ONNX ops, fp32 inside.
+"""The gated delta rule (Gated DeltaNet, a hybrid model's linear attention) in standard ONNX ops, fp32 inside.
 
 Per value head the recurrent state ``S`` is a ``(dk, dv)`` matrix; token ``t`` with query ``q_t``,
 key ``k_t`` (both L2-normalised, ``q`` also scaled by ``dk ** -0.5``), value ``v_t``, log-decay
@@ -9,7 +9,7 @@ key ``k_t`` (both L2-normalised, ``q`` also scaled by ``dk ** -0.5``), value ``v
     o_t = S^T q_t
 
 Two exact forms of this, both as in transformers' ``torch_recurrent_gated_delta_rule`` and
-``torch_chunk_gated_delta_rule`` (``transformers.models.qwen3_5``), the independent reference of the tests:
+``torch_chunk_gated_delta_rule`` (in the transformers model folders that use them), the independent reference of the tests:
 
 * :func:`recurrent_gated_delta_rule`: the loop above, one step per token (decode, ``S = 1``);
 * :func:`chunked_gated_delta_rule`: chunks of ``C`` tokens. Inside a chunk the ``C`` sequential
@@ -101,7 +101,7 @@ def gates(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.
     """``(g, beta)`` of the ``in_proj_a`` / ``in_proj_b`` outputs ``(..., Hv)``, fp32.
 
     ``g = -exp(A_log) * softplus(a + dt_bias)`` (log-decay, <= 0), ``beta = sigmoid(b)``, as
-    ``Qwen3_5GatedDeltaNet.forward``. Computed in fp32 as transformers forces it.
+    transformers' Gated DeltaNet ``forward``. Computed in fp32 as transformers forces it.
     """
     g = -a_log.float().exp() * softplus(a.float() + dt_bias.float())
     return g, torch.sigmoid(b.float())

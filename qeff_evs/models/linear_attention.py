@@ -1,6 +1,6 @@
 """One Gated DeltaNet layer step over retained state: what a hybrid language graph runs for a linear layer.
 
-A linear-attention layer (transformers' ``Qwen3_5GatedDeltaNet``, run here with its own weights) keeps
+A linear-attention layer (transformers' Gated DeltaNet layer, run here with its own weights) keeps
 two tensors per request instead of a KV cache:
 
 * ``conv_state.{i}`` ``(rows, conv_dim, K - 1)``: the conv inputs (q|k|v channels) of the last
@@ -93,7 +93,7 @@ class LinearStateSpec:
 
 
 def linear_state_spec(gdn: nn.Module) -> LinearStateSpec:
-    """The state shapes of a ``Qwen3_5GatedDeltaNet`` (or any module with its attribute names)."""
+    """The state shapes of a transformers Gated DeltaNet layer (any module with its attribute names)."""
     return LinearStateSpec(conv_dim=int(gdn.conv_dim), conv_history=int(gdn.conv_kernel_size) - 1,
                            v_heads=int(gdn.num_v_heads), k_dim=int(gdn.head_k_dim), v_dim=int(gdn.head_v_dim))
 
@@ -117,7 +117,7 @@ def _valid_prefix(slots: torch.Tensor) -> None:
 
 
 class GatedDeltaNetStep(nn.Module):
-    """A step of one ``Qwen3_5GatedDeltaNet`` over retained conv/recurrent state (module docstring).
+    """A step of one transformers Gated DeltaNet layer over retained conv/recurrent state (module docstring).
 
     It shares (does not copy) the layer's parameters and never calls its ``forward``.
     ``chunk_size`` caps the prefill chunk (``chunk_size_for``); ``prefill_seq_len`` makes one graph serve

@@ -8,10 +8,10 @@
 
 Inputs, in order: ``merged_embeds (bucket_tokens, D)`` (the video's rows, zero-padded to ``B`` temporal patches),
 [``score_extras (levels, bucket_tokens, E)``: more features to score with, concatenated level by level after the
-rows; Qwen3-VL passes its deepstack rows], ``bucket_carrier (frame_bucket,)`` (int64, values unused: its length is
+rows; a family with extra rows passes them], ``bucket_carrier (frame_bucket,)`` (int64, values unused: its length is
 ``B``), ``frame_count (1,)`` (int64, the real ``T <= B``), and for VidCom2 ``retention_ratio (1,)`` (float32).
 Output: ``ranking (bucket_tokens,)`` int64. The host keeps ``evs.kept_indices(ranking, K)`` with ``K`` from the
-method's count rule for its ``T`` and ``q`` and gathers the rows (and the deepstack rows) itself.
+method's count rule for its ``T`` and ``q`` and gathers the rows (and the extra rows) itself.
 
 The symbols are ``frame_bucket`` and ``bucket_tokens`` only: one specialization per (resolution, bucket) serves
 every ``T`` up to the bucket and every rate. The arithmetic runs in float32 whatever the I/O dtype (DESIGN §11:
@@ -46,7 +46,7 @@ def pruning_symbols(tokens_per_frame: int, bucket: int) -> dict[str, int]:
 
 
 def pad_to_bucket(rows: np.ndarray, bucket_rows: int, axis: int = 0) -> np.ndarray:
-    """``rows`` zero-padded along ``axis`` to ``bucket_rows`` (a video's merged or deepstack rows)."""
+    """``rows`` zero-padded along ``axis`` to ``bucket_rows`` (a video's merged or extra rows)."""
     rows = np.asarray(rows)
     missing = int(bucket_rows) - rows.shape[axis]
     if missing < 0:
@@ -153,7 +153,7 @@ class PruningRanking(nn.Module):
         extra = None
         if self.score_levels:
             score_extras, *rest = rest
-            # [level 0 | level 1 | ...] along features after the rows, as vLLM concatenates deepstack rows.
+            # [level 0 | level 1 | ...] along features after the rows, as vLLM concatenates a model's multi-level rows.
             extra = score_extras.float().permute(1, 0, 2).reshape(score_extras.shape[1], -1)
         bucket_carrier, frame_count, *ratio = rest
         return self.method.rank(merged_embeds.float(), bucket_carrier.shape[0], frame_count, *ratio, extra=extra)

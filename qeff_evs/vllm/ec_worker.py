@@ -55,8 +55,8 @@ class _EncoderOutputWidth:
     vLLM (``measure_encoder_output_widths``) encodes a dummy item through ``worker.model_runner.get_model()
     .embed_multimodal`` on every producer and keeps the last dimension; only its CPU and Mooncake connectors
     read it, to size transfer buffers. The width of what our graphs return is fixed by the export (the kept
-    rows and the family's extra rows of each token: ``hidden * (1 + levels)``, the width vLLM's Qwen3-VL
-    reports with its deepstack levels too), so it is given from the export's shapes instead of running the graphs.
+    rows and the family's extra rows of each token: ``hidden * (1 + levels)``, the width vLLM's
+    own model classes report for multi-level rows too), so it is given from the export's shapes instead of running the graphs.
     """
 
     width: int

@@ -2,7 +2,7 @@
 
 After the encoder and pruning graphs a media item is an ``EncodedMedia``: its K kept rows, their ascending
 raster indices on the merged grid, the kept count of each temporal patch and the family's extra per-row
-tensors (Qwen3-VL: the deepstack rows of the kept tokens). That is all a prefill instance needs to fill the
+tensors (the family's extra rows of the kept tokens). That is all a prefill instance needs to fill the
 item's placeholder (real layout, int64 positions from the indices) and to gather each chunk's window; it never
 needs the pruned rows. Without pruning on the encoder side, vLLM's encoder disaggregation ships every row of
 the unpruned merged grid; here only the kept rows travel, about ``1 - q`` of that.
@@ -13,7 +13,7 @@ module naming them):
   ``rows``              ``(K, hidden)``, the dtype the graphs produced
   ``retained_indices``  ``(K,)`` int64, ascending
   ``kept_per_frame``    ``(T,)`` int64, summing to K
-  ``extra.<name>``      the family's extra rows, ``(levels, K, hidden)`` (``extra.deepstack_features``)
+  ``extra.<name>``      the family's extra rows, ``(levels, K, hidden)``
 """
 
 from __future__ import annotations
