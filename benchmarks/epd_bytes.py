@@ -106,7 +106,8 @@ def measure(pairs: list[tuple[Path, float]], videos: list[Path], max_num_seqs: i
     from safetensors.numpy import load_file
 
     from qeff_evs.runtime.engine import kept_rows
-    from qeff_evs.runtime.runner import open_export, video_from_file
+    from qeff_evs.runtime.export_bundle import open_export
+    from qeff_evs.runtime.media import video_from_file
     from qeff_evs.vllm.ec_connector import payload_path
 
     rows = []

@@ -81,7 +81,9 @@ def run(args) -> dict:
     import numpy as np
 
     from qeff_evs.runtime.inputs.synthetic import moving_square_video
-    from qeff_evs.runtime.runner import answer, build_engine, open_export, video_from_frames
+    from qeff_evs.runtime.builders import answer, build_engine
+    from qeff_evs.runtime.export_bundle import open_export
+    from qeff_evs.runtime.media import video_from_frames
 
     bundle = open_export(Path(args.out) / "export")
     shape = bundle.language_shape

@@ -131,7 +131,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
 
 def _video(args: argparse.Namespace, bundle):
     """The video of ``--video`` or ``--pixel-values-videos`` + ``--video-grid-thw`` (run and encode)."""
-    from qeff_evs.runtime.runner import video_from_file, video_from_patches
+    from qeff_evs.runtime.media import video_from_file, video_from_patches
 
     if args.video:
         return video_from_file(args.video, bundle, media_io_kwargs=(args.media_io_kwargs or {}).get("video"),
@@ -142,7 +142,8 @@ def _video(args: argparse.Namespace, bundle):
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from qeff_evs.runtime.runner import answer, build_engine, open_export, video_pruning
+    from qeff_evs.runtime.builders import answer, build_engine, video_pruning
+    from qeff_evs.runtime.export_bundle import open_export
 
     bundle = open_export(args.export_dir)
     pruning = video_pruning(bundle, args.video_pruning_method, args.video_pruning_rate)
@@ -167,7 +168,9 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_encode(args: argparse.Namespace) -> int:
-    from qeff_evs.runtime.runner import encode_video, open_export, video_pruning
+    from qeff_evs.runtime.builders import video_pruning
+    from qeff_evs.runtime.encode import encode_video
+    from qeff_evs.runtime.export_bundle import open_export
 
     bundle = open_export(args.export_dir)
     pruning = video_pruning(bundle, args.video_pruning_method, args.video_pruning_rate)
@@ -188,7 +191,8 @@ def cmd_encode(args: argparse.Namespace) -> int:
 
 def _serve_requests(args: argparse.Namespace, bundle, pruning) -> int:
     """Many requests at once through the continuous-batching engine; one JSON line per finished request."""
-    from qeff_evs.runtime.runner import build_serving_engine, requests_from_jsonl
+    from qeff_evs.runtime.builders import build_serving_engine
+    from qeff_evs.runtime.requests_jsonl import requests_from_jsonl
 
     requests = requests_from_jsonl(args.requests, bundle)
     engine = build_serving_engine(bundle, args.backend, args.max_num_seqs, args.max_num_batched_tokens,

@@ -17,7 +17,9 @@ from qeff_evs.export.pipeline import ExportOptions, export_checkpoint
 from qeff_evs.models.registry import DEFAULT_FAMILY
 from qeff_evs.models.tiny import save_tiny_checkpoint
 from qeff_evs.runtime.inputs.prompt import video_question_pieces
-from qeff_evs.runtime.runner import build_engine, open_export, stop_ids, video_from_file
+from qeff_evs.runtime.builders import build_engine, stop_ids
+from qeff_evs.runtime.export_bundle import open_export
+from qeff_evs.runtime.media import video_from_file
 from qeff_evs.runtime.inputs.synthetic import moving_square_video
 
 DEMO_FRAMES = 16

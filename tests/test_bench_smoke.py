@@ -83,7 +83,7 @@ def test_outputs_written(smoke_run):
 def test_bench_graphs_are_a_qeff_evs_export(smoke_run):
     """The bench saved a checkpoint and measured the folder ``qeff-evs export`` made of it, which opens as
     ``qeff-evs run`` opens an export, with a specialization for every clip the phases ran."""
-    from qeff_evs.runtime.runner import open_export
+    from qeff_evs.runtime.export_bundle import open_export
 
     work = smoke_run[0] / WORKDIR
     bundle = open_export(work / "export")

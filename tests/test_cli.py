@@ -25,7 +25,8 @@ from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
 from qeff_evs.cli import main
 from qeff_evs.models.tiny import build_tokenizer
-from qeff_evs.runtime.runner import open_export, video_from_file
+from qeff_evs.runtime.export_bundle import open_export
+from qeff_evs.runtime.media import video_from_file
 from qeff_evs.runtime.inputs.synthetic import moving_square_video
 from qeff_evs.specializations import compile_command
 

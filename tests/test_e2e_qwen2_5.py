@@ -27,7 +27,10 @@ from transformers import AutoTokenizer, DynamicCache, Qwen2_5_VLForConditionalGe
 from qeff_evs import evs
 from qeff_evs.runtime.engine.single_request import Engine, EngineConfig
 from qeff_evs.runtime.inputs.prompt import video_question_pieces
-from qeff_evs.runtime.runner import answer, open_export, sessions_for, stop_ids, video_from_file
+from qeff_evs.runtime.builders import answer, stop_ids
+from qeff_evs.runtime.export_bundle import open_export
+from qeff_evs.runtime.media import video_from_file
+from qeff_evs.runtime.sessions import sessions_for
 from qeff_evs.runtime.backends.ort import OrtLanguageSession
 
 ATOL = 1e-4

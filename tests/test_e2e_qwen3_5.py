@@ -49,7 +49,10 @@ from qeff_evs.runtime.engine.single_request import Engine, EngineConfig
 from qeff_evs.runtime.inputs.synthetic import moving_square_video
 from qeff_evs.specializations import read_custom_io_yaml
 from qeff_evs.models.pruning import VideoPruning
-from qeff_evs.runtime.runner import build_engine, open_export, sessions_for, stop_ids, video_from_file
+from qeff_evs.runtime.builders import build_engine, stop_ids
+from qeff_evs.runtime.export_bundle import open_export
+from qeff_evs.runtime.media import video_from_file
+from qeff_evs.runtime.sessions import sessions_for
 from helpers.pruning_oracles import vllm_vidcom2_mask
 
 ATOL = 1e-4

@@ -25,7 +25,9 @@ from qeff_evs.models.checkpoint import detect_family, load_checkpoint
 from qeff_evs.models.qwen2_5_vl import Qwen2_5_VLFamily
 from qeff_evs.models.registry import family_class, family_names, register_family, unregister_family
 from qeff_evs.models.tiny import save_tiny_checkpoint
-from qeff_evs.runtime.runner import answer, build_engine, open_export, video_from_file
+from qeff_evs.runtime.builders import answer, build_engine
+from qeff_evs.runtime.export_bundle import open_export
+from qeff_evs.runtime.media import video_from_file
 
 from conftest import CHECKPOINT_SEED
 

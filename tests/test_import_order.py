@@ -2,7 +2,8 @@
 
 Every ``import`` of a ``qeff_evs`` module, at module level or inside a function (lazy imports count
 too), is checked against the layer table below. A module may always import its own layer's modules;
-``runtime``'s sub-layers are layers of their own (inputs, backends <- engine <- runner).
+``runtime``'s sub-layers are layers of their own (inputs, backends <- engine <- the runtime's
+own modules: export_bundle, media, sessions, builders, encode, requests_jsonl).
 """
 
 from __future__ import annotations

@@ -23,7 +23,9 @@ from qeff_evs.cli import main
 from qeff_evs.runtime.backends.base import DecodeRow, decode_batch
 from qeff_evs.runtime.engine.serving import ServeRequest
 from qeff_evs.runtime.inputs.prompt import video_question_pieces
-from qeff_evs.runtime.runner import answer, build_engine, build_serving_engine, open_export, video_from_file
+from qeff_evs.runtime.builders import answer, build_engine, build_serving_engine
+from qeff_evs.runtime.export_bundle import open_export
+from qeff_evs.runtime.media import video_from_file
 from test_qaic_session import FakeDevice, build_fake_sdk, fake_compile
 
 BACKENDS = ("ort", "torch", "qaic")

@@ -18,7 +18,8 @@ import pytest
 
 from qeff_evs.cli import main
 from qeff_evs.manifest import GRAPHS, graph_role
-from qeff_evs.runtime.runner import open_export, sessions_for
+from qeff_evs.runtime.export_bundle import open_export
+from qeff_evs.runtime.sessions import sessions_for
 from qeff_evs.specializations import CompileOptions
 from qeff_evs.specializations.placement import (
     DEFAULT_GRAPH_CORES,

@@ -22,7 +22,10 @@ from qeff_evs.cli import main
 from qeff_evs.manifest import graph_role
 from qeff_evs.runtime.backends.qaic import QaicProgram, load_sdk, qpc_dir
 from qeff_evs.runtime.backends.qaic_device import DATA_PATH_TIMEOUT_MS
-from qeff_evs.runtime.runner import answer, build_engine, open_export, sessions_for, video_from_file
+from qeff_evs.runtime.builders import answer, build_engine
+from qeff_evs.runtime.export_bundle import open_export
+from qeff_evs.runtime.media import video_from_file
+from qeff_evs.runtime.sessions import sessions_for
 from qeff_evs.specializations.placement import DEFAULT_GRAPH_CORES
 from test_qaic_session import DEVICE_MEMORY, FakeDevice, build_fake_sdk, fake_compile
 

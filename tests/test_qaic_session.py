@@ -41,7 +41,10 @@ from qeff_evs.models.tiny import save_tiny_checkpoint
 from qeff_evs.runtime.engine.single_request import Engine, EngineConfig
 from qeff_evs.runtime.inputs.prompt import video_question_pieces
 from qeff_evs.runtime.backends.qaic import QPC_FILE, QaicLanguageSession, QaicProgram, load_sdk, qaic_sessions, qpc_dir
-from qeff_evs.runtime.runner import build_serving_engine, open_export, sessions_for, stop_ids, video_from_file
+from qeff_evs.runtime.builders import build_serving_engine, stop_ids
+from qeff_evs.runtime.export_bundle import open_export
+from qeff_evs.runtime.media import video_from_file
+from qeff_evs.runtime.sessions import sessions_for
 from qeff_evs.runtime.engine.serving import ServeRequest
 from qeff_evs.runtime.inputs.synthetic import moving_square_video
 from qeff_evs.specializations import read_custom_io_yaml, read_specializations_json

@@ -34,14 +34,10 @@ from qeff_evs.runtime.engine.single_request import Engine, EngineConfig
 from qeff_evs.runtime.engine.request import PromptPiece
 from qeff_evs.models.qwen_vl import QWEN_TOKENS
 from qeff_evs.runtime.inputs.prompt import chat_pieces as user_turn_pieces
-from qeff_evs.runtime.runner import (
-    ExportBundle,
-    image_from_array,
-    open_export,
-    sessions_for,
-    stop_ids,
-    video_from_file,
-)
+from qeff_evs.runtime.builders import stop_ids
+from qeff_evs.runtime.export_bundle import ExportBundle, open_export
+from qeff_evs.runtime.media import image_from_array, video_from_file
+from qeff_evs.runtime.sessions import sessions_for
 from qeff_evs.runtime.engine.scheduler import FinishReason, SchedulerConfig
 from qeff_evs.runtime.engine.executor import media_hash
 from qeff_evs.runtime.engine.serving import ServeRequest, ServingEngine
@@ -465,7 +461,7 @@ def test_cli_run_requests_prints_each_request_as_alone(q25, tmp_path, capsys):
 
 def test_default_encoder_cache_holds_the_largest_exported_item(q25):
     from qeff_evs.models.pruning import VideoPruning
-    from qeff_evs.runtime.runner import build_serving_engine, largest_item_rows
+    from qeff_evs.runtime.builders import build_serving_engine, largest_item_rows
 
     largest = largest_item_rows(q25.bundle, VideoPruning("evs", q25.q))
     assert largest == 48 > TOKEN_BUDGET  # 8 frames at 112x168

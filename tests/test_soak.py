@@ -23,14 +23,10 @@ from qeff_evs.models.protocol import MediaInput
 from qeff_evs.models.tiny import save_tiny_checkpoint
 from qeff_evs.runtime.engine.single_request import Engine, EngineConfig
 from qeff_evs.runtime.engine.request import PromptPiece
-from qeff_evs.runtime.runner import (
-    build_serving_engine,
-    image_from_array,
-    open_export,
-    sessions_for,
-    stop_ids,
-    video_from_file,
-)
+from qeff_evs.runtime.builders import build_serving_engine, stop_ids
+from qeff_evs.runtime.export_bundle import open_export
+from qeff_evs.runtime.media import image_from_array, video_from_file
+from qeff_evs.runtime.sessions import sessions_for
 from qeff_evs.runtime.engine.scheduler import FinishReason
 from qeff_evs.runtime.engine.serving import ServeRequest
 from qeff_evs.runtime.inputs.synthetic import moving_square_video

@@ -181,7 +181,9 @@ def test_two_ranks_serve_16_concurrent_videos_with_single_request_tokens(two_ran
     openai = pytest.importorskip("openai")
     from test_vllm_serve import video_message
 
-    from qeff_evs.runtime.runner import answer, build_engine, open_export, video_from_file
+    from qeff_evs.runtime.builders import answer, build_engine
+    from qeff_evs.runtime.export_bundle import open_export
+    from qeff_evs.runtime.media import video_from_file
 
     export, server = two_ranks
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", timeout=300, max_retries=0)

@@ -223,7 +223,9 @@ def epd(served_export, tmp_path_factory):
 @pytest.fixture(scope="module")
 def answers(epd, clips):
     """Four requests through the proxy at once (one video twice), with what the single-request engine says."""
-    from qeff_evs.runtime.runner import answer, build_engine, open_export, video_from_file
+    from qeff_evs.runtime.builders import answer, build_engine
+    from qeff_evs.runtime.export_bundle import open_export
+    from qeff_evs.runtime.media import video_from_file
 
     asked = [(clips[0], QUESTION), (clips[1], "Describe the square."), (clips[2], QUESTION),
              (clips[0], "Which way does it move?")]
@@ -245,7 +247,9 @@ def test_each_video_ships_only_its_kept_rows(epd, answers):
     from safetensors.numpy import load_file
 
     from qeff_evs.models.pruning import VideoPruning
-    from qeff_evs.runtime.runner import open_export, video_from_file, vision_pipeline
+    from qeff_evs.runtime.export_bundle import open_export
+    from qeff_evs.runtime.media import video_from_file
+    from qeff_evs.runtime.sessions import vision_pipeline
     from qeff_evs.vllm.ec_connector import payload_path
 
     from vllm.multimodal.video_prune.evs import compute_retained_tokens_count

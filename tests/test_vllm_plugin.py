@@ -30,16 +30,10 @@ from conftest import SERVED_PREFILL, SERVED_RESOLUTIONS as RESOLUTIONS  # noqa: 
 from qeff_evs.runtime.engine.executor import retained_count  # noqa: E402
 from qeff_evs.runtime.engine.request import PromptPiece, plan_prompt  # noqa: E402
 from qeff_evs.runtime.inputs.prompt import chat_pieces  # noqa: E402
-from qeff_evs.runtime.runner import (  # noqa: E402
-    answer,
-    build_engine,
-    image_from_array,
-    open_export,
-    sessions_for,
-    stop_ids,
-    video_from_file,
-    video_pruning,
-)
+from qeff_evs.runtime.builders import answer, build_engine, stop_ids, video_pruning  # noqa: E402
+from qeff_evs.runtime.export_bundle import open_export  # noqa: E402
+from qeff_evs.runtime.media import image_from_array, video_from_file  # noqa: E402
+from qeff_evs.runtime.sessions import sessions_for  # noqa: E402
 from qeff_evs.runtime.inputs.synthetic import moving_square_video  # noqa: E402
 
 CHILD = Path(__file__).with_name("vllm_child.py")

@@ -17,7 +17,8 @@ from qeff_evs.runtime.engine.executor import retained_count  # noqa: E402
 from qeff_evs.runtime.engine.request import plan_prompt  # noqa: E402
 from qeff_evs.runtime.inputs.prompt import chat_pieces  # noqa: E402
 from qeff_evs.runtime.inputs.synthetic import moving_square_video  # noqa: E402
-from qeff_evs.runtime.runner import image_from_array, open_export, video_from_frames  # noqa: E402
+from qeff_evs.runtime.export_bundle import open_export  # noqa: E402
+from qeff_evs.runtime.media import image_from_array, video_from_frames  # noqa: E402
 from qeff_evs.vllm.processing import position_span  # noqa: E402
 from qeff_evs.vllm.request_checks import (  # noqa: E402
     RequestLimits,

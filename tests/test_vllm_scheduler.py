@@ -35,7 +35,9 @@ from qeff_evs.models.pruning import VideoPruning  # noqa: E402
 from qeff_evs.runtime.engine.executor import retained_count  # noqa: E402
 from qeff_evs.runtime.engine.single_request import Engine, EngineConfig  # noqa: E402
 from qeff_evs.runtime.engine.request import PromptPiece  # noqa: E402
-from qeff_evs.runtime.runner import open_export, sessions_for, video_from_file  # noqa: E402
+from qeff_evs.runtime.export_bundle import open_export  # noqa: E402
+from qeff_evs.runtime.media import video_from_file  # noqa: E402
+from qeff_evs.runtime.sessions import sessions_for  # noqa: E402
 from qeff_evs.runtime.inputs.synthetic import moving_square_video  # noqa: E402
 from qeff_evs.vllm.driver import VllmDriver  # noqa: E402
 

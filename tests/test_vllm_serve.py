@@ -49,7 +49,9 @@ from qeff_evs.runtime.engine.executor import retained_count  # noqa: E402
 from qeff_evs.runtime.engine.request import PromptPiece, plan_prompt  # noqa: E402
 from qeff_evs.runtime.inputs.prompt import chat_pieces  # noqa: E402
 from qeff_evs.runtime.inputs.synthetic import moving_square_video  # noqa: E402
-from qeff_evs.runtime.runner import answer, build_engine, image_from_array, open_export, stop_ids, video_from_file  # noqa: E402
+from qeff_evs.runtime.builders import answer, build_engine, stop_ids  # noqa: E402
+from qeff_evs.runtime.export_bundle import open_export  # noqa: E402
+from qeff_evs.runtime.media import image_from_array, video_from_file  # noqa: E402
 
 from conftest import SERVED_CTX_LEN as CTX_LEN, SERVED_FULL_BATCH as FULL_BATCH  # noqa: E402
 

@@ -23,7 +23,9 @@ from qeff_evs.runtime.engine.executor import retained_count  # noqa: E402
 from qeff_evs.runtime.engine.request import plan_prompt  # noqa: E402
 from qeff_evs.runtime.inputs.prompt import video_question_pieces  # noqa: E402
 from qeff_evs.runtime.inputs.synthetic import moving_square_video  # noqa: E402
-from qeff_evs.runtime.runner import answer, build_engine, open_export, video_from_file  # noqa: E402
+from qeff_evs.runtime.builders import answer, build_engine  # noqa: E402
+from qeff_evs.runtime.export_bundle import open_export  # noqa: E402
+from qeff_evs.runtime.media import video_from_file  # noqa: E402
 from conftest import SERVED_FULL_BATCH as FULL_BATCH  # noqa: E402
 from helpers.vllm_server import vllm_servers  # noqa: E402
 from test_vllm_serve import QUESTION, REQUEST_TIMEOUT_S, chat, video_message, write_mkv  # noqa: E402

@@ -42,7 +42,8 @@ from conftest import SERVED_CTX_LEN as CTX_LEN, SERVED_FULL_BATCH as FULL_BATCH,
 from helpers.graph_oracle import GraphOracle  # noqa: E402
 from qeff_evs.runtime.inputs.prompt import chat_pieces  # noqa: E402
 from qeff_evs.runtime.inputs.synthetic import moving_square_video  # noqa: E402
-from qeff_evs.runtime.runner import open_export, video_from_file  # noqa: E402
+from qeff_evs.runtime.export_bundle import open_export  # noqa: E402
+from qeff_evs.runtime.media import video_from_file  # noqa: E402
 from qeff_evs.vllm import settings  # noqa: E402
 from qeff_evs.vllm.settings import ENGINE_SETTINGS, HONOURED, NO_EFFECT, REFUSED, SAMPLING_SETTINGS, VLLM_REFUSES  # noqa: E402
 

@@ -24,7 +24,7 @@ from qeff_evs.manifest import pruning_graph
 from qeff_evs.runtime.backends.ort import OrtEncoderSession, OrtPruningSession
 from qeff_evs.runtime.backends.vision import VisionPipeline
 from qeff_evs.runtime.inputs.processor import VisionPreprocessSpec
-from qeff_evs.runtime.runner import open_export
+from qeff_evs.runtime.export_bundle import open_export
 
 CHECKPOINT_DIR = "checkpoint"
 EXPORT_DIR = "export"

@@ -27,7 +27,7 @@ from vllm.distributed.ec_transfer import ensure_ec_transfer_initialized, ensure_
 from vllm.v1.outputs import ModelRunnerOutput, make_empty_encoder_model_runner_output
 from vllm.v1.worker.ec_connector_model_runner_mixin import ECConnectorModelRunnerMixin
 
-from qeff_evs.runtime.runner import language_session, vision_pipeline
+from qeff_evs.runtime.sessions import language_session, vision_pipeline
 from qeff_evs.vllm.data_parallel import configured_device_ids
 from qeff_evs.vllm.plugin import active_backend, logger
 from qeff_evs.vllm.worker import QeffEvsWorker

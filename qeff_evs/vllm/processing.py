@@ -41,7 +41,9 @@ from qeff_evs.models.protocol import MediaInput, ModelFamily
 from qeff_evs.models.pruning import VideoPruning
 from qeff_evs.runtime.engine.executor import retained_count
 from qeff_evs.runtime.engine.request import PromptPiece, plan_prompt
-from qeff_evs.runtime.runner import ExportBundle, image_from_array, largest_item_rows, open_export, video_from_frames
+from qeff_evs.runtime.builders import largest_item_rows
+from qeff_evs.runtime.export_bundle import ExportBundle, open_export
+from qeff_evs.runtime.media import image_from_array, video_from_frames
 from qeff_evs.runtime.inputs.video_io import DEFAULT_ARRAY_FPS
 from qeff_evs.vllm.limits import served_pruning
 from qeff_evs.vllm.request_checks import media_count, positions_end

@@ -28,7 +28,9 @@ from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
 
 from qeff_evs.positions import check_rope_range
 from qeff_evs.runtime.engine.request import PromptPiece
-from qeff_evs.runtime.runner import engine_config, open_export, sessions_for
+from qeff_evs.runtime.builders import engine_config
+from qeff_evs.runtime.export_bundle import open_export
+from qeff_evs.runtime.sessions import sessions_for
 from qeff_evs.vllm.data_parallel import configured_device_ids, log_rank
 from qeff_evs.vllm.driver import VllmDriver
 from qeff_evs.vllm.limits import served_pruning

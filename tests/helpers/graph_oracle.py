@@ -14,7 +14,8 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from qeff_evs.runtime.engine.executor import EngineConfig, Executor
-from qeff_evs.runtime.runner import ExportBundle, sessions_for
+from qeff_evs.runtime.export_bundle import ExportBundle
+from qeff_evs.runtime.sessions import sessions_for
 
 
 class GraphOracle:

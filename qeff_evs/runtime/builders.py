@@ -1,0 +1,94 @@
+"""Engines over an opened export: the pruning a run serves, the engine settings, the single-request and serving
+engines, and one question answered about one video."""
+
+from __future__ import annotations
+
+from qeff_evs.models.protocol import MediaInput
+from qeff_evs.models.pruning import VideoPruning
+from qeff_evs.runtime.backends.base import close_session
+from qeff_evs.runtime.backends.vision import Progress
+from qeff_evs.runtime.engine.executor import EngineConfig
+from qeff_evs.runtime.engine.single_request import Engine, GenerationResult
+from qeff_evs.runtime.export_bundle import ExportBundle
+from qeff_evs.runtime.inputs.prompt import video_question_pieces
+from qeff_evs.runtime.sessions import sessions_for
+
+
+def video_pruning(bundle: ExportBundle, method: str | None = None, rate: float | None = None) -> VideoPruning:
+    """The pruning a run serves: ``method`` and ``rate`` (defaults: the export's), checked against what the export
+    carries (its pruning graphs, the rates its RoPE tables cover)."""
+    m = bundle.manifest
+    chosen = VideoPruning(m.video_pruning_method if method is None else method,
+                          m.video_pruning_rate if rate is None else rate)
+    m.check_pruning(chosen.method, chosen.rate)
+    return chosen
+
+
+def engine_config(bundle: ExportBundle, pruning: VideoPruning | None = None, **overrides) -> EngineConfig:
+    """The engine settings of the export (``overrides``: e.g. ``max_new_tokens``), pruning with ``pruning``
+    (default: the export's method and rate)."""
+    m = bundle.manifest
+    pruning = video_pruning(bundle) if pruning is None else pruning
+    m.check_pruning(pruning.method, pruning.rate)
+    return EngineConfig(m.prefill_seq_len, m.ctx_len, m.user_vision_size, pruning.rate,
+                        video_pruning_method=pruning.method, **overrides)
+
+
+def build_engine(bundle: ExportBundle, backend: str = "ort", max_new_tokens: int = 16,
+                 progress: Progress | None = None, device: str | None = None, device_ids=None,
+                 pruning: VideoPruning | None = None) -> Engine:
+    config = engine_config(bundle, pruning, max_new_tokens=max_new_tokens)
+    vision, language = sessions_for(bundle, backend, device, device_ids, method=config.video_pruning_method)
+    return Engine(bundle.family, vision, language, config, progress)
+
+
+def stop_ids(bundle: ExportBundle) -> tuple[int, ...]:
+    """The export's stop tokens: the config's eos and generation_config.json's, as HF generate uses."""
+    return bundle.manifest.special_tokens.eos
+
+
+def answer(bundle: ExportBundle, engine: Engine, video: MediaInput, question: str) -> GenerationResult:
+    bundle.manifest.check_video(video.grid_thw)  # fails clearly when no specialization serves this grid
+    pieces = video_question_pieces(bundle.tokenizer, question, bundle.family.token_strings)
+    prompt = engine.prepare(pieces, [video])
+    return engine.generate(prompt, eos_ids=stop_ids(bundle))
+
+
+def build_serving_engine(bundle: ExportBundle, backend: str = "ort", max_num_seqs: int | None = None,
+                         max_num_batched_tokens: int | None = None, encoder_cache_rows: int | None = None,
+                         progress: Progress | None = None, device: str | None = None, device_ids=None,
+                         pruning: VideoPruning | None = None):
+    """A continuous-batching serving engine over an export made with ``--full-batch-size``."""
+    from qeff_evs.runtime.engine.scheduler import SchedulerConfig
+    from qeff_evs.runtime.engine.serving import ServingEngine
+
+    m = bundle.manifest
+    shape = bundle.language_shape
+    if not m.language_shape.continuous_batching:
+        raise ValueError(
+            f"{bundle.export_dir} was exported without continuous batching; re-export with "
+            "--full-batch-size N to serve several requests at once")
+    config = engine_config(bundle, pruning)
+    seqs = shape.full_batch_size if max_num_seqs is None else max_num_seqs
+    budget = m.prefill_seq_len * seqs if max_num_batched_tokens is None else max_num_batched_tokens
+    # As vLLM's compute_encoder_budget: the encoder budget and cache hold at least the largest item.
+    largest_item = largest_item_rows(bundle, config.pruning)
+    rows = max(budget, largest_item) if encoder_cache_rows is None else encoder_cache_rows
+    scheduler = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=seqs,
+                                prefill_seq_len=m.prefill_seq_len, ctx_len=m.ctx_len,
+                                encoder_compute_budget=rows, encoder_cache_size=rows)
+    vision, language = sessions_for(bundle, backend, device, device_ids, method=config.video_pruning_method)
+    try:
+        return ServingEngine(bundle.family, vision, language, config, scheduler, stop_ids(bundle), progress)
+    except ValueError:  # e.g. max_num_seqs above the export's rows: give the devices back before failing
+        close_session(vision)
+        close_session(language)
+        raise
+
+
+def largest_item_rows(bundle: ExportBundle, pruning: VideoPruning) -> int:
+    """Encoder rows of the largest item the export serves under ``pruning``: the longest video (its largest
+    bucket) at the resolution with the most tokens, or the largest image."""
+    m, factor = bundle.manifest, bundle.preprocess.factor
+    tokens = max((h // factor) * (w // factor) for h, w in m.resolutions)
+    return max(tokens, pruning.retained_token_count(tokens, max(m.temporal_buckets)))

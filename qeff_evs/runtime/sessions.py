@@ -1,0 +1,98 @@
+"""The sessions of a chosen backend (ONNX Runtime, PyTorch reference, QAIC) over an opened export: the vision
+pipeline, the language session, or both."""
+
+from __future__ import annotations
+
+from qeff_evs.manifest import pruning_graph
+from qeff_evs.runtime.backends.ort import OrtEncoderSession, OrtLanguageSession, OrtPruningSession
+from qeff_evs.runtime.backends.torch_reference import TorchEncoderSession, TorchLanguageSession, TorchPruningSession
+from qeff_evs.runtime.backends.vision import VisionPipeline
+from qeff_evs.runtime.export_bundle import ExportBundle
+
+BACKENDS = ("ort", "torch", "qaic")
+
+
+def _check_device_ids(backend: str, device_ids) -> None:
+    if device_ids is not None and backend != "qaic":
+        raise ValueError(f"device ids place the programs of the qaic backend on AI 100 devices; the {backend} "
+                         "backend does not use them: drop --device-ids (or QEFF_EVS_DEVICE_IDS)")
+
+
+def vision_pipeline(bundle: ExportBundle, backend: str, device: str | None = None,
+                    checkpoint=None, device_ids=None, method: str | None = None) -> VisionPipeline:
+    """The encoder and ``method``'s pruning sessions of ``backend`` over the export (default method: the
+    export's), at its frames per call and frame buckets.
+
+    ``device_ids`` (qaic only, ``placement.DeviceIdsSpec``): the devices each program opens on."""
+    m, root = bundle.manifest, bundle.export_dir
+    _check_device_ids(backend, device_ids)
+    method = m.video_pruning_method if method is None else method
+    problem = m.method_refusal(method)
+    if problem:
+        raise ValueError(problem)
+    if backend == "ort":
+        encoder = OrtEncoderSession(m.path(root, "encoder"))
+        pruning = OrtPruningSession(m.path(root, pruning_graph(method)))
+    elif backend == "torch":
+        from qeff_evs.models.checkpoint import load_checkpoint
+
+        checkpoint = checkpoint or load_checkpoint(m.model_dir)
+        encoder = TorchEncoderSession(bundle.family.encoder(checkpoint.model), device)
+        pruning = TorchPruningSession(bundle.family.pruning_ranking(method), device)
+    elif backend == "qaic":
+        from qeff_evs.runtime.backends.qaic import qaic_vision_pipeline
+
+        return qaic_vision_pipeline(bundle, device_ids, method=method)
+    else:
+        raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    return VisionPipeline(bundle.family, encoder, {method: pruning}, m.frames_per_call, m.temporal_buckets)
+
+
+def sessions_for(bundle: ExportBundle, backend: str, device: str | None = None, device_ids=None,
+                 method: str | None = None):
+    """``(VisionPipeline, language session)`` of ``backend`` over the export, the pipeline with ``method``'s
+    pruning graph; ``device_ids`` as for :func:`vision_pipeline` (every program is loaded and activated once,
+    here)."""
+    _check_device_ids(backend, device_ids)
+    if backend == "ort":
+        return vision_pipeline(bundle, backend, method=method), language_session(bundle, backend)
+    if backend == "torch":
+        from qeff_evs.models.checkpoint import load_checkpoint
+
+        checkpoint = load_checkpoint(bundle.manifest.model_dir)
+        return (vision_pipeline(bundle, backend, device, checkpoint, method=method),
+                _torch_language(bundle, checkpoint, device))
+    if backend == "qaic":
+        from qeff_evs.runtime.backends.qaic import qaic_sessions
+
+        return qaic_sessions(bundle, device_ids, method=method)
+    raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+
+
+def _torch_language(bundle: ExportBundle, checkpoint, device: str | None) -> TorchLanguageSession:
+    from qeff_evs.models.language import ExportableLanguageGraph
+
+    shape = bundle.language_shape
+    language = ExportableLanguageGraph(
+        bundle.family.language_graph(checkpoint.model, bundle.family.special_tokens().media_pads,
+                                     shape.rope_positions, bundle.manifest.prefill_seq_len),
+        continuous_batching=shape.continuous_batching)
+    return TorchLanguageSession(language, shape, device)
+
+
+def language_session(bundle: ExportBundle, backend: str, device: str | None = None, device_ids=None):
+    """The language session of ``backend`` over the export, alone (an instance that runs no vision graph:
+    a prefill/decode instance of encoder disaggregation); ``device_ids`` as for :func:`vision_pipeline`."""
+    m, root = bundle.manifest, bundle.export_dir
+    _check_device_ids(backend, device_ids)
+    if backend == "ort":
+        return OrtLanguageSession(m.path(root, "language"), bundle.language_shape)
+    if backend == "torch":
+        from qeff_evs.models.checkpoint import load_checkpoint
+
+        return _torch_language(bundle, load_checkpoint(m.model_dir), device)
+    if backend == "qaic":
+        from qeff_evs.runtime.backends.qaic import qaic_language_session
+
+        return qaic_language_session(bundle, device_ids)
+    raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
