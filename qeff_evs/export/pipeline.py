@@ -78,6 +78,7 @@ from qeff_evs.specializations import (
     write_specializations_json,
 )
 from qeff_evs.specializations.compile_command import NODE_PRECISION_FLAG
+from qeff_evs.specializations.sets import check_frames_per_call
 from qeff_evs.specializations.placement import PerGraph, write_placement_record
 
 FLOAT32 = "float32"
@@ -184,10 +185,7 @@ def check_frame_sizes(options: ExportOptions, patch_size: int, merge_size: int, 
         if frames <= 0 or frames % temporal_patch_size:
             raise ValueError(
                 f"--frames {frames} must be a positive multiple of temporal_patch_size {temporal_patch_size}")
-    if isinstance(options.frames_per_call, bool) or int(options.frames_per_call) != options.frames_per_call \
-            or options.frames_per_call < 1:
-        raise ValueError(f"--frames-per-call must be a positive integer (temporal patches per encoder call), "
-                         f"got {options.frames_per_call!r}")
+    check_frames_per_call(options.frames_per_call, "--frames-per-call")
 
 
 def embedding_io_names(family: ModelFamily | type[ModelFamily]) -> tuple[str, ...]:

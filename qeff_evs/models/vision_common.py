@@ -22,6 +22,7 @@ from transformers.vision_utils import get_vision_position_ids
 from qeff_evs import evs
 from qeff_evs.models.attention import register_segment_attention
 from qeff_evs.models.graph_io import VisionGraphSpec
+from qeff_evs.specializations.sets import check_frames_per_call
 
 # Symbol names of the encoder graph (DESIGN §7): F, the patch grid of one frame, the rows of a call.
 FRAMES_PER_CALL, GRID_H, GRID_W = "frames_per_call", "grid_h", "grid_w"
@@ -40,12 +41,6 @@ def frame_grid(vision_config, grid_hw: Sequence[int]) -> tuple[int, int]:
     return int(grid_hw[0]), int(grid_hw[1])
 
 
-def check_frames(frames: int) -> int:
-    if isinstance(frames, bool) or int(frames) != frames or frames < 1:
-        raise ValueError(f"frames per call must be a positive integer, got {frames!r}")
-    return int(frames)
-
-
 def frame_rotary_ids(vision_config, grid_hw: Sequence[int]) -> np.ndarray:
     """``(H*W, 2)`` int64 (row, col) of each patch of one frame, in merge-block order."""
     return get_vision_position_ids(grid_tensor((1, *grid_hw)), vision_config.spatial_merge_size).numpy().astype(np.int64)
@@ -54,7 +49,7 @@ def frame_rotary_ids(vision_config, grid_hw: Sequence[int]) -> np.ndarray:
 def encoder_symbols(vision_config, grid_hw: Sequence[int], frames: int) -> dict[str, int]:
     """The symbols every encoder specialization binds, for one frame grid and F."""
     big_h, big_w = frame_grid(vision_config, grid_hw)
-    frames = check_frames(frames)
+    frames = check_frames_per_call(frames)
     merge = vision_config.spatial_merge_size
     patch = vision_config.patch_size
     return {
@@ -130,7 +125,7 @@ class EncoderWrapper(nn.Module):
 def encoder_host_inputs(vision_config, frame_inputs_fn, grid_hw: Sequence[int], frames: int) -> dict[str, np.ndarray]:
     """The F carrier, then one frame's index inputs (the graph tiles them over the F frames)."""
     big_h, big_w = frame_grid(vision_config, grid_hw)
-    return {"video_grid_thw": np.zeros((check_frames(frames), big_h, big_w), dtype=np.int64),
+    return {"video_grid_thw": np.zeros((check_frames_per_call(frames), big_h, big_w), dtype=np.int64),
             **frame_inputs_fn(vision_config, (big_h, big_w))}
 
 

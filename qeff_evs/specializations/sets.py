@@ -55,6 +55,17 @@ def _check_dimension(symbol: str, value: object, context: str) -> int:
     return number
 
 
+def check_frames_per_call(value: object, name: str = "frames per call") -> int:
+    """``value`` as an int when it is a positive whole number of temporal patches per encoder call; else a
+    ValueError that names it as the caller spells it (``name``: a flag, a field).
+
+    The one check of F: the export's options, the encoder graph's symbols and the host's vision pipeline call it.
+    """
+    if isinstance(value, bool) or int(value) != value or value < 1:
+        raise ValueError(f"{name} must be a positive integer (temporal patches per encoder call), got {value!r}")
+    return int(value)
+
+
 @dataclass(frozen=True)
 class PruningTarget:
     """One video shape a pruning graph is compiled for: frames of ``height`` x ``width`` pixels (what the

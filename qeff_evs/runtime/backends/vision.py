@@ -21,6 +21,7 @@ from qeff_evs import evs
 from qeff_evs.models.protocol import MediaInput, ModelFamily
 from qeff_evs.models.pruning import VideoPruning, frame_bucket, pad_to_bucket, pruning_host_inputs
 from qeff_evs.runtime.backends.base import EncoderSession, MergedRows, PruningSession, VisionResult, close_session
+from qeff_evs.specializations.sets import check_frames_per_call
 
 Progress = Callable[[str], None]
 
@@ -43,9 +44,7 @@ class VisionPipeline:
     _host_inputs: dict[tuple[int, int], dict[str, np.ndarray]] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        if isinstance(self.frames_per_call, bool) or int(self.frames_per_call) != self.frames_per_call \
-                or self.frames_per_call < 1:
-            raise ValueError(f"frames_per_call must be a positive integer, got {self.frames_per_call!r}")
+        check_frames_per_call(self.frames_per_call, "frames_per_call")
         if not self.buckets or any(isinstance(b, bool) or int(b) != b or b < 1 for b in self.buckets):
             raise ValueError(f"buckets must be positive temporal patch counts, got {self.buckets!r}")
         self.buckets = tuple(sorted(int(b) for b in self.buckets))
