@@ -78,7 +78,7 @@ from qeff_evs.specializations import (
     write_specializations_json,
 )
 from qeff_evs.specializations.compile_command import NODE_PRECISION_FLAG
-from qeff_evs.specializations.sets import check_frames_per_call
+from qeff_evs.specializations.sets import check_frame_size, check_frames_per_call
 from qeff_evs.specializations.placement import PerGraph, write_placement_record
 
 FLOAT32 = "float32"
@@ -175,12 +175,8 @@ def check_pruning_options(options: ExportOptions) -> tuple[float, float, tuple[s
 
 
 def check_frame_sizes(options: ExportOptions, patch_size: int, merge_size: int, temporal_patch_size: int) -> None:
-    factor = patch_size * merge_size
     for height, width in options.resolutions:
-        if height % factor or width % factor or height <= 0 or width <= 0:
-            raise ValueError(
-                f"frame size {height}x{width} is not a positive multiple of patch_size*merge_size = {factor}; "
-                f"use e.g. {max(factor, round(height / factor) * factor)}x{max(factor, round(width / factor) * factor)}")
+        check_frame_size(height, width, patch_size * merge_size)
     for frames in options.frames:
         if frames <= 0 or frames % temporal_patch_size:
             raise ValueError(

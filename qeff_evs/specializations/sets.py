@@ -66,6 +66,22 @@ def check_frames_per_call(value: object, name: str = "frames per call") -> int:
     return int(value)
 
 
+def check_frame_size(height: int, width: int, factor: int, *, exported: bool = False) -> None:
+    """Raise a ValueError suggesting the nearest valid size unless ``height`` and ``width`` are both positive
+    multiples of ``factor`` = patch_size * merge_size (one merged token covers factor x factor pixels).
+
+    The one check of a frame size the encoder sees: the export's ``--height``/``--width``, the processor's
+    exported sizes (``exported``: worded as a size an export holds) and the patches cut from frames.
+    """
+    if height < 1 or width < 1 or height % factor or width % factor:
+        nearest = f"{max(factor, round(height / factor) * factor)}x{max(factor, round(width / factor) * factor)}"
+        if exported:
+            raise ValueError(f"frame size {height}x{width} must be positive multiples of patch_size*merge_size="
+                             f"{factor}; use e.g. {nearest}")
+        raise ValueError(f"frame size {height}x{width} is not a positive multiple of patch_size*merge_size = "
+                         f"{factor}; use e.g. {nearest}")
+
+
 @dataclass(frozen=True)
 class PruningTarget:
     """One video shape a pruning graph is compiled for: frames of ``height`` x ``width`` pixels (what the

@@ -55,6 +55,7 @@ from qeff_evs.runtime.inputs.video_io import (
     read_video_source,
     validate_frames,
 )
+from qeff_evs.specializations.sets import check_frame_size
 
 PIL_BICUBIC = int(Image.Resampling.BICUBIC)  # 3, what every Qwen-VL checkpoint asks for
 MAX_ASPECT_RATIO = 200  # HF refuses frames more elongated than this
@@ -280,9 +281,13 @@ def spec_from_pretrained_dir(path: str | Path, model_config: Any = None) -> Visi
 # sizes
 
 
-def _check_aspect(height: int, width: int) -> None:
+def _check_positive(height: int, width: int) -> None:
     if height < 1 or width < 1:
         raise ValueError(f"frame size must be positive, got {height}x{width}")
+
+
+def _check_aspect(height: int, width: int) -> None:
+    _check_positive(height, width)
     if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
         raise ValueError(
             f"aspect ratio of {height}x{width} exceeds {MAX_ASPECT_RATIO}:1; crop the frames first"
@@ -326,8 +331,7 @@ def smart_resize_video(
     """
     if num_frames < temporal_factor:
         raise ValueError(f"need at least temporal_factor={temporal_factor} frames, got {num_frames}")
-    if height < 1 or width < 1:
-        raise ValueError(f"frame size must be positive, got {height}x{width}")
+    _check_positive(height, width)  # before scaling up by factor / height
     if height < factor or width < factor:
         scale = max(factor / height, factor / width)
         height, width = int(height * scale), int(width * scale)
@@ -350,11 +354,7 @@ def _check_exported_size(size: Sequence[int], factor: int) -> tuple[int, int]:
     if len(size) != 2:
         raise ValueError(f"a frame size is (height, width), got {size!r}")
     height, width = (int(v) for v in size)
-    if height < 1 or width < 1 or height % factor or width % factor:
-        raise ValueError(
-            f"frame size {height}x{width} must be positive multiples of patch_size*merge_size={factor}; "
-            f"use e.g. {max(factor, round(height / factor) * factor)}x{max(factor, round(width / factor) * factor)}"
-        )
+    check_frame_size(height, width, factor, exported=True)
     return height, width
 
 
@@ -369,8 +369,7 @@ def choose_resolution(
     big resolution needlessly; remaining ties to the earlier entry of ``exported``. Every exported
     size must be a multiple of ``factor`` (= patch_size * merge_size).
     """
-    if height < 1 or width < 1:
-        raise ValueError(f"video frame size must be positive, got {height}x{width}")
+    _check_positive(height, width)
     if not exported:
         raise ValueError("no exported resolutions to choose from; export at least one --height/--width")
     sizes = [_check_exported_size(size, factor) for size in exported]
@@ -517,8 +516,7 @@ def patchify(frames: np.ndarray, spec: VisionPreprocessSpec) -> tuple[np.ndarray
     p, m, tp = spec.patch_size, spec.merge_size, spec.temporal_patch_size
     if num_frames % tp:
         raise ValueError(f"{num_frames} frames is not a multiple of temporal_patch_size {tp}; pad first")
-    if height % (p * m) or width % (p * m):
-        raise ValueError(f"frame size {height}x{width} is not a multiple of patch_size*merge_size={p * m}")
+    check_frame_size(height, width, p * m)
     grid_t, grid_h, grid_w = num_frames // tp, height // p, width // p
     blocks = frames.reshape(grid_t, tp, channels, grid_h // m, m, p, grid_w // m, m, p)
     # axes: 0 t, 1 frame-in-patch, 2 channel, 3 block row, 4 row-in-block, 5 y, 6 block col, 7 col-in-block, 8 x
