@@ -11,6 +11,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from qeff_evs import evs
 from qeff_evs.positions import rope_table_length
 
 MANIFEST_NAME = "manifest.json"
@@ -323,12 +324,14 @@ class Manifest:
         tables must cover that (the export sized them for ``max_video_pruning_rate`` at its ``ctx_len``).
         ``max_model_len`` None: only that ``q`` is a rate.
         """
-        if isinstance(q, bool) or not isinstance(q, (int, float)) or not 0.0 <= q < 1.0:
-            return f"video pruning rate {q!r} is not in [0, 1) (0 disables pruning); pass e.g. --video-pruning-rate 0.5"
+        try:
+            rate = evs.validate_pruning_rate(q)
+        except ValueError as error:
+            return str(error)
         if max_model_len is None:
             return None
         table = self.language_shape.rope_positions
-        needed = rope_table_length(max_model_len, q, multiple=1)
+        needed = rope_table_length(max_model_len, rate, multiple=1)
         if table is not None and needed > table:
             return (f"video pruning rate {q} reaches M-RoPE positions up to {needed} in a context of {max_model_len} "
                     f"tokens (positions stay unpruned) but the export's RoPE tables cover {table} (sized for "

@@ -28,6 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
+from qeff_evs import evs
+
 IndexLike = torch.Tensor | Sequence[int]
 
 
@@ -180,8 +182,7 @@ def rope_table_length(ctx_len: int, q: float, multiple: int = 64) -> int:
     """
     if ctx_len < 1:
         raise ValueError(f"ctx_len must be >= 1, got {ctx_len}")
-    if not 0 <= q < 1:
-        raise ValueError(f"video pruning rate must lie in [0, 1), got {q}")
+    evs.validate_pruning_rate(q)
     needed = math.ceil(round(ctx_len / (1.0 - q), 6))  # round: 8192 / (1 - 0.9) is 81920.00000000001
     return -(-needed // multiple) * multiple
 
