@@ -25,7 +25,6 @@ from typing import Any
 import numpy as np
 
 from qeff_evs.models.protocol import ModelFamily, MediaInput
-from qeff_evs.positions import check_rope_range
 from qeff_evs.runtime.backends.base import LanguageSession, VisionSession
 from qeff_evs.runtime.engine.executor import EngineConfig, Executor, ExecutorRequest
 from qeff_evs.runtime.engine.request import PromptPiece, PromptPlan
@@ -55,7 +54,6 @@ class VllmDriver:
 
         self.executor.check_new(request_id)
         plan = self.plan(pieces, media)
-        check_rope_range(plan.decode_start, max_new_tokens, self.executor.language.shape.rope_positions)
         features = [MultiModalFeatureSpec(data=None, modality=m.kind, identifier=content_hash,
                                           mm_position=to_placeholder_range(ph))
                     for m, content_hash, ph in zip(media, self.executor.media_hashes(media), plan.placeholders)]
@@ -63,7 +61,7 @@ class VllmDriver:
                           sampling_params=SamplingParams(max_tokens=max_new_tokens, temperature=0.0,
                                                          ignore_eos=True),
                           pooling_params=None, mm_features=features or None)
-        self.admit(request_id, plan, media, features, request)
+        self.admit(request_id, plan, media, features, request, max_new_tokens=max_new_tokens)
         return request
 
     def plan(self, pieces: Sequence[PromptPiece], media: Sequence[MediaInput]) -> PromptPlan:
@@ -71,9 +69,11 @@ class VllmDriver:
         return self.executor.plan(pieces, media)
 
     def admit(self, request_id: str, plan: PromptPlan, media: Sequence[MediaInput], features: Sequence[Any],
-              request: Any = None) -> None:
-        """Take a request before its first step; ``features``: its vLLM ``MultiModalFeatureSpec`` s, in plan order."""
-        self.executor.add(request_id, plan, media, [str(f.identifier) for f in features], request)
+              request: Any = None, *, max_new_tokens: int) -> None:
+        """Take a request before its first step; ``features``: its vLLM ``MultiModalFeatureSpec`` s, in plan order;
+        refused (``Executor.add``) when ``max_new_tokens`` would take its positions past the RoPE tables."""
+        self.executor.add(request_id, plan, media, [str(f.identifier) for f in features], request,
+                          max_new_tokens=max_new_tokens)
 
     def finish(self, request_id: str) -> None:
         """Forget a finished or aborted request: its KV row is free for the next one."""

@@ -27,6 +27,7 @@ from vllm.distributed.ec_transfer import ensure_ec_transfer_initialized, ensure_
 from vllm.v1.outputs import ModelRunnerOutput, make_empty_encoder_model_runner_output
 from vllm.v1.worker.ec_connector_model_runner_mixin import ECConnectorModelRunnerMixin
 
+from qeff_evs.manifest import LanguageShape
 from qeff_evs.runtime.sessions import language_session, vision_pipeline
 from qeff_evs.vllm.data_parallel import configured_device_ids
 from qeff_evs.vllm.plugin import active_backend, logger
@@ -35,10 +36,14 @@ from qeff_evs.vllm.worker import QeffEvsWorker
 
 @dataclass(frozen=True)
 class NotLoaded:
-    """Stands for graphs this instance's role does not load; reaching for them is a bug, said as such."""
+    """Stands for graphs this instance's role does not load; reaching for them is a bug, said as such.
+
+    ``shape``: the unloaded language graph's shapes, which the export states: the executor reads its RoPE table
+    length to refuse a request past it, on an encoder instance as on any other."""
 
     role: str
     graphs: str
+    shape: LanguageShape | None = None
 
     def close(self) -> None:  # nothing was opened
         return None
@@ -95,7 +100,7 @@ class QeffEvsECWorker(QeffEvsWorker):
             shape = bundle.language_shape
             self.model_runner = _EncoderOutputWidth(shape.hidden * (1 + sum(shape.extras.values())))
             sessions = (vision_pipeline(bundle, backend, device_ids=device_ids, method=method),
-                        NotLoaded("ec_producer", "language graph"))
+                        NotLoaded("ec_producer", "language graph", shape))
         else:
             sessions = (NotLoaded("ec_consumer", "vision graphs (encoder, pruning)"),
                         language_session(bundle, backend, device_ids=device_ids))

@@ -26,7 +26,6 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
 
-from qeff_evs.positions import check_rope_range
 from qeff_evs.runtime.engine.request import PromptPiece
 from qeff_evs.runtime.builders import engine_config
 from qeff_evs.runtime.export_bundle import open_export
@@ -143,8 +142,7 @@ class QeffEvsWorker(WorkerBase):
         if not np.array_equal(plan.ids, np.asarray(new.prompt_token_ids)):
             raise AssertionError(f"request {new.req_id}: vLLM's prompt ids differ from the export's layout of the "
                                  "same media; the prompt was not made by the qeff-evs processor")
-        check_rope_range(plan.decode_start, new.sampling_params.max_tokens, self.bundle.language_shape.rope_positions)
-        self.driver.admit(new.req_id, plan, media, features)
+        self.driver.admit(new.req_id, plan, media, features, max_new_tokens=new.sampling_params.max_tokens)
 
     def check_health(self) -> None:
         return

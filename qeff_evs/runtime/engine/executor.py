@@ -25,6 +25,7 @@ import numpy as np
 from qeff_evs import evs
 from qeff_evs.models.protocol import MediaInput, ModelFamily
 from qeff_evs.models.pruning import DEFAULT_METHOD, VideoPruning
+from qeff_evs.positions import check_rope_range
 from qeff_evs.runtime.backends.base import DecodeRow, LanguageSession, VisionSession, close_session, decode_batch
 from qeff_evs.runtime.engine.request import EncodedMedia, PromptPiece, PromptPlan, plan_prompt
 from qeff_evs.runtime.engine.steps import prefill_step
@@ -136,7 +137,12 @@ class Executor:
             raise ValueError(f"request id {request_id!r} is already in use")
 
     def add(self, request_id: str, plan: PromptPlan, media: Sequence[MediaInput], hashes: Sequence[str],
-            request: Any = None) -> ExecutorRequest:
+            request: Any = None, max_new_tokens: int | None = None) -> ExecutorRequest:
+        """Take a planned request. Every engine admits its requests here, so this is where a request whose
+        M-RoPE positions would pass the export's RoPE tables with ``max_new_tokens`` new tokens is refused, before
+        any of its graph calls (``max_new_tokens`` None: a caller that feeds the tokens itself, with no budget)."""
+        if max_new_tokens is not None:
+            check_rope_range(plan.decode_start, max_new_tokens, self.language.shape.rope_positions)
         self.check_new(request_id)
         if len(hashes) != len(plan.placeholders):
             raise ValueError(f"{len(hashes)} content hashes for {len(plan.placeholders)} media items; give one each")

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from qeff_evs.models.protocol import ModelFamily, MediaInput
-from qeff_evs.positions import check_rope_range
 from qeff_evs.runtime.backends.base import LanguageSession, VisionSession
 from qeff_evs.runtime.engine.executor import EngineConfig, Executor, ExecutorRequest
 from qeff_evs.runtime.engine.request import EncodedMedia, PromptPiece, PromptPlan
@@ -92,11 +91,10 @@ class ServingEngine:
             request_id, len(plan.ids), items, max_new_tokens, eos_token_ids=self.eos_ids,
             stop_token_ids=stop_token_ids, chunk_ends=chunk_ends))
         try:  # after the scheduler's own checks, so a prompt too long for ctx_len is reported as such
-            check_rope_range(plan.decode_start, max_new_tokens, self.executor.language.shape.rope_positions)
+            return self.executor.add(request_id, plan, media, hashes, request, max_new_tokens=max_new_tokens)
         except ValueError:
             self.scheduler.abort_request(request_id)
             raise
-        return self.executor.add(request_id, plan, media, hashes, request)
 
     def abort(self, request_id: str) -> None:
         self.scheduler.abort_request(request_id)

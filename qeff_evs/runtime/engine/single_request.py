@@ -71,6 +71,7 @@ class Engine:
         retained = [retained_count(self.family, v, self.config.pruning) for v in videos]
         plan = plan_prompt(pieces, videos, retained, self.family)
         self._check_fits(len(plan.ids))
+        # Before the encoder runs; generate() admits the request through Executor.add, which checks it for every engine.
         check_rope_range(plan.decode_start, self.config.max_new_tokens, self.language.shape.rope_positions)
         for i, video in enumerate(videos):
             self.progress(f"vision graph: {video.kind} {i} grid {tuple(video.grid_thw)}, keeping {retained[i]} tokens")
