@@ -142,10 +142,10 @@ def test_max_num_seqs_bounds_running_requests_and_slots_are_reused():
     for rid in "ABC":
         s.add_request(RequestSpec(rid, 2, max_new_tokens=1))
     out, finished = step(s)
-    assert [(p.request_id, p.slot) for p in out.prefills] == [("A", 0), ("B", 1)]
+    assert [(p.request_id, p.cache_row) for p in out.prefills] == [("A", 0), ("B", 1)]
     assert {f.request_id for f in finished} == {"A", "B"}
     out, _ = step(s)
-    assert [(p.request_id, p.slot) for p in out.prefills] == [("C", 0)]
+    assert [(p.request_id, p.cache_row) for p in out.prefills] == [("C", 0)]
 
 
 def test_finish_reasons():
@@ -254,7 +254,7 @@ def test_abort_waiting_running_and_in_flight():
     assert s.update_from_output(out, {}) == []
     out, _ = step(s)
     assert out.free_encoder_hashes == ("vA",) and out.finished_request_ids == ("A",)
-    assert chunks(out) == [("B", 0, 3, True)]  # the freed slot goes to B
+    assert chunks(out) == [("B", 0, 3, True)]  # the freed row goes to B
 
 
 def test_abort_of_a_sampling_request_in_flight_ignores_its_token():
@@ -367,7 +367,7 @@ def run_random_schedule(seed: int) -> dict:
         assert out.encoder_rows <= config.encoder_budget_rows
         assert s.cache.held_rows <= config.encoder_cache_rows
         assert {d.request_id for d in out.decodes} == decoding  # every decoder, one token, first
-        assert len({p.slot for p in out.prefills} | {d.slot for d in out.decodes}) == len(out.prefills) + len(
+        assert len({p.cache_row for p in out.prefills} | {d.cache_row for d in out.decodes}) == len(out.prefills) + len(
             out.decodes)
         assert s.num_running <= config.max_num_seqs
         if out.decodes and out.prefills:

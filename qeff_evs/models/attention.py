@@ -40,8 +40,8 @@ class EqualSegments:
 class PaddedSegments:
     """Segments of unequal length, padded to ``L`` columns.
 
-    ``gather (segments, L)``: sequence row of each slot (padding slots repeat a real row);
-    ``key_mask (segments, L)`` bool: True on real slots; ``unpad (S,)``: flat slot of each row.
+    ``gather (segments, L)``: sequence row of each place (padding places repeat a real row);
+    ``key_mask (segments, L)`` bool: True on real places; ``unpad (S,)``: flat place of each row.
     """
 
     gather: torch.Tensor

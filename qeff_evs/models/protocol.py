@@ -266,7 +266,7 @@ class ModelFamily(Protocol):
     def special_tokens(self) -> SpecialTokens: ...
 
     def video_block_ids(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """Ids before and after the video slot in the plain (template-less) prompt layout."""
+        """Ids before and after the video placeholder in the plain (template-less) prompt layout."""
 
     def merged_grid(self, grid_thw: Sequence[int]) -> tuple[int, int, int]: ...
 

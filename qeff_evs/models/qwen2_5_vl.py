@@ -16,9 +16,9 @@ video_grid_thw         int64   (frames_per_call, grid_h,       shape-only carrie
                                grid_w)
 rotary_position_ids    int64   (frame_patches, 2)              (row, col) of one frame's patches
 window_index           int64   (frame_tokens,)                 one frame's merged-token window order
-window_gather          int64   (windows, window_len)           patch of each padded window slot
-window_key_mask        int64   (windows, window_len)           1 on real slots, 0 on padding
-window_unpad           int64   (frame_patches,)                padded slot of each patch
+window_gather          int64   (windows, window_len)           patch of each padded window place
+window_key_mask        int64   (windows, window_len)           1 on real places, 0 on padding
+window_unpad           int64   (frame_patches,)                padded place of each patch
 vision_embeds          float   (vision_size, out_hidden)       merged rows, raster (t, row, col)
 =====================  ======  ==============================  ===============================
 
@@ -95,18 +95,18 @@ def padded_windows(cu_window_seqlens: Sequence[int], patches: int) -> tuple[np.n
     """``(gather (windows, L), key_mask (windows, L), unpad (patches,))`` from one frame's window bounds.
 
     In window order every window is a contiguous run of patches; edge windows are shorter than the
-    longest, ``L``, when the grid is not a multiple of the window. Padding slots repeat the window's
+    longest, ``L``, when the grid is not a multiple of the window. Padding places repeat the window's
     first patch and are masked out as keys (``key_mask`` 0; int64, as every index input, so each
-    backend takes it); ``unpad`` is each patch's flat slot.
+    backend takes it); ``unpad`` is each patch's flat place.
     """
     bounds = [int(b) for b in cu_window_seqlens]
     if bounds[0] != 0 or bounds[-1] != patches or any(b <= a for a, b in zip(bounds, bounds[1:])):
         raise ValueError(f"window bounds {bounds} do not split {patches} patches into non-empty windows")
     lengths = np.diff(bounds)
-    slots = np.arange(int(lengths.max()))
+    places = np.arange(int(lengths.max()))
     starts = np.asarray(bounds[:-1])[:, None]
-    real = slots[None, :] < lengths[:, None]
-    gather = np.where(real, starts + slots[None, :], starts).astype(np.int64)
+    real = places[None, :] < lengths[:, None]
+    gather = np.where(real, starts + places[None, :], starts).astype(np.int64)
     return gather, real.astype(np.int64), np.flatnonzero(real.reshape(-1)).astype(np.int64)
 
 

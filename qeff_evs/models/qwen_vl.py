@@ -179,7 +179,7 @@ class QwenVLFamily(abc.ABC):
         """Zero the output rows of the vision placeholder/marker tokens.
 
         A trained model never generates them; a random one does, and a generated <|video_pad|> fed back
-        would be taken for a media slot. With the other logits spread (std ~2), a logit of exactly 0
+        would be taken for a media placeholder. With the other logits spread (std ~2), a logit of exactly 0
         never wins greedy decoding. (With tied embeddings this also zeros their input rows, harmless:
         pad rows are replaced by vision embeddings.)
         """

@@ -55,9 +55,9 @@ def media_count(prompt_ids: Sequence[int], items: Mapping[str, int], pads: Mappi
     ids = np.asarray(prompt_ids, dtype=np.int64)
     problems = []
     for modality, (pad, text) in pads.items():
-        given, slots = int(items.get(modality, 0)), int(np.count_nonzero(ids == pad))
-        if given != slots:
-            problems.append(f"{given} {modality}(s) attached but the prompt has {slots} {text}")
+        given, pads = int(items.get(modality, 0)), int(np.count_nonzero(ids == pad))
+        if given != pads:
+            problems.append(f"{given} {modality}(s) attached but the prompt has {pads} {text}")
     if not problems:
         return None
     return ("; ".join(problems) + ": give exactly one pad token per attached item (a chat template writes them; "

@@ -51,7 +51,7 @@ def check_fits_context(num_prompt_tokens: int, max_new_tokens: int, ctx_len: int
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_batched_tokens: int  # tokens per step, all requests together
-    max_num_seqs: int  # running requests (KV batch slots)
+    max_num_seqs: int  # running requests (KV cache rows)
     prefill_seq_len: int  # longest prefill chunk one graph call takes
     ctx_len: int  # KV slots per request
     encoder_compute_budget: int | None = None  # embedding rows encoded per step; None = max_num_batched_tokens
@@ -121,7 +121,7 @@ class PrefillChunk:
     """Prompt tokens ``[computed, computed + scheduled)``; the last chunk samples the first token."""
 
     request_id: str
-    slot: int
+    cache_row: int  # the request's KV cache row (batch_index)
     computed: int
     scheduled: int
     samples: bool
@@ -136,7 +136,7 @@ class DecodeStep:
     """The request's latest token, written to KV index ``computed``."""
 
     request_id: str
-    slot: int
+    cache_row: int  # the request's KV cache row (batch_index)
     computed: int
     token_id: int
 
@@ -191,7 +191,7 @@ class _RequestState:
     items_by_offset: tuple[int, ...]  # media item indices sorted by placeholder offset
     num_computed: int = 0
     output_ids: list[int] = field(default_factory=list)
-    slot: int = -1
+    cache_row: int = -1
 
     @property
     def num_tokens(self) -> int:
@@ -208,7 +208,7 @@ class Scheduler:
         self.cache = EncoderCache(config.encoder_cache_rows)
         self._waiting: deque[_RequestState] = deque()
         self._running: list[_RequestState] = []  # admission order
-        self._free_slots = list(range(config.max_num_seqs))
+        self._free_rows = list(range(config.max_num_seqs))
         self._finished_since_step: list[str] = []
         self._pending: SchedulerOutput | None = None  # scheduled, awaiting update_from_output
         self._aborted_while_pending: set[str] = set()
@@ -266,7 +266,7 @@ class Scheduler:
 
         for state in self._running:
             if not state.is_prefilling and budget > 0 and state.num_computed < state.num_tokens:
-                decodes.append(DecodeStep(state.spec.request_id, state.slot, state.num_computed,
+                decodes.append(DecodeStep(state.spec.request_id, state.cache_row, state.num_computed,
                                           state.output_ids[-1]))
                 budget -= 1
 
@@ -278,13 +278,13 @@ class Scheduler:
                 prefills.append(self._chunk(state, scheduled))
                 budget -= scheduled
 
-        while self._waiting and self._free_slots and budget > 0:
+        while self._waiting and self._free_rows and budget > 0:
             state = self._waiting[0]
             scheduled, encoder_budget = self._plan_chunk(state, budget, encoder_budget, encoder_inputs)
             if scheduled == 0:
                 break  # first come, first served: nobody overtakes the head of the queue
             self._waiting.popleft()
-            state.slot = self._free_slots.pop(0)
+            state.cache_row = self._free_rows.pop(0)
             self._running.append(state)
             prefills.append(self._chunk(state, scheduled))
             budget -= scheduled
@@ -372,7 +372,7 @@ class Scheduler:
 
     def _chunk(self, state: _RequestState, scheduled: int) -> PrefillChunk:
         end = state.num_computed + scheduled
-        return PrefillChunk(state.spec.request_id, state.slot, state.num_computed, scheduled,
+        return PrefillChunk(state.spec.request_id, state.cache_row, state.num_computed, scheduled,
                             samples=end == state.spec.num_prompt_tokens)
 
     def _release_passed_items(self, state: _RequestState) -> None:
@@ -393,8 +393,8 @@ class Scheduler:
 
     def _end(self, state: _RequestState) -> None:
         self._running.remove(state)
-        self._free_slots.append(state.slot)
-        self._free_slots.sort()
+        self._free_rows.append(state.cache_row)
+        self._free_rows.sort()
         self.cache.release_request(state.spec.request_id)
         self._finished_since_step.append(state.spec.request_id)
 

@@ -131,7 +131,7 @@ class ServingEngine:
     def _prefill(self, out: SchedulerOutput) -> dict[str, int]:
         sampled = {}
         for chunk in out.prefills:
-            token = self.executor.prefill(chunk.request_id, chunk.computed, chunk.scheduled, chunk.slot)
+            token = self.executor.prefill(chunk.request_id, chunk.computed, chunk.scheduled, chunk.cache_row)
             if chunk.samples:
                 sampled[chunk.request_id] = token
         return sampled

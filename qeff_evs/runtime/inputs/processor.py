@@ -540,7 +540,7 @@ def preprocess_video(frames: np.ndarray, size: Sequence[int], spec: VisionPrepro
 
 
 def preprocess_image(image: np.ndarray, size: Sequence[int], spec: VisionPreprocessSpec) -> ProcessedVideo:
-    """One RGB image (H, W, 3) uint8 -> patches with grid (1, gh, gw): the image fills every temporal slot."""
+    """One RGB image (H, W, 3) uint8 -> patches with grid (1, gh, gw): the image fills every frame of the temporal patch."""
     if not isinstance(image, np.ndarray) or image.ndim != 3:
         shape = getattr(image, "shape", None)
         raise ValueError(f"image must be a (H, W, 3) uint8 array, got shape {shape}; use preprocess_video for clips")

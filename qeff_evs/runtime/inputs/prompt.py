@@ -1,7 +1,7 @@
-"""Turns a question about a video into prompt pieces: text ids around one video slot.
+"""Turns a question about a video into prompt pieces: text ids around one video placeholder.
 
 With a chat template the user turn is rendered the way the checkpoint expects, then split at the
-video pad the template emits (the family's ``TokenStrings``); the family later expands that slot into
+video pad the template emits (the family's ``TokenStrings``); the family later expands that placeholder into
 its own layout. Without a template the family's plain video block, then the question, is used.
 """
 
@@ -53,7 +53,7 @@ def chat_pieces(tokenizer, content: list[dict], tokens: TokenStrings | None = No
     """One user turn (OpenAI-style ``content``: text, ``{"type": "video"}``, ``{"type": "image"}``) as pieces.
 
     The chat template renders the turn, which is then split at every image or video pad it emits (the
-    family's ``tokens``); media slots are numbered in prompt order (the order of the request's media list).
+    family's ``tokens``); media placeholders are numbered in prompt order (the order of the request's media list).
     """
     tokens = _tokens(tokens)
     text = tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
