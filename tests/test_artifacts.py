@@ -26,7 +26,7 @@ from qeff_evs.specializations import check_specializations, read_specializations
 PATCH, MERGE, TEMPORAL_PATCH, CHANNELS, WINDOW = 14, 2, 2, 3, 56
 NUM_LAYERS = 2
 
-ENCODER_SYMBOLS = ("frames_per_call", "grid_h", "grid_w", "grid_height", "grid_width", "vision_size")
+ENCODER_SYMBOLS = ("frames_per_call", "grid_h", "grid_w", "grid_height", "grid_width", "merged_rows")
 PRUNING_SYMBOLS = ("frame_bucket", "bucket_tokens")
 METHODS = ("evs", "vidcom2")  # the default --video-pruning-methods, the first the default method
 FRAMES_PER_CALL = 2  # the export's default
@@ -182,7 +182,7 @@ def expected_encoder_symbols(height: int, width: int) -> dict[str, str]:
         "grid_height": FRAMES_PER_CALL * h * w,
         "grid_width": CHANNELS * TEMPORAL_PATCH * PATCH * PATCH,
         "frame_patches": h * w,
-        "vision_size": FRAMES_PER_CALL * h * w // MERGE ** 2,
+        "merged_rows": FRAMES_PER_CALL * h * w // MERGE ** 2,
         "frame_tokens": h * w // MERGE ** 2,
         "windows": len(window_lengths),
         "window_len": max(window_lengths),

@@ -96,7 +96,7 @@ def test_bench_graphs_are_a_qeff_evs_export(smoke_run):
     assert {(SMOKE.frame_size,) * 2, (SMOKE.vision_frame_size,) * 2} == set(manifest.resolutions)
     assert manifest.video_pruning_rate == SMOKE.window_rate
     shape = manifest.language_shape
-    assert (shape.ctx_len, shape.vision_size) == (SMOKE.ctx_len, SMOKE.vision_rows_per_chunk)
+    assert (shape.ctx_len, shape.vision_size) == (SMOKE.ctx_len, SMOKE.effective_user_vision_size)
     assert bundle.family.name == SMOKE.family
 
 

@@ -56,7 +56,7 @@ def test_encoder_graph_interface_has_no_video_length(exported):
         "window_gather": ["windows", "window_len"],
         "window_key_mask": ["windows", "window_len"],
         "window_unpad": ["frame_patches"],
-        "vision_embeds": ["vision_size", 64],
+        "vision_embeds": ["merged_rows", 64],
     }
 
 
@@ -78,7 +78,7 @@ def test_encoder_symbols_bind_every_dim(exported, config, grid_hw, frames):
     windows = frame_inputs(config, grid_hw)["window_gather"].shape
     assert symbols == {
         "frames_per_call": frames, "grid_h": h, "grid_w": w, "grid_height": frames * h * w, "grid_width": 1176,
-        "frame_patches": h * w, "vision_size": frames * h * w // 4, "frame_tokens": h * w // 4,
+        "frame_patches": h * w, "merged_rows": frames * h * w // 4, "frame_tokens": h * w // 4,
         "windows": windows[0], "window_len": windows[1],
     }
     session = ort.InferenceSession(str(exported.encoder_path), providers=["CPUExecutionProvider"])

@@ -89,8 +89,8 @@ def test_graph_interfaces_and_no_data_dependent_ops(exported):
         "rotary_position_ids": ["frame_patches", 2],
         "interp_indices": ["frame_patches", 4],
         "interp_weights": ["frame_patches", 4],
-        "vision_embeds": ["vision_size", OUT_HIDDEN],
-        "deepstack_features": [LEVELS, "vision_size", OUT_HIDDEN],
+        "vision_embeds": ["merged_rows", OUT_HIDDEN],
+        "deepstack_features": [LEVELS, "merged_rows", OUT_HIDDEN],
     }
     assert outputs == ["vision_embeds", "deepstack_features"]
     for method, ratio in (("evs", {}), ("vidcom2", {"retention_ratio": [1]})):
@@ -110,7 +110,7 @@ def test_symbols_bind_every_dim(exported, grid_hw, frames):
     h, w = grid_hw
     assert symbols == {
         "frames_per_call": frames, "grid_h": h, "grid_w": w, "grid_height": frames * h * w,
-        "grid_width": PIXEL_WIDTH, "frame_patches": h * w, "vision_size": frames * h * w // 4,
+        "grid_width": PIXEL_WIDTH, "frame_patches": h * w, "merged_rows": frames * h * w // 4,
     }
     session = ort.InferenceSession(str(exported.encoder_path), providers=["CPUExecutionProvider"])
     feeds = {"pixel_values": np.zeros((frames * h * w, PIXEL_WIDTH), np.float32),

@@ -56,7 +56,7 @@ _OVERRIDES = {
     "size": "frame_size", "question_tokens": "question_tokens", "pruning_rates": "pruning_rates",
     "prefill_seq_len": "prefill_seq_len", "ctx_len": "ctx_len", "user_vision_size": "user_vision_size",
     "window_frames": "window_frames", "window_rate": "window_rate", "vision_frames": "vision_frames",
-    "vision_size": "vision_frame_size", "vision_sweep_frames": "vision_sweep_frames",
+    "vision_frame_size": "vision_frame_size", "vision_sweep_frames": "vision_sweep_frames",
     "frames_per_call": "frames_per_call",
     "overhead_frames": "overhead_frames", "repeats": "repeats", "overhead_repeats": "overhead_repeats", "seed": "seed",
 }
@@ -100,7 +100,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--window-rate", type=float, default=None, help=f"window-sweep q (default {full.window_rate})")
     parser.add_argument("--vision-frames", type=int, default=None,
                         help=f"frames of the clip the vision graph is timed on (default {full.vision_frames})")
-    parser.add_argument("--vision-size", type=int, default=None,
+    parser.add_argument("--vision-frame-size", type=int, default=None,
                         help=f"frame side of that clip (default {full.vision_frame_size})")
     parser.add_argument("--vision-sweep-frames", type=_ints, default=None,
                         help="vision-sweep frame counts (default " + ",".join(map(str, full.vision_sweep_frames)) + ")")

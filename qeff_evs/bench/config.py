@@ -56,7 +56,7 @@ class BenchConfig:
     options: Mapping[str, Any] = field(default_factory=dict)
 
     @property
-    def vision_rows_per_chunk(self) -> int:
+    def effective_user_vision_size(self) -> int:
         return self.user_vision_size if self.user_vision_size is not None else self.prefill_seq_len
 
     @property
@@ -154,7 +154,7 @@ def validate(config: BenchConfig, patch_size: int, merge_size: int, temporal_pat
         raise ValueError("--pruning-rates, --window-frames and --vision-sweep-frames need at least one value each")
     for q in (*config.pruning_rates, config.window_rate):
         evs.validate_pruning_rate(q)
-    if config.vision_rows_per_chunk < config.prefill_seq_len:
+    if config.effective_user_vision_size < config.prefill_seq_len:
         raise ValueError(f"--user-vision-size {config.user_vision_size} is below --prefill-seq-len "
                          f"{config.prefill_seq_len}; a chunk can hold that many video tokens")
     factor = patch_size * merge_size

@@ -75,7 +75,7 @@ def sweep_rates(config: BenchConfig) -> list[float]:
 def prefill_steps(prompt: PreparedPrompt, config: BenchConfig, hidden: int,
                   extras: Mapping[str, int]) -> list[LanguageInputs]:
     """Every prefill chunk of ``prompt`` with its ``user_vision_size`` window (runtime.chunks)."""
-    return [prefill_step(prompt, computed, scheduled, config.prefill_seq_len, config.vision_rows_per_chunk,
+    return [prefill_step(prompt, computed, scheduled, config.prefill_seq_len, config.effective_user_vision_size,
                          hidden, extras)
             for computed, scheduled in prefill_chunks(len(prompt.ids), config.prefill_seq_len)]
 

@@ -144,7 +144,7 @@ class ExportOptions:
     video_pruning_methods: tuple[str, ...] = PRUNING_METHODS  # pruning graphs exported; the first is the default
 
     @property
-    def vision_size(self) -> int:
+    def effective_user_vision_size(self) -> int:
         return self.user_vision_size if self.user_vision_size is not None else self.prefill_seq_len
 
     def frame_buckets(self, temporal_patch_size: int) -> tuple[int, ...]:
@@ -330,7 +330,7 @@ def export_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, 
         special_tokens=dataclasses.replace(specials, eos=tuple(stop_token_ids(checkpoint, specials.eos))),
         language_shape=LanguageShape(
             num_layers=spec.num_layers, kv_heads=spec.kv_heads, head_dim=spec.head_dim, hidden=spec.hidden_size,
-            ctx_len=options.ctx_len, vision_size=options.vision_size, extras=dict(spec.extras),
+            ctx_len=options.ctx_len, vision_size=options.effective_user_vision_size, extras=dict(spec.extras),
             full_batch_size=options.full_batch_size or 1, vocab=spec.vocab_size,
             continuous_batching=options.full_batch_size is not None, rope_positions=rope_positions,
             kv_layers=spec.io_kv_layers, layer_states=spec.layer_states),

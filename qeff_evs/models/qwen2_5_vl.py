@@ -19,11 +19,11 @@ window_index           int64   (frame_tokens,)                 one frame's merge
 window_gather          int64   (windows, window_len)           patch of each padded window place
 window_key_mask        int64   (windows, window_len)           1 on real places, 0 on padding
 window_unpad           int64   (frame_patches,)                padded place of each patch
-vision_embeds          float   (vision_size, out_hidden)       merged rows, raster (t, row, col)
+vision_embeds          float   (merged_rows, out_hidden)       merged rows, raster (t, row, col)
 =====================  ======  ==============================  ===============================
 
 ``grid_h``/``grid_w`` are the patch rows/columns of one frame (QEfficient's convention),
-``frame_patches = grid_h * grid_w``, ``vision_size = frames_per_call * frame_patches / merge**2``.
+``frame_patches = grid_h * grid_w``, ``merged_rows = frames_per_call * frame_patches / merge**2``.
 The full-attention blocks attend per frame (a reshape, no mask); the windowed blocks per padded
 window: ``frames_per_call * windows`` segments of ``window_len`` patches, never the whole call.
 """
@@ -50,9 +50,9 @@ from qeff_evs.models.vision_common import (
     FRAMES_PER_CALL,
     GRID_H,
     GRID_W,
+    MERGED_ROWS,
     PATCH_ROWS,
     PATCH_WIDTH,
-    VISION_SIZE,
     EncoderWrapper,
     encoder_symbols as shared_encoder_symbols,
     frame_rotary_ids,
@@ -87,7 +87,7 @@ ENCODER_GRAPH_SPEC = VisionGraphSpec(
         "window_key_mask": {0: WINDOWS, 1: WINDOW_LEN},
         "window_unpad": {0: FRAME_PATCHES},
     },
-    outputs={"vision_embeds": {0: VISION_SIZE}},
+    outputs={"vision_embeds": {0: MERGED_ROWS}},
 )
 
 

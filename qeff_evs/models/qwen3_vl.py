@@ -22,12 +22,12 @@ video_grid_thw         int64   (frames_per_call, grid_h, grid_w)   shape-only ca
 rotary_position_ids    int64   (frame_patches, 2)                  (row, col) of one frame's patches
 interp_indices         int64   (frame_patches, 4)                  bilinear taps into the pos-embed table
 interp_weights         float   (frame_patches, 4)                  their weights (float32)
-vision_embeds          float   (vision_size, out_hidden)           merged rows, raster (t, row, col)
-deepstack_features     float   (levels, vision_size, out_hidden)   every deepstack level's rows
+vision_embeds          float   (merged_rows, out_hidden)           merged rows, raster (t, row, col)
+deepstack_features     float   (levels, merged_rows, out_hidden)   every deepstack level's rows
 =====================  ======  ==================================  ===============================
 
 ``grid_h``/``grid_w`` are the patch rows/columns of one frame (QEfficient's convention),
-``frame_patches = grid_h * grid_w``, ``vision_size = frames_per_call * frame_patches / merge**2``.
+``frame_patches = grid_h * grid_w``, ``merged_rows = frames_per_call * frame_patches / merge**2``.
 """
 
 from __future__ import annotations
@@ -52,9 +52,9 @@ from qeff_evs.models.vision_common import (
     FRAMES_PER_CALL,
     GRID_H,
     GRID_W,
+    MERGED_ROWS,
     PATCH_ROWS,
     PATCH_WIDTH,
-    VISION_SIZE,
     EncoderWrapper,
     encoder_symbols,
     frame_rotary_ids,
@@ -88,12 +88,12 @@ TOWER_INPUTS = {
     "interp_weights": {0: FRAME_PATCHES},
 }
 # The tower's merged rows only (a family without deepstack levels), and with them.
-TOWER_GRAPH_SPEC = VisionGraphSpec(inputs=TOWER_INPUTS, outputs={"vision_embeds": {0: VISION_SIZE}})
+TOWER_GRAPH_SPEC = VisionGraphSpec(inputs=TOWER_INPUTS, outputs={"vision_embeds": {0: MERGED_ROWS}})
 ENCODER_GRAPH_SPEC = VisionGraphSpec(
     inputs=TOWER_INPUTS,
     outputs={
-        "vision_embeds": {0: VISION_SIZE},
-        "deepstack_features": {1: VISION_SIZE},
+        "vision_embeds": {0: MERGED_ROWS},
+        "deepstack_features": {1: MERGED_ROWS},
     },
 )
 

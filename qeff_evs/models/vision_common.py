@@ -26,7 +26,7 @@ from qeff_evs.specializations.sets import check_frames_per_call
 
 # Symbol names of the encoder graph (DESIGN §7): F, the patch grid of one frame, the rows of a call.
 FRAMES_PER_CALL, GRID_H, GRID_W = "frames_per_call", "grid_h", "grid_w"
-PATCH_ROWS, PATCH_WIDTH, FRAME_PATCHES, VISION_SIZE = "grid_height", "grid_width", "frame_patches", "vision_size"
+PATCH_ROWS, PATCH_WIDTH, FRAME_PATCHES, MERGED_ROWS = "grid_height", "grid_width", "frame_patches", "merged_rows"
 
 
 def grid_tensor(grid_thw: Sequence[int] | torch.Tensor) -> torch.Tensor:
@@ -59,7 +59,7 @@ def encoder_symbols(vision_config, grid_hw: Sequence[int], frames: int) -> dict[
         PATCH_ROWS: frames * big_h * big_w,
         PATCH_WIDTH: vision_config.in_channels * vision_config.temporal_patch_size * patch * patch,
         FRAME_PATCHES: big_h * big_w,
-        VISION_SIZE: frames * big_h * big_w // (merge * merge),
+        MERGED_ROWS: frames * big_h * big_w // (merge * merge),
     }
 
 

@@ -231,7 +231,7 @@ def vision_specializations(
     """De-duplicate per-target vision symbol bindings, keeping which targets each one serves.
 
     ``entries`` pairs each target with the symbols its family computed (encoder: ``grid_h``, ``grid_w``,
-    ``grid_height``, ``vision_size``, ...; pruning: ``frame_bucket``, ``bucket_tokens``). Identical bindings
+    ``grid_height``, ``merged_rows``, ...; pruning: ``frame_bucket``, ``bucket_tokens``). Identical bindings
     collapse into one specialization, in first-seen order; names follow QEfficient: ``Vision`` when there is
     one, else ``Vision_0``, ``Vision_1``... (for the encoder and the pruning graphs alike).
     """
