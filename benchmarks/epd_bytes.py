@@ -4,7 +4,7 @@ For every ``EXPORT:Q`` pair, starts one encoder instance of that export (``vllm 
 --video-pruning-rate Q`` with qeff-evs's EC connector, ``ec_role: ec_producer``: the encoder and pruning
 graphs only), sends each video the way vLLM's disaggregated-encoder proxy does (the video alone, text removed,
 ``max_tokens`` 1), and measures what the instance wrote for the prefill/decode instances: the kept-rows file
-of each video (its size on disk and its arrays' bytes: rows, retained indices, per-frame counts, extra rows)
+of each video (its size on disk and its arrays' bytes: rows, kept indices, per-frame counts, extra rows)
 against the same tensors for every row of the unpruned merged grid (what vLLM ships without pruning on the
 encoder side). An export serves every rate its RoPE tables cover, so one export can be given with several rates
 (the results below were measured when each rate needed its own export).

@@ -100,7 +100,7 @@ def run(args) -> dict:
     return {"open_s": opened, "answer_s": time.perf_counter() - started,
             "prompt_tokens": len(result.prompt_token_ids), "generated": len(result.generated_token_ids),
             "prefill_chunks": result.num_prefill_chunks,
-            "retained_tokens_per_frame": result.retained_tokens_per_frame,
+            "kept_tokens_per_frame": result.kept_tokens_per_frame,
             "finite_logits": bool(np.isfinite(np.asarray(result.prefill_top_logits)).all()),
             "kv_layers": len(shape.kv_layer_indices), "kv_row_bytes_fp16": shape.kv_row_bytes(2),
             "state_row_bytes": shape.state_row_bytes(), "states": states}

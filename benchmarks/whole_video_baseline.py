@@ -139,13 +139,13 @@ def measure(config, frame_counts: tuple[int, ...], workdir: Path, progress) -> d
     for frames in frame_counts:
         clip = synthetic_clip(graphs.preprocess, frames, config.frame_size, config.seed)
         t, h, w = graphs.family.merged_grid(clip.grid_thw)
-        k = evs.retained_token_count(h * w, t, config.window_rate)
+        k = evs.kept_token_count(h * w, t, config.window_rate)
         feeds = {"pixel_values": clip.video.pixel_values.numpy().astype(np.float32),
                  **host_inputs(graphs.hf_config.vision_config, clip.grid_thw)}
         pruning = VideoPruning("evs", config.window_rate)
         calls = {ENCODER: lambda video=clip.video: pipeline.encode(video, pruning),
                  WHOLE_VIDEO: lambda feeds=feeds: whole_video.run(None, feeds)}
-        row = {"frames": frames, "temporal_patches": t, "retained_tokens": k}
+        row = {"frames": frames, "temporal_patches": t, "kept_tokens": k}
         samples = {}
         for name, call in calls.items():
             progress(f"{frames} frames, {name} alone (warm-up, peak memory)")

@@ -161,7 +161,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result.to_json()))
     else:
-        print("retained tokens per frame:", result.retained_tokens_per_frame)
+        print("kept tokens per frame:", result.kept_tokens_per_frame)
         print("generated token ids:", result.generated_token_ids)
         print("generated text:", repr(bundle.tokenizer.decode(result.generated_token_ids)))
     return 0
@@ -181,10 +181,10 @@ def cmd_encode(args: argparse.Namespace) -> int:
         return 0
     t, h, w = report.merged_grid
     print(f"{report.frames} frames at {report.resolution[0]}x{report.resolution[1]}: {t} temporal patches of "
-          f"{h}x{w} tokens, {len(report.retained_indices)} of {t * h * w} kept "
+          f"{h}x{w} tokens, {len(report.kept_indices)} of {t * h * w} kept "
           f"(encoder {report.seconds['encoder']:.2f} s in calls of {report.frames_per_call}, "
           f"pruning ({report.pruning.method}, q = {report.pruning.rate:g}) {report.seconds['pruning']:.3f} s)")
-    print("retained tokens per frame:", report.retained_tokens_per_frame)
+    print("kept tokens per frame:", report.kept_tokens_per_frame)
     print("\n".join(report.kept_map()))
     return 0
 
@@ -340,7 +340,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", choices=("ort", "torch", "qaic"), default="ort")
     _add_device_ids_argument(p)
     p.add_argument("--json", action="store_true",
-                   help="print one JSON object (adds retained_indices, frame count, resolution, timings)")
+                   help="print one JSON object (adds kept_indices, frame count, resolution, timings)")
     p.set_defaults(func=cmd_encode)
 
     p = sub.add_parser("demo", help="tiny random Qwen2.5-VL, exported and run on a synthetic video")

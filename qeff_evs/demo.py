@@ -28,11 +28,11 @@ DEMO_Q = 0.5
 DEMO_QUESTION = "What moves in this video?"
 
 
-def kept_map(retained_indices: np.ndarray, grid: tuple[int, int, int]) -> list[str]:
+def kept_map(kept_indices: np.ndarray, grid: tuple[int, int, int]) -> list[str]:
     """One text block per temporal patch: '#' kept, '.' pruned, frames side by side."""
     t, h, w = grid
     keep = np.zeros(t * h * w, dtype=bool)
-    keep[retained_indices] = True
+    keep[kept_indices] = True
     keep = keep.reshape(t, h, w)
     header = " ".join(f"t{f:<{w - 1}}" for f in range(t))
     rows = [" ".join("".join("#" if keep[f, r, c] else "." for c in range(w)) for f in range(t)) for r in range(h)]
@@ -64,7 +64,7 @@ def run_demo(workdir: Path | None = None, backend: str = "ort",
         print(f"video: {DEMO_FRAMES} frames {DEMO_SIZE}x{DEMO_SIZE} -> merged grid {grid}, q = {DEMO_Q}")
         print(f"kept {sum(kept)} of {int(np.prod(grid))} video tokens; per temporal patch: {list(kept)}")
         print("kept map ('#' kept, '.' pruned):")
-        for line in kept_map(prompt.encoded[0].retained_indices, grid):
+        for line in kept_map(prompt.encoded[0].kept_indices, grid):
             print("  " + line)
         print(f"prompt: {len(result.prompt_token_ids)} tokens in {result.num_prefill_chunks} prefill chunks, "
               f"vision rows per chunk {result.vision_rows_per_chunk}")

@@ -2,7 +2,7 @@
 
 Semantics are vLLM's (``vllm.multimodal.video_prune.evs``), reproduced bit for bit:
 
-* retained count ``K = max(h*w, int(h*w*T * (1 - q)))`` in Python double precision;
+* kept count ``K = max(h*w, int(h*w*T * (1 - q)))`` in Python double precision;
 * dissimilarity ``1 - cosine_similarity`` with the same spatial token of the previous
   temporal patch, in the embeddings' dtype, frame 0 pinned to the sentinel 255;
 * the K largest survive, ties broken toward the lower flat index, raster order kept.
@@ -14,7 +14,7 @@ first"; eager ``torch.topk`` breaks ties the other way, so it is only used under
 A pruning graph serves every video length up to its frame bucket and every rate (DESIGN §2.5):
 ``rank_candidates`` orders all ``B*h*w`` rows of a video padded to ``B`` temporal patches, given
 the real count ``T`` as a tensor, and the host keeps the first ``K(q, T)`` of that ranking
-(``kept_indices``). q never reaches the graph; padding rows rank after every real row.
+(``kept_from_ranking``). q never reaches the graph; padding rows rank after every real row.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def validate_pruning_rate(q: float) -> float:
     return value
 
 
-def retained_token_count(tokens_per_frame: int, num_frames: int, q: float) -> int:
+def kept_token_count(tokens_per_frame: int, num_frames: int, q: float) -> int:
     """Number of merged video tokens EVS keeps: at least one full frame."""
     q = validate_pruning_rate(q)
     if tokens_per_frame < 1 or num_frames < 1:
@@ -131,7 +131,7 @@ def retention_mask(
     t, h, w = merged_grid(grid_thw, spatial_merge_size)
     _check_embeds(embeds, t, h, w)
     dissimilarity = frame_dissimilarity(embeds.reshape(t, h * w, embeds.shape[-1]))
-    keep = reference_keep_order(dissimilarity, retained_token_count(h * w, t, q))
+    keep = reference_keep_order(dissimilarity, kept_token_count(h * w, t, q))
     mask = torch.zeros(t * h * w, dtype=torch.bool, device=embeds.device)
     mask[keep] = True
     return mask
@@ -142,15 +142,15 @@ def exporting() -> bool:
     return torch.onnx.is_in_onnx_export() or torch.compiler.is_exporting()
 
 
-def exportable_keep_order(dissimilarity: torch.Tensor, retained_carrier: torch.Tensor) -> torch.Tensor:
-    """Ascending flat indices of the K kept tokens, K = ``retained_carrier.shape[0]``.
+def exportable_keep_order(dissimilarity: torch.Tensor, kept_carrier: torch.Tensor) -> torch.Tensor:
+    """Ascending flat indices of the K kept tokens, K = ``kept_carrier.shape[0]``.
 
     Export form: TopK(K) (ONNX ties -> lower index), then a second TopK over the indices to
     restore raster order. No NonZero, no boolean indexing, no data-dependent shape. In eager
     mode it falls back to the reference order so both paths mean the same thing.
     """
     flat = dissimilarity.reshape(-1)
-    k = retained_carrier.shape[0]
+    k = kept_carrier.shape[0]
     if not exporting():
         return reference_keep_order(flat, k)
     top = torch.topk(flat, k, largest=True, sorted=True).indices
@@ -168,14 +168,14 @@ def _check_selection_shapes(embeds: torch.Tensor, frames: int, k: int, extra: to
         )
     if not 1 <= k <= rows:
         raise ValueError(
-            f"retained count {k} must be in [1, {rows}]; size the retained carrier with retained_token_count"
+            f"kept count {k} must be in [1, {rows}]; size the kept carrier with kept_token_count"
         )
     if extra is not None and (extra.dim() != 2 or extra.shape[0] != rows):
         raise ValueError(f"extra features must be 2-D with {rows} rows, got shape {tuple(extra.shape)}")
 
 
-def select_retained(
-    embeds: torch.Tensor, frames: int, retained_carrier: torch.Tensor, extra: torch.Tensor | None = None
+def select_kept(
+    embeds: torch.Tensor, frames: int, kept_carrier: torch.Tensor, extra: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Keep the EVS-selected rows of ``embeds`` (``(T*hw, D)``); returns ``(rows (K, D), indices (K,))``.
 
@@ -186,25 +186,25 @@ def select_retained(
     if not exporting():
         # Under export these sizes are symbols; in eager mode catch what TopK would
         # otherwise turn into a silent short selection or an opaque reshape error.
-        _check_selection_shapes(embeds, frames, retained_carrier.shape[0], extra)
+        _check_selection_shapes(embeds, frames, kept_carrier.shape[0], extra)
     features = embeds if extra is None else torch.cat([embeds, extra], dim=-1)
     per_frame = features.reshape(frames, -1, features.shape[-1])
-    indices = exportable_keep_order(frame_dissimilarity(per_frame), retained_carrier)
+    indices = exportable_keep_order(frame_dissimilarity(per_frame), kept_carrier)
     return embeds.index_select(0, indices), indices
 
 
 def tokens_per_frame_kept(
-    retained_indices: torch.Tensor | Sequence[int], num_frames: int, tokens_per_frame: int
+    kept_indices: torch.Tensor | Sequence[int], num_frames: int, tokens_per_frame: int
 ) -> list[int]:
-    """Per temporal patch, how many retained flat indices fall in it."""
+    """Per temporal patch, how many kept flat indices fall in it."""
     if num_frames < 1 or tokens_per_frame < 1:
         raise ValueError(
             f"num_frames and tokens_per_frame must be >= 1, got {num_frames} and {tokens_per_frame}"
         )
-    idx = torch.as_tensor(retained_indices, dtype=torch.int64).reshape(-1)
+    idx = torch.as_tensor(kept_indices, dtype=torch.int64).reshape(-1)
     if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= num_frames * tokens_per_frame):
         raise ValueError(
-            f"retained indices must lie in [0, {num_frames * tokens_per_frame}), got range "
+            f"kept indices must lie in [0, {num_frames * tokens_per_frame}), got range "
             f"[{int(idx.min())}, {int(idx.max())}]"
         )
     return torch.bincount(idx // tokens_per_frame, minlength=num_frames).tolist()
@@ -262,8 +262,8 @@ def rank_candidates(embeds: torch.Tensor, bucket: int, frame_count: torch.Tensor
     order); ``frame_count`` a one-element int64 tensor ``T <= B``; ``extra`` optional scoring features
     ``(B*h*w, E)`` concatenated after ``embeds`` (a family's extra rows, level by level). Real rows rank by
     dissimilarity, descending, ties toward the lower flat index; padding rows follow in index order.
-    The first ``retained_token_count(h*w, T, q)`` entries are vLLM's kept set for every ``T`` and ``q``
-    (``kept_indices``). Runs in the input dtype, like ``retention_mask``.
+    The first ``kept_token_count(h*w, T, q)`` entries are vLLM's kept set for every ``T`` and ``q``
+    (``kept_from_ranking``). Runs in the input dtype, like ``retention_mask``.
     """
     if not exporting():
         check_bucket_inputs(embeds.shape[0], bucket, frame_count)
@@ -275,12 +275,12 @@ def rank_candidates(embeds: torch.Tensor, bucket: int, frame_count: torch.Tensor
     return descending_order(key.reshape(-1))
 
 
-def kept_indices(ranking, k: int) -> np.ndarray:
+def kept_from_ranking(ranking, k: int) -> np.ndarray:
     """The first ``k`` entries of a pruning graph's ranking, ascending int64: the rows to keep."""
     order = np.asarray(ranking.detach().cpu() if isinstance(ranking, torch.Tensor) else ranking)
     if order.ndim != 1 or order.dtype.kind not in "iu":
         raise ValueError(f"ranking must be a 1-D integer array, got {order.dtype} with shape {order.shape}")
     if isinstance(k, bool) or int(k) != k or not 1 <= k <= order.size:
         raise ValueError(
-            f"cannot keep {k!r} of {order.size} ranked rows; compute k with the method's retained_token_count")
+            f"cannot keep {k!r} of {order.size} ranked rows; compute k with the method's kept_token_count")
     return np.sort(order[: int(k)]).astype(np.int64)

@@ -175,7 +175,7 @@ def rope_table_length(ctx_len: int, q: float, multiple: int = 64) -> int:
     """Default number of positions the language graph's RoPE tables cover (``qeff-evs export``).
 
     A request holds at most ``ctx_len`` tokens, but under EVS its positions are the *unpruned* ones:
-    the retained ``(1 - q)`` share of a video keeps the positions of the whole. So the table covers
+    the kept ``(1 - q)`` share of a video keeps the positions of the whole. So the table covers
     ``ctx_len / (1 - q)`` positions, rounded up to a multiple of ``multiple``. (Qwen2.5-VL's temporal
     positions can outrun even that for sparse frame rates; ``--rope-positions`` sets it explicitly, and
     the host refuses any request that would pass the table.)

@@ -29,7 +29,7 @@ T values, the sum over a padded bucket here and ONNX Runtime's agree for every T
 Two forms: ``retention_mask`` is the eager reference (one video, unpadded, the definition above with torch's own
 ops), ``rank_candidates`` the exportable form over a frame bucket: rows padded to ``B`` temporal patches, ``T`` and
 ``r`` as tensors, static shapes, returning a ranking whose first ``K(q, T)`` entries are the kept set for any ``K``
-(``evs.kept_indices``). Padding frames enter no statistic (variance, centres, softmax) and rank last.
+(``evs.kept_from_ranking``). Padding frames enter no statistic (variance, centres, softmax) and rank last.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ BUDGET_TEMPERATURE = 0.01
 RANK_SENTINEL = 255.0
 
 
-def retained_token_count(tokens_per_frame: int, num_frames: int, q: float) -> int:
+def kept_token_count(tokens_per_frame: int, num_frames: int, q: float) -> int:
     """Number of merged video tokens VidCom2 keeps: at least one per frame."""
     q = validate_pruning_rate(q)
     if tokens_per_frame < 1 or num_frames < 1:
@@ -169,7 +169,7 @@ def retention_mask(
     for frame, budget in enumerate(budgets.tolist()):
         keep[frame, least_similar[frame, :budget]] = True
     keep, flat_similarity = keep.reshape(-1), similarity.reshape(-1)
-    surplus = int(budgets.sum()) - retained_token_count(h * w, t, q)
+    surplus = int(budgets.sum()) - kept_token_count(h * w, t, q)
     if surplus > 0:  # drop the most similar of the kept tokens
         kept = keep.nonzero().reshape(-1)
         keep[kept[torch.argsort(flat_similarity[kept], descending=True, stable=True)[:surplus]]] = False

@@ -1,7 +1,7 @@
 """``qeff-evs bench`` smoke test (tiny widths via the hidden --smoke flag) and its pure pieces.
 
 One CLI run (module fixture, ~10 s) writes every output; the tests check its counts, bytes and
-layouts against independent references: vLLM's retained-count rule, the chunk arithmetic, the
+layouts against independent references: vLLM's kept-count rule, the chunk arithmetic, the
 byte sizes both ways must send, and the QEfficient way's ``image_idx`` counted token by token. The
 two ways' first-token logits must agree (same graph, same rows). Timings are not asserted.
 """
@@ -26,7 +26,7 @@ from qeff_evs.bench.overhead import kernel_time
 from qeff_evs.bench.pruning import PruningPoint, PruningSweep, pruning_rows
 from qeff_evs.bench.timing import Samples, alternating
 from qeff_evs.bench.window_sweep import QEFFICIENT, USER_VISION_SIZE, qefficient_steps
-from qeff_evs.bench.workload import language_prompt, pixel_retained_indices, synthetic_clip
+from qeff_evs.bench.workload import language_prompt, pixel_kept_indices, synthetic_clip
 from qeff_evs.runtime.inputs.processor import VisionPreprocessSpec
 
 vllm_evs = pytest.importorskip("vllm.multimodal.video_prune.evs")
@@ -110,10 +110,10 @@ def test_pruning_counts_follow_vllm(smoke_run):
     for r in rows:
         k = vllm_evs.compute_retained_tokens_count(per_patch, patches, r["q"])
         assert r["video_tokens"] == per_patch * patches
-        assert r["retained_tokens"] == k
+        assert r["kept_tokens"] == k
         assert r["prompt_tokens"] == k + SMOKE.question_tokens + 2  # + <|vision_start|>, <|vision_end|>
         assert r["prefill_chunks"] == math.ceil(r["prompt_tokens"] / SMOKE.prefill_seq_len)
-        assert r["vision_retained_tokens"] == vllm_evs.compute_retained_tokens_count(
+        assert r["vision_kept_tokens"] == vllm_evs.compute_retained_tokens_count(
             vision_per_patch, SMOKE.vision_frames // TINY_TEMPORAL, r["q"])
         assert r["encoder_cache_bytes"] == k * TINY_HIDDEN * 4
         for clock in ("wall", "cpu"):
@@ -124,8 +124,8 @@ def test_vision_graph_keeps_frame_zero(smoke_run):
     _, results = smoke_run
     per_patch = _tokens_per_patch(SMOKE.vision_frame_size)
     for sample in results["pruning_sweep"]["samples"]:
-        kept = sample["vision_retained_indices"]
-        assert len(kept) == sample["vision_retained_tokens"]
+        kept = sample["vision_kept_indices"]
+        assert len(kept) == sample["vision_kept_tokens"]
         assert kept == sorted(set(kept))
         assert set(range(per_patch)) <= set(kept)  # frame 0 always survives (sentinel 255)
         assert sum(sample["vision_kept_per_frame"]) == len(kept)
@@ -138,7 +138,7 @@ def test_window_bytes_and_parity(smoke_run):
     per_patch = _tokens_per_patch(SMOKE.frame_size)
     for r in rows:
         k = vllm_evs.compute_retained_tokens_count(per_patch, r["frames"] // TINY_TEMPORAL, SMOKE.window_rate)
-        assert r["retained_tokens"] == k
+        assert r["kept_tokens"] == k
         assert r["chunks"] == math.ceil((k + SMOKE.question_tokens + 2) / SMOKE.prefill_seq_len)
         ours, theirs = r[USER_VISION_SIZE], r[QEFFICIENT]
         assert ours["vision_size"] == SMOKE.prefill_seq_len
@@ -209,7 +209,7 @@ def test_qwen3_smoke_sends_deepstack_rows_too(tmp_path):
     levels = 1  # tiny_config's deepstack_visual_indexes=[0]
     for r in results["window_sweep"]["rows"]:
         k = vllm_evs.compute_retained_tokens_count(16, r["frames"] // TINY_TEMPORAL, SMOKE.window_rate)
-        assert r["retained_tokens"] == k
+        assert r["kept_tokens"] == k
         assert r[USER_VISION_SIZE]["bytes_per_chunk"] == SMOKE.prefill_seq_len * TINY_HIDDEN * 4 * (1 + levels)
         assert r[QEFFICIENT]["bytes_per_chunk"] == k * TINY_HIDDEN * 4 * (1 + levels)
         assert r["logits_max_abs_diff"] <= 1e-4
@@ -267,13 +267,13 @@ def test_pixel_selection_equals_vllm_on_merged_pixels():
     tokens = torch.stack([torch.cat(list(pixels[j * group:(j + 1) * group])) for j in range(pixels.shape[0] // group)])
     for q in (0.25, 0.5, 0.9):
         expected = torch.nonzero(vllm_evs.compute_retention_mask(tokens, clip.grid_thw, TINY_MERGE, q)).reshape(-1)
-        np.testing.assert_array_equal(pixel_retained_indices(clip.video, TINY_MERGE, q), expected.numpy())
+        np.testing.assert_array_equal(pixel_kept_indices(clip.video, TINY_MERGE, q), expected.numpy())
 
 
 def test_pruning_rows_limits():
     def point(q, k, chunks, prefill_cpu):
-        return PruningPoint(q=q, video_tokens=1000, retained_tokens=k, text_tokens=24, prompt_tokens=k + 24,
-                            prefill_chunks=chunks, vision_video_tokens=10, vision_retained_tokens=5,
+        return PruningPoint(q=q, video_tokens=1000, kept_tokens=k, text_tokens=24, prompt_tokens=k + 24,
+                            prefill_chunks=chunks, vision_video_tokens=10, vision_kept_tokens=5,
                             encoder_cache_bytes=0, vision=Samples([0.2] * 3, [0.1] * 3),
                             prefill=Samples([2.0] * 3, prefill_cpu))
 
@@ -349,7 +349,7 @@ def test_vision_sweep_rows(smoke_run):
     for r in rows:
         patches = r["frames"] // TINY_TEMPORAL
         assert r["temporal_patches"] == patches and r["video_tokens"] == per_patch * patches
-        assert r["retained_tokens"] == vllm_evs.compute_retained_tokens_count(per_patch, patches, SMOKE.window_rate)
+        assert r["kept_tokens"] == vllm_evs.compute_retained_tokens_count(per_patch, patches, SMOKE.window_rate)
         assert r["accumulated_mb"] == pytest.approx(per_patch * patches * TINY_HIDDEN * 4 / 2**20)
         assert r["encoder"]["cpu_s_per_patch"] > 0
     assert (smoke_run[0] / "vision_sweep.png").read_bytes().startswith(PNG_SIGNATURE)
@@ -360,7 +360,7 @@ def test_whole_video_baseline_equals_the_stock_tower_and_evs(tmp_path):
     import onnxruntime as ort
 
     from qeff_evs.bench.checkpoint import model_config, random_model
-    from qeff_evs.evs import kept_indices
+    from qeff_evs.evs import kept_from_ranking
     from qeff_evs.models.qwen2_5_vl import reference_vision_evs
     from qeff_evs.models.registry import family_for_config
 
@@ -376,7 +376,7 @@ def test_whole_video_baseline_equals_the_stock_tower_and_evs(tmp_path):
     ref_rows, ref_indices = reference_vision_evs(model.model.visual, pixels, grid, q)
     feeds = {"pixel_values": pixels.numpy(), **host_inputs(hf_config.vision_config, grid)}
     rows, ranking = session.run(None, feeds)
-    indices = kept_indices(ranking, len(ref_indices))  # the host keeps the first K of the ranking
+    indices = kept_from_ranking(ranking, len(ref_indices))  # the host keeps the first K of the ranking
     np.testing.assert_array_equal(indices, ref_indices.numpy())
     np.testing.assert_allclose(rows[indices], ref_rows.numpy(), atol=1e-4, rtol=0)
 

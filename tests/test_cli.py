@@ -34,7 +34,7 @@ MAX_NEW_TOKENS = 6
 # The session clip: 8 frames -> grid (4, 8, 14) patches, (4, 4, 7) merged; q = 0.5 keeps 56 of 112.
 GRID = (4, 8, 14)
 TOKENS_PER_FRAME, KEPT = 28, 56
-RESULT_KEYS = {"prompt_token_ids", "generated_token_ids", "prefill_top_logits", "retained_tokens_per_frame",
+RESULT_KEYS = {"prompt_token_ids", "generated_token_ids", "prefill_top_logits", "kept_tokens_per_frame",
                "num_prefill_chunks", "vision_rows_per_chunk"}
 
 
@@ -102,7 +102,7 @@ def test_run_json_has_the_documented_fields(run_json, tokenizer, question, expor
     assert top[0][0] == result["generated_token_ids"][0]
     values = [v for _, v in top]
     assert values == sorted(values, reverse=True)
-    per_frame = result["retained_tokens_per_frame"]
+    per_frame = result["kept_tokens_per_frame"]
     assert len(per_frame) == 1 and len(per_frame[0]) == GRID[0]
     assert per_frame[0][0] == TOKENS_PER_FRAME and sum(per_frame[0]) == KEPT
     seq_len, vision_size = export_options.prefill_seq_len, export_options.user_vision_size
@@ -155,7 +155,7 @@ def test_console_script_runs_in_a_subprocess(run_json, tiny_export, video_npy, q
 def test_run_prints_text_without_json(tiny_export, video_npy, question, capsys):
     code, out, _ = cli(["run", tiny_export, "--video", video_npy, "--prompt", question, "--max-new-tokens", 2], capsys)
     assert code == 0
-    assert "generated token ids:" in out and "retained tokens per frame:" in out
+    assert "generated token ids:" in out and "kept tokens per frame:" in out
 
 
 # --------------------------------------------------------------------------------------------------
@@ -182,9 +182,9 @@ def test_encode_json_equals_the_stock_tower_and_the_run(run_json, tiny_checkpoin
     with torch.no_grad():
         merged = visual(video.pixel_values, grid_thw=torch.tensor([GRID])).pooler_output
     mask = compute_retention_mask(merged, GRID, spatial_merge_size=2, q=export_options.video_pruning_rate)
-    assert result["retained_indices"] == torch.nonzero(mask).reshape(-1).tolist()
-    assert result["retained_tokens_per_frame"] == run_json["retained_tokens_per_frame"][0]
-    assert result["retained_tokens"] == KEPT and result["merged_grid"] == [GRID[0], 4, 7]
+    assert result["kept_indices"] == torch.nonzero(mask).reshape(-1).tolist()
+    assert result["kept_tokens_per_frame"] == run_json["kept_tokens_per_frame"][0]
+    assert result["kept_tokens"] == KEPT and result["merged_grid"] == [GRID[0], 4, 7]
     assert result["frames"] == 8 and result["resolution"] == [112, 196] and result["frames_per_call"] == 2
     assert set(result["seconds"]) == {"encoder", "pruning", "total"} and result["seconds"]["total"] > 0
     assert result["video_pruning_method"] == "evs" and result["video_pruning_rate"] == export_options.video_pruning_rate
@@ -209,13 +209,13 @@ def test_run_and_encode_take_the_rate_and_method(tiny_checkpoint, tiny_export, v
         merged = visual(video.pixel_values, grid_thw=torch.tensor([GRID])).pooler_output
     kept = vllm_kept(method, merged, GRID[0], (4, 7), q)
     assert len(kept) == vllm_count(method, TOKENS_PER_FRAME, GRID[0], q)
-    assert result["retained_indices"] == kept.tolist()
+    assert result["kept_indices"] == kept.tolist()
     assert result["video_pruning_method"] == method and result["video_pruning_rate"] == q
 
     code, out, err = cli(run_argv(tiny_export, "--video", video_npy, *flags, question=question), capsys)
     assert code == 0, err
     run = json.loads(out)
-    assert run["retained_tokens_per_frame"] == [result["retained_tokens_per_frame"]]
+    assert run["kept_tokens_per_frame"] == [result["kept_tokens_per_frame"]]
     tokenizer = AutoTokenizer.from_pretrained(tiny_checkpoint)
     assert run["prompt_token_ids"] == expected_prompt_ids(tokenizer, question, len(kept))
 
@@ -227,14 +227,14 @@ def test_videos_shorter_than_a_bucket_are_served(bad_inputs, tiny_export, questi
         if source == "three_patches" else ["--video", bad_inputs["two_frames"]]
     code, out, err = cli(run_argv(tiny_export, *argv, question=question), capsys)
     assert code == 0, err
-    counts = json.loads(out)["retained_tokens_per_frame"][0]
+    counts = json.loads(out)["kept_tokens_per_frame"][0]
     assert len(counts) == grid[0] and sum(counts) == max(TOKENS_PER_FRAME, int(TOKENS_PER_FRAME * grid[0] * 0.5))
 
 
 def test_encode_prints_counts_and_the_kept_map(run_json, tiny_export, video_npy, capsys):
     code, out, err = cli(["encode", tiny_export, "--video", video_npy], capsys)
     assert code == 0, err
-    assert f"retained tokens per frame: {run_json['retained_tokens_per_frame'][0]}" in out
+    assert f"kept tokens per frame: {run_json['kept_tokens_per_frame'][0]}" in out
     rows = [line.strip() for line in out.splitlines() if set(line.strip()) <= {"#", "."} and line.strip()]
     assert len(rows) == GRID[0] * 4 and all(len(row) == 7 for row in rows)  # h rows of w marks per patch
     assert "".join(rows).count("#") == KEPT
@@ -264,7 +264,7 @@ def test_export_then_run(tiny_checkpoint, video_npy, question, tokenizer, tmp_pa
     assert code == 0, err
     result = json.loads(out)
     kept = max(TOKENS_PER_FRAME, int(TOKENS_PER_FRAME * GRID[0] * 0.75))
-    assert sum(result["retained_tokens_per_frame"][0]) == kept
+    assert sum(result["kept_tokens_per_frame"][0]) == kept
     assert result["prompt_token_ids"] == expected_prompt_ids(tokenizer, question, kept)
     assert result["num_prefill_chunks"] == math.ceil(len(result["prompt_token_ids"]) / 16)
     assert max(result["vision_rows_per_chunk"]) <= 16

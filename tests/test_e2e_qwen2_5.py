@@ -138,7 +138,7 @@ def hf_greedy_from_embeds(model, embeds, positions, decode_start: int, steps: in
 class PrunedReference:
     ids: torch.Tensor  # (1, N) pruned prompt
     positions: torch.Tensor  # (3, 1, N) HF positions of the unpruned prompt, restricted
-    retained_indices: torch.Tensor  # (K,)
+    kept_indices: torch.Tensor  # (K,)
     tokens: list[int]
     first_logits: torch.Tensor  # (vocab,)
 
@@ -217,7 +217,7 @@ def test_q0_greedy_tokens_equal_transformers_generate(bundle, sessions, video, q
     assert result.generated_token_ids == hf_tokens
     assert_top_logits_match(result.prefill_top_logits, hf_first_logits)
     t, h, w = merged_grid(video, bundle.family.config)
-    assert result.retained_tokens_per_frame == [[h * w] * t]
+    assert result.kept_tokens_per_frame == [[h * w] * t]
 
 
 def test_stop_ids_are_the_checkpoints_generation_eos(bundle, hf_model):
@@ -246,7 +246,7 @@ def test_pruned_greedy_tokens_equal_hf_on_pruned_inputs(bundle, sessions, video,
     engine = make_engine(bundle, sessions, backend, q)
     prompt = engine.prepare(video_question_pieces(bundle.tokenizer, question, bundle.family.token_strings), [video])
     # The pieces the language graph sees, each against the reference's own construction.
-    np.testing.assert_array_equal(prompt.encoded[0].retained_indices, ref.retained_indices.numpy())
+    np.testing.assert_array_equal(prompt.encoded[0].kept_indices, ref.kept_indices.numpy())
     np.testing.assert_array_equal(prompt.ids, ref.ids[0].numpy())
     np.testing.assert_array_equal(prompt.positions, ref.positions[:, 0].numpy())
     assert prompt.positions.dtype == np.int64
@@ -255,9 +255,9 @@ def test_pruned_greedy_tokens_equal_hf_on_pruned_inputs(bundle, sessions, video,
     assert result.generated_token_ids == ref.tokens
     assert_top_logits_match(result.prefill_top_logits, ref.first_logits)
     t, h, w = merged_grid(video, bundle.family.config)
-    kept = ref.retained_indices // (h * w)
-    assert result.retained_tokens_per_frame == [np.bincount(kept.numpy(), minlength=t).tolist()]
-    assert sum(result.retained_tokens_per_frame[0]) == max(h * w, int(t * h * w * (1 - q)))
+    kept = ref.kept_indices // (h * w)
+    assert result.kept_tokens_per_frame == [np.bincount(kept.numpy(), minlength=t).tolist()]
+    assert sum(result.kept_tokens_per_frame[0]) == max(h * w, int(t * h * w * (1 - q)))
 
 
 def test_ort_and_torch_backends_agree(bundle, sessions, video, question):
@@ -269,7 +269,7 @@ def test_ort_and_torch_backends_agree(bundle, sessions, video, question):
     ort, torch_ = results["ort"], results["torch"]
     assert ort.prompt_token_ids == torch_.prompt_token_ids
     assert ort.generated_token_ids == torch_.generated_token_ids
-    assert ort.retained_tokens_per_frame == torch_.retained_tokens_per_frame
+    assert ort.kept_tokens_per_frame == torch_.kept_tokens_per_frame
     assert [i for i, _ in ort.prefill_top_logits] == [i for i, _ in torch_.prefill_top_logits]
     np.testing.assert_allclose([v for _, v in ort.prefill_top_logits], [v for _, v in torch_.prefill_top_logits],
                                atol=ATOL, rtol=0)
@@ -337,7 +337,7 @@ def test_each_chunk_gets_only_its_own_window_of_vision_rows(chunked_runs, bundle
     pads_per_chunk = [int((ids[c:c + seq_len] == video_pad).sum()) for c in range(0, len(ids), seq_len)]
     assert result.vision_rows_per_chunk == pads_per_chunk
     assert max(result.vision_rows_per_chunk) <= vision_size
-    assert sum(result.vision_rows_per_chunk) == len(prompt.encoded[0].retained_indices)
+    assert sum(result.vision_rows_per_chunk) == len(prompt.encoded[0].kept_indices)
 
 
 def test_engine_rejects_a_window_below_the_prefill_length(bundle, sessions):

@@ -217,7 +217,7 @@ def our_pieces(template: list[list[int] | int]) -> list[PromptPiece]:
 class Reference:
     ids: list[int]  # the prompt transformers sees (pruned layout when q > 0)
     positions: np.ndarray  # (3, N)
-    retained: list[np.ndarray]  # per video
+    kept: list[np.ndarray]  # per video
     tokens: list[int]
     first_logits: torch.Tensor
 
@@ -235,7 +235,7 @@ def hf_reference(model, tokenizer, template, media: list[HFMedia], q: float, ste
     config = model.config
     merge = config.vision_config.spatial_merge_size
     pads = (config.image_token_id, config.video_token_id)
-    unpruned_ids, keep, rows, deep_rows, retained = [], [], [], [], []
+    unpruned_ids, keep, rows, deep_rows, kept = [], [], [], [], []
     for part in template:
         if not isinstance(part, int):
             unpruned_ids += part
@@ -250,7 +250,7 @@ def hf_reference(model, tokenizer, template, media: list[HFMedia], q: float, ste
             scored = torch.cat([merged, *levels], dim=-1)  # vLLM scores [merger | deepstack]
             mask = evs.retention_mask(scored, item.grid_thw, merge, q)
             assert evs_cut_margin(scored, item.grid_thw, merge, int(mask.sum())) > 1e-4, "EVS cut on a near-tie"
-            retained.append(torch.nonzero(mask).reshape(-1).numpy())
+            kept.append(torch.nonzero(mask).reshape(-1).numpy())
         ids = hf_media_ids(item, tokenizer, config)
         item_keep = np.ones(len(ids), dtype=bool)
         item_keep[np.isin(ids, pads)] = mask.numpy()
@@ -290,7 +290,7 @@ def hf_reference(model, tokenizer, template, media: list[HFMedia], q: float, ste
             out = text_model(inputs_embeds=step_embeds, position_ids=step_positions, past_key_values=cache,
                              use_cache=True)
             tokens.append(int(model.lm_head(out.last_hidden_state[0, -1]).argmax()))
-    return Reference(ids[0].tolist(), positions[:, 0].numpy(), retained, tokens, first_logits)
+    return Reference(ids[0].tolist(), positions[:, 0].numpy(), kept, tokens, first_logits)
 
 
 def hf_generate(model, tokenizer, template, media: list[HFMedia], steps: int):
@@ -374,7 +374,7 @@ def test_q0_single_video_equals_transformers_generate(bundle, sessions, hf_model
     assert result.generated_token_ids == hf_tokens
     assert_top_logits_match(result.prefill_top_logits, hf_first)
     t, h, w = bundle.family.merged_grid(videos[0].grid_thw)
-    assert result.retained_tokens_per_frame == [[h * w] * t]
+    assert result.kept_tokens_per_frame == [[h * w] * t]
 
 
 def test_q0_two_videos_and_an_image_equal_transformers_generate(bundle, sessions, hf_model, tokenizer, multi):
@@ -400,13 +400,13 @@ def single_references(hf_model, tokenizer, single):
 
 
 def assert_prompt_matches(prompt, ref: Reference, video_items: tuple[int, ...]) -> None:
-    """Ids, int64 positions and every video's retained indices, against the reference's own."""
+    """Ids, int64 positions and every video's kept indices, against the reference's own."""
     assert prompt.ids.tolist() == ref.ids
     assert prompt.positions.dtype == np.int64
     np.testing.assert_array_equal(prompt.positions, ref.positions)
-    assert len(video_items) == len(ref.retained)
-    for item, retained in zip(video_items, ref.retained):
-        np.testing.assert_array_equal(prompt.encoded[item].retained_indices, retained)
+    assert len(video_items) == len(ref.kept)
+    for item, kept in zip(video_items, ref.kept):
+        np.testing.assert_array_equal(prompt.encoded[item].kept_indices, kept)
 
 
 @pytest.mark.parametrize("q", PRUNING_RATES)
@@ -418,11 +418,11 @@ def test_pruned_single_video_equals_hf_on_the_real_layout(bundle, sessions, sing
     prompt = engine.prepare(our_pieces(template), videos)
     assert_prompt_matches(prompt, ref, (0,))
     t, h, w = bundle.family.merged_grid(videos[0].grid_thw)
-    assert len(ref.retained[0]) == evs.retained_token_count(h * w, t, q)
+    assert len(ref.kept[0]) == evs.kept_token_count(h * w, t, q)
     result = engine.generate(prompt, eos_ids=())
     assert result.generated_token_ids == ref.tokens
     assert_top_logits_match(result.prefill_top_logits, ref.first_logits)
-    assert result.retained_tokens_per_frame == [np.bincount(ref.retained[0] // (h * w), minlength=t).tolist()]
+    assert result.kept_tokens_per_frame == [np.bincount(ref.kept[0] // (h * w), minlength=t).tolist()]
 
 
 @pytest.fixture(scope="module")
@@ -532,13 +532,13 @@ def test_ort_and_torch_backends_agree(bundle, sessions, multi):
     assert ort.prompt_token_ids == torch_.prompt_token_ids
     np.testing.assert_array_equal(prompts["ort"].positions, prompts["torch"].positions)
     for e_ort, e_torch in zip(prompts["ort"].encoded, prompts["torch"].encoded):
-        np.testing.assert_array_equal(e_ort.retained_indices, e_torch.retained_indices)
+        np.testing.assert_array_equal(e_ort.kept_indices, e_torch.kept_indices)
         # The tiny checkpoint's vision rows reach |x| ~ 30 (initializer 0.3), where fp32 op-order
         # noise alone is ~1e-5 relative; the 1e-4 tolerance applies per unit of magnitude.
         for ours, theirs in ((e_ort.rows, e_torch.rows), (e_ort.extras["deepstack_features"], e_torch.extras["deepstack_features"])):
             scale = max(1.0, float(np.abs(theirs).max()))
             np.testing.assert_allclose(ours, theirs, atol=ATOL * scale, rtol=0)
     assert ort.generated_token_ids == torch_.generated_token_ids
-    assert ort.retained_tokens_per_frame == torch_.retained_tokens_per_frame
+    assert ort.kept_tokens_per_frame == torch_.kept_tokens_per_frame
     np.testing.assert_allclose(np.asarray(ort.prefill_top_logits), np.asarray(torch_.prefill_top_logits),
                                atol=ATOL, rtol=0)

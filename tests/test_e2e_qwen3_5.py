@@ -182,7 +182,7 @@ def our_pieces(before: list[int], after: list[int]) -> list[PromptPiece]:
 class Reference:
     ids: list[int]  # the prompt transformers sees (pruned layout when q > 0)
     positions: np.ndarray  # (3, N)
-    retained: np.ndarray  # the video's kept merged-token indices
+    kept: np.ndarray  # the video's kept merged-token indices
     tokens: list[int]
     first_logits: torch.Tensor
 
@@ -295,7 +295,7 @@ def test_chunked_prefill_and_decode_equal_transformers(bundles, sessions, clips,
     prompt = engine.prepare(our_pieces(*split_template(tokenizer, QUESTION)), [video])
     assert prompt.ids.tolist() == ref.ids
     np.testing.assert_array_equal(prompt.positions, ref.positions)
-    np.testing.assert_array_equal(prompt.encoded[0].retained_indices, ref.retained)
+    np.testing.assert_array_equal(prompt.encoded[0].kept_indices, ref.kept)
     # Chunk boundaries fall inside the video placeholder (the state crosses them mid-video).
     placeholder = prompt.placeholders[0]
     cuts = range(seq_len, len(ref.ids), seq_len)
@@ -453,7 +453,7 @@ def test_vidcom2_equals_transformers(bundles, hf_model, clips):
     engine = build_engine(bundle, "ort", max_new_tokens=DECODE_STEPS, pruning=VideoPruning("vidcom2", Q))
     prompt = engine.prepare(our_pieces(*split_template(bundle.tokenizer, QUESTION)), [video])
     assert prompt.ids.tolist() == ref.ids
-    np.testing.assert_array_equal(prompt.encoded[0].retained_indices, ref.retained)
+    np.testing.assert_array_equal(prompt.encoded[0].kept_indices, ref.kept)
     result = engine.generate(prompt, eos_ids=())
     assert result.generated_token_ids == ref.tokens
     assert_top_logits_match(result.prefill_top_logits, ref.first_logits)

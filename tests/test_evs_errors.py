@@ -10,9 +10,9 @@ import torch
 
 from qeff_evs.evs import (
     merged_grid,
-    retained_token_count,
+    kept_token_count,
     retention_mask,
-    select_retained,
+    select_kept,
     tokens_per_frame_kept,
     validate_pruning_rate,
 )
@@ -29,7 +29,7 @@ EMBEDS = torch.randn(4 * 4 * 4, 16, generator=torch.Generator().manual_seed(0))
 def test_bad_pruning_rate_is_named(q, shown):
     for call in (
         lambda: validate_pruning_rate(q),
-        lambda: retained_token_count(16, 4, q),
+        lambda: kept_token_count(16, 4, q),
         lambda: retention_mask(EMBEDS, GRID, 2, q),
     ):
         with pytest.raises(ValueError, match=re.escape(f"got {shown}")):
@@ -75,23 +75,23 @@ def test_embeds_not_2d(shape):
 
 
 @pytest.mark.parametrize("tokens_per_frame, frames", [(0, 4), (16, 0), (-3, 2)])
-def test_retained_count_needs_positive_sizes(tokens_per_frame, frames):
+def test_kept_count_needs_positive_sizes(tokens_per_frame, frames):
     with pytest.raises(ValueError, match=rf"got {tokens_per_frame} and {frames}"):
-        retained_token_count(tokens_per_frame, frames, 0.5)
+        kept_token_count(tokens_per_frame, frames, 0.5)
 
 
-def test_select_retained_shape_errors():
+def test_select_kept_shape_errors():
     carrier = torch.zeros(20, dtype=torch.int64)
     with pytest.raises(ValueError, match=re.escape("(4, 16, 16)")):
-        select_retained(torch.randn(4, 16, 16), 4, carrier)
+        select_kept(torch.randn(4, 16, 16), 4, carrier)
     with pytest.raises(ValueError, match="64 embedding rows do not split into 5 frames"):
-        select_retained(EMBEDS, 5, carrier)
-    with pytest.raises(ValueError, match=r"retained count 65 must be in \[1, 64\]"):
-        select_retained(EMBEDS, 4, torch.zeros(65, dtype=torch.int64))
-    with pytest.raises(ValueError, match=r"retained count 0 must be in \[1, 64\]"):
-        select_retained(EMBEDS, 4, torch.zeros(0, dtype=torch.int64))
+        select_kept(EMBEDS, 5, carrier)
+    with pytest.raises(ValueError, match=r"kept count 65 must be in \[1, 64\]"):
+        select_kept(EMBEDS, 4, torch.zeros(65, dtype=torch.int64))
+    with pytest.raises(ValueError, match=r"kept count 0 must be in \[1, 64\]"):
+        select_kept(EMBEDS, 4, torch.zeros(0, dtype=torch.int64))
     with pytest.raises(ValueError, match=re.escape("(63, 16)")):
-        select_retained(EMBEDS, 4, carrier, extra=torch.randn(63, 16))
+        select_kept(EMBEDS, 4, carrier, extra=torch.randn(63, 16))
 
 
 @pytest.mark.parametrize("indices, shown", [([0, 5, 64], "[0, 64]"), ([-1, 3], "[-1, 3]")])

@@ -1,7 +1,7 @@
 """The exportable EVS selection, exported once to ONNX and run in ONNX Runtime, equals vLLM's mask.
 
 One graph (legacy TorchScript exporter, opset 17) with named dynamic axes for the rows, the
-features, the frames carrier and the retained carrier serves every case below: different T,
+features, the frames carrier and the kept carrier serves every case below: different T,
 merged grids, K and tie structures. The oracle is vLLM 0.32.0's ``compute_retention_mask``.
 """
 
@@ -17,28 +17,28 @@ import onnx
 import pytest
 import torch
 
-from qeff_evs.evs import select_retained
+from qeff_evs.evs import select_kept
 
 ort = pytest.importorskip("onnxruntime")
 vllm_evs = pytest.importorskip("vllm.multimodal.video_prune.evs")
 
 PRUNING_RATES = (0.0, 0.25, 0.5, 0.75, 0.8, 0.9, 0.99)
-INPUT_NAMES = ["embeds", "frames_carrier", "retained_carrier"]
-OUTPUT_NAMES = ["retained_embeds", "retained_indices"]
+INPUT_NAMES = ["embeds", "frames_carrier", "kept_carrier"]
+OUTPUT_NAMES = ["kept_embeds", "kept_indices"]
 DYNAMIC_AXES = {
     "embeds": {0: "num_tokens", 1: "hidden"},
     "frames_carrier": {0: "time"},
-    "retained_carrier": {0: "retained_size"},
-    "retained_embeds": {0: "retained_size", 1: "hidden"},
-    "retained_indices": {0: "retained_size"},
+    "kept_carrier": {0: "kept_size"},
+    "kept_embeds": {0: "kept_size", 1: "hidden"},
+    "kept_indices": {0: "kept_size"},
 }
 
 
 class EvsSelection(torch.nn.Module):
     """Export wrapper: T and K reach the graph only as the lengths of shape-only inputs."""
 
-    def forward(self, embeds, frames_carrier, retained_carrier):
-        return select_retained(embeds, frames_carrier.shape[0], retained_carrier)
+    def forward(self, embeds, frames_carrier, kept_carrier):
+        return select_kept(embeds, frames_carrier.shape[0], kept_carrier)
 
 
 @pytest.fixture(scope="module")
@@ -162,7 +162,7 @@ def _run(session, embeds: np.ndarray, frames: int, k: int) -> tuple[np.ndarray, 
         {
             "embeds": embeds,
             "frames_carrier": np.zeros(frames, dtype=np.int64),
-            "retained_carrier": np.zeros(k, dtype=np.int64),
+            "kept_carrier": np.zeros(k, dtype=np.int64),
         },
     )
     return rows, indices
@@ -197,7 +197,7 @@ def test_onnx_selection_equals_vllm(evs_session, case: OrtCase):
 
 
 def test_one_graph_serves_different_k_for_the_same_video(evs_session):
-    """Only the retained carrier changes: K = all, K = one frame, and a K that cuts inside ties."""
+    """Only the kept carrier changes: K = all, K = one frame, and a K that cuts inside ties."""
     case = OrtCase("one_hot", frames=6, merged_h=3, merged_w=5, merge=2, q=0.0, dim=8, seed=11)
     embeds = case.embeds()
     hw = case.tokens_per_frame
@@ -233,7 +233,7 @@ def test_graph_dynamic_dims_are_named(evs_onnx_path):
     assert dims == {
         "embeds": ["num_tokens", "hidden"],
         "frames_carrier": ["time"],
-        "retained_carrier": ["retained_size"],
-        "retained_embeds": ["retained_size", "hidden"],
-        "retained_indices": ["retained_size"],
+        "kept_carrier": ["kept_size"],
+        "kept_embeds": ["kept_size", "hidden"],
+        "kept_indices": ["kept_size"],
     }

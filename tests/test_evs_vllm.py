@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from qeff_evs.evs import retained_token_count, retention_mask, select_retained, tokens_per_frame_kept
+from qeff_evs.evs import kept_token_count, retention_mask, select_kept, tokens_per_frame_kept
 
 vllm_evs = pytest.importorskip("vllm.multimodal.video_prune.evs")
 vllm_count = vllm_evs.compute_retained_tokens_count
@@ -189,11 +189,11 @@ def _count_cases():
     return [(tpf, t, q) for tpf in tokens for t in range(1, MAX_FRAMES + 1) for q in rates]
 
 
-def test_retained_count_equals_vllm():
+def test_kept_count_equals_vllm():
     cases = _count_cases()
     assert len(cases) > 10_000
-    failures = [(tpf, t, q, retained_token_count(tpf, t, q), vllm_count(tpf, t, q))
-                for tpf, t, q in cases if retained_token_count(tpf, t, q) != vllm_count(tpf, t, q)]
+    failures = [(tpf, t, q, kept_token_count(tpf, t, q), vllm_count(tpf, t, q))
+                for tpf, t, q in cases if kept_token_count(tpf, t, q) != vllm_count(tpf, t, q)]
     assert not failures, f"(tokens_per_frame, T, q, ours, vllm) first mismatches: {failures[:5]}"
 
 
@@ -210,19 +210,19 @@ def test_retained_count_equals_vllm():
         (196, 16, 0.0, 3136),  # q = 0: EVS off, everything kept
     ],
 )
-def test_retained_count_pinned_values(tokens_per_frame, frames, q, expected):
+def test_kept_count_pinned_values(tokens_per_frame, frames, q, expected):
     """Hand-checked values of the double-precision rule (reference/vllm_evs.md §3.1), also vLLM's."""
-    assert retained_token_count(tokens_per_frame, frames, q) == expected
+    assert kept_token_count(tokens_per_frame, frames, q) == expected
     assert vllm_count(tokens_per_frame, frames, q) == expected
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c.dtype == torch.float32][::3], ids=str)
-def test_eager_select_retained_equals_vllm(case: EvsCase):
+def test_eager_select_kept_equals_vllm(case: EvsCase):
     """The eager form of the exportable selection means the same as vLLM's mask."""
     embeds = case.embeds()
     mask = vllm_mask(embeds, case.patch_grid, case.merge, case.q)
     carrier = torch.zeros(int(mask.sum()), dtype=torch.int64)
-    rows, indices = select_retained(embeds, case.frames, carrier)
+    rows, indices = select_kept(embeds, case.frames, carrier)
     assert torch.equal(indices, mask.nonzero().flatten()), case
     assert torch.equal(rows, embeds[mask]), case
 
@@ -236,7 +236,7 @@ def test_extra_features_enter_the_dissimilarity(case: EvsCase):
     extra = torch.randn(embeds.shape[0], 3 * case.dim, generator=g).to(case.dtype)
     mask = vllm_mask(torch.cat([embeds, extra], dim=-1), case.patch_grid, case.merge, case.q)
     carrier = torch.zeros(int(mask.sum()), dtype=torch.int64)
-    rows, indices = select_retained(embeds, case.frames, carrier, extra=extra)
+    rows, indices = select_kept(embeds, case.frames, carrier, extra=extra)
     assert torch.equal(indices, mask.nonzero().flatten()), case
     assert torch.equal(rows, embeds[mask]), case
 

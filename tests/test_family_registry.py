@@ -126,8 +126,8 @@ def test_a_video_runs_as_through_the_family_it_copies(synthetic_export, tiny_exp
         engine = build_engine(bundle, "ort", max_new_tokens=8)
         results[name] = answer(bundle, engine, video_from_file(video_npy, bundle), question)
     ours, theirs = results["synthetic"], results["qwen2_5_vl"]
-    assert ours.retained_tokens_per_frame == theirs.retained_tokens_per_frame
-    assert sum(ours.retained_tokens_per_frame[0]) < 4 * 4 * 7  # q = 0.5 pruned the clip's merged grid
+    assert ours.kept_tokens_per_frame == theirs.kept_tokens_per_frame
+    assert sum(ours.kept_tokens_per_frame[0]) < 4 * 4 * 7  # q = 0.5 pruned the clip's merged grid
     assert ours.prompt_token_ids == theirs.prompt_token_ids
     np.testing.assert_allclose(ours.prefill_top_logits, theirs.prefill_top_logits, rtol=0, atol=1e-4)
     assert ours.generated_token_ids == theirs.generated_token_ids

@@ -22,8 +22,8 @@ from helpers.pruned_prompts import (
     prune_prompt,
     qwen2_5_vl_blocks,
     qwen3_vl_blocks,
-    qwen3_vl_retained_per_block,
-    split_retained_by_frame,
+    qwen3_vl_kept_per_block,
+    split_kept_by_frame,
 )
 from qeff_evs.evs import retention_mask
 from qeff_evs.positions import (
@@ -93,7 +93,7 @@ def reference_walk(ids: list[int], blocks: list[RefBlock]) -> tuple[list[tuple[i
 class Prompt:
     ids: list[int] = field(default_factory=list)
     items: list[MediaItem] = field(default_factory=list)
-    retained_per_item: list[torch.Tensor | None] = field(default_factory=list)
+    kept_per_item: list[torch.Tensor | None] = field(default_factory=list)
     ref_blocks: list[RefBlock] = field(default_factory=list)
     qs: list[float] = field(default_factory=list)
     tokens_per_second: int = 2
@@ -103,8 +103,8 @@ def _text(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(3, IMG) for _ in range(n)]
 
 
-def _video_retained(rng: random.Random, seed: int, t: int, h: int, w: int) -> tuple[torch.Tensor, float]:
-    """Flat retained indices of one video: EVS on random embeddings (some frames repeated), or a random subset."""
+def _video_kept(rng: random.Random, seed: int, t: int, h: int, w: int) -> tuple[torch.Tensor, float]:
+    """Flat kept indices of one video: EVS on random embeddings (some frames repeated), or a random subset."""
     gen = torch.Generator().manual_seed(seed)
     if rng.random() < 0.25:  # arbitrary subset, frame 0 may vanish too
         k = rng.randrange(0, t * h * w + 1)
@@ -133,15 +133,15 @@ def random_prompt(seed: int, family: str, long_text: bool = False) -> Prompt:
         h, w = rng.randint(1, 5), rng.randint(1, 5)
         if kind == "image":
             p.items.append(MediaItem("image", (1, h * MERGE, w * MERGE)))
-            p.retained_per_item.append(None)
+            p.kept_per_item.append(None)
             p.qs.append(0.0)
         else:
             spg = rng.choice(SECONDS_PER_GRID)
             p.items.append(MediaItem("video", (t, h * MERGE, w * MERGE), second_per_grid=spg))
-            retained, q = _video_retained(rng, seed * 100 + item_no, t, h, w)
-            p.retained_per_item.append(retained)
+            indices, q = _video_kept(rng, seed * 100 + item_no, t, h, w)
+            p.kept_per_item.append(indices)
             p.qs.append(q)
-        flat_kept = None if p.retained_per_item[-1] is None else set(p.retained_per_item[-1].tolist())
+        flat_kept = None if p.kept_per_item[-1] is None else set(p.kept_per_item[-1].tolist())
         pad = IMG if kind == "image" else VID
         if family == "qwen2_5" or kind == "image":
             # vLLM: t_factor = second_per_grid_ts * tokens_per_second, a Python double
@@ -160,11 +160,11 @@ def random_prompt(seed: int, family: str, long_text: bool = False) -> Prompt:
     return p
 
 
-def api_blocks_and_retained(p: Prompt, family: str, retained_per_item: list) -> tuple[list[MediaBlock], list]:
+def api_blocks_and_kept(p: Prompt, family: str, kept_per_item: list) -> tuple[list[MediaBlock], list]:
     """What the family code would pass: one block per item (Qwen2.5-VL) or per frame (Qwen3-VL)."""
     if family == "qwen2_5":
-        return qwen2_5_vl_blocks(p.items, MERGE, p.tokens_per_second), list(retained_per_item)
-    return qwen3_vl_blocks(p.items, MERGE), qwen3_vl_retained_per_block(p.items, MERGE, retained_per_item)
+        return qwen2_5_vl_blocks(p.items, MERGE, p.tokens_per_second), list(kept_per_item)
+    return qwen3_vl_blocks(p.items, MERGE), qwen3_vl_kept_per_block(p.items, MERGE, kept_per_item)
 
 
 # --------------------------------------------------------------------------- random prompts vs the walk
@@ -174,7 +174,7 @@ def api_blocks_and_retained(p: Prompt, family: str, retained_per_item: list) -> 
 @pytest.mark.parametrize("seed", range(25))
 def test_pruned_positions_are_unpruned_positions_restricted(seed, family):
     p = random_prompt(seed, family, long_text=seed % 5 == 0)
-    blocks, retained = api_blocks_and_retained(p, family, p.retained_per_item)
+    blocks, kept = api_blocks_and_kept(p, family, p.kept_per_item)
     ref_pos, ref_keep, ref_next = reference_walk(p.ids, p.ref_blocks)
 
     unpruned = unpruned_positions(p.ids, MEDIA, blocks)
@@ -182,7 +182,7 @@ def test_pruned_positions_are_unpruned_positions_restricted(seed, family):
     assert unpruned.T.tolist() == [list(x) for x in ref_pos]
     assert decode_start(unpruned) == ref_next
 
-    pruned = prune_prompt(p.ids, MEDIA, blocks, retained)
+    pruned = prune_prompt(p.ids, MEDIA, blocks, kept)
     want_ids = [tok for tok, k in zip(p.ids, ref_keep) if k]
     want_pos = [list(x) for x, k in zip(ref_pos, ref_keep) if k]
     assert pruned.input_ids.tolist() == want_ids
@@ -199,10 +199,10 @@ def test_random_prompts_cover_the_hard_cases():
     for family in ("qwen2_5", "qwen3"):
         for seed in range(25):
             p = random_prompt(seed, family, long_text=seed % 5 == 0)
-            for item, retained in zip(p.items, p.retained_per_item):
-                if retained is not None:
+            for item, kept in zip(p.items, p.kept_per_item):
+                if kept is not None:
                     t, hh, ww = item.grid_thw
-                    per_frame = torch.bincount(retained // (hh * ww // MERGE**2), minlength=t)
+                    per_frame = torch.bincount(kept // (hh * ww // MERGE**2), minlength=t)
                     empty_frames += int((per_frame == 0).sum())
             high_q += sum(q >= 0.9 for q in p.qs)
             _, _, nxt = reference_walk(p.ids, p.ref_blocks)
@@ -214,13 +214,13 @@ def test_random_prompts_cover_the_hard_cases():
 @pytest.mark.parametrize("seed", range(6))
 def test_q0_equals_unpruned(seed, family):
     p = random_prompt(seed, family, long_text=True)
-    retained = []
+    kept = []
     for item in p.items:  # EVS with q = 0 on fresh embeddings keeps every token
         t, hh, ww = item.grid_thw
         n = t * (hh // MERGE) * (ww // MERGE)
         keep = retention_mask(torch.randn(n, 8), item.grid_thw, MERGE, 0.0) if item.kind == "video" else None
-        retained.append(None if keep is None else torch.nonzero(keep).flatten())
-    blocks, per_block = api_blocks_and_retained(p, family, retained)
+        kept.append(None if keep is None else torch.nonzero(keep).flatten())
+    blocks, per_block = api_blocks_and_kept(p, family, kept)
     unpruned = unpruned_positions(p.ids, MEDIA, blocks)
     pruned = prune_prompt(p.ids, MEDIA, blocks, per_block)
     assert torch.equal(pruned.input_ids, torch.tensor(p.ids))
@@ -389,11 +389,11 @@ def test_qwen2_5_video_block_matches_transformers_but_not_its_post_video_rule():
 # --------------------------------------------------------------------------- helpers and bad input
 
 
-def test_split_retained_by_frame_and_runs():
-    parts = split_retained_by_frame(torch.tensor([13, 0, 5, 6, 2]), num_frames=3, tokens_per_frame=6)
+def test_split_kept_by_frame_and_runs():
+    parts = split_kept_by_frame(torch.tensor([13, 0, 5, 6, 2]), num_frames=3, tokens_per_frame=6)
     assert [x.tolist() for x in parts] == [[0, 2, 5], [0], [1]]
     assert all(x.dtype == torch.int64 for x in parts)
-    assert [x.tolist() for x in split_retained_by_frame([], 2, 4)] == [[], []]
+    assert [x.tolist() for x in split_kept_by_frame([], 2, 4)] == [[], []]
     assert media_runs([1, IMG, IMG, 2, VID, 3, VID, VID], MEDIA) == [(1, 3), (4, 5), (6, 8)]
 
 
@@ -416,7 +416,7 @@ def test_runs_and_blocks_must_agree():
         (torch.tensor([0.0, 1.0]), "must be integers"),
     ],
 )
-def test_retained_indices_are_checked(bad, message):
+def test_kept_indices_are_checked(bad, message):
     ids = [1, VS, VID, VID, VID, VID, VE]
     with pytest.raises(ValueError, match=message):
         keep_mask(ids, MEDIA, [bad])
@@ -424,7 +424,7 @@ def test_retained_indices_are_checked(bad, message):
 
 def test_other_bad_inputs():
     with pytest.raises(ValueError, match=r"\[0, 12\), got range \[3, 12\]"):
-        split_retained_by_frame([3, 12], num_frames=3, tokens_per_frame=4)
+        split_kept_by_frame([3, 12], num_frames=3, tokens_per_frame=4)
     with pytest.raises(ValueError, match=r"positive ints .* \(0, 2, 2\)"):
         MediaBlock(0, 2, 2)
     with pytest.raises(ValueError, match=r"positive ints .* \(1.5, 2, 2\)"):
@@ -440,7 +440,7 @@ def test_other_bad_inputs():
     with pytest.raises(ValueError, match=r"keep must be a bool tensor of shape \(3,\)"):
         pruned_positions(torch.zeros(3, 3, dtype=torch.int64), torch.ones(2, dtype=torch.bool))
     with pytest.raises(ValueError, match="2 media items but 1"):
-        qwen3_vl_retained_per_block([MediaItem("image", (1, 2, 2))] * 2, MERGE, [None])
+        qwen3_vl_kept_per_block([MediaItem("image", (1, 2, 2))] * 2, MERGE, [None])
 
 
 def test_media_block_normalises_numeric_types():

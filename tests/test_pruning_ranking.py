@@ -24,7 +24,7 @@ import pytest
 import torch
 from helpers.pruning_oracles import EXACT_COSINE_KINDS, GENERIC_KINDS, vllm_count, vllm_kept
 
-from qeff_evs.evs import kept_indices
+from qeff_evs.evs import kept_from_ranking
 from qeff_evs.export.onnx_graph import DATA_DEPENDENT_OPS
 from qeff_evs.export.vision import _export
 from qeff_evs.models.pruning import (
@@ -115,7 +115,7 @@ def _check(method: str, kinds: str, kind: str, levels: int, ranking: np.ndarray,
     assert np.array_equal(np.sort(ranking), np.arange(bucket * tokens)), f"{label}: not a permutation"
     assert np.array_equal(ranking[frames * tokens:], np.arange(frames * tokens, bucket * tokens)), \
         f"{label}: padding rows must rank last, in index order"
-    got = kept_indices(ranking, vllm_count(method, tokens, frames, q))
+    got = kept_from_ranking(ranking, vllm_count(method, tokens, frames, q))
     want = _expected(method, kinds, kind, levels, bucket, frames, q)
     if not np.array_equal(got, want):
         pytest.fail(f"{label} B={bucket} T={frames} q={q}: kept {np.setdiff1d(got, want)[:8]} instead of "
@@ -228,23 +228,23 @@ def test_fp16_io_keeps_fp32_arithmetic(tmp_path, method):
             (ranking,) = fp16_session.run(["ranking"], {**feeds, **host})
             want = vllm_kept(method, video.astype(np.float32), frames, (h, w), q)
             k = vllm_count(method, h * w, frames, q)
-            assert np.array_equal(kept_indices(ranking, k), want), (method, frames, q)
+            assert np.array_equal(kept_from_ranking(ranking, k), want), (method, frames, q)
             with torch.no_grad():  # the fp32 module on the rounded rows (custom I/O): the same set
                 eager = module(*(torch.from_numpy(np.asarray(v, dtype=np.float32) if v.dtype == np.float16
                                                          else v) for v in {**feeds, **host}.values()))
-            assert np.array_equal(kept_indices(eager, k), want), (method, frames, q)
+            assert np.array_equal(kept_from_ranking(eager, k), want), (method, frames, q)
 
 
 def test_kept_indices_takes_a_prefix_in_ascending_order():
     ranking = np.array([5, 0, 3, 1, 4, 2], dtype=np.int64)
-    kept = kept_indices(ranking, 3)
+    kept = kept_from_ranking(ranking, 3)
     assert kept.dtype == np.int64 and kept.tolist() == [0, 3, 5]
-    assert kept_indices(torch.from_numpy(ranking), 6).tolist() == list(range(6))
+    assert kept_from_ranking(torch.from_numpy(ranking), 6).tolist() == list(range(6))
     for bad in (0, 7, 2.5, True):
         with pytest.raises(ValueError, match="cannot keep"):
-            kept_indices(ranking, bad)
+            kept_from_ranking(ranking, bad)
     with pytest.raises(ValueError, match="1-D integer"):
-        kept_indices(ranking.astype(np.float32), 2)
+        kept_from_ranking(ranking.astype(np.float32), 2)
 
 
 def test_host_inputs_and_eager_checks_refuse_bad_requests():

@@ -442,7 +442,7 @@ def test_tokens_equal_onnx_runtime_backend(compiled, device, video_npy, kind):
     got = generate(bundle, engine_for(bundle, "qaic"), video_npy)
     assert got.generated_token_ids == expected.generated_token_ids
     assert got.prompt_token_ids == expected.prompt_token_ids
-    assert got.retained_tokens_per_frame == expected.retained_tokens_per_frame
+    assert got.kept_tokens_per_frame == expected.kept_tokens_per_frame
     # fp16 vision rows and KV on the device: logits agree to fp16 accuracy, not to 1e-4.
     np.testing.assert_allclose([v for _, v in got.prefill_top_logits], [v for _, v in expected.prefill_top_logits],
                                atol=2e-2)

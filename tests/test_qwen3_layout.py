@@ -142,7 +142,7 @@ def pads_per_frame(ids: np.ndarray, config) -> list[int]:
 @dataclass
 class Media:
     video: MediaInput
-    retained: np.ndarray  # flat merged-grid indices, ascending
+    kept: np.ndarray  # flat merged-grid indices, ascending
     hf_ids: list[int]  # unpruned ids of the item alone (a video: its frames without the outer markers)
     keep: np.ndarray  # over hf_ids
     frame_indices: list[int] = field(default_factory=list)
@@ -174,14 +174,14 @@ class Scenario:
         """Fake vision rows whose values name (item, row), so windows can be checked exactly."""
         out = []
         for i, m in enumerate(self.media):
-            k = len(m.retained)
+            k = len(m.kept)
             rows = np.stack([np.full(HIDDEN, 1000.0 * (i + 1) + r, dtype=np.float32) for r in range(k)])
-            out.append(EncodedMedia(rows, m.retained, {"deepstack_features": -rows[None].copy()}))
+            out.append(EncodedMedia(rows, m.kept, {"deepstack_features": -rows[None].copy()}))
         return out
 
 
-def random_retained(rng: np.random.Generator, t: int, hw: int, q: float) -> np.ndarray:
-    k = evs.retained_token_count(hw, t, q)
+def random_kept(rng: np.random.Generator, t: int, hw: int, q: float) -> np.ndarray:
+    k = evs.kept_token_count(hw, t, q)
     if rng.random() < 0.5:  # EVS-like: frame 0 whole, the rest anywhere
         rest = rng.choice(np.arange(hw, t * hw), k - hw, replace=False) if k > hw else np.zeros(0, np.int64)
         chosen = np.concatenate([np.arange(hw), rest])
@@ -198,15 +198,15 @@ def random_video(rng, tokenizer, config) -> Media:
     frame_indices = sorted(int(i) for i in rng.choice(400, num_frames, replace=False))
     frame_times = tuple(i / fps for i in frame_indices)
     video = MediaInput(torch.zeros(0), (t, 2 * h, 2 * w), fps, frame_times)
-    retained = random_retained(rng, t, h * w, float(rng.choice(PRUNING_RATES)))
+    kept = random_kept(rng, t, h * w, float(rng.choice(PRUNING_RATES)))
     text = hf_video_text((t, 2 * h, 2 * w), frame_indices, fps)
     hf_ids = tokenizer.encode(text, add_special_tokens=False)
     keep = np.ones(len(hf_ids), dtype=bool)
     is_pad = np.asarray(hf_ids) == config.video_token_id
     raster_keep = np.zeros(t * h * w, dtype=bool)
-    raster_keep[retained] = True
+    raster_keep[kept] = True
     keep[is_pad] = raster_keep  # pads appear frame by frame, row by row
-    return Media(video, retained, hf_ids, keep, frame_indices, fps)
+    return Media(video, kept, hf_ids, keep, frame_indices, fps)
 
 
 def random_image(rng, config) -> Media:
@@ -250,19 +250,19 @@ def test_placeholder_length_equals_real_layout_length(scenarios, family, config)
     checked = 0
     for sc in scenarios:
         for m in sc.media:
-            k = len(m.retained)
+            k = len(m.kept)
             before = family.placeholder_ids(m.video, k)
-            after = family.video_layout(m.video, m.retained).ids
+            after = family.video_layout(m.video, m.kept).ids
             assert len(before) == len(after) == int(m.keep.sum())
             if m.video.kind == "video":
                 # lumped: every pad in frame 0's slot; the real one: frame f keeps its own count
                 t, h, w = family.merged_grid(m.video.grid_thw)
                 np.testing.assert_array_equal(before, rewrite_pad_runs(m.hf_ids, [k] + [0] * (t - 1), config))
-                counts = np.bincount(m.retained // (h * w), minlength=t).tolist()
+                counts = np.bincount(m.kept // (h * w), minlength=t).tolist()
                 assert pads_per_frame(after, config) == counts
                 np.testing.assert_array_equal(after, rewrite_pad_runs(m.hf_ids, counts, config))
                 checked += 1
-        provisional = provisional_ids(sc.pieces, sc.videos, [len(m.retained) for m in sc.media], family)
+        provisional = provisional_ids(sc.pieces, sc.videos, [len(m.kept) for m in sc.media], family)
         prepared = prepare_prompt(sc.pieces, sc.videos, sc.encoded(), family)
         assert len(provisional) == len(prepared.ids)
     assert checked >= NUM_SCENARIOS
@@ -287,16 +287,16 @@ def test_unpruned_layout_is_transformers_replace_video_token(scenarios, family):
 
 @pytest.mark.parametrize("q", [0.3, 0.5, 0.75, 0.9])
 def test_real_pad_counts_equal_the_evs_mask_counts(family, config, q):
-    """The retained indices come from the real EVS mask here (random embeddings, with frames that
+    """The kept indices come from the real EVS mask here (random embeddings, with frames that
     repeat so some frames keep nothing); the layout's per-frame pads equal the mask's per-frame sums."""
     gen = torch.Generator().manual_seed(int(q * 100))
     t, h, w = 6, 2, 3
     frames = torch.randn(t, h * w, 8, generator=gen)
     frames[2] = frames[1]  # a still frame: EVS drops it entirely at most rates
     mask = evs.retention_mask(frames.reshape(-1, 8), (t, 2 * h, 2 * w), 2, q)
-    retained = torch.nonzero(mask).reshape(-1).numpy()
+    kept = torch.nonzero(mask).reshape(-1).numpy()
     video = MediaInput(torch.zeros(0), (t, 2 * h, 2 * w), 2.0, tuple(i / 2 for i in range(2 * t)))
-    layout = family.video_layout(video, retained)
+    layout = family.video_layout(video, kept)
     assert pads_per_frame(layout.ids, config) == mask.reshape(t, -1).sum(-1).tolist()
     assert len(layout.ids) == len(family.placeholder_ids(video, int(mask.sum())))
 
@@ -367,7 +367,7 @@ def test_q0_prompt_and_positions_are_transformers_own(family, config, tokenizer,
     sc = random_scenario(7, tokenizer, config)
     for m in sc.media:  # keep everything
         t, h, w = family.merged_grid(m.video.grid_thw)
-        m.retained = np.arange(t * h * w, dtype=np.int64)
+        m.kept = np.arange(t * h * w, dtype=np.int64)
         m.keep = np.ones(len(m.hf_ids), dtype=bool)
     sc.keep = np.ones(len(sc.hf_ids), dtype=bool)
     prepared = prepare_prompt(sc.pieces, sc.videos, sc.encoded(), family)

@@ -72,9 +72,9 @@ class CountingVision:
         self.inner = inner
         self.runs: list[int] = []  # hash of each encoded item's pixel_values
 
-    def encode(self, media, retained: int):
+    def encode(self, media, kept: int):
         self.runs.append(hash(np.ascontiguousarray(media.pixel_values.numpy()).tobytes()))
-        return self.inner.encode(media, retained)
+        return self.inner.encode(media, kept)
 
 
 class RecordingLanguage:

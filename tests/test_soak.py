@@ -125,7 +125,7 @@ def test_two_hundred_requests_finish_with_flat_memory_and_an_empty_cache(bundle,
             if event.finish_reason is not None:
                 assert event.request_id not in finished, f"{event.request_id} finished twice"
                 finished[event.request_id] = event.finish_reason
-        most_rows = max(most_rows, sum(len(e.retained_indices) for e in engine.encoder_outputs.values()))
+        most_rows = max(most_rows, sum(len(e.kept_indices) for e in engine.encoder_outputs.values()))
         if rss_after_warmup is None and len(finished) >= WARMUP:
             gc.collect()
             rss_after_warmup = rss_bytes()

@@ -28,18 +28,18 @@ FINE_RATES = tuple(i / 100 for i in range(100)) + (0.123456789, 0.999)
 def test_count_rule_equals_vllm():
     for tokens, frames, q in itertools.product((1, 4, 12, 196, 256, 1280), range(1, 65), FINE_RATES):
         want = vllm_vidcom2.compute_retained_tokens_count(tokens, frames, q)
-        assert vidcom2.retained_token_count(tokens, frames, q) == want, (tokens, frames, q)
+        assert vidcom2.kept_token_count(tokens, frames, q) == want, (tokens, frames, q)
 
 
 def test_count_rule_floor_is_one_token_per_frame():
-    assert vidcom2.retained_token_count(256, 16, 0.999) == 16
-    assert vidcom2.retained_token_count(256, 16, 0.0) == 256 * 16
+    assert vidcom2.kept_token_count(256, 16, 0.999) == 16
+    assert vidcom2.kept_token_count(256, 16, 0.0) == 256 * 16
 
 
 @pytest.mark.parametrize("bad", [-0.1, 1.0, float("nan"), "half"])
 def test_count_rule_refuses_a_bad_rate(bad):
     with pytest.raises(ValueError, match="pruning rate"):
-        vidcom2.retained_token_count(16, 4, bad)
+        vidcom2.kept_token_count(16, 4, bad)
 
 
 def test_retention_ratio_is_the_factor_torch_multiplies_by():
@@ -92,7 +92,7 @@ def test_reference_mask_equals_vllm(kind):
         want = vllm_vidcom2_mask(embeds, grid, merge, q)
         got = vidcom2.retention_mask(embeds, grid, merge, q)
         assert got.dtype == torch.bool and torch.equal(got, want), (kind, frames, (h, w), merge, q, width)
-        assert int(got.sum()) == vidcom2.retained_token_count(h * w, frames, q)
+        assert int(got.sum()) == vidcom2.kept_token_count(h * w, frames, q)
         if kind == "random":  # no ties: vLLM's own CPU run agrees as is
             assert torch.equal(got, vllm_vidcom2_mask(embeds, grid, merge, q, cuda_ties=False))
         checked += 1

@@ -2,7 +2,7 @@
 
 Every result is checked against the stock transformers forward over the whole video + the EVS mask
 (``reference_vision_evs``), whose mask is vLLM's own (VidCom2: vLLM's ``compute_retention_mask`` on the stock
-rows): retained indices exactly, rows (and Qwen3-VL deepstack) within 1e-4 in fp32. Cases cover odd T,
+rows): kept indices exactly, rows (and Qwen3-VL deepstack) within 1e-4 in fp32. Cases cover odd T,
 non-square grids, images, T not a multiple of F, videos padded to a frame bucket and q in {0, 0.5, 0.75}; one
 encoder specialization (fixed F and resolution) serves 4 to 128 frames.
 """
@@ -168,7 +168,7 @@ def test_vidcom2_pipeline_matches_vllm_on_the_stock_tower(exported, grid, q):
     merged, levels = stock.pooler_output, list(getattr(stock, "deepstack_features", None) or [])
     t, h, w = exported.family.merged_grid(grid)
     kept = vllm_kept("vidcom2", torch.cat([merged, *levels], dim=-1), t, (h, w), q)
-    np.testing.assert_array_equal(result.retained_indices, kept)
+    np.testing.assert_array_equal(result.kept_indices, kept)
     np.testing.assert_allclose(result.rows, merged.numpy()[kept], rtol=0, atol=1e-4)
     for level, rows in zip(levels, result.extras.get("deepstack_features", [])):
         np.testing.assert_allclose(rows, level.numpy()[kept], rtol=0, atol=1e-4)

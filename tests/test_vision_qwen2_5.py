@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.vision_utils import get_vision_window_index
-from vision_cases import export_family, random_video, retained_for
+from vision_cases import export_family, random_video, kept_for
 
 from qeff_evs.export.vision import check_vision_graph
 from qeff_evs.models.attention import (
@@ -178,7 +178,7 @@ def test_reference_mask_is_vllms(exported, grid, q):
         merged = visual(pixels, grid_thw=torch.tensor([grid])).pooler_output
     vllm_mask = video_prune.compute_retention_mask(merged, grid, spatial_merge_size=2, q=q)
     ref_embeds, ref_indices = reference_vision_evs(visual, pixels, grid, q)
-    assert len(ref_indices) == retained_for(grid, q)
+    assert len(ref_indices) == kept_for(grid, q)
     assert torch.equal(ref_indices, torch.nonzero(vllm_mask).reshape(-1))
     assert torch.equal(ref_embeds, merged[vllm_mask])
 

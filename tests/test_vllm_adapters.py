@@ -209,7 +209,7 @@ def qwen3_family(tiny_checkpoint):
 @pytest.mark.parametrize("grid, merge, q", [((8, 8, 12), 2, 0.5), ((1, 4, 4), 2, 0.9), ((16, 14, 10), 2, 0.75),
                                             ((5, 6, 6), 1, 0.0), ((32, 4, 8), 2, 0.99)])
 @pytest.mark.parametrize("method", ["evs", "vidcom2"])
-def test_qwen2_5_reservation_is_vllm_retained_count(grid, merge, q, method):
+def test_qwen2_5_reservation_is_vllm_kept_count(grid, merge, q, method):
     t, h, w = grid[0], grid[1] // merge, grid[2] // merge
     module = vllm_evs if method == "evs" else vllm_vidcom2  # each method's own count rule (VidCom2: a token a frame)
     k = module.compute_retained_tokens_count(h * w, t, q)

@@ -52,16 +52,16 @@ def encoded(k: int = 5, hidden: int = 4, levels: int = 2, frames: int = 3) -> En
 def test_kept_rows_round_trip_by_name():
     item = encoded()
     arrays = kept_rows.to_arrays(item)
-    assert sorted(arrays) == ["extra.deepstack_features", "kept_per_frame", "retained_indices", "rows"]
+    assert sorted(arrays) == ["extra.deepstack_features", "kept_indices", "kept_per_frame", "rows"]
     back = kept_rows.from_arrays(arrays)
     np.testing.assert_array_equal(back.rows, item.rows)
-    np.testing.assert_array_equal(back.retained_indices, item.retained_indices)
+    np.testing.assert_array_equal(back.kept_indices, item.kept_indices)
     np.testing.assert_array_equal(back.extras["deepstack_features"], item.extras["deepstack_features"])
     assert back.kept_per_frame == item.kept_per_frame
     assert kept_rows.nbytes(arrays) == 5 * 4 * 4 + 2 * 5 * 4 * 4 + 5 * 8 + 3 * 8
     assert kept_rows.unpruned_nbytes(arrays, 12) == 12 * 4 * 4 * 3  # rows and deepstack of all 12 tokens
-    plain = kept_rows.to_arrays(EncodedMedia(item.rows, item.retained_indices, {}, item.kept_per_frame))
-    assert sorted(plain) == ["kept_per_frame", "retained_indices", "rows"] and kept_rows.from_arrays(plain).extras == {}
+    plain = kept_rows.to_arrays(EncodedMedia(item.rows, item.kept_indices, {}, item.kept_per_frame))
+    assert sorted(plain) == ["kept_indices", "kept_per_frame", "rows"] and kept_rows.from_arrays(plain).extras == {}
 
 
 def test_kept_rows_that_do_not_fit_together_are_refused():
@@ -74,7 +74,7 @@ def test_kept_rows_that_do_not_fit_together_are_refused():
     with pytest.raises(ValueError, match=r"\{'deepstack_features': \(2, 4, 4\)\} are not \(levels, 5, hidden\)"):
         kept_rows.from_arrays({**arrays, "extra.deepstack_features": short})
     with pytest.raises(ValueError, match="strictly ascending"):
-        kept_rows.from_arrays({**arrays, "retained_indices": arrays["retained_indices"][::-1].copy()})
+        kept_rows.from_arrays({**arrays, "kept_indices": arrays["kept_indices"][::-1].copy()})
 
 
 # --------------------------------------------------------------------------------------------------
@@ -266,11 +266,11 @@ def test_each_video_ships_only_its_kept_rows(epd, answers):
         k = compute_retained_tokens_count(h * w, t, 0.5)
         reference = vision.encode(media, VideoPruning("evs", 0.5))  # the encoder and pruning graphs, here
         np.testing.assert_array_equal(arrays["rows"], reference.rows)
-        np.testing.assert_array_equal(arrays["retained_indices"], reference.retained_indices)
+        np.testing.assert_array_equal(arrays["kept_indices"], reference.kept_indices)
         assert sorted(reference.extras) == ["deepstack_features"]
         for name, rows in reference.extras.items():
             np.testing.assert_array_equal(arrays[f"extra.{name}"], rows)
-        np.testing.assert_array_equal(arrays["kept_per_frame"], np.bincount(reference.retained_indices // (h * w),
+        np.testing.assert_array_equal(arrays["kept_per_frame"], np.bincount(reference.kept_indices // (h * w),
                                                                             minlength=t))
         row_bytes = shape.hidden * 4 * (1 + sum(shape.extras.values()))  # fp32 rows and their deepstack rows
         assert kept_rows.nbytes(arrays) == k * row_bytes + k * 8 + t * 8

@@ -27,7 +27,7 @@ pytest.importorskip("blake3", reason="vLLM's engine packages are missing: run ba
 
 from conftest import SERVED_CTX_LEN as CTX_LEN, SERVED_FULL_BATCH as FULL_BATCH  # noqa: E402
 from conftest import SERVED_PREFILL, SERVED_RESOLUTIONS as RESOLUTIONS  # noqa: E402
-from qeff_evs.runtime.engine.executor import retained_count  # noqa: E402
+from qeff_evs.runtime.engine.executor import kept_count  # noqa: E402
 from qeff_evs.runtime.engine.request import PromptPiece, plan_prompt  # noqa: E402
 from qeff_evs.runtime.inputs.prompt import chat_pieces  # noqa: E402
 from qeff_evs.runtime.builders import answer, build_engine, stop_ids, video_pruning  # noqa: E402
@@ -120,7 +120,7 @@ class Served:
             result = answer(bundle, engine, media[0], question)  # exactly the CLI's path
         else:
             result = engine.generate(engine.prepare(self.pieces[index], media), eos_ids=stop_ids(bundle))
-        plan = plan_prompt(self.pieces[index], media, [retained_count(bundle.family, x, video_pruning(bundle))
+        plan = plan_prompt(self.pieces[index], media, [kept_count(bundle.family, x, video_pruning(bundle))
                                                        for x in media], bundle.family)
         return plan.ids.tolist(), result.generated_token_ids
 
@@ -165,7 +165,7 @@ def test_llm_generate_equals_each_request_alone(served, answers):
     # More requests than KV rows (prefills beside decodes), and videos longer than the budget (chunks
     # that end inside a placeholder).
     assert len(served.requests) > m.language_shape.full_batch_size
-    largest = max(retained_count(served.bundle.family, x, video_pruning(served.bundle))
+    largest = max(kept_count(served.bundle.family, x, video_pruning(served.bundle))
                   for i in range(len(served.requests)) for x in served.media(i))
     assert largest > BUDGET
     for index in range(len(served.requests)):

@@ -118,7 +118,7 @@ def token_types(ids: torch.Tensor, config) -> torch.Tensor:
 class Item:
     kind: str  # "video" | "image"
     grid_thw: tuple[int, int, int]  # patch grid
-    retained: np.ndarray
+    kept: np.ndarray
     unpruned_ids: list[int]  # the item's own ids, unpruned (a video: its frames, no outer markers)
     keep: np.ndarray
     frame_times: tuple[float, ...] = ()
@@ -139,12 +139,12 @@ def make_video(tokenizer, config, t: int, h: int, w: int, keep_fraction: float, 
     ids = tokenizer.encode(hf_video_text((t, 2 * h, 2 * w), indices, 2.0), add_special_tokens=False)
     others = np.arange(h * w, t * h * w)
     chosen = rng.choice(others, int(len(others) * keep_fraction), replace=False) if len(others) else others
-    retained = np.sort(np.concatenate([np.arange(h * w), chosen])).astype(np.int64)
+    kept = np.sort(np.concatenate([np.arange(h * w), chosen])).astype(np.int64)
     raster = np.zeros(t * h * w, dtype=bool)
-    raster[retained] = True
+    raster[kept] = True
     keep = np.ones(len(ids), dtype=bool)
     keep[np.asarray(ids) == config.video_token_id] = raster
-    return Item("video", (t, 2 * h, 2 * w), retained, ids, keep, tuple(i / 2.0 for i in indices))
+    return Item("video", (t, 2 * h, 2 * w), kept, ids, keep, tuple(i / 2.0 for i in indices))
 
 
 def make_image(config, h: int, w: int) -> Item:
@@ -181,8 +181,8 @@ class Case:
             if item is not None:
                 pieces.append(PromptPiece(video=len(media)))
                 media.append(item.as_input())
-                rows = np.zeros((len(item.retained), HIDDEN), dtype=np.float32)
-                encoded.append(EncodedMedia(rows, item.retained, {"deepstack_features": rows[None]}))
+                rows = np.zeros((len(item.kept), HIDDEN), dtype=np.float32)
+                encoded.append(EncodedMedia(rows, item.kept, {"deepstack_features": rows[None]}))
             if after:
                 pieces.append(PromptPiece(ids=tuple(after)))
         return prepare_prompt(pieces, media, encoded, family)
@@ -467,7 +467,7 @@ def test_image_idx_survives_a_text_only_chunk(language_session, tokenizer, q3_co
     case = Case([text(20, 3), a, text(21, 2 * seq_len), b, text(22, 3)], outer_markers=False)
     prompt = case.ours(q3_family)
     rng = np.random.default_rng(0)
-    rows = [rng.normal(size=(len(item.retained), spec.hidden_size)).astype(np.float32) for item in case.items]
+    rows = [rng.normal(size=(len(item.kept), spec.hidden_size)).astype(np.float32) for item in case.items]
     for encoded, item_rows in zip(prompt.encoded, rows):
         encoded.rows, encoded.extras = item_rows, {"deepstack_features": -item_rows[None]}
     total = len(prompt.ids)
@@ -519,26 +519,26 @@ def test_image_idx_output_counts_the_chunks_media_tokens(language_session, q3_co
 # Qwen2.5-VL under EVS
 
 
-def qwen2_5_case(config, grid_thw, fps: float, retained: np.ndarray):
+def qwen2_5_case(config, grid_thw, fps: float, kept: np.ndarray):
     """text(3) VS video VE text(2): our prompt, and the real ids + vLLM's placeholder (the pads)."""
     family = Qwen2_5_VLFamily(config)
     vs, ve = config.vision_start_token_id, config.vision_end_token_id
     video = MediaInput(torch.zeros(0), grid_thw, fps)
-    encoded = EncodedMedia(np.zeros((len(retained), HIDDEN), np.float32), retained)
+    encoded = EncodedMedia(np.zeros((len(kept), HIDDEN), np.float32), kept)
     pieces = [PromptPiece(ids=tuple(text(30, 3) + [vs])), PromptPiece(video=0),
               PromptPiece(ids=tuple([ve] + text(31, 2)))]
     prompt = prepare_prompt(pieces, [video], [encoded], family)
-    return prompt, (4, len(retained))
+    return prompt, (4, len(kept))
 
 
-def vllm_qwen2_5_positions(config, prompt, placeholder, grid_thw, retained, second_per_grid: float):
+def vllm_qwen2_5_positions(config, prompt, placeholder, grid_thw, kept, second_per_grid: float):
     """vLLM's Qwen2.5-VL EVS path: ``compute_mrope_for_media`` with ``second_per_grid_ts.long()``,
     rows kept by the mask, stored next to bf16 embeddings, then one recompute over the prompt."""
     m = config.vision_config.spatial_merge_size
     spg = int(torch.tensor(second_per_grid).long())  # vLLM: second_per_grid_ts = second_per_grid_ts.long()
     media = compute_mrope_for_media(list(grid_thw), m, tokens_per_second=config.vision_config.tokens_per_second,
-                                    video_second_per_grid=spg)[torch.from_numpy(retained)]
-    stored = torch.cat([torch.zeros(len(retained), 8, dtype=torch.bfloat16), media], dim=1)[:, -4:]
+                                    video_second_per_grid=spg)[torch.from_numpy(kept)]
+    stored = torch.cat([torch.zeros(len(kept), 8, dtype=torch.bfloat16), media], dim=1)[:, -4:]
     return vllm_runner(prompt.ids.tolist(), [placeholder], [stored.T.long()], [(0, len(prompt.ids))], config)
 
 
@@ -551,14 +551,14 @@ def test_qwen2_5_text_after_a_video_continues_at_max_plus_one(q25_config):
     temporal offsets are 0, 2, 4, 6; the block's max is 4 + 6 = 10, <|vision_end|> is at 11.
     vLLM: base + w = 4 + 3 = 7 for <|vision_end|>, which the video's own t = 8, 10 overtake."""
     grid = (4, 4, 6)
-    retained = np.arange(24, dtype=np.int64)  # EVS keeping all: the offset bug is not about pruning
-    prompt, placeholder = qwen2_5_case(q25_config, grid, 2.0, retained)
+    kept = np.arange(24, dtype=np.int64)  # EVS keeping all: the offset bug is not about pruning
+    prompt, placeholder = qwen2_5_case(q25_config, grid, 2.0, kept)
     end = placeholder[0] + placeholder[1]  # <|vision_end|>
     assert prompt.positions[:, end:].tolist() == [[11, 12, 13]] * 3
     assert prompt.decode_start == 14
     t_row = prompt.positions[0, placeholder[0]:end]
     assert sorted(set(t_row.tolist())) == [4, 6, 8, 10]
-    vllm = vllm_qwen2_5_positions(q25_config, prompt, placeholder, grid, retained, 1.0)
+    vllm = vllm_qwen2_5_positions(q25_config, prompt, placeholder, grid, kept, 1.0)
     assert vllm[:, end].tolist() == [7, 7, 7]
     np.testing.assert_array_equal(vllm[:, :end], prompt.positions[:, :end])  # the video itself agrees
 
@@ -570,8 +570,8 @@ def test_qwen2_5_keeps_the_fraction_of_second_per_grid(q25_config, q25_hf):
     max(h, w) = 4)."""
     grid = (4, 8, 8)  # merged 4 x 4
     rng = np.random.default_rng(4)
-    retained = np.sort(np.concatenate([np.arange(16), rng.choice(np.arange(16, 64), 20, replace=False)]))
-    prompt, placeholder = qwen2_5_case(q25_config, grid, 4.0, retained)
+    kept = np.sort(np.concatenate([np.arange(16), rng.choice(np.arange(16, 64), 20, replace=False)]))
+    prompt, placeholder = qwen2_5_case(q25_config, grid, 4.0, kept)
 
     unpruned_prompt, _ = qwen2_5_case(q25_config, grid, 4.0, np.arange(64, dtype=np.int64))
     ids = torch.from_numpy(unpruned_prompt.ids)[None]
@@ -580,14 +580,14 @@ def test_qwen2_5_keeps_the_fraction_of_second_per_grid(q25_config, q25_hf):
                                             second_per_grid_ts=torch.tensor([0.5]))
     keep = np.ones(len(unpruned_prompt.ids), dtype=bool)
     raster = np.zeros(64, dtype=bool)
-    raster[retained] = True
+    raster[kept] = True
     keep[placeholder[0]:placeholder[0] + 64] = raster
     correct = hf_positions[:, 0].numpy()[:, keep]
     np.testing.assert_array_equal(prompt.positions, correct)
     video_t = prompt.positions[0, placeholder[0]:placeholder[0] + placeholder[1]] - placeholder[0]
     assert sorted(set(video_t.tolist())) == [0, 1, 2, 3]
 
-    vllm = vllm_qwen2_5_positions(q25_config, prompt, placeholder, grid, retained, 0.5)
+    vllm = vllm_qwen2_5_positions(q25_config, prompt, placeholder, grid, kept, 0.5)
     vllm_t = vllm[0, placeholder[0]:placeholder[0] + placeholder[1]] - placeholder[0]
     assert sorted(set(vllm_t.tolist())) == [0]
     assert differs(vllm, correct)

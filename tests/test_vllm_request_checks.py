@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("vllm.multimodal.processing")
 
 from qeff_evs.models.pruning import VideoPruning  # noqa: E402
-from qeff_evs.runtime.engine.executor import retained_count  # noqa: E402
+from qeff_evs.runtime.engine.executor import kept_count  # noqa: E402
 from qeff_evs.runtime.engine.request import plan_prompt  # noqa: E402
 from qeff_evs.runtime.inputs.prompt import chat_pieces  # noqa: E402
 from qeff_evs.runtime.inputs.synthetic import moving_square_video  # noqa: E402
@@ -73,13 +73,13 @@ def test_positions_end_from_item_spans_is_the_plans_decode_start(family, served_
                ([text("first"), video, text("then"), picture, text("and"), video], [videos[1], image, videos[2]])]
     for content, media in prompts:
         pieces = chat_pieces(bundle.tokenizer, content)
-        retained = [retained_count(bundle.family, m, q) for m in media]
-        plan = plan_prompt(pieces, media, retained, bundle.family)
-        spans = [position_span(bundle.family, m, k) for m, k in zip(media, retained)]
+        kept = [kept_count(bundle.family, m, q) for m in media]
+        plan = plan_prompt(pieces, media, kept, bundle.family)
+        spans = [position_span(bundle.family, m, k) for m, k in zip(media, kept)]
         placeholders = [(p.offset, p.length) for p in plan.placeholders]
         assert positions_end(len(plan.ids), placeholders, spans) == plan.decode_start
         assert stray_media_pads(plan.ids, placeholders, RequestLimits(
             {t: str(t) for t in bundle.family.special_tokens().media_pads}, None, 10**6)) is None
     if family == "qwen2_5_vl":  # temporal positions follow the timestamps: frames 4 s apart reach 8x as far as 2 fps
         dense = video_from_frames(moving_square_video(8, h1, w1, seed=8), {"total_num_frames": 8, "fps": 2.0}, bundle)
-        assert spans[2] > 4 * position_span(bundle.family, dense, retained_count(bundle.family, dense, q))
+        assert spans[2] > 4 * position_span(bundle.family, dense, kept_count(bundle.family, dense, q))

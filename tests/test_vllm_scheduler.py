@@ -32,7 +32,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCache
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
 from qeff_evs.models.pruning import VideoPruning  # noqa: E402
-from qeff_evs.runtime.engine.executor import retained_count  # noqa: E402
+from qeff_evs.runtime.engine.executor import kept_count  # noqa: E402
 from qeff_evs.runtime.engine.single_request import Engine, EngineConfig  # noqa: E402
 from qeff_evs.runtime.engine.request import PromptPiece  # noqa: E402
 from qeff_evs.runtime.export_bundle import open_export  # noqa: E402
@@ -133,7 +133,7 @@ def test_vllm_scheduler_drives_engine_like_each_request_alone(served, stand_in_a
         path = served.folder / f"video_{n}.npy"
         np.save(path, moving_square_video(frames, height, width, seed=n))
         video = video_from_file(path, bundle)
-        assert retained_count(bundle.family, video, VideoPruning("evs", m.video_pruning_rate)) <= MAX_VIDEO_ROWS
+        assert kept_count(bundle.family, video, VideoPruning("evs", m.video_pruning_rate)) <= MAX_VIDEO_ROWS
         requests.append((f"r{n}", pieces_for(bundle.tokenizer, question), [video]))
 
     vision, language = sessions_for(bundle, "ort")

@@ -45,7 +45,7 @@ pytest.importorskip("uvicorn", reason="vLLM's server packages are missing: run b
 
 from qeff_evs.bench.serving import write_video as write_mkv  # noqa: E402 (lossless ffv1: the server decodes these pixels)
 from qeff_evs.models.pruning import VideoPruning  # noqa: E402
-from qeff_evs.runtime.engine.executor import retained_count  # noqa: E402
+from qeff_evs.runtime.engine.executor import kept_count  # noqa: E402
 from qeff_evs.runtime.engine.request import PromptPiece, plan_prompt  # noqa: E402
 from qeff_evs.runtime.inputs.prompt import chat_pieces  # noqa: E402
 from qeff_evs.runtime.inputs.synthetic import moving_square_video  # noqa: E402
@@ -320,7 +320,7 @@ def slow_clip(bundle, folder: Path, seconds_apart: int) -> tuple[Path, int]:
                      fps=Fraction(1, seconds_apart))
     video = video_from_file(path, bundle)
     pieces = chat_pieces(bundle.tokenizer, [{"type": "video"}, {"type": "text", "text": QUESTION}])
-    kept = retained_count(bundle.family, video, VideoPruning("evs", 0.5))
+    kept = kept_count(bundle.family, video, VideoPruning("evs", 0.5))
     return path, plan_prompt(pieces, [video], [kept], bundle.family).decode_start
 
 

@@ -19,7 +19,7 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("uvicorn", reason="vLLM's server packages are missing: run bash scripts/install.sh --test")
 
 from qeff_evs.models.pruning import DEFAULT_METHOD, VideoPruning  # noqa: E402
-from qeff_evs.runtime.engine.executor import retained_count  # noqa: E402
+from qeff_evs.runtime.engine.executor import kept_count  # noqa: E402
 from qeff_evs.runtime.engine.request import plan_prompt  # noqa: E402
 from qeff_evs.runtime.inputs.prompt import video_question_pieces  # noqa: E402
 from qeff_evs.runtime.inputs.synthetic import moving_square_video  # noqa: E402
@@ -46,8 +46,8 @@ def test_video_url_equals_qeff_evs_run(export, tmp_path):
     expected = {q: answer(bundle, build_engine(bundle, "ort", max_new_tokens=NEW_TOKENS), video, q) for q in questions}
     # vLLM reports the prompt it scheduled: the video's placeholder as planned before encoding.
     pieces = video_question_pieces(bundle.tokenizer, QUESTION, bundle.family.token_strings)
-    retained = retained_count(bundle.family, video, VideoPruning(DEFAULT_METHOD, bundle.manifest.video_pruning_rate))
-    planned = plan_prompt(pieces, [video], [retained], bundle.family).ids.tolist()
+    kept = kept_count(bundle.family, video, VideoPruning(DEFAULT_METHOD, bundle.manifest.video_pruning_rate))
+    planned = plan_prompt(pieces, [video], [kept], bundle.family).ids.tolist()
     arguments = [str(export), "--video-pruning-rate", "0.5", "--max-num-seqs", str(FULL_BATCH),
                  "--served-model-name", "tiny"]
     with vllm_servers([(arguments, {"QEFF_EVS_BACKEND": "ort"}, tmp_path / "server.log", None)]) as (server,):

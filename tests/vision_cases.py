@@ -96,9 +96,9 @@ def media(pixels: torch.Tensor, grid, kind: str = "video") -> MediaInput:
     return MediaInput(pixels, tuple(grid), 2.0, kind=kind)
 
 
-def retained_for(grid, q) -> int:
+def kept_for(grid, q) -> int:
     t, h, w = evs.merged_grid(grid, 2)
-    return evs.retained_token_count(h * w, t, q)
+    return evs.kept_token_count(h * w, t, q)
 
 
 def evs_at(q: float) -> VideoPruning:
@@ -146,8 +146,8 @@ def export_family(family_name: str, folder: Path) -> Exported:
 def assert_matches_reference(result, reference) -> None:
     """Indices exactly, rows (and deepstack) within ATOL of the stock tower + EVS mask."""
     *ref_rows, ref_indices = reference
-    assert result.retained_indices.dtype == np.int64
-    np.testing.assert_array_equal(result.retained_indices, ref_indices.numpy())
+    assert result.kept_indices.dtype == np.int64
+    np.testing.assert_array_equal(result.kept_indices, ref_indices.numpy())
     np.testing.assert_allclose(result.rows, ref_rows[0].numpy(), rtol=0, atol=ATOL)
     if len(ref_rows) > 1:
         np.testing.assert_allclose(result.extras["deepstack_features"], ref_rows[1].numpy(), rtol=0, atol=ATOL)

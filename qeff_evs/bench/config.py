@@ -174,7 +174,7 @@ def validate(config: BenchConfig, patch_size: int, merge_size: int, temporal_pat
     per_patch = tokens_per_temporal_patch(config.frame_size, patch_size, merge_size)
     longest = max(
         per_patch * (config.frames // temporal_patch_size),
-        max(evs.retained_token_count(per_patch, f // temporal_patch_size, config.window_rate)
+        max(evs.kept_token_count(per_patch, f // temporal_patch_size, config.window_rate)
             for f in config.window_frames),
     ) + config.text_tokens + 1
     if longest > config.ctx_len:

@@ -52,7 +52,7 @@ def kept_token_mosaic(colours: np.ndarray, kept_rows: list[np.ndarray]) -> np.nd
 
 def plot_kept_tokens(frames: np.ndarray, merged_grid: tuple[int, int, int], kept: dict[float, np.ndarray],
                      token_pixels: int, temporal_patch_size: int, path: Path) -> Path:
-    """``kept``: q -> retained flat indices on ``merged_grid`` (from the vision graph)."""
+    """``kept``: q -> kept flat indices on ``merged_grid`` (from the vision graph)."""
     t, h, w = merged_grid
     colours = token_colours(frames, token_pixels, temporal_patch_size)[:t]
     rates = sorted(q for q in kept if q > 0)

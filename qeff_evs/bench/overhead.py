@@ -42,7 +42,7 @@ class OverheadResult:
     frame_size: int
     q: float
     video_tokens: int
-    retained_tokens: int
+    kept_tokens: int
     samples: dict[str, Samples] = field(default_factory=lambda: {WITH_EVS: Samples(), WITHOUT_EVS: Samples()})
     profile_us: dict[str, float] = field(default_factory=dict)  # "selection" (EVS) / "tower" (encoder) kernel us
 
@@ -66,7 +66,7 @@ def _profiled(path: str, scratch: Path, run) -> float:
 def run_evs_overhead(config: BenchConfig, graphs: BenchGraphs, progress: Progress) -> OverheadResult:
     clip = synthetic_clip(graphs.preprocess, config.overhead_frames, config.frame_size, config.seed)
     t, h, w = graphs.family.merged_grid(clip.grid_thw)
-    k = evs.retained_token_count(h * w, t, config.window_rate)
+    k = evs.kept_token_count(h * w, t, config.window_rate)
     pruning = VideoPruning("evs", config.window_rate)
     video = clip.video
     pipeline = graphs.vision_pipeline()
@@ -108,7 +108,7 @@ def overhead_summary(result: OverheadResult) -> dict:
     profile = result.profile_us
     profiled = profile["selection"] / profile["tower"] if profile.get("tower") else None
     return {"frames": result.frames, "frame_size": result.frame_size, "q": result.q,
-            "video_tokens": result.video_tokens, "retained_tokens": result.retained_tokens,
+            "video_tokens": result.video_tokens, "kept_tokens": result.kept_tokens,
             "with_evs_ms": with_ms, "without_evs_ms": without_ms,
             "overhead_fraction": fraction,
             "profiled_selection_us": profile.get("selection"), "profiled_tower_us": profile.get("tower"),
@@ -121,7 +121,7 @@ def section(result: OverheadResult) -> dict:
 
 def load(saved: dict) -> OverheadResult:
     return OverheadResult(saved["frames"], saved["frame_size"], saved["q"], saved["video_tokens"],
-                          saved["retained_tokens"], {name: Samples(**v) for name, v in saved["samples"].items()},
+                          saved["kept_tokens"], {name: Samples(**v) for name, v in saved["samples"].items()},
                           {"selection": saved["profiled_selection_us"], "tower": saved["profiled_tower_us"]})
 
 
@@ -131,7 +131,7 @@ def markdown(results: dict) -> list[str]:
     return [
         "",
         f"### EVS overhead: {ov['frames']} frames {ov['frame_size']}x{ov['frame_size']}, "
-        f"q={ov['q']:g} (K={ov['retained_tokens']} of {ov['video_tokens']}), {samples} runs",
+        f"q={ov['q']:g} (K={ov['kept_tokens']} of {ov['video_tokens']}), {samples} runs",
         "",
         measured_in(results, NAME),
         "",

@@ -44,19 +44,19 @@ NAME = "pruning_sweep"
 class PruningPoint:
     q: float
     video_tokens: int  # V: merged tokens of the unpruned language clip
-    retained_tokens: int  # K
+    kept_tokens: int  # K
     text_tokens: int
     prompt_tokens: int
     prefill_chunks: int
     vision_video_tokens: int  # the same two on the vision clip
-    vision_retained_tokens: int
+    vision_kept_tokens: int
     encoder_cache_bytes: int  # K rows of float32 the host holds between vision and language
     vision: Samples = field(default_factory=Samples)  # one per repetition
     prefill: Samples = field(default_factory=Samples)  # one per repetition: the sum of its chunks
     peak_rss_mb: float | None = None  # during the q's pass alone (vision + prefill)
     peak_above_start_mb: float | None = None
     vision_kept_per_frame: list[int] = field(default_factory=list)
-    vision_retained_indices: list[int] = field(default_factory=list)
+    vision_kept_indices: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -96,13 +96,13 @@ def _cases(config: BenchConfig, graphs: BenchGraphs, language_clip: Clip, vision
     for q in sweep_rates(config):
         prompt = language_prompt(family, language_clip, q, question, shape.hidden, shape.extras,
                                  merge, config.seed)
-        k = evs.retained_token_count(lh * lw, lt, q)
-        vision_k = evs.retained_token_count(vh * vw, vt, q)
+        k = evs.kept_token_count(lh * lw, lt, q)
+        vision_k = evs.kept_token_count(vh * vw, vt, q)
         steps = prefill_steps(prompt, config, shape.hidden, shape.extras)
         point = PruningPoint(
-            q=q, video_tokens=lt * lh * lw, retained_tokens=k, text_tokens=len(prompt.ids) - k,
+            q=q, video_tokens=lt * lh * lw, kept_tokens=k, text_tokens=len(prompt.ids) - k,
             prompt_tokens=len(prompt.ids), prefill_chunks=len(steps),
-            vision_video_tokens=vt * vh * vw, vision_retained_tokens=vision_k,
+            vision_video_tokens=vt * vh * vw, vision_kept_tokens=vision_k,
             encoder_cache_bytes=k * shape.hidden * 4 * (1 + sum(shape.extras.values())),
         )
         cases.append(_Case(point, steps, vision_k))
@@ -121,8 +121,8 @@ def _memory_pass(case: _Case, vision: VisionPipeline, language: OrtLanguageSessi
     if peak is not None and start_mb is not None:
         point.peak_rss_mb, point.peak_above_start_mb = peak, peak - start_mb
     t, h, w = merged_grid
-    indices = result.retained_indices.astype(np.int64)
-    point.vision_retained_indices = indices.tolist()
+    indices = result.kept_indices.astype(np.int64)
+    point.vision_kept_indices = indices.tolist()
     point.vision_kept_per_frame = evs.tokens_per_frame_kept(indices, t, h * w)
 
 
@@ -166,9 +166,9 @@ def pruning_rows(sweep: PruningSweep) -> list[dict]:
     rows = []
     for p in sweep.points:
         row = {
-            "q": p.q, "video_tokens": p.video_tokens, "retained_tokens": p.retained_tokens,
+            "q": p.q, "video_tokens": p.video_tokens, "kept_tokens": p.kept_tokens,
             "text_tokens": p.text_tokens, "prompt_tokens": p.prompt_tokens, "prefill_chunks": p.prefill_chunks,
-            "vision_retained_tokens": p.vision_retained_tokens, "peak_rss_mb": p.peak_rss_mb,
+            "vision_kept_tokens": p.vision_kept_tokens, "peak_rss_mb": p.peak_rss_mb,
             "peak_above_start_mb": p.peak_above_start_mb, "encoder_cache_bytes": p.encoder_cache_bytes,
         }
         for clock in CLOCKS:
@@ -225,11 +225,11 @@ def markdown(results: dict) -> list[str]:
     for r in ps["rows"]:
         c, w = r[CPU], r[WALL]
         lines.append(
-            f"| {r['q']:g} | {r['retained_tokens']} | {r['prompt_tokens']} | {r['prefill_chunks']} | "
+            f"| {r['q']:g} | {r['kept_tokens']} | {r['prompt_tokens']} | {r['prefill_chunks']} | "
             f"{fmt_seconds(c['prefill_ms'])} | {fmt_seconds(c['proportional_ms'])} | "
             f"{fmt_seconds(c['chunk_limit_ms'])} | {c['prefill_over_proportional']:.2f} | "
             f"{c['prefill_speedup']:.2f}x | {fmt_seconds(w['prefill_ms'])} | {w['prefill_speedup']:.2f}x | "
-            f"{fmt_seconds(w['vision_ms'])} ({r['vision_retained_tokens']}) | {fmt_seconds(w['ttft_ms'])} | "
+            f"{fmt_seconds(w['vision_ms'])} ({r['vision_kept_tokens']}) | {fmt_seconds(w['ttft_ms'])} | "
             f"{fmt(r['peak_rss_mb'])} | {fmt(r['peak_above_start_mb'])} |")
     return lines
 
@@ -258,7 +258,7 @@ def plot_latency_vs_q(results: dict, path: Path) -> Path:
 def plot_kept_tokens(results: dict, path: Path) -> Path:
     """Which merged tokens each temporal patch of the vision clip kept, per q (from the vision graph)."""
     sweep = results[NAME]
-    kept = {s["q"]: np.asarray(s["vision_retained_indices"]) for s in sweep["samples"]}
+    kept = {s["q"]: np.asarray(s["vision_kept_indices"]) for s in sweep["samples"]}
     return kept_tokens.plot_for_config(BenchConfig.from_json(results["config"]), tuple(sweep["vision_merged_grid"]),
                                        kept, path)
 

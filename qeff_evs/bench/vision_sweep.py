@@ -35,7 +35,7 @@ class VisionSweepPoint:
     frames: int
     temporal_patches: int
     video_tokens: int
-    retained_tokens: int
+    kept_tokens: int
     accumulated_bytes: int  # the merged rows (+ extra rows) the host keeps, float32
     samples: dict[str, Samples] = field(default_factory=dict)
     peak_above_start_mb: dict[str, float | None] = field(default_factory=dict)
@@ -62,7 +62,7 @@ def run_vision_sweep(config: BenchConfig, graphs: BenchGraphs, progress: Progres
     for frames in config.vision_sweep_frames:
         clip = synthetic_clip(graphs.preprocess, frames, config.frame_size, config.seed)
         t, h, w = graphs.family.merged_grid(clip.grid_thw)
-        k = evs.retained_token_count(h * w, t, config.window_rate)
+        k = evs.kept_token_count(h * w, t, config.window_rate)
         point = VisionSweepPoint(frames, t, t * h * w, k, t * h * w * hidden * 4)
         pruning = VideoPruning("evs", config.window_rate)
         calls = {ENCODER: lambda video=clip.video: pipeline.encode(video, pruning)}
@@ -84,7 +84,7 @@ def vision_rows(sweep: VisionSweep, clocks: tuple[str, ...]) -> list[dict]:
     rows = []
     for p in sweep.points:
         row = {"frames": p.frames, "temporal_patches": p.temporal_patches, "video_tokens": p.video_tokens,
-               "retained_tokens": p.retained_tokens, "accumulated_mb": p.accumulated_bytes / 2**20}
+               "kept_tokens": p.kept_tokens, "accumulated_mb": p.accumulated_bytes / 2**20}
         for name, samples in p.samples.items():
             row[name] = {"peak_above_start_mb": p.peak_above_start_mb.get(name),
                          **{f"{clock}_s_per_patch": median(samples.clock(clock)) / p.temporal_patches
@@ -125,7 +125,7 @@ def markdown(results: dict) -> list[str]:
     for r in vsw["rows"]:
         ours = r[ENCODER]
         lines.append(
-            f"| {r['frames']} | {r['temporal_patches']} | {r['retained_tokens']} | {ours['cpu_s_per_patch']:.2f} | "
+            f"| {r['frames']} | {r['temporal_patches']} | {r['kept_tokens']} | {ours['cpu_s_per_patch']:.2f} | "
             f"{ours['wall_s_per_patch']:.2f} | {fmt(ours['peak_above_start_mb'])} | {r['accumulated_mb']:.0f} |")
     return lines
 

@@ -4,7 +4,7 @@ Both ways run the same language ONNX (``vision_size`` is a graph symbol) on the 
 
 * ``user_vision_size`` (this project, DESIGN §6): each chunk gets only its window's rows,
   zero-padded to U, with ``image_idx = 0``;
-* ``qefficient``: ``vision_size`` = the prompt's whole retained row count K, all K rows go with
+* ``qefficient``: ``vision_size`` = the prompt's whole kept row count K, all K rows go with
   every chunk, and ``image_idx`` advances by the media tokens of the chunks before.
 
 Per chunk the bytes of the vision input(s) fed to the graph and the graph's run time are recorded;
@@ -57,7 +57,7 @@ class WayMeasurement:
 class WindowPoint:
     frames: int
     video_tokens: int
-    retained_tokens: int
+    kept_tokens: int
     prompt_tokens: int
     chunks: int
     ways: dict[str, WayMeasurement]
@@ -108,7 +108,7 @@ def run_window_sweep(config: BenchConfig, graphs: BenchGraphs, progress: Progres
         clip = synthetic_clip(graphs.preprocess, frames, config.frame_size, config.seed)
         prompt = language_prompt(family, clip, q, question, shape.hidden, shape.extras, merge, config.seed)
         t, h, w = family.merged_grid(clip.grid_thw)
-        k = evs.retained_token_count(h * w, t, q)
+        k = evs.kept_token_count(h * w, t, q)
         steps = {USER_VISION_SIZE: prefill_steps(prompt, config, shape.hidden, shape.extras),
                  QEFFICIENT: qefficient_steps(prompt, config, shape.hidden, shape.extras, media_ids)}
         ways = {way: WayMeasurement(vision_size=steps[way][0].vision_embeds.shape[1],
@@ -132,7 +132,7 @@ def run_window_sweep(config: BenchConfig, graphs: BenchGraphs, progress: Progres
                 point.ways[way].first_token_logits = run.logits
             diff = np.abs(point.ways[USER_VISION_SIZE].first_token_logits - point.ways[QEFFICIENT].first_token_logits)
             point.logits_max_abs_diff = float(diff.max())
-            progress(f"window sweep rep {rep + 1}/{config.repeats}: {point.frames} frames, K={point.retained_tokens}, "
+            progress(f"window sweep rep {rep + 1}/{config.repeats}: {point.frames} frames, K={point.kept_tokens}, "
                      f"{point.chunks} chunks, logits max abs diff between ways {point.logits_max_abs_diff:.2e}")
     return WindowSweep(config.frame_size, q, config.prefill_seq_len, [plan[0] for plan in plans])
 
@@ -143,7 +143,7 @@ def run_window_sweep(config: BenchConfig, graphs: BenchGraphs, progress: Progres
 def window_rows(sweep: WindowSweep) -> list[dict]:
     rows = []
     for p in sweep.points:
-        row = {"frames": p.frames, "video_tokens": p.video_tokens, "retained_tokens": p.retained_tokens,
+        row = {"frames": p.frames, "video_tokens": p.video_tokens, "kept_tokens": p.kept_tokens,
                "prompt_tokens": p.prompt_tokens, "chunks": p.chunks, "logits_max_abs_diff": p.logits_max_abs_diff}
         for way in WAYS:
             m = p.ways[way]
@@ -200,7 +200,7 @@ def markdown(results: dict) -> list[str]:
     for r in ws["rows"]:
         ours, theirs = r[USER_VISION_SIZE], r[QEFFICIENT]
         lines.append(
-            f"| {r['frames']} | {r['video_tokens']} | {r['retained_tokens']} | {r['prompt_tokens']} | {r['chunks']} | "
+            f"| {r['frames']} | {r['video_tokens']} | {r['kept_tokens']} | {r['prompt_tokens']} | {r['chunks']} | "
             f"{fmt_bytes(ours['bytes_per_chunk'])} | {fmt(ours['ms_per_chunk'][CPU])} | "
             f"{fmt(ours['ms_per_chunk'][WALL])} | {fmt_bytes(theirs['bytes_per_chunk'])} | "
             f"{fmt(theirs['ms_per_chunk'][CPU])} | {fmt(theirs['ms_per_chunk'][WALL])} | "

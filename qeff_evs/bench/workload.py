@@ -1,10 +1,10 @@
 """The benchmark's inputs: the synthetic moving-square clip, a fixed-length question, the prepared prompt.
 
 The language side is timed on the issue's video size, where the vision graph is too heavy to run
-(see ``BenchConfig.vision_frame_size``). Its retained tokens are chosen by the reference EVS rule
+(see ``BenchConfig.vision_frame_size``). Its kept tokens are chosen by the reference EVS rule
 applied to the clip's pixels, merged per token as the encoder's merger groups them; the embedding
 rows are random. Which tokens are kept changes positions, not the work per chunk, so prefill
-timings do not depend on that choice; the retained *count* is exactly the production rule.
+timings do not depend on that choice; the kept *count* is exactly the production rule.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def merged_pixel_tokens(pixel_values: torch.Tensor, merge_size: int) -> torch.Te
     return pixel_values.reshape(pixel_values.shape[0] // group, group * pixel_values.shape[1])
 
 
-def pixel_retained_indices(video: MediaInput, merge_size: int, q: float) -> np.ndarray:
+def pixel_kept_indices(video: MediaInput, merge_size: int, q: float) -> np.ndarray:
     """Ascending flat indices EVS keeps when its dissimilarity is taken on the pixels themselves."""
     tokens = merged_pixel_tokens(video.pixel_values.to(torch.float32), merge_size)
     mask = evs.retention_mask(tokens, video.grid_thw, merge_size, q)
@@ -86,7 +86,7 @@ def random_rows(num_rows: int, hidden: int, seed: int,
 def language_prompt(family: ModelFamily, clip: Clip, q: float, question: tuple[int, ...], hidden: int,
                     extras: Mapping[str, int], merge_size: int, seed: int) -> PreparedPrompt:
     """Final ids and int64 positions of the clip pruned at ``q`` followed by the question."""
-    indices = pixel_retained_indices(clip.video, merge_size, q)
+    indices = pixel_kept_indices(clip.video, merge_size, q)
     rows, extra = random_rows(len(indices), hidden, seed, extras)
     t, h, w = family.merged_grid(clip.grid_thw)
     encoded = EncodedMedia(rows, indices, extra, tuple(evs.tokens_per_frame_kept(indices, t, h * w)))

@@ -38,7 +38,7 @@ import onnx
 import yaml
 
 from qeff_evs import evs
-from qeff_evs.evs import kept_indices
+from qeff_evs.evs import kept_from_ranking
 from qeff_evs.export.fp16 import convert_to_fp16
 from qeff_evs.export.node_precision import keep_in_fp32
 from qeff_evs.export.onnx_graph import legacy_export
@@ -362,7 +362,7 @@ def _kept_by_ranking(manifest, role: str, feeds: dict[str, np.ndarray], ranking:
     bucket, frames = feeds["bucket_carrier"].shape[0], int(feeds["frame_count"][0])
     tokens = ranking.shape[0] // bucket
     pruning = VideoPruning(method, manifest.video_pruning_rate)
-    return kept_indices(ranking, pruning.retained_token_count(tokens, frames))
+    return kept_from_ranking(ranking, pruning.kept_token_count(tokens, frames))
 
 
 def vision_comparisons(fp32_dir: Path, fp16_dir: Path | None) -> list[Comparison]:
@@ -407,7 +407,7 @@ def evs_comparisons(export_dir: Path, converts_evs: bool, frames: int = 8, token
     import onnxruntime as ort
 
     ranking = PruningRanking("evs")
-    k = evs.retained_token_count(tokens, frames, q)
+    k = evs.kept_token_count(tokens, frames, q)
     results = []
     with tempfile.TemporaryDirectory() as scratch:
         path = Path(scratch) / "evs.onnx"
@@ -422,10 +422,10 @@ def evs_comparisons(export_dir: Path, converts_evs: bool, frames: int = 8, token
         for width in EVS_WIDTHS:
             rows = video_like_rows(frames, tokens, width, EVS_NORMS, seed=width)
             feeds = {"merged_embeds": rows, **ranking.host_inputs(frames, frames, q)}
-            reference = kept_indices(fp32.run(None, feeds)[0], k)
+            reference = kept_from_ranking(fp32.run(None, feeds)[0], k)
             # The card's I/O is fp16 either way (custom IO): the rows arrive rounded.
             card_rows = dict(feeds, merged_embeds=rows.astype(np.float16).astype(np.float32))
-            kept = kept_indices(fp16.run(None, card_rows)[0], k)
+            kept = kept_from_ranking(fp16.run(None, card_rows)[0], k)
             results.append(Comparison(f"evs@width{width}", kept_token_agreement=kept_agreement(reference, kept),
                                       detail={"frames": frames, "tokens_per_frame": tokens, "kept": k,
                                               "norms": list(EVS_NORMS), "fp32_arithmetic": not converts_evs}))

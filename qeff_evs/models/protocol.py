@@ -297,8 +297,8 @@ class ModelFamily(Protocol):
     def pruning_symbols(self, grid_hw: Sequence[int], bucket: int) -> dict[str, int]:
         """Values of the pruning graphs' dynamic symbols for one (frame grid, bucket of temporal patches)."""
 
-    def placeholder_ids(self, video: MediaInput, retained: int) -> np.ndarray:
+    def placeholder_ids(self, video: MediaInput, kept: int) -> np.ndarray:
         """The video's prompt segment before encoding (only K known). Same length as after."""
 
-    def video_layout(self, video: MediaInput, retained_indices: np.ndarray) -> MediaLayout:
-        """The video's real segment once the encoder has chosen the retained tokens."""
+    def video_layout(self, video: MediaInput, kept_indices: np.ndarray) -> MediaLayout:
+        """The video's real segment once the encoder has chosen the kept tokens."""

@@ -10,7 +10,7 @@ Inputs, in order: ``merged_embeds (bucket_tokens, D)`` (the video's rows, zero-p
 [``score_extras (levels, bucket_tokens, E)``: more features to score with, concatenated level by level after the
 rows; a family with extra rows passes them], ``bucket_carrier (frame_bucket,)`` (int64, values unused: its length is
 ``B``), ``frame_count (1,)`` (int64, the real ``T <= B``), and for VidCom2 ``retention_ratio (1,)`` (float32).
-Output: ``ranking (bucket_tokens,)`` int64. The host keeps ``evs.kept_indices(ranking, K)`` with ``K`` from the
+Output: ``ranking (bucket_tokens,)`` int64. The host keeps ``evs.kept_from_ranking(ranking, K)`` with ``K`` from the
 method's count rule for its ``T`` and ``q`` and gathers the rows (and the extra rows) itself.
 
 The symbols are ``frame_bucket`` and ``bucket_tokens`` only: one specialization per (resolution, bucket) serves
@@ -64,15 +64,15 @@ class PruningMethod:
     name: str
     rank: Callable[..., torch.Tensor]
     """``(rows, bucket, frame_count, [ratio,] extra=None) -> ranking``: the exportable ranking."""
-    retained_token_count: Callable[[int, int, float], int]
+    kept_token_count: Callable[[int, int, float], int]
     """``(tokens_per_frame, T, q) -> K``: the count rule, in Python double as vLLM computes it."""
     takes_ratio: bool
     """Whether the graph takes ``retention_ratio`` (VidCom2's budgets depend on q; EVS ranks without it)."""
 
 
 METHODS: Mapping[str, PruningMethod] = {
-    "evs": PruningMethod("evs", evs.rank_candidates, evs.retained_token_count, takes_ratio=False),
-    "vidcom2": PruningMethod("vidcom2", vidcom2.rank_candidates, vidcom2.retained_token_count, takes_ratio=True),
+    "evs": PruningMethod("evs", evs.rank_candidates, evs.kept_token_count, takes_ratio=False),
+    "vidcom2": PruningMethod("vidcom2", vidcom2.rank_candidates, vidcom2.kept_token_count, takes_ratio=True),
 }
 
 
@@ -100,9 +100,9 @@ class VideoPruning:
         pruning_method(self.method)
         object.__setattr__(self, "rate", evs.validate_pruning_rate(self.rate))
 
-    def retained_token_count(self, tokens_per_frame: int, frame_count: int) -> int:
+    def kept_token_count(self, tokens_per_frame: int, frame_count: int) -> int:
         """``K`` of a video of ``frame_count`` temporal patches: the method's count rule at this rate."""
-        return pruning_method(self.method).retained_token_count(tokens_per_frame, frame_count, self.rate)
+        return pruning_method(self.method).kept_token_count(tokens_per_frame, frame_count, self.rate)
 
     def kept_tokens(self, merged_grid: Sequence[int], kind: str = "video") -> int:
         """``K`` of one media item of merged grid ``(T, h, w)``: every token of an image, the count rule's
@@ -110,7 +110,7 @@ class VideoPruning:
         t, h, w = (int(v) for v in merged_grid)
         if kind == "image":
             return t * h * w
-        return self.retained_token_count(h * w, t)
+        return self.kept_token_count(h * w, t)
 
 
 def frame_bucket(frame_count: int, buckets: Sequence[int]) -> int:
@@ -162,9 +162,9 @@ class PruningRanking(nn.Module):
         """The inputs after the rows for one request: the bucket carrier, ``T`` and, for VidCom2, the ratio."""
         return pruning_host_inputs(self.method.name, bucket, frame_count, q)
 
-    def retained_token_count(self, tokens_per_frame: int, frame_count: int, q: float) -> int:
+    def kept_token_count(self, tokens_per_frame: int, frame_count: int, q: float) -> int:
         """``K``: how many entries of the ranking the host keeps for this ``T`` and ``q``."""
-        return self.method.retained_token_count(tokens_per_frame, frame_count, q)
+        return self.method.kept_token_count(tokens_per_frame, frame_count, q)
 
     def symbols(self, tokens_per_frame: int, bucket: int) -> dict[str, int]:
         return pruning_symbols(tokens_per_frame, bucket)

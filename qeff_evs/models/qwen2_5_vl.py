@@ -249,11 +249,11 @@ class Qwen2_5_VLFamily(QwenVLFamily):
         second_per_grid = self.vision_config.temporal_patch_size / float(fps)
         return float(self.vision_config.tokens_per_second) * second_per_grid
 
-    def video_placeholder(self, video: MediaInput, retained: int) -> np.ndarray:
-        return np.full(retained, self.config.video_token_id, dtype=np.int64)
+    def video_placeholder(self, video: MediaInput, kept: int) -> np.ndarray:
+        return np.full(kept, self.config.video_token_id, dtype=np.int64)
 
-    def real_video_layout(self, video: MediaInput, retained_indices: np.ndarray) -> MediaLayout:
+    def real_video_layout(self, video: MediaInput, kept_indices: np.ndarray) -> MediaLayout:
         t, h, w = self.merged_grid(video.grid_thw)
         unpruned = np.full(t * h * w, self.config.video_token_id, dtype=np.int64)
-        return MediaLayout(unpruned, self.kept_mask(video, retained_indices),
+        return MediaLayout(unpruned, self.kept_mask(video, kept_indices),
                            (MediaBlock(t, h, w, self.time_factor(video.fps)),))

@@ -373,13 +373,13 @@ class Qwen3_VLFamily(QwenVLFamily):
                       np.array([c.vision_end_token_id])]
         return np.concatenate(parts).astype(np.int64)
 
-    def video_placeholder(self, video: MediaInput, retained: int) -> np.ndarray:
+    def video_placeholder(self, video: MediaInput, kept: int) -> np.ndarray:
         t = self.merged_grid(video.grid_thw)[0]
-        return self._frames(video, [retained] + [0] * (t - 1))
+        return self._frames(video, [kept] + [0] * (t - 1))
 
-    def real_video_layout(self, video: MediaInput, retained_indices: np.ndarray) -> MediaLayout:
+    def real_video_layout(self, video: MediaInput, kept_indices: np.ndarray) -> MediaLayout:
         t, h, w = self.merged_grid(video.grid_thw)
         unpruned = self._frames(video, [h * w] * t)
         keep = np.ones(len(unpruned), dtype=bool)
-        keep[unpruned == self.config.video_token_id] = self.kept_mask(video, retained_indices)  # raster order
+        keep[unpruned == self.config.video_token_id] = self.kept_mask(video, kept_indices)  # raster order
         return MediaLayout(unpruned, keep, tuple(MediaBlock(1, h, w) for _ in range(t)))

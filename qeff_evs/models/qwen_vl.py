@@ -272,27 +272,27 @@ class QwenVLFamily(abc.ABC):
         _, h, w = self.merged_grid((1, *grid_hw))
         return pruning_symbols(h * w, bucket)
 
-    def placeholder_ids(self, media: MediaInput, retained: int) -> np.ndarray:
+    def placeholder_ids(self, media: MediaInput, kept: int) -> np.ndarray:
         if media.kind == "image":
             return image_layout(self.config.image_token_id, self.merged_grid(media.grid_thw)).ids
-        return self.video_placeholder(media, retained)
+        return self.video_placeholder(media, kept)
 
-    def video_layout(self, media: MediaInput, retained_indices: np.ndarray) -> MediaLayout:
+    def video_layout(self, media: MediaInput, kept_indices: np.ndarray) -> MediaLayout:
         if media.kind == "image":
             return image_layout(self.config.image_token_id, self.merged_grid(media.grid_thw))
-        return self.real_video_layout(media, retained_indices)
+        return self.real_video_layout(media, kept_indices)
 
-    def kept_mask(self, video: MediaInput, retained_indices: np.ndarray) -> np.ndarray:
+    def kept_mask(self, video: MediaInput, kept_indices: np.ndarray) -> np.ndarray:
         """Raster-order mask over the video's merged tokens."""
         t, h, w = self.merged_grid(video.grid_thw)
         keep = np.zeros(t * h * w, dtype=bool)
-        keep[np.asarray(retained_indices, dtype=np.int64)] = True
+        keep[np.asarray(kept_indices, dtype=np.int64)] = True
         return keep
 
     @abc.abstractmethod
-    def video_placeholder(self, video: MediaInput, retained: int) -> np.ndarray:
+    def video_placeholder(self, video: MediaInput, kept: int) -> np.ndarray:
         """The video's prompt segment before encoding; the same length as the real one."""
 
     @abc.abstractmethod
-    def real_video_layout(self, video: MediaInput, retained_indices: np.ndarray) -> MediaLayout:
-        """The video's real segment once the encoder has chosen the retained tokens."""
+    def real_video_layout(self, video: MediaInput, kept_indices: np.ndarray) -> MediaLayout:
+        """The video's real segment once the encoder has chosen the kept tokens."""

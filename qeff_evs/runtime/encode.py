@@ -24,20 +24,20 @@ class EncodeReport:
     resolution: tuple[int, int]  # (height, width) in pixels the encoder saw
     merged_grid: tuple[int, int, int]  # (T, h, w)
     frames_per_call: int
-    retained_indices: np.ndarray  # (K,) int64, ascending raster indices
+    kept_indices: np.ndarray  # (K,) int64, ascending raster indices
     seconds: dict[str, float]  # encoder, pruning, total
     pruning: VideoPruning = VideoPruning()
 
     @property
-    def retained_tokens_per_frame(self) -> list[int]:
+    def kept_tokens_per_frame(self) -> list[int]:
         t, h, w = self.merged_grid
-        return evs.tokens_per_frame_kept(self.retained_indices, t, h * w)
+        return evs.tokens_per_frame_kept(self.kept_indices, t, h * w)
 
     def kept_map(self) -> list[str]:
         """Per temporal patch, its h rows of w marks: ``#`` kept, ``.`` pruned."""
         t, h, w = self.merged_grid
         keep = np.zeros(t * h * w, dtype=bool)
-        keep[self.retained_indices] = True
+        keep[self.kept_indices] = True
         lines = []
         for f, frame in enumerate(keep.reshape(t, h, w)):
             lines.append(f"temporal patch {f}: {int(frame.sum())}/{h * w} kept")
@@ -47,9 +47,9 @@ class EncodeReport:
     def to_json(self) -> dict:
         return {"frames": self.frames, "resolution": list(self.resolution), "merged_grid": list(self.merged_grid),
                 "frames_per_call": self.frames_per_call, "video_pruning_method": self.pruning.method,
-                "video_pruning_rate": self.pruning.rate, "retained_tokens": int(len(self.retained_indices)),
-                "retained_tokens_per_frame": self.retained_tokens_per_frame,
-                "retained_indices": self.retained_indices.tolist(), "seconds": dict(self.seconds)}
+                "video_pruning_rate": self.pruning.rate, "kept_tokens": int(len(self.kept_indices)),
+                "kept_tokens_per_frame": self.kept_tokens_per_frame,
+                "kept_indices": self.kept_indices.tolist(), "seconds": dict(self.seconds)}
 
 
 def encode_video(bundle: ExportBundle, video: MediaInput, backend: str = "ort", device: str | None = None,
@@ -73,5 +73,5 @@ def encode_video(bundle: ExportBundle, video: MediaInput, backend: str = "ort", 
     patch = bundle.preprocess.patch_size
     frames = len(video.frame_times) or t * bundle.preprocess.temporal_patch_size
     return EncodeReport(frames, (big_h * patch, big_w * patch), bundle.family.merged_grid(video.grid_thw),
-                        vision.frames_per_call, result.retained_indices.astype(np.int64),
+                        vision.frames_per_call, result.kept_indices.astype(np.int64),
                         {"encoder": encoded - started, "pruning": done - encoded, "total": done - started}, pruning)

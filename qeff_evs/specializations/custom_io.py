@@ -54,7 +54,7 @@ def custom_io_precisions(
     Works for every graph: ``embedding_names`` (and their retained twins) -> float16, KV cache (and
     retained twins) -> ``kv_precision``, ``pixel_values`` -> float16 when ``pixel_values_fp16``, a layer
     state named in ``state_precisions`` (input name -> its declared precision) -> float16, or left out
-    when it stays float32. Other names (ids, positions, index tensors, logits, retained_indices) are
+    when it stays float32. Other names (ids, positions, index tensors, logits, kept_indices) are
     left out.
     """
     if kv_precision not in KV_PRECISIONS:

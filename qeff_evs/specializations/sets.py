@@ -8,7 +8,7 @@ Two sets exist per model:
 
 * language: ``Prefill`` (``seq_len = prefill_seq_len``) and ``Decode`` (``seq_len = 1``),
   both binding ``vision_size = user_vision_size`` -- each prefill chunk is handed only its
-  own window of retained vision rows, so the language graph never needs the whole prompt's.
+  own window of kept vision rows, so the language graph never needs the whole prompt's.
   With continuous batching both also bind ``full_batch_size`` (the KV cache rows); prefill
   runs ``batch_size = 1`` (one request into its row) and decode ``batch_size = full_batch_size``
   (or a chosen decode batch), QEfficient's CB layout;

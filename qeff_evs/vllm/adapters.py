@@ -30,7 +30,7 @@ import numpy as np
 
 from qeff_evs.models.protocol import MediaInput, ModelFamily
 from qeff_evs.models.pruning import VideoPruning
-from qeff_evs.runtime.engine.executor import retained_count
+from qeff_evs.runtime.engine.executor import kept_count
 from qeff_evs.runtime.engine.scheduler import MediaPlacement
 from qeff_evs.runtime.engine.steps import VisionWindow, gather_window
 from qeff_evs.runtime.engine.window import Placeholder, WindowSlice, window_slices
@@ -135,7 +135,7 @@ def evs_reservation(family: ModelFamily, media: MediaInput, pruning: VideoPrunin
     E.g. Qwen2.5-VL: K video pads; Qwen3-VL: the lumped layout ``[K, 0, ..., 0]``, ``L = sum_f(len(ts_f) + 2) + K``,
     whose length is the real layout's too, whatever split EVS picks; only its pads are embedding rows.
     """
-    k = retained_count(family, media, pruning)
+    k = kept_count(family, media, pruning)
     ids = family.placeholder_ids(media, k)
     placeholder = Placeholder.of_ids(0, ids, family.special_tokens().media_pads)
     return EvsReservation(placeholder.length, k, placeholder.is_embed)

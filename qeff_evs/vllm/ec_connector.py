@@ -5,7 +5,7 @@ vLLM's encoder disaggregation (``--ec-transfer-config``) runs the vision side in
 connector carries each encoded item, keyed by vLLM's content hash ``mm_hash``, from one to the other. vLLM's
 shared-storage connector (``ECExampleConnector``) writes one tensor per item. Ours keeps its scheduler side
 (an item is available once its file exists in ``shared_storage_path``) and writes what qeff-evs's encoder
-and pruning graphs return instead (``runtime.engine.kept_rows``): the K kept rows, their retained indices, the
+and pruning graphs return instead (``runtime.engine.kept_rows``): the K kept rows, their kept indices, the
 per-frame kept counts and the family's extra per-row tensors, as one safetensors file per item, written
 under a temporary name and renamed, so a reader never sees half a file. Its header records K and the pruning
 rate.
@@ -96,7 +96,7 @@ class QeffEvsECConnector(ECExampleConnector):
             return
         encoded = encoder_cache[mm_hash]
         arrays = kept_rows.to_arrays(encoded)
-        k, frames = len(encoded.retained_indices), len(encoded.kept_per_frame)
+        k, frames = len(encoded.kept_indices), len(encoded.kept_per_frame)
         size = write_payload(self._path(mm_hash), arrays,
                              {"format": FORMAT, "rows": str(k), "video_pruning_rate": self._rate})
         logger.info("qeff-evs EC: shipped %s: %d kept rows over %d temporal patches, %d bytes (arrays %d B)",
@@ -108,8 +108,8 @@ class QeffEvsECConnector(ECExampleConnector):
             if item.mm_hash in encoder_cache:
                 continue
             encoded = kept_rows.from_arrays(read_payload(self._path(item.mm_hash)))
-            if len(encoded.retained_indices) != item.num_token:  # ensure_cache_available compared the headers
-                raise AssertionError(f"{self._path(item.mm_hash)} holds {len(encoded.retained_indices)} kept rows, "
+            if len(encoded.kept_indices) != item.num_token:  # ensure_cache_available compared the headers
+                raise AssertionError(f"{self._path(item.mm_hash)} holds {len(encoded.kept_indices)} kept rows, "
                                      f"the request's placeholder {item.num_token}")
             encoder_cache[item.mm_hash] = encoded
 

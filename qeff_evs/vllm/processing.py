@@ -39,7 +39,7 @@ from vllm.multimodal.processing.processor import PromptReplacement, PromptUpdate
 
 from qeff_evs.models.protocol import MediaInput, ModelFamily
 from qeff_evs.models.pruning import VideoPruning
-from qeff_evs.runtime.engine.executor import retained_count
+from qeff_evs.runtime.engine.executor import kept_count
 from qeff_evs.runtime.engine.request import PromptPiece, plan_prompt
 from qeff_evs.runtime.builders import largest_item_rows
 from qeff_evs.runtime.export_bundle import ExportBundle, open_export
@@ -118,9 +118,9 @@ def process_media(bundle: ExportBundle, videos: Sequence[Any], images: Sequence[
     return BatchFeature(data)
 
 
-def position_span(family: ModelFamily, media: MediaInput, retained: int) -> int:
+def position_span(family: ModelFamily, media: MediaInput, kept: int) -> int:
     """M-RoPE positions one item's unpruned segment spans (the decode start of a prompt that is only it)."""
-    return plan_prompt([PromptPiece(video=0)], [media], [retained], family).decode_start
+    return plan_prompt([PromptPiece(video=0)], [media], [kept], family).decode_start
 
 
 @dataclass
@@ -252,7 +252,7 @@ class QeffEvsProcessor(BaseMultiModalProcessor[QeffEvsProcessingInfo]):
         def placeholder(modality: str, pad: int):
             def replacement(item_idx: int) -> MediaPlaceholder:
                 media = media_from_fields(out_mm_kwargs[modality][item_idx].get_data(), modality)
-                k = retained_count(family, media, pruning)
+                k = kept_count(family, media, pruning)
                 ids = [int(i) for i in family.placeholder_ids(media, k)]
                 return MediaPlaceholder(ids, PromptUpdateDetails.select_token_id(ids, pad).is_embed,
                                         position_span(family, media, k))

@@ -2,7 +2,7 @@
 
 The package computes positions per request from each family's ``MediaLayout`` (its blocks and keep
 mask); these builders let the tests state a multi-item prompt directly: media items with their patch
-grids, per-family blocks, retained indices per block, and the pruned ids with their positions.
+grids, per-family blocks, kept indices per block, and the pruned ids with their positions.
 """
 
 from __future__ import annotations
@@ -45,40 +45,40 @@ def _check_local_indices(indices: IndexLike, size: int, what: str) -> torch.Tens
     if idx.numel() == 0:  # an empty list arrives as float32; nothing to check
         return torch.zeros(0, dtype=torch.int64)
     if idx.dtype.is_floating_point or idx.dtype == torch.bool:
-        raise ValueError(f"{what}: retained indices must be integers, got dtype {idx.dtype}")
+        raise ValueError(f"{what}: kept indices must be integers, got dtype {idx.dtype}")
     idx = idx.to(device="cpu", dtype=torch.int64).reshape(-1)
     low, high = int(idx.min()), int(idx.max())
     if low < 0 or high >= size:
         raise ValueError(
-            f"{what}: retained indices must lie in [0, {size}), got range [{low}, {high}]; "
+            f"{what}: kept indices must lie in [0, {size}), got range [{low}, {high}]; "
             "pass flat raster indices local to this block"
         )
     if torch.unique(idx).numel() != idx.numel():
-        raise ValueError(f"{what}: retained indices must be unique, got {idx.tolist()}")
+        raise ValueError(f"{what}: kept indices must be unique, got {idx.tolist()}")
     return idx
 
 
 def keep_mask(
     input_ids: IndexLike,
     media_token_ids: Sequence[int],
-    retained_per_block: Sequence[IndexLike | None],
+    kept_per_block: Sequence[IndexLike | None],
 ) -> torch.Tensor:
-    """``(N,)`` bool over the unpruned prompt: text always kept, media tokens kept if retained.
+    """``(N,)`` bool over the unpruned prompt: text always kept, media tokens kept if kept.
 
-    ``retained_per_block[i]`` holds flat raster indices local to media run ``i``; ``None`` keeps it all.
+    ``kept_per_block[i]`` holds flat raster indices local to media run ``i``; ``None`` keeps it all.
     """
     ids = _as_ids(input_ids)
     runs = media_runs(ids, media_token_ids)
-    if len(runs) != len(retained_per_block):
+    if len(runs) != len(kept_per_block):
         raise ValueError(
-            f"the prompt has {len(runs)} runs of media pad tokens but retained indices were given for "
-            f"{len(retained_per_block)} blocks; give one entry per run (None keeps the whole block)"
+            f"the prompt has {len(runs)} runs of media pad tokens but kept indices were given for "
+            f"{len(kept_per_block)} blocks; give one entry per run (None keeps the whole block)"
         )
     mask = torch.ones(ids.numel(), dtype=torch.bool)
-    for i, ((start, end), retained) in enumerate(zip(runs, retained_per_block)):
-        if retained is None:
+    for i, ((start, end), kept) in enumerate(zip(runs, kept_per_block)):
+        if kept is None:
             continue
-        idx = _check_local_indices(retained, end - start, f"media block {i} ({end - start} tokens)")
+        idx = _check_local_indices(kept, end - start, f"media block {i} ({end - start} tokens)")
         mask[start:end] = False
         mask[start + idx] = True
     return mask
@@ -109,22 +109,22 @@ def prune_prompt(
     input_ids: IndexLike,
     media_token_ids: Sequence[int],
     blocks: Sequence[MediaBlock],
-    retained_per_block: Sequence[IndexLike | None],
+    kept_per_block: Sequence[IndexLike | None],
 ) -> PrunedPrompt:
     """Drop the media tokens EVS removed from an unpruned prompt, keeping the unpruned positions."""
     ids = _as_ids(input_ids)
     unpruned = unpruned_positions(ids, media_token_ids, blocks)
-    keep = keep_mask(ids, media_token_ids, retained_per_block)
+    keep = keep_mask(ids, media_token_ids, kept_per_block)
     return PrunedPrompt(ids[keep], pruned_positions(unpruned, keep), decode_start(unpruned))
 
 
-def split_retained_by_frame(
-    retained_indices: IndexLike, num_frames: int, tokens_per_frame: int
+def split_kept_by_frame(
+    kept_indices: IndexLike, num_frames: int, tokens_per_frame: int
 ) -> list[torch.Tensor]:
-    """Split a video's flat retained indices into one ascending tensor per frame, local to the frame."""
+    """Split a video's flat kept indices into one ascending tensor per frame, local to the frame."""
     if num_frames < 1 or tokens_per_frame < 1:
         raise ValueError(f"num_frames and tokens_per_frame must be >= 1, got {num_frames} and {tokens_per_frame}")
-    idx = _check_local_indices(retained_indices, num_frames * tokens_per_frame, "video")
+    idx = _check_local_indices(kept_indices, num_frames * tokens_per_frame, "video")
     idx = torch.sort(idx).values
     frame = idx // tokens_per_frame
     return [idx[frame == f] - f * tokens_per_frame for f in range(num_frames)]
@@ -156,21 +156,21 @@ def qwen3_vl_blocks(items: Sequence[MediaItem], spatial_merge_size: int) -> list
     return blocks
 
 
-def qwen3_vl_retained_per_block(
+def qwen3_vl_kept_per_block(
     items: Sequence[MediaItem],
     spatial_merge_size: int,
-    retained_per_item: Sequence[IndexLike | None],
+    kept_per_item: Sequence[IndexLike | None],
 ) -> list[torch.Tensor | None]:
     """Per Qwen3-VL block (see :func:`qwen3_vl_blocks`): each video's flat indices split by frame."""
-    if len(items) != len(retained_per_item):
+    if len(items) != len(kept_per_item):
         raise ValueError(
-            f"{len(items)} media items but {len(retained_per_item)} retained-index entries; give one per item"
+            f"{len(items)} media items but {len(kept_per_item)} kept-index entries; give one per item"
         )
     per_block: list[torch.Tensor | None] = []
-    for item, retained in zip(items, retained_per_item):
+    for item, kept in zip(items, kept_per_item):
         t, h, w = merged_grid(item.grid_thw, spatial_merge_size)
-        if retained is None:
+        if kept is None:
             per_block.extend([None] * t)
         else:
-            per_block.extend(split_retained_by_frame(retained, t, h * w))
+            per_block.extend(split_kept_by_frame(kept, t, h * w))
     return per_block

@@ -67,7 +67,7 @@ class VisionResult:
     """One media item after the vision side: its K kept rows, their raster indices, its kept extra rows."""
 
     rows: np.ndarray  # (K, hidden)
-    retained_indices: np.ndarray  # (K,) int64, ascending
+    kept_indices: np.ndarray  # (K,) int64, ascending
     extras: Mapping[str, np.ndarray] = field(default_factory=dict)  # by name, (levels, K, hidden)
 
 

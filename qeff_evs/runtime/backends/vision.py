@@ -96,17 +96,17 @@ class VisionPipeline:
         """The kept rows of an item: its method's ranking, first K kept; every row when K is all of them."""
         grid = self.family.merged_grid(media.grid_thw)
         total = grid[0] * grid[1] * grid[2]
-        retained = pruning.kept_tokens(grid, media.kind)
-        if retained == total:
+        k = pruning.kept_tokens(grid, media.kind)
+        if k == total:
             return VisionResult(merged.rows, np.arange(total, dtype=np.int64), merged.extras)
         session = self.pruning.get(pruning.method)
         if session is None:
             raise ValueError(f"this vision pipeline runs the {', '.join(self.pruning) or 'no'} pruning graph(s), "
                              f"not {pruning.method!r}; open the sessions with that method")
-        kept = evs.kept_indices(session.rank(self.pruning_feeds(merged, grid, pruning)), retained)
+        kept = evs.kept_from_ranking(session.rank(self.pruning_feeds(merged, grid, pruning)), k)
         if kept[-1] >= total:  # padding ranks after every real row: reaching it means a broken graph
             raise ValueError(f"the {pruning.method} pruning graph ranked padding row {int(kept[-1])} among the "
-                             f"first {retained} of a video of {total} rows; re-export this folder")
+                             f"first {k} of a video of {total} rows; re-export this folder")
         return VisionResult(merged.rows[kept], kept, {name: value[..., kept, :] for name, value in merged.extras.items()})
 
     def encode(self, media: MediaInput, pruning: VideoPruning, progress: Progress | None = None) -> VisionResult:

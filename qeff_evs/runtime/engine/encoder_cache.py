@@ -1,6 +1,6 @@
 """Which vision-encoder outputs are alive, keyed by the media item's content hash.
 
-The cache is sized in embedding rows (a video's K retained rows; ``Placeholder.num_embeds``),
+The cache is sized in embedding rows (a video's K kept rows; ``Placeholder.num_embeds``),
 the unit vLLM v1's ``EncoderCacheManager`` counts in. An entry is held by ``(request_id, item)``
 pairs, so the same video in two requests is one entry, encoded once, alive while either holds it.
 

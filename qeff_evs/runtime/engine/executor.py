@@ -55,7 +55,7 @@ class EngineConfig:
         return VideoPruning(self.video_pruning_method, self.video_pruning_rate)
 
 
-def retained_count(family: ModelFamily, media: MediaInput, pruning: VideoPruning) -> int:
+def kept_count(family: ModelFamily, media: MediaInput, pruning: VideoPruning) -> int:
     """K for one media item: the method's count rule for a video, every token of an image."""
     return pruning.kept_tokens(family.merged_grid(media.grid_thw), media.kind)
 
@@ -66,9 +66,9 @@ def encode_media(family: ModelFamily, vision: VisionSession, media: MediaInput, 
     counts."""
     result = vision.encode(media, pruning)
     t, h, w = family.merged_grid(media.grid_thw)
-    retained = result.retained_indices.astype(np.int64)
-    kept = evs.tokens_per_frame_kept(retained, t, h * w)
-    return EncodedMedia(result.rows, retained, result.extras, tuple(kept))
+    indices = result.kept_indices.astype(np.int64)
+    per_frame = evs.tokens_per_frame_kept(indices, t, h * w)
+    return EncodedMedia(result.rows, indices, result.extras, tuple(per_frame))
 
 
 def media_hash(media: MediaInput, pruning: VideoPruning) -> str:
@@ -122,12 +122,12 @@ class Executor:
             close_session(self.language)
 
     # -- requests ---------------------------------------------------------------------------------
-    def retained_count(self, media: MediaInput) -> int:
-        return retained_count(self.family, media, self.config.pruning)
+    def kept_count(self, media: MediaInput) -> int:
+        return kept_count(self.family, media, self.config.pruning)
 
     def plan(self, pieces: Sequence[PromptPiece], media: Sequence[MediaInput]) -> PromptPlan:
         """The request's prompt before encoding: provisional placeholders sized by K."""
-        return plan_prompt(list(pieces), list(media), [self.retained_count(m) for m in media], self.family)
+        return plan_prompt(list(pieces), list(media), [self.kept_count(m) for m in media], self.family)
 
     def media_hashes(self, media: Sequence[MediaInput]) -> tuple[str, ...]:
         return tuple(media_hash(m, self.config.pruning) for m in media)

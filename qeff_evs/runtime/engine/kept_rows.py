@@ -11,7 +11,7 @@ Arrays, by name (every extra tensor under ``extra.<name>``, so a family's own te
 module naming them):
 
   ``rows``              ``(K, hidden)``, the dtype the graphs produced
-  ``retained_indices``  ``(K,)`` int64, ascending
+  ``kept_indices``  ``(K,)`` int64, ascending
   ``kept_per_frame``    ``(T,)`` int64, summing to K
   ``extra.<name>``      the family's extra rows, ``(levels, K, hidden)``
 """
@@ -24,13 +24,13 @@ import numpy as np
 
 from qeff_evs.runtime.engine.request import EncodedMedia
 
-ROWS, INDICES, KEPT_PER_FRAME = "rows", "retained_indices", "kept_per_frame"
+ROWS, INDICES, KEPT_PER_FRAME = "rows", "kept_indices", "kept_per_frame"
 EXTRA_PREFIX = "extra."
 
 
 def to_arrays(encoded: EncodedMedia) -> dict[str, np.ndarray]:
     """The arrays that carry ``encoded`` (contiguous, as they are written)."""
-    arrays = {ROWS: encoded.rows, INDICES: np.asarray(encoded.retained_indices, dtype=np.int64),
+    arrays = {ROWS: encoded.rows, INDICES: np.asarray(encoded.kept_indices, dtype=np.int64),
               KEPT_PER_FRAME: np.asarray(encoded.kept_per_frame, dtype=np.int64)}
     arrays.update({EXTRA_PREFIX + name: value for name, value in encoded.extras.items()})
     return {name: np.ascontiguousarray(value) for name, value in arrays.items()}
@@ -47,10 +47,10 @@ def from_arrays(arrays: Mapping[str, np.ndarray]) -> EncodedMedia:
     rows, indices, kept = arrays[ROWS], np.asarray(arrays[INDICES]), np.asarray(arrays[KEPT_PER_FRAME])
     k = len(indices)
     if rows.ndim != 2 or rows.shape[0] != k or int(kept.sum()) != k:
-        raise ValueError(f"kept rows {rows.shape}, {k} retained indices and per-frame counts summing to "
+        raise ValueError(f"kept rows {rows.shape}, {k} kept indices and per-frame counts summing to "
                          f"{int(kept.sum())} do not describe the same K tokens")
     if k and np.any(np.diff(indices) <= 0):
-        raise ValueError("retained indices must be strictly ascending raster indices")
+        raise ValueError("kept indices must be strictly ascending raster indices")
     extras = {name[len(EXTRA_PREFIX):]: value for name, value in arrays.items() if name.startswith(EXTRA_PREFIX)}
     wrong = {name: value.shape for name, value in extras.items() if value.ndim != 3 or value.shape[1] != k}
     if wrong:

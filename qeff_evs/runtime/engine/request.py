@@ -1,9 +1,9 @@
 """A request's prompt, before and after its videos are encoded.
 
-Before encoding only each video's retained count K is known, so the prompt holds the family's
+Before encoding only each video's kept count K is known, so the prompt holds the family's
 provisional placeholder (fixed length). After encoding, each placeholder is rewritten in place to
 the real layout (same length) and the request's M-RoPE positions are computed once, in int64,
-as the unpruned positions restricted to the retained tokens.
+as the unpruned positions restricted to the kept tokens.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from qeff_evs.runtime.inputs.prompt import PromptPiece
 @dataclass
 class EncodedMedia:
     rows: np.ndarray  # (K, hidden)
-    retained_indices: np.ndarray  # (K,) int64, ascending flat indices on the merged grid
+    kept_indices: np.ndarray  # (K,) int64, ascending flat indices on the merged grid
     extras: Mapping[str, np.ndarray] = field(default_factory=dict)  # the family's extra rows, (levels, K, hidden)
     kept_per_frame: tuple[int, ...] = ()
 
@@ -38,11 +38,11 @@ class PreparedPrompt:
     encoded: list[EncodedMedia] = field(default_factory=list)
 
 
-def provisional_ids(pieces: list[PromptPiece], videos: list[MediaInput], retained: list[int],
+def provisional_ids(pieces: list[PromptPiece], videos: list[MediaInput], kept: list[int],
                     family: ModelFamily) -> np.ndarray:
     """The prompt as it can be built before encoding (placeholders sized by K)."""
     parts = [np.asarray(p.ids, dtype=np.int64) if p.video is None
-             else family.placeholder_ids(videos[p.video], retained[p.video]) for p in pieces]
+             else family.placeholder_ids(videos[p.video], kept[p.video]) for p in pieces]
     return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
 
@@ -51,7 +51,7 @@ class PromptPlan:
     """A request's prompt once its media grids are known; each item is filled in when it is encoded.
 
     Text positions and the placeholders' offsets and lengths are final from the start (they depend
-    on grids and K only); an item's real ids and positions need its retained indices, so the engine
+    on grids and K only); an item's real ids and positions need its kept indices, so the engine
     completes it after the vision graph ran, before any chunk reaches its placeholder.
     """
 
@@ -74,7 +74,7 @@ class PromptPlan:
 
     def fill(self, item: int, video: MediaInput, encoded: EncodedMedia, family: ModelFamily) -> None:
         """Rewrite item ``item``'s placeholder to its real layout and write its positions."""
-        layout: MediaLayout = family.video_layout(video, encoded.retained_indices)
+        layout: MediaLayout = family.video_layout(video, encoded.kept_indices)
         ph = self.placeholders[item]
         if len(layout.ids) != ph.length:
             raise ValueError(f"media item {item}: real layout has {len(layout.ids)} tokens, "
@@ -97,9 +97,9 @@ class PromptPlan:
         return PreparedPrompt(self.ids, self.positions, self.decode_start, self.placeholders, list(self.encoded))
 
 
-def plan_prompt(pieces: list[PromptPiece], media: list[MediaInput], retained: list[int],
+def plan_prompt(pieces: list[PromptPiece], media: list[MediaInput], kept: list[int],
                 family: ModelFamily) -> PromptPlan:
-    """Provisional ids, final text positions and placeholders, from grids and retained counts alone."""
+    """Provisional ids, final text positions and placeholders, from grids and kept counts alone."""
     pads = family.special_tokens().media_pads
     ids_parts, unpruned_parts, blocks, segments = [], [], [], []
     for piece in pieces:
@@ -114,7 +114,7 @@ def plan_prompt(pieces: list[PromptPiece], media: list[MediaInput], retained: li
         if piece.video in segments:
             raise ValueError(f"media item {piece.video} appears twice in the prompt; give each occurrence its own "
                              "media entry (identical pixels share one encoder run through the content hash)")
-        video, k = media[piece.video], retained[piece.video]
+        video, k = media[piece.video], kept[piece.video]
         # The unpruned segment and its blocks do not depend on which tokens are kept.
         shape = family.video_layout(video, np.arange(k, dtype=np.int64))
         ids_parts.append(family.placeholder_ids(video, k))
@@ -148,7 +148,7 @@ def plan_prompt(pieces: list[PromptPiece], media: list[MediaInput], retained: li
 def prepare_prompt(pieces: list[PromptPiece], videos: list[MediaInput], encoded: list[EncodedMedia],
                    family: ModelFamily) -> PreparedPrompt:
     """Final ids (real per-frame layouts), int64 positions and placeholders for the language graph."""
-    plan = plan_prompt(pieces, videos, [len(e.retained_indices) for e in encoded], family)
+    plan = plan_prompt(pieces, videos, [len(e.kept_indices) for e in encoded], family)
     for item, (video, enc) in enumerate(zip(videos, encoded)):
         plan.fill(item, video, enc, family)
     return plan.prepared()

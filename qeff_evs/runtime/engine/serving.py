@@ -3,7 +3,7 @@
 Per step the scheduler hands out decode tokens first, then prefill chunks (one language-graph call
 per chunk, batch 1, into the request's KV cache row), plus the media items to encode. Encoder outputs
 are cached by content hash and dropped when every holder has passed them; each prefill chunk gets
-only its own window of retained rows. All running requests decode together in one call
+only its own window of kept rows. All running requests decode together in one call
 (continuous batching). Greedy sampling. Our ``Scheduler`` decides; the shared ``Executor`` runs.
 """
 
@@ -72,8 +72,8 @@ class ServingEngine:
         return self.executor.encoder_outputs
 
     # -- requests ---------------------------------------------------------------------------------
-    def retained_count(self, media: MediaInput) -> int:
-        return self.executor.retained_count(media)
+    def kept_count(self, media: MediaInput) -> int:
+        return self.executor.kept_count(media)
 
     def add_request(self, request: ServeRequest) -> None:
         """Queue a request; a request that can never run raises ValueError and leaves the others alone."""

@@ -16,7 +16,7 @@ import numpy as np
 from qeff_evs.models.protocol import ModelFamily, MediaInput
 from qeff_evs.positions import check_rope_range
 from qeff_evs.runtime.backends.base import LanguageSession, VisionSession, close_session
-from qeff_evs.runtime.engine.executor import EngineConfig, encode_media, retained_count
+from qeff_evs.runtime.engine.executor import EngineConfig, encode_media, kept_count
 from qeff_evs.runtime.engine.request import EncodedMedia, PreparedPrompt, PromptPiece, PromptPlan, plan_prompt
 from qeff_evs.runtime.engine.scheduler import SchedulerConfig, check_fits_context
 from qeff_evs.runtime.engine.serving import ServingEngine
@@ -31,7 +31,7 @@ class GenerationResult:
     prompt_token_ids: list[int]
     generated_token_ids: list[int]
     prefill_top_logits: list[list[float]]
-    retained_tokens_per_frame: list[list[int]]
+    kept_tokens_per_frame: list[list[int]]
     num_prefill_chunks: int
     vision_rows_per_chunk: list[int] = field(default_factory=list)
 
@@ -68,13 +68,13 @@ class Engine:
 
     def prepare(self, pieces: list[PromptPiece], videos: list[MediaInput]) -> PreparedPrompt:
         """Encode every media item of one request and return its final ids and positions."""
-        retained = [retained_count(self.family, v, self.config.pruning) for v in videos]
-        plan = plan_prompt(pieces, videos, retained, self.family)
+        kept = [kept_count(self.family, v, self.config.pruning) for v in videos]
+        plan = plan_prompt(pieces, videos, kept, self.family)
         self._check_fits(len(plan.ids))
         # Before the encoder runs; generate() admits the request through Executor.add, which checks it for every engine.
         check_rope_range(plan.decode_start, self.config.max_new_tokens, self.language.shape.rope_positions)
         for i, video in enumerate(videos):
-            self.progress(f"vision graph: {video.kind} {i} grid {tuple(video.grid_thw)}, keeping {retained[i]} tokens")
+            self.progress(f"vision graph: {video.kind} {i} grid {tuple(video.grid_thw)}, keeping {kept[i]} tokens")
             plan.fill(i, video, self.encode(video), self.family)
         return plan.prepared()
 
@@ -119,7 +119,7 @@ class Engine:
             prompt_token_ids=prompt.ids.tolist(),
             generated_token_ids=list(request.tokens),
             prefill_top_logits=top_logits(request.prompt_logits),
-            retained_tokens_per_frame=[list(e.kept_per_frame) for e in prompt.encoded],
+            kept_tokens_per_frame=[list(e.kept_per_frame) for e in prompt.encoded],
             num_prefill_chunks=len(request.vision_rows_per_chunk),
             vision_rows_per_chunk=list(request.vision_rows_per_chunk),
         )

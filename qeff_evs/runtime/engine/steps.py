@@ -1,6 +1,6 @@
 """Inputs of one prefill-chunk call of the language graph: the chunk's ids, positions and window of vision rows.
 
-Each prefill chunk receives only the retained vision rows its own window covers, zero-padded to
+Each prefill chunk receives only the kept vision rows its own window covers, zero-padded to
 ``user_vision_size``, with ``image_idx = 0``: the graph's k-th media token takes row k. Positions
 are a slice of the request's int64 positions, so any chunking sees the same numbers. Every caller
 (single-request and serving engines through the executor, the vLLM adapters, the bench) builds its
