@@ -206,7 +206,7 @@ def split_template(tokenizer, content: list[dict]) -> list[list[int] | int]:
 
 
 def our_pieces(template: list[list[int] | int]) -> list[PromptPiece]:
-    return [PromptPiece(video=p) if isinstance(p, int) else PromptPiece(ids=tuple(p)) for p in template]
+    return [PromptPiece(media_item=p) if isinstance(p, int) else PromptPiece(ids=tuple(p)) for p in template]
 
 
 # --------------------------------------------------------------------------------------------------

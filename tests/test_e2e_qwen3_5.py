@@ -175,7 +175,7 @@ def split_template(tokenizer, question: str) -> tuple[list[int], list[int]]:
 
 
 def our_pieces(before: list[int], after: list[int]) -> list[PromptPiece]:
-    return [PromptPiece(ids=tuple(before)), PromptPiece(video=0), PromptPiece(ids=tuple(after))]
+    return [PromptPiece(ids=tuple(before)), PromptPiece(media_item=0), PromptPiece(ids=tuple(after))]
 
 
 @dataclasses.dataclass

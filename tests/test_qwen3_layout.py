@@ -231,7 +231,7 @@ def random_scenario(seed: int, tokenizer, config) -> Scenario:
         item = random_video(rng, tokenizer, config) if kind == "video" else random_image(rng, config)
         media.append(item)
         # The chat template's <|vision_start|><|video_pad|><|vision_end|>: HF 5.x expands only the pad.
-        pieces += [PromptPiece(ids=tuple(before + [vs])), PromptPiece(video=i)]
+        pieces += [PromptPiece(ids=tuple(before + [vs])), PromptPiece(media_item=i)]
         hf_ids += before + [vs] + item.hf_ids
         keep += [True] * (len(before) + 1) + item.keep.tolist()
         before = [ve] + random_text(rng, 0, 5)
@@ -394,13 +394,13 @@ def rows_per_token(sc: Scenario, config) -> list[tuple[int, int] | None]:
     out = []
     pads = (config.image_token_id, config.video_token_id)
     for piece in sc.pieces:
-        if piece.video is None:
+        if piece.media_item is None:
             out += [None] * len(piece.ids)
             continue
-        m = sc.media[piece.video]
+        m = sc.media[piece.media_item]
         ids = np.asarray(m.hf_ids)[m.keep]
         rows = np.cumsum(np.isin(ids, pads)) - 1
-        out += [(piece.video, int(r)) if token in pads else None for token, r in zip(ids.tolist(), rows)]
+        out += [(piece.media_item, int(r)) if token in pads else None for token, r in zip(ids.tolist(), rows)]
     return out
 
 

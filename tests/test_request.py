@@ -20,22 +20,22 @@ def video(grid=(2, 4, 4)) -> MediaInput:
 
 
 def test_a_media_item_used_twice_is_an_error(family):
-    pieces = [PromptPiece(ids=(1,)), PromptPiece(video=0), PromptPiece(ids=(2,)), PromptPiece(video=0)]
+    pieces = [PromptPiece(ids=(1,)), PromptPiece(media_item=0), PromptPiece(ids=(2,)), PromptPiece(media_item=0)]
     with pytest.raises(ValueError, match="media item 0 appears twice"):
         plan_prompt(pieces, [video()], [4], family)
 
 
 def test_an_unknown_media_item_is_an_error(family):
     with pytest.raises(ValueError, match="names media item 1, but the request has 1 items"):
-        plan_prompt([PromptPiece(video=1)], [video()], [4], family)
+        plan_prompt([PromptPiece(media_item=1)], [video()], [4], family)
 
 
 def test_an_unused_media_item_is_an_error(family):
     with pytest.raises(ValueError, match="exactly once"):
-        plan_prompt([PromptPiece(ids=(1,)), PromptPiece(video=0)], [video(), video()], [4, 4], family)
+        plan_prompt([PromptPiece(ids=(1,)), PromptPiece(media_item=0)], [video(), video()], [4, 4], family)
 
 
 def test_the_same_pixels_twice_as_two_items_plan_two_placeholders(family):
-    pieces = [PromptPiece(video=0), PromptPiece(ids=(7,)), PromptPiece(video=1)]
+    pieces = [PromptPiece(media_item=0), PromptPiece(ids=(7,)), PromptPiece(media_item=1)]
     plan = plan_prompt(pieces, [video(), video()], [4, 4], family)
     assert [(p.offset, p.length) for p in plan.placeholders] == [(0, 4), (5, 4)]

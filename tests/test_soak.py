@@ -81,7 +81,7 @@ def make_request(bundle, number: int, pool: list[MediaInput], rng: np.random.Gen
     pieces = []
     for item, part in enumerate(text.replace("<|image_pad|>", "<|video_pad|>").split("<|video_pad|>")):
         if item:
-            pieces.append(PromptPiece(video=item - 1))
+            pieces.append(PromptPiece(media_item=item - 1))
         pieces.append(PromptPiece(ids=tuple(bundle.tokenizer.encode(part, add_special_tokens=False))))
     return ServeRequest(f"s{number}", pieces, media, max_new_tokens=int(rng.integers(1, 5)))
 

@@ -63,8 +63,8 @@ def vllm_prompt_ids(pieces: list[PromptPiece], media, family) -> list[int]:
     pads = family.special_tokens()
     ids = []
     for piece in pieces:
-        ids += list(piece.ids) if piece.video is None else [
-            pads.image_pad if media[piece.video].kind == "image" else pads.video_pad]
+        ids += list(piece.ids) if piece.media_item is None else [
+            pads.image_pad if media[piece.media_item].kind == "image" else pads.video_pad]
     return ids
 
 
@@ -115,7 +115,7 @@ class Served:
         bundle, m = self.bundle, self.bundle.manifest
         media = self.media(index)
         engine = build_engine(bundle, "ort", max_new_tokens=NEW_TOKENS)
-        if [p.video for p in self.pieces[index]] == [None, 0, None] and media[0].kind == "video" and len(media) == 1:
+        if [p.media_item for p in self.pieces[index]] == [None, 0, None] and media[0].kind == "video" and len(media) == 1:
             question = self.requests[index][0][1]["text"]
             result = answer(bundle, engine, media[0], question)  # exactly the CLI's path
         else:

@@ -179,7 +179,7 @@ class Case:
             if before:
                 pieces.append(PromptPiece(ids=tuple(before)))
             if item is not None:
-                pieces.append(PromptPiece(video=len(media)))
+                pieces.append(PromptPiece(media_item=len(media)))
                 media.append(item.as_input())
                 rows = np.zeros((len(item.kept), HIDDEN), dtype=np.float32)
                 encoded.append(EncodedMedia(rows, item.kept, {"deepstack_features": rows[None]}))
@@ -525,7 +525,7 @@ def qwen2_5_case(config, grid_thw, fps: float, kept: np.ndarray):
     vs, ve = config.vision_start_token_id, config.vision_end_token_id
     video = MediaInput(torch.zeros(0), grid_thw, fps)
     encoded = EncodedMedia(np.zeros((len(kept), HIDDEN), np.float32), kept)
-    pieces = [PromptPiece(ids=tuple(text(30, 3) + [vs])), PromptPiece(video=0),
+    pieces = [PromptPiece(ids=tuple(text(30, 3) + [vs])), PromptPiece(media_item=0),
               PromptPiece(ids=tuple([ve] + text(31, 2)))]
     prompt = prepare_prompt(pieces, [video], [encoded], family)
     return prompt, (4, len(kept))

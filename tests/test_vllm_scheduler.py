@@ -118,7 +118,7 @@ def pieces_for(tokenizer, question: str) -> list[PromptPiece]:
         [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": question}]}],
         tokenize=False, add_generation_prompt=True)
     before, after = text.split("<|video_pad|>")
-    return [PromptPiece(ids=tuple(tokenizer.encode(before, add_special_tokens=False))), PromptPiece(video=0),
+    return [PromptPiece(ids=tuple(tokenizer.encode(before, add_special_tokens=False))), PromptPiece(media_item=0),
             PromptPiece(ids=tuple(tokenizer.encode(after, add_special_tokens=False)))]
 
 

@@ -181,7 +181,7 @@ def test_image_url_equals_our_engine(server, export, media):
         [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "describe it"}]}], tokenize=False,
         add_generation_prompt=True)
     before, after = text.split("<|image_pad|>")
-    pieces = [PromptPiece(ids=tuple(bundle.tokenizer.encode(before, add_special_tokens=False))), PromptPiece(video=0),
+    pieces = [PromptPiece(ids=tuple(bundle.tokenizer.encode(before, add_special_tokens=False))), PromptPiece(media_item=0),
               PromptPiece(ids=tuple(bundle.tokenizer.encode(after, add_special_tokens=False)))]
     engine = build_engine(bundle, "ort", max_new_tokens=6)
     expected = engine.generate(engine.prepare(pieces, [image]), eos_ids=stop_ids(bundle))

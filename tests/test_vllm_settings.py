@@ -234,7 +234,7 @@ def world(export, tmp_path_factory):
     def vllm_ids(text: str, video: bool = False) -> list[int]:
         ids = []
         for piece in pieces(text, video):
-            ids += list(piece.ids) if piece.video is None else [bundle.family.special_tokens().video_pad]
+            ids += list(piece.ids) if piece.media_item is None else [bundle.family.special_tokens().video_pad]
         return ids
 
     return dict(bundle=bundle, tok=tok, clip=clip, pieces=pieces, vllm_ids=vllm_ids, oracle=GraphOracle(bundle),

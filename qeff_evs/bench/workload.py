@@ -70,7 +70,7 @@ def prompt_pieces(family: ModelFamily, question: tuple[int, ...]) -> list[Prompt
     """The family's plain video block (markers around the video), then the question (``runtime.prompt``'s
     plain layout)."""
     before, after = family.video_block_ids()
-    return [PromptPiece(ids=before), PromptPiece(video=0), PromptPiece(ids=(*after, *question))]
+    return [PromptPiece(ids=before), PromptPiece(media_item=0), PromptPiece(ids=(*after, *question))]
 
 
 def random_rows(num_rows: int, hidden: int, seed: int,

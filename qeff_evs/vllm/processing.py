@@ -120,7 +120,7 @@ def process_media(bundle: ExportBundle, videos: Sequence[Any], images: Sequence[
 
 def position_span(family: ModelFamily, media: MediaInput, kept: int) -> int:
     """M-RoPE positions one item's unpruned segment spans (the decode start of a prompt that is only it)."""
-    return plan_prompt([PromptPiece(video=0)], [media], [kept], family).decode_start
+    return plan_prompt([PromptPiece(media_item=0)], [media], [kept], family).decode_start
 
 
 @dataclass

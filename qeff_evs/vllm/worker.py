@@ -49,7 +49,7 @@ def prompt_pieces(prompt_ids: list[int], features) -> list[PromptPiece]:
         offset, length = int(feature.mm_position.offset), int(feature.mm_position.length)
         if offset > at:
             pieces.append(PromptPiece(ids=tuple(prompt_ids[at:offset])))
-        pieces.append(PromptPiece(video=item))
+        pieces.append(PromptPiece(media_item=item))
         at = offset + length
     if at < len(prompt_ids):
         pieces.append(PromptPiece(ids=tuple(prompt_ids[at:])))

@@ -41,8 +41,8 @@ class PreparedPrompt:
 def provisional_ids(pieces: list[PromptPiece], videos: list[MediaInput], kept: list[int],
                     family: ModelFamily) -> np.ndarray:
     """The prompt as it can be built before encoding (placeholders sized by K)."""
-    parts = [np.asarray(p.ids, dtype=np.int64) if p.video is None
-             else family.placeholder_ids(videos[p.video], kept[p.video]) for p in pieces]
+    parts = [np.asarray(p.ids, dtype=np.int64) if p.media_item is None
+             else family.placeholder_ids(videos[p.media_item], kept[p.media_item]) for p in pieces]
     return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
 
@@ -103,24 +103,25 @@ def plan_prompt(pieces: list[PromptPiece], media: list[MediaInput], kept: list[i
     pads = family.special_tokens().media_pads
     ids_parts, unpruned_parts, blocks, segments = [], [], [], []
     for piece in pieces:
-        if piece.video is None:
+        if piece.media_item is None:
             text = np.asarray(piece.ids, dtype=np.int64)
             ids_parts.append(text)
             unpruned_parts.append(text)
             segments.append(None)
             continue
-        if not 0 <= piece.video < len(media):
-            raise ValueError(f"prompt piece names media item {piece.video}, but the request has {len(media)} items")
-        if piece.video in segments:
-            raise ValueError(f"media item {piece.video} appears twice in the prompt; give each occurrence its own "
+        if not 0 <= piece.media_item < len(media):
+            raise ValueError(f"prompt piece names media item {piece.media_item}, "
+                             f"but the request has {len(media)} items")
+        if piece.media_item in segments:
+            raise ValueError(f"media item {piece.media_item} appears twice in the prompt; give each occurrence its own "
                              "media entry (identical pixels share one encoder run through the content hash)")
-        video, k = media[piece.video], kept[piece.video]
+        video, k = media[piece.media_item], kept[piece.media_item]
         # The unpruned segment and its blocks do not depend on which tokens are kept.
         shape = family.video_layout(video, np.arange(k, dtype=np.int64))
         ids_parts.append(family.placeholder_ids(video, k))
         unpruned_parts.append(shape.unpruned_ids)
         blocks.extend(shape.blocks)
-        segments.append(piece.video)
+        segments.append(piece.media_item)
     unpruned = np.asarray(pos.unpruned_positions(np.concatenate(unpruned_parts).tolist(), set(pads), blocks))
     ids = np.concatenate(ids_parts) if ids_parts else np.zeros(0, dtype=np.int64)
     positions = np.full((3, len(ids)), -1, dtype=np.int64)

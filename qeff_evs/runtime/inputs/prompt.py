@@ -20,10 +20,10 @@ def _tokens(tokens: TokenStrings | None) -> TokenStrings:
 
 @dataclass(frozen=True)
 class PromptPiece:
-    """Either literal token ids or one video (by index into the request's videos)."""
+    """Either literal token ids or one media item (by index into the request's media list: videos and images)."""
 
     ids: tuple[int, ...] = ()
-    video: int | None = None
+    media_item: int | None = None
 
 
 def render_video_question(tokenizer, question: str, tokens: TokenStrings | None = None) -> str:
@@ -46,7 +46,7 @@ def video_question_pieces(tokenizer, question: str, tokens: TokenStrings | None 
     def encode(text: str) -> tuple[int, ...]:
         return tuple(tokenizer.encode(text, add_special_tokens=False)) if text else ()
 
-    return [PromptPiece(ids=encode(before)), PromptPiece(video=0), PromptPiece(ids=encode(after))]
+    return [PromptPiece(ids=encode(before)), PromptPiece(media_item=0), PromptPiece(ids=encode(after))]
 
 
 def chat_pieces(tokenizer, content: list[dict], tokens: TokenStrings | None = None) -> list[PromptPiece]:
@@ -61,7 +61,7 @@ def chat_pieces(tokenizer, content: list[dict], tokens: TokenStrings | None = No
     pieces = []
     for item, part in enumerate(text.replace(tokens.image, tokens.video).split(tokens.video)):
         if item:
-            pieces.append(PromptPiece(video=item - 1))
+            pieces.append(PromptPiece(media_item=item - 1))
         if part:
             pieces.append(PromptPiece(ids=tuple(tokenizer.encode(part, add_special_tokens=False))))
     return pieces
