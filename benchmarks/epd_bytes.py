@@ -20,14 +20,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.request
 from pathlib import Path
+
+from qeff_evs.bench.server_process import free_port, healthy, stop
 
 START_TIMEOUT_S = 600
 
@@ -37,12 +37,6 @@ def parse_pair(text: str) -> tuple[Path, float]:
     if not sep or not export:
         raise argparse.ArgumentTypeError(f"{text!r} is not EXPORT:Q (e.g. build_q05:0.5)")
     return Path(export), float(rate)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class EncoderInstance:
@@ -68,23 +62,14 @@ class EncoderInstance:
             if self.process.poll() is not None:
                 raise SystemExit(f"the encoder instance exited with {self.process.returncode}:\n"
                                  f"{self.log.read_text()[-4000:]}")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as reply:
-                    if reply.status == 200:
-                        return self
-            except OSError:
-                pass
+            if healthy(f"http://127.0.0.1:{self.port}"):
+                return self
             if time.monotonic() > deadline:
                 raise SystemExit(f"the encoder instance was not ready after {START_TIMEOUT_S} s; see {self.log}")
             time.sleep(1)
 
     def __exit__(self, *exc) -> None:
-        if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGTERM)
-            try:
-                self.process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
+        stop(self.process)
 
     def encode(self, video: Path) -> str:
         """Send the video alone, as the proxy does; the mm_hash the instance shipped it under."""

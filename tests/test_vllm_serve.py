@@ -25,8 +25,6 @@ import io
 import json
 import os
 import re
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -43,6 +41,7 @@ openai = pytest.importorskip("openai")
 # vLLM's server imports more than its pure-Python oracles; scripts/install.sh --test installs it all.
 pytest.importorskip("uvicorn", reason="vLLM's server packages are missing: run bash scripts/install.sh --test")
 
+from qeff_evs.bench.server_process import free_port, healthy, stop  # noqa: E402
 from qeff_evs.bench.serving import write_video as write_mkv  # noqa: E402 (lossless ffv1: the server decodes these pixels)
 from qeff_evs.models.pruning import VideoPruning  # noqa: E402
 from qeff_evs.runtime.engine.executor import kept_count  # noqa: E402
@@ -63,12 +62,6 @@ MEDIA_LIMIT = {"video": 2, "image": 2}
 
 def data_url(path: Path, mime: str) -> str:
     return f"data:{mime};base64," + base64.b64encode(path.read_bytes()).decode()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -116,12 +109,8 @@ def vllm_server(export: Path, folder: Path, *flags: str):
         while True:
             if process.poll() is not None:
                 pytest.fail(f"vllm serve exited with {process.returncode}:\n{log.read_text()[-5000:]}")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as response:
-                    if response.status == 200:
-                        break
-            except OSError:
-                pass
+            if healthy(f"http://127.0.0.1:{port}"):
+                break
             if time.monotonic() > deadline:
                 pytest.fail(f"vllm serve not ready after {START_TIMEOUT_S} s:\n{log.read_text()[-5000:]}")
             time.sleep(1)
@@ -130,13 +119,7 @@ def vllm_server(export: Path, folder: Path, *flags: str):
         client.port, client.pid, client.log = port, process.pid, log
         yield client
     finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGTERM)
-            try:
-                process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait(timeout=30)
+        stop(process)
 
 
 @pytest.fixture(scope="module")

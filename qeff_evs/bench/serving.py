@@ -18,17 +18,15 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
-import time
-import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
+
+from qeff_evs.bench.server_process import free_port, stop, wait_healthy
 
 Progress = Callable[[str], None]
 SERVED_NAME = "qeff-evs"
@@ -97,38 +95,6 @@ def bench_command(target: ServingTarget, port: int, dataset: Path, load: Serving
             "--max-concurrency", str(load.max_concurrency), "--seed", str(load.seed), "--ignore-eos",
             "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
             "--save-result", "--result-dir", str(result.parent), "--result-filename", result.name]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_healthy(port: int, process: subprocess.Popen, timeout_s: float, log: Path) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        if process.poll() is not None:
-            raise RuntimeError(f"vllm serve exited with {process.returncode}:\n{log.read_text()[-4000:]}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as response:
-                if response.status == 200:
-                    return
-        except OSError:
-            pass
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"vllm serve not ready after {timeout_s:.0f} s:\n{log.read_text()[-4000:]}")
-        time.sleep(1)
-
-
-def stop(process: subprocess.Popen) -> None:
-    if process.poll() is None:
-        os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait(timeout=30)
 
 
 def bench_target(target: ServingTarget, dataset: Path, media: Path, load: ServingLoad, folder: Path,

@@ -7,12 +7,9 @@ file the test can read (vLLM logs its engine cores' lines there too, prefixed wi
 from __future__ import annotations
 
 import os
-import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
@@ -20,13 +17,9 @@ from pathlib import Path
 
 import pytest
 
+from qeff_evs.bench.server_process import free_port, healthy, stop
+
 START_TIMEOUT_S = 300
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -55,7 +48,7 @@ def vllm_servers(specs: Sequence[tuple[list[str], dict[str, str], Path, Path | N
             argv = [vllm_command(), "serve", *arguments, "--host", "127.0.0.1", "--port", str(port)]
             process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ, **env),
                                        cwd=cwd, start_new_session=True)
-            stack.callback(_stop, process)
+            stack.callback(stop, process)
             servers.append(Server(f"http://127.0.0.1:{port}", log, process))
         deadline = time.monotonic() + START_TIMEOUT_S
         waiting = list(servers)
@@ -63,28 +56,9 @@ def vllm_servers(specs: Sequence[tuple[list[str], dict[str, str], Path, Path | N
             for server in list(waiting):
                 if server.process.poll() is not None:
                     pytest.fail(f"vllm serve exited with {server.process.returncode}:\n{server.log_text()[-5000:]}")
-                if _healthy(server.url):
+                if healthy(server.url):
                     waiting.remove(server)
             if waiting and time.monotonic() > deadline:
                 pytest.fail(f"vllm serve not ready after {START_TIMEOUT_S} s:\n{waiting[0].log_text()[-5000:]}")
             time.sleep(1)
         yield servers
-
-
-def _healthy(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
-            return response.status == 200
-    except OSError:
-        return False
-
-
-def _stop(process: subprocess.Popen) -> None:
-    if process.poll() is not None:
-        return
-    os.killpg(process.pid, signal.SIGTERM)
-    try:
-        process.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.wait(timeout=30)
