@@ -166,21 +166,28 @@ def test_run_prints_text_without_json(tiny_export, video_npy, question, capsys):
 # encode
 
 
+def stock_tower_rows(checkpoint, export, video_npy):
+    """The stock transformers tower's merged rows of the clip as the export processes it (the reference)."""
+    import torch
+
+    from qeff_evs.models.checkpoint import load_checkpoint
+
+    video = video_from_file(video_npy, open_export(export))
+    visual = load_checkpoint(checkpoint).model.model.visual
+    with torch.no_grad():
+        return visual(video.pixel_values, grid_thw=torch.tensor([GRID])).pooler_output
+
+
 def test_encode_json_equals_the_stock_tower_and_the_run(run_json, tiny_checkpoint, tiny_export, video_npy,
                                                         export_options, capsys):
     """The kept indices are the stock transformers tower + vLLM's mask on the same processed clip."""
     import torch
     from vllm.multimodal.video_prune.evs import compute_retention_mask
 
-    from qeff_evs.models.checkpoint import load_checkpoint
-
     code, out, err = cli(["encode", tiny_export, "--video", video_npy, "--json"], capsys)
     assert code == 0, err
     result = json.loads(out)
-    video = video_from_file(video_npy, open_export(tiny_export))
-    visual = load_checkpoint(tiny_checkpoint).model.model.visual
-    with torch.no_grad():
-        merged = visual(video.pixel_values, grid_thw=torch.tensor([GRID])).pooler_output
+    merged = stock_tower_rows(tiny_checkpoint, tiny_export, video_npy)
     mask = compute_retention_mask(merged, GRID, spatial_merge_size=2, q=export_options.video_pruning_rate)
     assert result["kept_indices"] == torch.nonzero(mask).reshape(-1).tolist()
     assert result["kept_tokens_per_frame"] == run_json["kept_tokens_per_frame"][0]
@@ -194,19 +201,13 @@ def test_encode_json_equals_the_stock_tower_and_the_run(run_json, tiny_checkpoin
 def test_run_and_encode_take_the_rate_and_method(tiny_checkpoint, tiny_export, video_npy, question, method, q, capsys):
     """One export, another rate and method at run time: encode keeps vLLM's own set for that method and rate on
     the stock tower's rows, and run's per-frame counts and prompt follow it."""
-    import torch
     from helpers.pruning_oracles import vllm_count, vllm_kept
-
-    from qeff_evs.models.checkpoint import load_checkpoint
 
     flags = ["--video-pruning-rate", q, "--video-pruning-method", method]
     code, out, err = cli(["encode", tiny_export, "--video", video_npy, "--json", *flags], capsys)
     assert code == 0, err
     result = json.loads(out)
-    video = video_from_file(video_npy, open_export(tiny_export))
-    visual = load_checkpoint(tiny_checkpoint).model.model.visual
-    with torch.no_grad():
-        merged = visual(video.pixel_values, grid_thw=torch.tensor([GRID])).pooler_output
+    merged = stock_tower_rows(tiny_checkpoint, tiny_export, video_npy)
     kept = vllm_kept(method, merged, GRID[0], (4, 7), q)
     assert len(kept) == vllm_count(method, TOKENS_PER_FRAME, GRID[0], q)
     assert result["kept_indices"] == kept.tolist()

@@ -41,11 +41,11 @@ from qeff_evs.runtime.inputs.prompt import video_question_pieces
 from qeff_evs.runtime.engine.request import PromptPiece
 from qeff_evs.runtime.builders import answer, stop_ids
 from qeff_evs.runtime.export_bundle import open_export
-from qeff_evs.runtime.media import image_from_array, video_from_file
+from qeff_evs.runtime.media import image_from_array
 from qeff_evs.runtime.sessions import sessions_for
 from qeff_evs.runtime.backends.ort import OrtLanguageSession
 from qeff_evs.runtime.backends.torch_reference import TorchLanguageSession
-from qeff_evs.runtime.inputs.synthetic import moving_square_video
+from helpers.sampled_clips import Clip, sampled_clips
 
 ATOL = 1e-4
 DECODE_STEPS = 10
@@ -56,22 +56,6 @@ QUESTION = "What happens in this video?"
 # 64x96 px = 4x6 patches of 16 = 2x3 merged tokens per temporal patch; 96x96 = 3x3 merged.
 EXPORT_OPTIONS = ExportOptions(video_pruning_rate=0.5, frames=(4, 8), resolutions=((64, 96), (96, 96)),
                                prefill_seq_len=32, ctx_len=512, user_vision_size=48)
-
-
-@dataclasses.dataclass(frozen=True)
-class Clip:
-    """A synthetic clip saved as .npy, and how the sampler should read it."""
-
-    name: str
-    frames: int
-    height: int
-    width: int
-    seed: int
-    source_fps: float  # the .npy's frame rate; sampled at the preprocessor's 2 fps
-
-    def hf_frame_indices(self, count: int) -> list[int]:
-        """Transformers' Qwen3-VL sampler: ``linspace(0, total - 1, n)`` rounded."""
-        return np.linspace(0, self.frames - 1, count).round().astype(int).tolist()
 
 
 # A: 8 frames at 2 fps -> all 8, times 0.0, 0.5, ...; B: 12 frames at 3 fps -> 8 of them, uneven times.
@@ -121,17 +105,7 @@ def sessions(bundle):
 @pytest.fixture(scope="module")
 def clips(tmp_path_factory, bundle):
     """``{name: (MediaInput, HF frame indices, source fps)}`` for both clips."""
-    folder = tmp_path_factory.mktemp("q3_clips")
-    out = {}
-    for clip in (CLIP_A, CLIP_B):
-        path = folder / f"{clip.name}.npy"
-        np.save(path, moving_square_video(clip.frames, clip.height, clip.width, seed=clip.seed))
-        video = video_from_file(path, bundle, array_fps=clip.source_fps)
-        indices = clip.hf_frame_indices(2 * video.grid_thw[0])
-        # the sampler's times are the HF sampler's frames over the source rate
-        assert video.frame_times == tuple(i / clip.source_fps for i in indices)
-        out[clip.name] = (video, indices, clip.source_fps)
-    return out
+    return sampled_clips(tmp_path_factory.mktemp("q3_clips"), (CLIP_A, CLIP_B), bundle)
 
 
 @pytest.fixture(scope="module")

@@ -51,9 +51,9 @@ from qeff_evs.specializations import read_custom_io_yaml
 from qeff_evs.models.pruning import VideoPruning
 from qeff_evs.runtime.builders import build_engine, stop_ids
 from qeff_evs.runtime.export_bundle import open_export
-from qeff_evs.runtime.media import video_from_file
 from qeff_evs.runtime.sessions import sessions_for
 from helpers.pruning_oracles import vllm_vidcom2_mask
+from helpers.sampled_clips import Clip, sampled_clips
 
 ATOL = 1e-4
 DECODE_STEPS = 32
@@ -71,20 +71,6 @@ EXPORTS = {
                       full_batch_size=FULL_BATCH),
     64: ExportOptions(Q, FRAMES, RESOLUTIONS, prefill_seq_len=64, ctx_len=CTX_LEN, user_vision_size=64),
 }
-
-
-@dataclasses.dataclass(frozen=True)
-class Clip:
-    name: str
-    frames: int
-    height: int
-    width: int
-    seed: int
-    source_fps: float
-
-    def hf_frame_indices(self, count: int) -> list[int]:
-        """Transformers' Qwen3-VL sampler: ``linspace(0, total - 1, n)`` rounded."""
-        return np.linspace(0, self.frames - 1, count).round().astype(int).tolist()
 
 
 # 16 frames at 2 fps -> all 16 (8 temporal patches); 8 frames -> 4 temporal patches.
@@ -121,17 +107,7 @@ def hf_model(checkpoint):
 @pytest.fixture(scope="module")
 def clips(tmp_path_factory, bundles):
     """``{name: (MediaInput, HF frame indices, fps)}``."""
-    folder = tmp_path_factory.mktemp("q35_clips")
-    bundle = bundles[16]
-    out = {}
-    for clip in CLIPS:
-        path = folder / f"{clip.name}.npy"
-        np.save(path, moving_square_video(clip.frames, clip.height, clip.width, seed=clip.seed))
-        video = video_from_file(path, bundle, array_fps=clip.source_fps)
-        indices = clip.hf_frame_indices(2 * video.grid_thw[0])
-        assert video.frame_times == tuple(i / clip.source_fps for i in indices)
-        out[clip.name] = (video, indices, clip.source_fps)
-    return out
+    return sampled_clips(tmp_path_factory.mktemp("q35_clips"), CLIPS, bundles[16])
 
 
 @pytest.fixture(scope="module")
