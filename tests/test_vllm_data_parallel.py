@@ -178,7 +178,8 @@ def two_ranks(served_export, tmp_path_factory):
 
 
 def test_two_ranks_serve_16_concurrent_videos_with_single_request_tokens(two_ranks, clips):
-    openai = pytest.importorskip("openai")
+    pytest.importorskip("openai")
+    from helpers.vllm_server import openai_client
     from test_vllm_serve import video_message
 
     from qeff_evs.runtime.builders import answer, build_engine
@@ -186,7 +187,7 @@ def test_two_ranks_serve_16_concurrent_videos_with_single_request_tokens(two_ran
     from qeff_evs.runtime.media import video_from_file
 
     export, server = two_ranks
-    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", timeout=300, max_retries=0)
+    client = openai_client(server.url, 300)
     requests = [(clips[n % len(clips)], QUESTIONS[n // len(clips)]) for n in range(16)]
 
     def one(request):

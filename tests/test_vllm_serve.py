@@ -48,6 +48,7 @@ from qeff_evs.runtime.engine.executor import kept_count  # noqa: E402
 from qeff_evs.runtime.engine.request import PromptPiece, plan_prompt  # noqa: E402
 from qeff_evs.runtime.inputs.prompt import chat_pieces  # noqa: E402
 from qeff_evs.runtime.inputs.synthetic import moving_square_video  # noqa: E402
+from helpers.vllm_server import openai_client  # noqa: E402
 from qeff_evs.runtime.builders import answer, build_engine, stop_ids  # noqa: E402
 from qeff_evs.runtime.export_bundle import open_export  # noqa: E402
 from qeff_evs.runtime.media import image_from_array, video_from_file  # noqa: E402
@@ -114,8 +115,7 @@ def vllm_server(export: Path, folder: Path, *flags: str):
             if time.monotonic() > deadline:
                 pytest.fail(f"vllm serve not ready after {START_TIMEOUT_S} s:\n{log.read_text()[-5000:]}")
             time.sleep(1)
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", timeout=REQUEST_TIMEOUT_S,
-                               max_retries=0)
+        client = openai_client(f"http://127.0.0.1:{port}", REQUEST_TIMEOUT_S)
         client.port, client.pid, client.log = port, process.pid, log
         yield client
     finally:

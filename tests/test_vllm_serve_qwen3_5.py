@@ -27,7 +27,7 @@ from qeff_evs.runtime.builders import answer, build_engine  # noqa: E402
 from qeff_evs.runtime.export_bundle import open_export  # noqa: E402
 from qeff_evs.runtime.media import video_from_file  # noqa: E402
 from conftest import SERVED_FULL_BATCH as FULL_BATCH  # noqa: E402
-from helpers.vllm_server import vllm_servers  # noqa: E402
+from helpers.vllm_server import openai_client, vllm_servers  # noqa: E402
 from test_vllm_serve import QUESTION, REQUEST_TIMEOUT_S, chat, video_message, write_mkv  # noqa: E402
 
 NEW_TOKENS = 8
@@ -51,7 +51,7 @@ def test_video_url_equals_qeff_evs_run(export, tmp_path):
     arguments = [str(export), "--video-pruning-rate", "0.5", "--max-num-seqs", str(FULL_BATCH),
                  "--served-model-name", "tiny"]
     with vllm_servers([(arguments, {"QEFF_EVS_BACKEND": "ort"}, tmp_path / "server.log", None)]) as (server,):
-        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", timeout=REQUEST_TIMEOUT_S, max_retries=0)
+        client = openai_client(server.url, REQUEST_TIMEOUT_S)
         response = chat(client, video_message(clip), max_tokens=NEW_TOKENS)
         with ThreadPoolExecutor(2) as pool:
             together = list(pool.map(lambda q: chat(client, video_message(clip, q), max_tokens=NEW_TOKENS), questions))

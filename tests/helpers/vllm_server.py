@@ -62,3 +62,17 @@ def vllm_servers(specs: Sequence[tuple[list[str], dict[str, str], Path, Path | N
                 pytest.fail(f"vllm serve not ready after {START_TIMEOUT_S} s:\n{waiting[0].log_text()[-5000:]}")
             time.sleep(1)
         yield servers
+
+
+def openai_client(url: str, timeout: float):
+    """An ``openai`` client for a test server that never retries and never reuses an idle connection.
+
+    Without retries a dropped request fails the test instead of hiding. Keep-alive is off ("Connection: close")
+    because the client's pool and vLLM's uvicorn both let an idle connection live 5 s: a request sent on one
+    at that instant meets the server's close and fails with "Server disconnected without sending a response",
+    a race of the test's client, not of the server (a vLLM user's client retries it).
+    """
+    import openai
+
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="none", timeout=timeout, max_retries=0,
+                         default_headers={"Connection": "close"})
