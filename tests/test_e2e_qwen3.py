@@ -46,6 +46,7 @@ from qeff_evs.runtime.sessions import sessions_for
 from qeff_evs.runtime.backends.ort import OrtLanguageSession
 from qeff_evs.runtime.backends.torch_reference import TorchLanguageSession
 from helpers.sampled_clips import Clip, sampled_clips
+from helpers.top_logits import assert_top_logits_match
 
 ATOL = 1e-4
 DECODE_STEPS = 10
@@ -293,14 +294,6 @@ def hf_generate(model, tokenizer, template, media: list[HFMedia], steps: int):
     return ids, out.sequences[0, ids_t.shape[1]:].tolist(), out.logits[0][0]
 
 
-def assert_top_logits_match(ours: list[list[float]], reference: torch.Tensor) -> None:
-    ids = [int(i) for i, _ in ours]
-    assert ids[0] == int(reference.argmax())
-    assert set(ids) == set(reference.topk(len(ids)).indices.tolist())
-    for token_id, value in ours:
-        assert abs(value - float(reference[int(token_id)])) <= ATOL, (token_id, value)
-
-
 # --------------------------------------------------------------------------------------------------
 # prompts: one video with the question; two videos and an image
 
@@ -346,7 +339,7 @@ def test_q0_single_video_equals_transformers_generate(bundle, sessions, hf_model
     result = answer(bundle, make_engine(bundle, sessions, backend, 0.0), videos[0], QUESTION)
     assert result.prompt_token_ids == ids
     assert result.generated_token_ids == hf_tokens
-    assert_top_logits_match(result.prefill_top_logits, hf_first)
+    assert_top_logits_match(result.prefill_top_logits, hf_first, ATOL)
     t, h, w = bundle.family.merged_grid(videos[0].grid_thw)
     assert result.kept_tokens_per_frame == [[h * w] * t]
 
@@ -360,7 +353,7 @@ def test_q0_two_videos_and_an_image_equal_transformers_generate(bundle, sessions
     assert prompt.ids.tolist() == ids
     result = engine.generate(prompt, eos_ids=stop_ids(bundle))
     assert result.generated_token_ids == hf_tokens
-    assert_top_logits_match(result.prefill_top_logits, hf_first)
+    assert_top_logits_match(result.prefill_top_logits, hf_first, ATOL)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -395,7 +388,7 @@ def test_pruned_single_video_equals_hf_on_the_real_layout(bundle, sessions, sing
     assert len(ref.kept[0]) == evs.kept_token_count(h * w, t, q)
     result = engine.generate(prompt, eos_ids=())
     assert result.generated_token_ids == ref.tokens
-    assert_top_logits_match(result.prefill_top_logits, ref.first_logits)
+    assert_top_logits_match(result.prefill_top_logits, ref.first_logits, ATOL)
     assert result.kept_tokens_per_frame == [np.bincount(ref.kept[0] // (h * w), minlength=t).tolist()]
 
 
@@ -414,7 +407,7 @@ def test_pruned_two_videos_and_an_image_equal_hf_on_the_real_layout(bundle, sess
     assert_prompt_matches(prompt, multi_reference, (0, 1))
     result = engine.generate(prompt, eos_ids=())
     assert result.generated_token_ids == multi_reference.tokens
-    assert_top_logits_match(result.prefill_top_logits, multi_reference.first_logits)
+    assert_top_logits_match(result.prefill_top_logits, multi_reference.first_logits, ATOL)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -54,6 +54,7 @@ from qeff_evs.runtime.export_bundle import open_export
 from qeff_evs.runtime.sessions import sessions_for
 from helpers.pruning_oracles import vllm_vidcom2_mask
 from helpers.sampled_clips import Clip, sampled_clips
+from helpers.top_logits import assert_top_logits_match
 
 ATOL = 1e-4
 DECODE_STEPS = 32
@@ -223,14 +224,6 @@ def hf_generate(model, tokenizer, question: str, video, indices, fps, steps: int
     return ids, out.sequences[0, ids_t.shape[1]:].tolist(), out.logits[0][0]
 
 
-def assert_top_logits_match(ours: list[list[float]], reference: torch.Tensor) -> None:
-    ids = [int(i) for i, _ in ours]
-    assert ids[0] == int(reference.argmax())
-    assert set(ids) == set(reference.topk(len(ids)).indices.tolist())
-    for token_id, value in ours:
-        assert abs(value - float(reference[int(token_id)])) <= ATOL, (token_id, value)
-
-
 @pytest.fixture(scope="module")
 def references(hf_model, bundles, clips):
     tokenizer = bundles[16].tokenizer
@@ -257,7 +250,7 @@ def test_q0_equals_transformers_generate(bundles, sessions, hf_model, clips, ref
     result = engine.generate(prompt, eos_ids=())
     assert result.num_prefill_chunks == -(-len(ids) // 16)
     assert result.generated_token_ids == hf_tokens
-    assert_top_logits_match(result.prefill_top_logits, hf_first)
+    assert_top_logits_match(result.prefill_top_logits, hf_first, ATOL)
 
 
 @pytest.mark.parametrize("backend", ("ort", "torch"))
@@ -279,7 +272,7 @@ def test_chunked_prefill_and_decode_equal_transformers(bundles, sessions, clips,
     result = engine.generate(prompt, eos_ids=())
     assert result.num_prefill_chunks == -(-len(ref.ids) // seq_len) >= 2
     assert result.generated_token_ids == ref.tokens
-    assert_top_logits_match(result.prefill_top_logits, ref.first_logits)
+    assert_top_logits_match(result.prefill_top_logits, ref.first_logits, ATOL)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -432,4 +425,4 @@ def test_vidcom2_equals_transformers(bundles, hf_model, clips):
     np.testing.assert_array_equal(prompt.encoded[0].kept_indices, ref.kept)
     result = engine.generate(prompt, eos_ids=())
     assert result.generated_token_ids == ref.tokens
-    assert_top_logits_match(result.prefill_top_logits, ref.first_logits)
+    assert_top_logits_match(result.prefill_top_logits, ref.first_logits, ATOL)
