@@ -40,7 +40,7 @@ from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 from transformers.vision_utils import get_vision_window_index
 
 from qeff_evs import evs
-from qeff_evs.models.attention import EqualSegments, frame_windows, tile_per_frame
+from qeff_evs.models.attention import frame_windows, tile_per_frame
 from qeff_evs.models.graph_io import VisionGraphSpec
 from qeff_evs.models.protocol import MediaInput, MediaLayout, VideoPreprocessing
 from qeff_evs.models.qwen_vl import QwenVLFamily
@@ -55,9 +55,9 @@ from qeff_evs.models.vision_common import (
     PATCH_WIDTH,
     EncoderWrapper,
     encoder_symbols as shared_encoder_symbols,
+    equal_frames_call,
     frame_rotary_ids,
     grid_tensor,
-    tiled,
 )
 from qeff_evs.positions import MediaBlock
 
@@ -161,13 +161,10 @@ class Qwen2_5_VLEncoder(EncoderWrapper):
         frames = video_grid_thw.shape[0]  # F from a shape, so it stays a symbol in the graph
         return self.visual(
             pixel_values,
-            grid_thw=None,  # every grid-derived tensor is given; None makes any fallback fail loudly
-            position_ids=tiled(rotary_position_ids, frames),
-            cu_seqlens=EqualSegments(frames),
+            **equal_frames_call(rotary_position_ids, frames),
             window_index=tile_per_frame(window_index, frames, window_index.shape[0]),
             cu_window_seqlens=frame_windows(window_gather, window_key_mask, window_unpad, frames),
-            max_seqlen=0,  # only flash kernels read these; given, transformers never inspects the layouts
-            max_window_seqlen=0,
+            max_window_seqlen=0,  # like max_seqlen: only flash kernels read it
         ).pooler_output
 
 

@@ -42,7 +42,6 @@ from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 from transformers.vision_utils import get_vision_interpolation_indices_and_weights
 
 from qeff_evs import evs
-from qeff_evs.models.attention import EqualSegments
 from qeff_evs.models.graph_io import VisionGraphSpec
 from qeff_evs.models.protocol import SAMPLING_FPS, ExtraRows, MediaInput, MediaLayout, VideoPreprocessing
 from qeff_evs.models.qwen_vl import QwenVLFamily
@@ -57,6 +56,7 @@ from qeff_evs.models.vision_common import (
     PATCH_WIDTH,
     EncoderWrapper,
     encoder_symbols,
+    equal_frames_call,
     frame_rotary_ids,
     grid_tensor,
     tiled,
@@ -169,12 +169,9 @@ class Qwen3_VLTower(EncoderWrapper):
         frames = video_grid_thw.shape[0]  # F from a shape, so it stays a symbol in the graph
         return self.visual(
             pixel_values,
-            grid_thw=None,  # every grid-derived tensor is given; None makes any fallback fail loudly
-            position_ids=tiled(rotary_position_ids, frames),
-            cu_seqlens=EqualSegments(frames),
+            **equal_frames_call(rotary_position_ids, frames),
             interp_indices=tiled(interp_indices, frames),
             interp_weights=tiled(interp_weights, frames),
-            max_seqlen=0,  # only flash kernels read it; given, transformers never inspects the layout
         )
 
     def forward(self, pixel_values: torch.Tensor, video_grid_thw: torch.Tensor, rotary_position_ids: torch.Tensor,

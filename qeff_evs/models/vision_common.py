@@ -20,7 +20,7 @@ import torch.nn as nn
 from transformers.vision_utils import get_vision_position_ids
 
 from qeff_evs import evs
-from qeff_evs.models.attention import register_segment_attention
+from qeff_evs.models.attention import EqualSegments, register_segment_attention
 from qeff_evs.models.graph_io import VisionGraphSpec
 from qeff_evs.specializations.sets import check_frames_per_call
 
@@ -132,3 +132,14 @@ def encoder_host_inputs(vision_config, frame_inputs_fn, grid_hw: Sequence[int], 
 def tiled(frame_input: torch.Tensor, frames: int | torch.Tensor) -> torch.Tensor:
     """A per-patch input of one frame ``(H*W, ...)`` repeated for ``frames`` frames."""
     return frame_input.repeat(frames, *([1] * (frame_input.dim() - 1)))
+
+
+def equal_frames_call(rotary_position_ids: torch.Tensor, frames: int | torch.Tensor) -> dict:
+    """The keyword arguments every family's tower call shares: F equal frames, each given one frame's rotary
+    ids, and nothing derived from a grid (so nothing in the graph depends on tensor values)."""
+    return dict(
+        grid_thw=None,  # every grid-derived tensor is given; None makes any fallback fail loudly
+        position_ids=tiled(rotary_position_ids, frames),
+        cu_seqlens=EqualSegments(frames),
+        max_seqlen=0,  # only flash kernels read it; given, transformers never inspects the layout
+    )
