@@ -20,7 +20,8 @@ import numpy as np
 import pytest
 
 from qeff_evs.bench.vs_qefficient import (QEFFICIENT_PYTHON_ENV, VsConfig, bytes_point, failure_line,
-                                          image_prompt_ids, run_comparison, run_driver, step_bytes, vision_bytes)
+                                          image_prompt_ids, run_comparison, run_driver, step_bytes, summary_markdown,
+                                          summary_row, vision_bytes)
 from qeff_evs.models.tiny import save_tiny_checkpoint
 from qeff_evs.runtime.inputs.synthetic import moving_square_video
 
@@ -169,6 +170,14 @@ def test_report_without_qefficient_carries_on_with_ours(tiny, tmp_path):
     table = (tmp_path / "out" / "vs_qefficient.md").read_text()
     assert "**QEfficient not run: no --qefficient-python given" in table and "| qeff-evs q=0.75 |" in table
     assert (tmp_path / "out" / "vs_qefficient.png").stat().st_size > 0
+    # The one-table summary: no QEfficient ratios, the failure line under the table, our fidelity in its column.
+    row = summary_row(results)
+    assert row["qefficient_over_ours"] == {q: {"prefill_s": None, "ttft_s": None} for q in ("0", "0.75")}
+    # 56x84 frames: 2x3 merged rows per image; 8 images (then 16) over a window of 16 rows.
+    assert row["vision_bytes_ratio"] == {"8": 3.0, "16": 6.0}
+    summary = summary_markdown([row])
+    assert summary[2].count("| n/a ") == 5 and "tokens equal |" in summary[2]
+    assert summary[-1] == f"qwen2_5_vl: {row['qefficient_failure']}"
 
 
 # ---- end to end with QEfficient -----------------------------------------------------------------------------

@@ -426,6 +426,51 @@ def markdown(results: dict) -> list[str]:
     return lines
 
 
+def summary_row(results: dict, rates: tuple[str, ...] = ("0", "0.75")) -> dict:
+    """One run's headline numbers: QEfficient's cost over ours (vision bytes per chunk at every counted frame count,
+    prefill and TTFT on process CPU time at ``rates``), and each side's max |logit diff| from transformers."""
+    cfg, theirs = results["config"], results["qefficient"]["cost"]
+    row = {"family": cfg["family"], "frames": cfg["frames_sampled"], "size": f"{cfg['height']}x{cfg['width']}",
+           "qefficient_failure": results["qefficient"]["failure"],
+           "vision_bytes_ratio": {str(p["frames"]): p["ratio"] for p in results["vision_bytes_per_chunk"]}}
+    row["qefficient_over_ours"] = {
+        q: {key: (theirs[CPU][key] / results[OURS]["rates"][q][CPU][key] if theirs else None)
+            for key in ("prefill_s", "ttft_s")} for q in rates}
+    row["fidelity"] = {side: {"max_abs_logit_diff": f["max_abs_logit_diff"], "logit_scale": f["logit_scale"],
+                              "tokens_equal": f["tokens_equal"], "first_divergence": f["first_divergence"]}
+                       for side, f in results["fidelity"].items()}
+    return row
+
+
+def summary_markdown(rows: Sequence[dict]) -> list[str]:
+    """The one table of several runs (one per family): QEfficient's cost over ours, and fidelity."""
+    frames = sorted({int(f) for row in rows for f in row["vision_bytes_ratio"]})
+    rates = list(rows[0]["qefficient_over_ours"])
+
+    def fidelity(row, side):
+        f = row["fidelity"].get(side)
+        if f is None:
+            return "n/a"
+        tokens = "tokens equal" if f["tokens_equal"] else f"tokens diverge at {f['first_divergence']}"
+        return f"{f['max_abs_logit_diff']:.1e} (of {f['logit_scale']:.1f}); {tokens}"
+
+    head = (["family", "clip"] + [f"vision bytes/chunk, {f} frames" for f in frames]
+            + [f"{what} q={q}" for q in rates for what in ("prefill", "TTFT")]
+            + ["QEfficient vs transformers", "qeff-evs q=0 vs transformers"])
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for row in rows:
+        cells = [row["family"], f"{row['frames']} frames {row['size']}"]
+        cells += [f"{row['vision_bytes_ratio'][str(f)]:.0f}x" if str(f) in row["vision_bytes_ratio"] else "n/a"
+                  for f in frames]
+        ratios = row["qefficient_over_ours"]
+        cells += [("n/a" if ratios[q][what] is None else f"{ratios[q][what]:.2f}x")
+                  for q in rates for what in ("prefill_s", "ttft_s")]
+        cells += [fidelity(row, QEFFICIENT), fidelity(row, OURS)]
+        lines.append("| " + " | ".join(cells) + " |")
+    failures = [f"{row['family']}: {row['qefficient_failure']}" for row in rows if row["qefficient_failure"]]
+    return lines + ([""] + failures if failures else [])
+
+
 def plot(results: dict, path: Path) -> Path:
     """TTFT split into vision and prefill, and vision bytes per chunk, per side."""
     qe = results["qefficient"]["cost"]
