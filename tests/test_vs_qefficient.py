@@ -145,6 +145,17 @@ def test_driver_without_qefficient_fails_in_one_line(tmp_path):
     assert result.vision_onnx is None
 
 
+def test_driver_killed_fails_in_one_line(tmp_path):
+    """QEfficient's interpreter killed mid-export (the kernel's out-of-memory kill is SIGKILL): one line."""
+    python = tmp_path / "python"
+    python.write_text("#!/bin/sh\nkill -9 $$\n")
+    python.chmod(0o755)
+    result = run_driver(python, {}, tmp_path / "qefficient", np.zeros(4, dtype=np.int64), 60, lambda message: None)
+    assert result.failure == (
+        "QEfficient failed at export: its Python exited -9 (killed by signal 9; 9 is also the kernel's out-of-memory "
+        f"kill) without a result; see {tmp_path / 'qefficient' / 'qefficient.log'} (qeff-evs measured alone)")
+
+
 def test_refuses_a_python_that_is_not_there(tmp_path):
     from qeff_evs.bench.vs_qefficient import qefficient_python
 

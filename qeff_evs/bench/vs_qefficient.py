@@ -181,8 +181,9 @@ def run_driver(python: Path, request: dict, folder: Path, input_ids: np.ndarray,
             return DriverResult(failure=failure_line("export", f"no result after {timeout_s:.0f} s"))
     result_path = folder / "qefficient.json"
     if not result_path.is_file():
-        return DriverResult(failure=failure_line("start", f"exit {code}, no result; "
-                                                 + log.read_text()[-400:]))
+        killed = f" (killed by signal {-code}; 9 is also the kernel's out-of-memory kill)" if code < 0 else ""
+        return DriverResult(failure=failure_line("export", f"its Python exited {code}{killed} without a result; "
+                                                 f"see {log}"))
     info = json.loads(result_path.read_text())
     if "error" in info:
         return DriverResult(info=info, failure=failure_line("export", info["error"]))
