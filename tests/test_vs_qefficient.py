@@ -156,6 +156,17 @@ def test_driver_killed_fails_in_one_line(tmp_path):
         f"kill) without a result; see {tmp_path / 'qefficient' / 'qefficient.log'} (qeff-evs measured alone)")
 
 
+@pytest.mark.parametrize("extra, message", [
+    ([], "--vs-qefficient needs --clip: the video both sides are given"),
+    (["--clip", "nowhere.npy"], "--clip nowhere.npy: not found"),
+])
+def test_command_refuses_a_missing_clip(tmp_path, capsys, extra, message):
+    from qeff_evs.cli import main
+
+    assert main(["bench", "--vs-qefficient", str(tmp_path), "-o", str(tmp_path / "out"), *extra]) == 2
+    assert capsys.readouterr().err.strip() == f"qeff-evs bench: error: {message}"
+
+
 def test_refuses_a_python_that_is_not_there(tmp_path):
     from qeff_evs.bench.vs_qefficient import qefficient_python
 
