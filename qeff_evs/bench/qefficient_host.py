@@ -33,8 +33,9 @@ VISION_INPUTS = ("vision_embeds", "deepstack_features")
 INT32_MAX = 2**31 - 1
 
 
-def open_qefficient_session(path: str | Path):
-    """An ORT session on a QEfficient graph, its scalar INT32_MAX constants (the card's "skip this index") read as 0.
+def open_qefficient_session(path: str | Path) -> tuple[object, dict]:
+    """An ORT session on a QEfficient graph, its scalar INT32_MAX constants (the card's "skip this index") read as 0;
+    and the ``OrtValue`` overrides, which must live as long as the session.
 
     ONNX Runtime refuses a gather at an index past the data; QEfficient's own ORT runner
     (``QEfficient/utils/run_utils.py``) overrides those constants the same way (values read there are masked).
@@ -55,9 +56,7 @@ def open_qefficient_session(path: str | Path):
     options.log_severity_level = 3
     for name, value in overrides.items():
         options.add_initializer(name, value)
-    session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
-    session._qeff_evs_overrides = overrides  # the OrtValues must outlive the session
-    return session
+    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"]), overrides
 
 
 def feed_bytes(feeds: Mapping[str, np.ndarray]) -> int:
@@ -82,8 +81,9 @@ class QEfficientGraphs:
     """QEfficient's dual-QPC graphs (vision, language) opened in ONNX Runtime."""
 
     def __init__(self, vision_onnx: str | Path, language_onnx: str | Path):
-        self.vision = open_qefficient_session(vision_onnx)
-        self.language = open_qefficient_session(language_onnx)
+        self.vision, vision_overrides = open_qefficient_session(vision_onnx)
+        self.language, language_overrides = open_qefficient_session(language_onnx)
+        self._overrides = (vision_overrides, language_overrides)  # kept alive with the sessions
         self.language_inputs = {i.name: i for i in self.language.get_inputs()}
         self.language_outputs = [o.name for o in self.language.get_outputs()]
 
