@@ -26,8 +26,8 @@ from pathlib import Path
 import numpy as np
 
 from qeff_evs.bench.serving import serving_checkpoint
-from qeff_evs.bench.vs_qefficient import (VsConfig, qefficient_python, run_comparison, summary_markdown,
-                                          summary_row)
+from qeff_evs.bench.vs_qefficient import VsConfig, qefficient_python, run_comparison
+from qeff_evs.bench.vs_qefficient_report import summary_markdown, summary_row
 from qeff_evs.runtime.inputs.synthetic import moving_square_video
 
 

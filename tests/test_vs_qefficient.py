@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 
 from qeff_evs.bench.vs_qefficient import (QEFFICIENT_PYTHON_ENV, VsConfig, bytes_point, failure_line,
-                                          image_prompt_ids, run_comparison, run_driver, step_bytes, summary_markdown,
-                                          summary_row, vision_bytes)
+                                          image_prompt_ids, run_comparison, run_driver, step_bytes, vision_bytes)
+from qeff_evs.bench.vs_qefficient_report import summary_markdown, summary_row
 from qeff_evs.models.tiny import save_tiny_checkpoint
 from qeff_evs.runtime.inputs.synthetic import moving_square_video
 

@@ -199,7 +199,8 @@ def run_vs_qefficient(args: argparse.Namespace, progress) -> int:
     import sys
     import tempfile
 
-    from qeff_evs.bench.vs_qefficient import VsConfig, markdown, qefficient_python, run_comparison
+    from qeff_evs.bench.vs_qefficient import VsConfig, qefficient_python, run_comparison
+    from qeff_evs.bench.vs_qefficient_report import markdown
 
     if args.clip is None:
         raise ValueError("--vs-qefficient needs --clip: the video both sides are given")
