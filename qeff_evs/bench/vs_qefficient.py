@@ -348,7 +348,8 @@ def card_commands(config: VsConfig, export_dir: Path, driver: DriverResult) -> l
         f"{config.qefficient_python or 'python'} -c \"from QEfficient import QEFFAutoModelForImageTextToText as M; "
         f"m = M.from_pretrained('{config.checkpoint}', kv_offload=True); "
         f"m.compile(prefill_seq_len={config.prefill_seq_len}, ctx_len={config.ctx_len}, height={h}, width={w}, "
-        "num_cores=16); print(m.vision_model.qpc_path, m.lang_model.qpc_path)\"",
+        f"num_frames={config.frames}, num_cores=16); print(m.vision_model.qpc_path, m.lang_model.qpc_path)\"",
+        f"# (num_frames: its language program's vision_size holds {config.frames} images' rows, one vision call each)",
         "# then m.generate(inputs=processor(text=<the chat template with one image per frame>, images=<the frames>),"
         f" generation_len={config.new_tokens}) on the card",
     ]
