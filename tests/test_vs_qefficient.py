@@ -150,6 +150,8 @@ def test_driver_killed_fails_in_one_line(tmp_path):
     python = tmp_path / "python"
     python.write_text("#!/bin/sh\nkill -9 $$\n")
     python.chmod(0o755)
+    (tmp_path / "qefficient").mkdir()
+    (tmp_path / "qefficient" / "qefficient.json").write_text('{"vision_onnx": "stale"}')  # an earlier run's
     result = run_driver(python, {}, tmp_path / "qefficient", np.zeros(4, dtype=np.int64), 60, lambda message: None)
     assert result.failure == (
         "QEfficient failed at export: its Python exited -9 (killed by signal 9; 9 is also the kernel's out-of-memory "

@@ -167,6 +167,8 @@ def run_driver(python: Path, request: dict, folder: Path, input_ids: np.ndarray,
                progress: Progress) -> DriverResult:
     """QEfficient's export in its own interpreter; its log in ``folder/qefficient.log``."""
     folder.mkdir(parents=True, exist_ok=True)
+    result_path = folder / "qefficient.json"
+    result_path.unlink(missing_ok=True)  # a rerun in the same folder must not read the last run's result
     np.save(folder / "qefficient_input_ids.npy", np.asarray(input_ids, dtype=np.int64)[None])
     (folder / "request.json").write_text(json.dumps(request, indent=2) + "\n")
     log = folder / "qefficient.log"
@@ -177,7 +179,6 @@ def run_driver(python: Path, request: dict, folder: Path, input_ids: np.ndarray,
                                   stderr=subprocess.STDOUT, timeout=timeout_s, cwd=folder).returncode
         except subprocess.TimeoutExpired:
             return DriverResult(failure=failure_line("export", f"no result after {timeout_s:.0f} s"))
-    result_path = folder / "qefficient.json"
     if not result_path.is_file():
         killed = f" (killed by signal {-code}; 9 is also the kernel's out-of-memory kill)" if code < 0 else ""
         return DriverResult(failure=failure_line("export", f"its Python exited {code}{killed} without a result; "
