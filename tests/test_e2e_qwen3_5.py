@@ -22,7 +22,6 @@ The reference prompt ids and model runs are ``helpers.qwen3_reference``'s: from 
 
 from __future__ import annotations
 
-import json
 import warnings
 from pathlib import Path
 
@@ -33,20 +32,19 @@ import torch
 import yaml
 from transformers import Qwen3_5ForConditionalGeneration
 
-from qeff_evs import cli
 from qeff_evs.export.pipeline import ExportOptions, export_checkpoint
 from qeff_evs.export.verify import verify_export
 from qeff_evs.models.tiny import save_tiny_checkpoint
 from qeff_evs.runtime.engine.scheduler import SchedulerConfig
-from qeff_evs.runtime.engine.serving import ServeRequest, ServingEngine
+from qeff_evs.runtime.engine.serving import ServingEngine
 from qeff_evs.runtime.engine.single_request import Engine, EngineConfig
-from qeff_evs.runtime.inputs.synthetic import moving_square_video
 from qeff_evs.specializations import read_custom_io_yaml
 from qeff_evs.models.pruning import VideoPruning
 from qeff_evs.runtime.builders import build_engine, stop_ids
 from qeff_evs.runtime.export_bundle import open_export
 from qeff_evs.runtime.sessions import sessions_for
-from helpers.qwen3_reference import hf_generate, hf_reference, our_pieces, split_template
+from helpers.qwen3_reference import (add_cb_requests, assert_chunked_run_equals, hf_generate, hf_reference,
+                                     our_pieces, qeff_evs_run, split_template, until_stop)
 from helpers.sampled_clips import Clip, sampled_clips
 from helpers.top_logits import assert_top_logits_match
 
@@ -158,19 +156,8 @@ def test_chunked_prefill_and_decode_equal_transformers(bundles, sessions, clips,
     video = clips["long"][0]
     ref = references[("long", q)]
     tokenizer = bundles[seq_len].tokenizer
-    engine = make_engine(bundles, sessions, seq_len, backend, q)
-    prompt = engine.prepare(our_pieces(*split_template(tokenizer, QUESTION)), [video])
-    assert prompt.ids.tolist() == ref.ids
-    np.testing.assert_array_equal(prompt.positions, ref.positions)
-    np.testing.assert_array_equal(prompt.encoded[0].kept_indices, ref.kept)
-    # Chunk boundaries fall inside the video placeholder (the state crosses them mid-video).
-    placeholder = prompt.placeholders[0]
-    cuts = range(seq_len, len(ref.ids), seq_len)
-    assert any(placeholder.offset < cut < placeholder.offset + placeholder.length for cut in cuts)
-    result = engine.generate(prompt, eos_ids=())
-    assert result.num_prefill_chunks == -(-len(ref.ids) // seq_len) >= 2
-    assert result.generated_token_ids == ref.tokens
-    assert_top_logits_match(result.prefill_top_logits, ref.first_logits, ATOL)
+    assert_chunked_run_equals(make_engine(bundles, sessions, seq_len, backend, q), video, ref, tokenizer, QUESTION,
+                              seq_len, ATOL)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -213,19 +200,8 @@ def test_continuous_batching_reused_rows_equal_transformers(bundles, sessions, h
                                 encoder_cache_size=256)
     config = EngineConfig(m.prefill_seq_len, m.ctx_len, m.user_vision_size, Q)
     engine = ServingEngine(bundle.family, vision, recording, config, scheduler)
-    tokenizer = bundle.tokenizer
-    requests = {"a": ("long", QUESTION), "b": ("short", QUESTION), "c": ("short", "Describe the video in detail."),
-                "d": ("long", "Where")}
-    expected, lengths = {}, set()
-    for request_id, (clip, question) in requests.items():
-        video, indices, fps = clips[clip]
-        ref = (references[(clip, Q)] if question == QUESTION else
-               hf_reference(hf_model, tokenizer, question, video, indices, fps, Q, DECODE_STEPS))
-        expected[request_id] = ref.tokens
-        lengths.add(len(ref.ids))
-        engine.add_request(ServeRequest(request_id, our_pieces(*split_template(tokenizer, question)), [video],
-                                        max_new_tokens=DECODE_STEPS))
-    assert len(lengths) == 4
+    known = {(clip, QUESTION): references[(clip, Q)] for clip in ("long", "short")}
+    expected = add_cb_requests(engine, hf_model, bundle.tokenizer, clips, known, Q, DECODE_STEPS)
     outputs = engine.run_to_completion()
     first_chunks = [row for row, slot in recording.prefills if slot == 0]
     assert len(first_chunks) == 4 and sorted(set(first_chunks)) == list(range(FULL_BATCH)), recording.prefills
@@ -296,20 +272,11 @@ def test_verify_fp16_follows_the_state_over_many_chunks(bundles):
 
 def test_qeff_evs_run_equals_transformers(bundles, references, tmp_path, capsys):
     """``qeff-evs run`` (the CLI, its own prompt and stop ids) over the 64-token export at its q = 0.5."""
-    clip = CLIPS[0]
-    path = tmp_path / "clip.npy"
-    np.save(path, moving_square_video(clip.frames, clip.height, clip.width, seed=clip.seed))
     bundle = bundles[64]
-    capsys.readouterr()
-    code = cli.main(["run", str(bundle.export_dir), "--video", str(path), "--prompt", QUESTION,
-                     "--max-new-tokens", str(DECODE_STEPS), "--json"])
-    assert code == 0
-    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    result = qeff_evs_run(bundle, CLIPS[0], QUESTION, DECODE_STEPS, tmp_path, capsys)
     ref = references[("long", Q)]
-    stops = set(stop_ids(bundle))
-    expected = ref.tokens[: next((i + 1 for i, t in enumerate(ref.tokens) if t in stops), len(ref.tokens))]
     assert result["prompt_token_ids"] == ref.ids
-    assert result["generated_token_ids"] == expected
+    assert result["generated_token_ids"] == until_stop(ref.tokens, stop_ids(bundle))
 
 
 def test_vidcom2_equals_transformers(bundles, hf_model, clips):

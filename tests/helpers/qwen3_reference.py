@@ -1,4 +1,5 @@
-"""Transformers as the referee for one video and a question, for the families with Qwen3-VL's layout.
+"""Transformers as the referee for one video and a question, for the families with Qwen3-VL's layout, and the
+end-to-end checks their tests share.
 
 The reference prompt ids are built here from the tokenizer, transformers' ``replace_video_token`` (Qwen3-VL's
 processor, which Qwen3.5 uses too) and the HF frame sampler's indices, not by the package. ``hf_reference``
@@ -13,7 +14,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import types
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -21,9 +24,12 @@ from transformers import DynamicCache
 from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
 from transformers.video_utils import VideoMetadata
 
-from qeff_evs import evs
+from qeff_evs import cli, evs
 from qeff_evs.runtime.engine.request import PromptPiece
+from qeff_evs.runtime.engine.serving import ServeRequest
+from qeff_evs.runtime.inputs.synthetic import moving_square_video
 from helpers.pruning_oracles import vllm_vidcom2_mask
+from helpers.top_logits import assert_top_logits_match
 
 
 def hf_video_ids(tokenizer, config, grid_thw, frame_indices: list[int], fps: float) -> list[int]:
@@ -124,3 +130,61 @@ def hf_generate(model, tokenizer, question: str, video, indices, fps, steps: int
                          max_new_tokens=steps, min_new_tokens=steps, do_sample=False, output_logits=True,
                          return_dict_in_generate=True)
     return ids, out.sequences[0, ids_t.shape[1]:].tolist(), out.logits[0][0]
+
+
+# --------------------------------------------------------------------------------------------------
+# The checks the e2e tests of these families share (test_e2e_qwen3_5.py, test_e2e_moe.py)
+
+# Continuous-batching requests: two clips, three questions, four prompt lengths.
+CB_REQUESTS = {"a": ("long", "What happens in this video?"), "b": ("short", "What happens in this video?"),
+               "c": ("short", "Describe the video in detail."), "d": ("long", "Where")}
+
+
+def assert_chunked_run_equals(engine, video, ref: Reference, tokenizer, question: str, seq_len: int,
+                              atol: float) -> None:
+    """The engine's prompt (ids, int64 positions, kept indices) and greedy run in chunks of ``seq_len`` equal
+    ``ref``; the chunk boundaries fall inside the video placeholder."""
+    prompt = engine.prepare(our_pieces(*split_template(tokenizer, question)), [video])
+    assert prompt.ids.tolist() == ref.ids
+    np.testing.assert_array_equal(prompt.positions, ref.positions)
+    np.testing.assert_array_equal(prompt.encoded[0].kept_indices, ref.kept)
+    # Chunk boundaries fall inside the video placeholder (a layer state crosses them mid-video).
+    placeholder = prompt.placeholders[0]
+    cuts = range(seq_len, len(ref.ids), seq_len)
+    assert any(placeholder.offset < cut < placeholder.offset + placeholder.length for cut in cuts)
+    result = engine.generate(prompt, eos_ids=())
+    assert result.num_prefill_chunks == -(-len(ref.ids) // seq_len) >= 2
+    assert result.generated_token_ids == ref.tokens
+    assert_top_logits_match(result.prefill_top_logits, ref.first_logits, atol)
+
+
+def add_cb_requests(engine, model, tokenizer, clips, known: dict, q: float, steps: int) -> dict[str, list[int]]:
+    """Add ``CB_REQUESTS`` to a serving engine; returns each request's transformers tokens on it alone
+    (``known``: references already computed, by (clip, question))."""
+    expected, lengths = {}, set()
+    for request_id, (clip, question) in CB_REQUESTS.items():
+        video, indices, fps = clips[clip]
+        ref = known.get((clip, question)) or hf_reference(model, tokenizer, question, video, indices, fps, q, steps)
+        expected[request_id] = ref.tokens
+        lengths.add(len(ref.ids))
+        engine.add_request(ServeRequest(request_id, our_pieces(*split_template(tokenizer, question)), [video],
+                                        max_new_tokens=steps))
+    assert len(lengths) == 4
+    return expected
+
+
+def qeff_evs_run(bundle, clip, question: str, steps: int, folder: Path, capsys, *flags: str) -> dict:
+    """``qeff-evs run --json`` (the CLI, its own prompt and stop ids) on ``clip`` saved as .npy: its JSON."""
+    path = folder / "clip.npy"
+    np.save(path, moving_square_video(clip.frames, clip.height, clip.width, seed=clip.seed))
+    capsys.readouterr()
+    code = cli.main(["run", str(bundle.export_dir), "--video", str(path), "--prompt", question,
+                     "--max-new-tokens", str(steps), *flags, "--json"])
+    assert code == 0
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+def until_stop(tokens: list[int], stops) -> list[int]:
+    """``tokens`` up to and including the first stop token (what a run that stops there generates)."""
+    stops = set(stops)
+    return tokens[: next((i + 1 for i, t in enumerate(tokens) if t in stops), len(tokens))]
