@@ -12,7 +12,8 @@ Both families, parametrised (``FAMILIES``):
   the video placeholder): ids, int64 positions, kept indices, 32 greedy tokens and the prefill logits equal
   transformers run by hand on the real pruned layout (``helpers.qwen3_reference``);
 * continuous batching: 4 requests of different lengths on 2 KV rows through the serving engine;
-* the PyTorch reference backend agrees; ``qeff-evs run`` on the CLI export equals transformers.
+* the PyTorch reference backend agrees; ``qeff-evs run`` on the CLI export equals transformers;
+* on the card the routers run in fp32 (``node_precision.yaml``), and ``verify --fp16``'s router probe reports them.
 
 A prefill chunk here has ``tokens x k >= E``, so the ``hit`` expert form runs every expert; a one-row decode step
 runs exactly its token's 2: both of its static shapes are exercised.
@@ -20,27 +21,29 @@ runs exactly its token's 2: both of its static shapes are exercised.
 
 from __future__ import annotations
 
-import json
 import warnings
 from collections import Counter
 from pathlib import Path
 
-import numpy as np
+import onnx
 import pytest
 import torch
+import yaml
 
 from qeff_evs import cli
+from qeff_evs.export.node_precision import router_paths
 from qeff_evs.export.pipeline import ExportOptions, export_checkpoint
+from qeff_evs.export.verify import router_comparison
 from qeff_evs.models.registry import family_class
 from qeff_evs.models.tiny import save_tiny_checkpoint
 from qeff_evs.runtime.builders import stop_ids
 from qeff_evs.runtime.engine.scheduler import SchedulerConfig
-from qeff_evs.runtime.engine.serving import ServeRequest, ServingEngine
+from qeff_evs.runtime.engine.serving import ServingEngine
 from qeff_evs.runtime.engine.single_request import Engine, EngineConfig
 from qeff_evs.runtime.export_bundle import open_export
-from qeff_evs.runtime.inputs.synthetic import moving_square_video
 from qeff_evs.runtime.sessions import sessions_for
-from helpers.qwen3_reference import hf_generate, hf_reference, our_pieces, split_template
+from helpers.qwen3_reference import (add_cb_requests, assert_chunked_run_equals, hf_generate, hf_reference,
+                                     our_pieces, qeff_evs_run, split_template, until_stop)
 from helpers.sampled_clips import Clip, sampled_clips
 from helpers.top_logits import assert_top_logits_match
 
@@ -51,6 +54,7 @@ DECODE_STEPS = 32
 Q = 0.5
 QUESTION = "What happens in this video?"
 CASES = ((0.0, "evs"), (Q, "evs"), (Q, "vidcom2"))  # (rate, method)
+ROUTER_CHUNKS = 3  # verify's router probe over 3 chunks of the 16-token export (verify itself runs 8)
 # The vision tower's initializer: the tiny default (0.3) puts the merged rows at |x| ~ 60, where ONNX Runtime's
 # and torch's fp32 encoders differ by ~1e-4 (the shared encoder graph, not the language graph: with torch's rows
 # the ORT language graph is within 3e-5 of transformers), which reaches the logits past the 1e-4 tolerance.
@@ -195,19 +199,8 @@ def test_q0_equals_transformers_generate(bundles, sessions, hf_model, clips, ref
 def test_chunked_prefill_and_decode_equal_transformers(bundles, sessions, clips, references, seq_len, q, method):
     video = clips["long"][0]
     ref = references[(q, method)]
-    tokenizer = bundles[seq_len].tokenizer
-    engine = make_engine(bundles, sessions, seq_len, "ort", q, method)
-    prompt = engine.prepare(our_pieces(*split_template(tokenizer, QUESTION)), [video])
-    assert prompt.ids.tolist() == ref.ids
-    np.testing.assert_array_equal(prompt.positions, ref.positions)
-    np.testing.assert_array_equal(prompt.encoded[0].kept_indices, ref.kept)
-    placeholder = prompt.placeholders[0]
-    cuts = range(seq_len, len(ref.ids), seq_len)
-    assert any(placeholder.offset < cut < placeholder.offset + placeholder.length for cut in cuts)
-    result = engine.generate(prompt, eos_ids=())
-    assert result.num_prefill_chunks == -(-len(ref.ids) // seq_len) >= 2
-    assert result.generated_token_ids == ref.tokens
-    assert_top_logits_match(result.prefill_top_logits, ref.first_logits, ATOL)
+    assert_chunked_run_equals(make_engine(bundles, sessions, seq_len, "ort", q, method), video, ref,
+                              bundles[seq_len].tokenizer, QUESTION, seq_len, ATOL)
 
 
 def test_torch_backend_equals_transformers(bundles, sessions, clips, references):
@@ -236,19 +229,8 @@ def test_continuous_batching_equals_transformers(bundles, sessions, hf_model, cl
                                 encoder_cache_size=256)
     engine = ServingEngine(bundle.family, vision, language, EngineConfig(m.prefill_seq_len, m.ctx_len,
                                                                          m.user_vision_size, Q), scheduler)
-    tokenizer = bundle.tokenizer
-    requests = {"a": ("long", QUESTION), "b": ("short", QUESTION), "c": ("short", "Describe the video in detail."),
-                "d": ("long", "Where")}
-    expected, lengths = {}, set()
-    for request_id, (clip, question) in requests.items():
-        video, indices, fps = clips[clip]
-        ref = (references[(Q, "evs")] if (clip, question) == ("long", QUESTION) else
-               hf_reference(hf_model, tokenizer, question, video, indices, fps, Q, DECODE_STEPS))
-        expected[request_id] = ref.tokens
-        lengths.add(len(ref.ids))
-        engine.add_request(ServeRequest(request_id, our_pieces(*split_template(tokenizer, question)), [video],
-                                        max_new_tokens=DECODE_STEPS))
-    assert len(lengths) == 4
+    expected = add_cb_requests(engine, hf_model, bundle.tokenizer, clips, {("long", QUESTION): references[(Q, "evs")]},
+                               Q, DECODE_STEPS)
     outputs = engine.run_to_completion()
     for request_id, tokens in expected.items():
         assert outputs[request_id] == tokens, request_id
@@ -261,17 +243,34 @@ def test_continuous_batching_equals_transformers(bundles, sessions, hf_model, cl
 @pytest.mark.parametrize("method", ("evs", "vidcom2"))
 def test_qeff_evs_run_equals_transformers(bundles, references, tmp_path, capsys, method):
     """``qeff-evs run`` (the CLI, its own prompt and stop ids) over the CLI's 64-token export at q = 0.5."""
-    clip = CLIPS[0]
-    path = tmp_path / "clip.npy"
-    np.save(path, moving_square_video(clip.frames, clip.height, clip.width, seed=clip.seed))
     bundle = bundles[64]
-    capsys.readouterr()
-    code = cli.main(["run", str(bundle.export_dir), "--video", str(path), "--prompt", QUESTION,
-                     "--max-new-tokens", str(DECODE_STEPS), "--video-pruning-method", method, "--json"])
-    assert code == 0
-    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    result = qeff_evs_run(bundle, CLIPS[0], QUESTION, DECODE_STEPS, tmp_path, capsys, "--video-pruning-method", method)
     ref = references[(Q, method)]
-    stops = set(stop_ids(bundle))
-    expected = ref.tokens[: next((i + 1 for i, t in enumerate(ref.tokens) if t in stops), len(ref.tokens))]
     assert result["prompt_token_ids"] == ref.ids
-    assert result["generated_token_ids"] == expected
+    assert result["generated_token_ids"] == until_stop(ref.tokens, stop_ids(bundle))
+
+
+# --------------------------------------------------------------------------------------------------
+# the routers on the card
+
+
+def test_routers_are_kept_fp32_on_the_card(bundles, hf_model):
+    """Every sparse layer's router path (logits MatMul to renormalised weights) is in the language graph's
+    node-precision file, which compile.sh passes; verify --fp16's router probe finds the same routers, says they
+    compile in fp32 and reports the top-k flips of both precisions with their margins."""
+    folder = bundles[16].export_dir
+    graph = onnx.load(str(folder / "language" / "language.onnx"), load_external_data=False)
+    paths = router_paths(graph)
+    assert len(paths) == len(sparse_blocks(hf_model))
+    listed = set(yaml.safe_load((folder / "language" / "node_precision.yaml").read_text())["FP32NodeInstanceNames"])
+    assert all(set(path) <= listed for path in paths)
+    line = next(line for line in (folder / "compile.sh").read_text().splitlines() if "-m=language/language.onnx" in line)
+    assert "-node-precision-info=language/node_precision.yaml" in line
+    report = router_comparison(folder, chunks=ROUTER_CHUNKS)
+    detail = report.detail
+    assert detail["routers"] == len(paths) and detail["compiled_router_precision"] == "float32"
+    tokens = detail["tokens_x_layers"]
+    assert tokens == len(paths) * ROUTER_CHUNKS * bundles[16].manifest.prefill_seq_len
+    for precision in ("fp16", "fp32"):  # the tiny models' flips come from hidden states drifting in fp16
+        share, margins = detail[f"flipped_share_router_{precision}"], detail[f"flipped_margins_router_{precision}"]
+        assert share < 0.02 and len(margins) == round(share * tokens)
