@@ -21,8 +21,9 @@ on the data, which a graph compiled per specialization cannot have. Here every f
   exactly its ``k`` experts (the gathered form), a prefill chunk with ``tokens x k >= E`` runs every expert (the
   dense form). The padding slots are experts no token chose, whose routing weights are zero.
 
-All three give transformers' sum up to fp32 rounding (only the order of the additions differs). Which form the
-language graphs use, and why, is ``DEFAULT_EXPERT_FORM`` (measured: ``benchmarks/moe_expert_forms.py``).
+All three give transformers' sum up to fp32 rounding (only the order of the additions differs). The language graphs
+use ``DEFAULT_EXPERT_FORM``, ``hit``: on the card every call is bound by the expert bytes it reads, and ``hit`` reads
+the fewest in every specialization (README, "MoE checkpoints"; ``benchmarks/moe_expert_forms.py``).
 """
 
 from __future__ import annotations
