@@ -384,6 +384,7 @@ def router_comparison(export_dir: Path, chunks: int = ROUTER_CHUNKS) -> Comparis
                                   for a, b in zip(ours, theirs)])
         detail[f"flipped_share_{label}"] = float(flipped.mean())
         detail[f"flipped_margins_{label}"] = sorted(float(m) for m in margins[flipped])
+        detail[f"flipped_margin_max_{label}"] = float(margins[flipped].max()) if flipped.any() else 0.0
     compiled = set(router_nodes) <= set(listed)
     return Comparison("router", detail={**detail, "compiled_router_precision": "float32" if compiled else "float16"})
 
@@ -578,7 +579,9 @@ def format_report(report: VerifyReport) -> str:
         if c.kept_token_agreement is not None:
             parts.append(f"kept-token agreement {c.kept_token_agreement:.2%}")
         parts += [f"{key.replace('_', ' ')} {value:.3g}" for key, value in c.detail.items()
-                  if key.endswith("_relative_error") or key.startswith("flipped_share")]
+                  if isinstance(value, float) and (key.endswith("_relative_error") or key.startswith("flipped_"))]
+        if "compiled_router_precision" in c.detail:
+            parts.append(f"compiled router {c.detail['compiled_router_precision']}")
         parts.append(f"inf/NaN fp32 {c.nonfinite_fp32}" + (f" fp16 {c.nonfinite_fp16}" if report.fp16 else ""))
         lines.append("  " + "  ".join(parts))
     lines += [f"  problem: {p}" for p in report.problems] or ["  no inf/NaN"]
