@@ -17,6 +17,7 @@ from transformers import Qwen3_5MoeTextConfig, Qwen3VLMoeTextConfig
 from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeSparseMoeBlock
 from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import Qwen3VLMoeTextSparseMoeBlock
 
+from qeff_evs.export.node_precision import router_paths
 from qeff_evs.models.sparse_moe import EXPERT_FORMS, HIT, SparseMoe, hit_slots
 
 ATOL = 1e-5  # the block's outputs are O(1): fp32 rounding of a different summation order
@@ -78,8 +79,13 @@ def test_hit_form_exports_statically_and_runs_as_many_experts_as_the_shape_allow
     torch.onnx.export(HitWithSlots(block), (hidden_states(1, 16),), str(path), input_names=["hidden"],
                       output_names=["out", "slots"], dynamic_axes={"hidden": {0: "batch", 1: "seq"}},
                       opset_version=17, dynamo=False)
-    ops = {node.op_type for node in onnx.load(str(path)).graph.node}
+    graph = onnx.load(str(path))
+    ops = {node.op_type for node in graph.graph.node}
     assert "NonZero" not in ops and "Loop" not in ops and "If" not in ops
+    # The router is found for the card's node-precision file (the slot TopK over hit counts is not a router).
+    (router,) = router_paths(graph)
+    producers = {name: node.op_type for node in graph.graph.node for name in node.output}
+    assert [producers[name] for name in router] == ["MatMul", "Softmax", "Cast", "TopK", "ReduceSum", "Div"]
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     for (batch, seq), slots in {(1, 1): TOP_K, (3, 1): 3 * TOP_K, (1, 16): EXPERTS, (2, 40): EXPERTS}.items():
         hidden = hidden_states(batch, seq, seed=batch * 100 + seq)
