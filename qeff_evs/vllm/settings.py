@@ -331,8 +331,10 @@ ENGINE_SETTINGS: tuple[Setting, ...] = (
        "the export's vision graphs take pixels; precomputed media embeddings are not an input; remove it", True,
        unused=(None, False)),
     _h("interleave_mm_strings", FRONTEND + " (chat content order)", example=True),
-    _h("media_io_kwargs", FRONTEND + " (vLLM's media loaders; the processor then samples the frames it was given)",
-       example={"video": {"num_frames": 8}}),
+    _h("media_io_kwargs", FRONTEND + "; video_url bytes are decoded by the plugin's video loaders, registered under "
+       "vLLM's names (opencv, qwen2_vl, qwen3_vl): vLLM's frames and metadata where its loader works, a one-frame file "
+       "served, bytes no frame decodes from a 400; the processor then samples the frames it was given",
+       "test_frame_sampling.py::test_plugin_loader_equals_vllm_loader_where_it_works", {"video": {"num_frames": 8}}),
     _h("mm_processor_kwargs", "the family's HF video sampling rule with vLLM's kwargs (fps, num_frames, "
        "do_sample_frames, min/max frames), at most the export's largest frame bucket; others are a 400 naming the "
        "ones honoured", "test_frame_sampling.py::test_loaded_frames_equal_vllm_processor_for_processor_kwargs",
