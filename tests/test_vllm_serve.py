@@ -46,6 +46,7 @@ from qeff_evs.bench.serving import write_video as write_mkv  # noqa: E402 (lossl
 from qeff_evs.models.pruning import VideoPruning  # noqa: E402
 from qeff_evs.runtime.engine.executor import kept_count  # noqa: E402
 from qeff_evs.runtime.engine.request import PromptPiece, plan_prompt  # noqa: E402
+from qeff_evs.runtime.request_pruning import rate_for_at_most  # noqa: E402
 from qeff_evs.runtime.inputs.prompt import chat_pieces  # noqa: E402
 from qeff_evs.runtime.inputs.synthetic import moving_square_video  # noqa: E402
 from helpers.vllm_server import openai_client  # noqa: E402
@@ -237,6 +238,12 @@ BAD_REQUESTS = {
                      "Image dimensions 20000x20000 (400000000 pixels) exceed the maximum"),
     "prompt_logprobs": (lambda m: text_message("hello"), {"prompt_logprobs": 1},
                         "prompt_logprobs=1: the language graph returns the last position's logits only"),
+    "a pruning rate past the RoPE tables": (lambda m: media_message([("video_url", m["clip"], MKV)]),
+                                            {"mm_processor_kwargs": {"video_pruning_rate": 0.99}},
+                                            "video 0: video_pruning_rate: video pruning rate 0.99 reaches"),
+    "an unknown pruning method": (lambda m: media_message([("video_url", m["clip"], MKV)]),
+                                  {"mm_processor_kwargs": {"video_pruning_method": "tome"}},
+                                  "video pruning method 'tome' is not one this export carries"),
     "mm_processor_kwargs": (lambda m: media_message([("video_url", m["clip"], MKV)]),
                             # the server trusts request kwargs (--trust-request-mm-kwargs); HF's processor refuses these
                             {"mm_processor_kwargs": {"fps": 2, "num_frames": 4}},
@@ -328,6 +335,34 @@ def test_max_tokens_past_the_rope_tables_names_the_largest_that_fits(server, exp
     assert f"positions up to {end + 149}" in str(error.value) and f"ask for at most max_tokens={room}," in str(error.value)
     reply = chat(server, video_message(path), max_tokens=room)
     assert reply.choices[0].finish_reason in ("length", "stop") and len(reply.choices[0].token_ids) <= room
+
+
+def test_each_request_chooses_its_pruning(server, export, media):
+    """Three requests with the same video at once, on a server at q 0.5: q 0, q 0.75 and at most N video tokens
+    (mm_processor_kwargs). Each equals ``qeff-evs run`` at its own setting (prompt and generated ids), and each
+    response's ``usage.prompt_tokens`` counts its own kept tokens."""
+    bundle = open_export(export)
+    t, h, w = bundle.family.merged_grid(video_from_file(media["clip"], bundle).grid_thw)
+    at_most = h * w * t // 3
+    cases = {"q 0": ({"video_pruning_rate": 0}, VideoPruning("evs", 0.0)),
+             "q 0.75": ({"video_pruning_rate": 0.75}, VideoPruning("evs", 0.75)),
+             "max_video_tokens": ({"max_video_tokens": at_most},
+                                  VideoPruning("evs", rate_for_at_most("evs", at_most, h * w, t)))}
+
+    def one(kwargs):
+        return chat(server, video_message(media["clip"]), extra_body={"mm_processor_kwargs": kwargs})
+
+    with ThreadPoolExecutor(len(cases)) as pool:
+        responses = dict(zip(cases, pool.map(one, [kwargs for kwargs, _ in cases.values()])))
+    for name, (_, pruning) in cases.items():
+        expected = run_answer(export, media["clip"], pruning)
+        response = responses[name]
+        assert response.choices[0].token_ids == expected.generated_token_ids, name
+        assert response.prompt_token_ids == expected.prompt_token_ids, name
+        assert response.usage.prompt_tokens == len(expected.prompt_token_ids), name
+    assert len({r.usage.prompt_tokens for r in responses.values()}) == len(cases)
+    kept = cases["max_video_tokens"][1].kept_token_count(h * w, t)
+    assert kept <= at_most < VideoPruning("evs", 0.5).kept_token_count(h * w, t)
 
 
 def test_one_frame_video_file_equals_qeff_evs_run(server, export, media):
