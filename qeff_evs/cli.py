@@ -194,7 +194,7 @@ def _serve_requests(args: argparse.Namespace, bundle, pruning) -> int:
     from qeff_evs.runtime.builders import build_serving_engine
     from qeff_evs.runtime.requests_jsonl import requests_from_jsonl
 
-    requests = requests_from_jsonl(args.requests, bundle)
+    requests = requests_from_jsonl(args.requests, bundle, pruning)
     engine = build_serving_engine(bundle, args.backend, args.max_num_seqs, args.max_num_batched_tokens,
                                   args.encoder_cache_rows, progress=_progress, device_ids=_device_ids(args),
                                   pruning=pruning)

@@ -176,6 +176,7 @@ class MediaInput:
     fps: float  # sampling rate of the frames the patches were made from
     frame_times: tuple[float, ...] = ()  # seconds of each sampled frame (timestamp layouts need them)
     kind: str = "video"  # "video" (pruned by EVS) or "image" (grid T = 1, never pruned)
+    pruning: Any = None  # a video's own models.pruning.VideoPruning (the request's choice); None: the engine's
 
     def __post_init__(self) -> None:
         if self.kind not in ("video", "image"):

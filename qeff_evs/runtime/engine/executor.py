@@ -71,6 +71,11 @@ def encode_media(family: ModelFamily, vision: VisionSession, media: MediaInput, 
     return EncodedMedia(result.rows, indices, result.extras, tuple(per_frame))
 
 
+def media_pruning(media: MediaInput, default: VideoPruning) -> VideoPruning:
+    """The pruning of one media item: its own (a request's choice), else the engine's ``default``."""
+    return default if media.pruning is None else media.pruning
+
+
 def media_hash(media: MediaInput, pruning: VideoPruning) -> str:
     """Content hash of one media item as the encoder sees it (pixels, grid, kind, pruning method and rate)."""
     digest = hashlib.sha256()
@@ -123,14 +128,14 @@ class Executor:
 
     # -- requests ---------------------------------------------------------------------------------
     def kept_count(self, media: MediaInput) -> int:
-        return kept_count(self.family, media, self.config.pruning)
+        return kept_count(self.family, media, media_pruning(media, self.config.pruning))
 
     def plan(self, pieces: Sequence[PromptPiece], media: Sequence[MediaInput]) -> PromptPlan:
         """The request's prompt before encoding: provisional placeholders sized by K."""
         return plan_prompt(list(pieces), list(media), [self.kept_count(m) for m in media], self.family)
 
     def media_hashes(self, media: Sequence[MediaInput]) -> tuple[str, ...]:
-        return tuple(media_hash(m, self.config.pruning) for m in media)
+        return tuple(media_hash(m, media_pruning(m, self.config.pruning)) for m in media)
 
     def check_new(self, request_id: str) -> None:
         if request_id in self.requests:
@@ -176,7 +181,8 @@ class Executor:
         if content_hash in self.encoder_outputs or request.plan.encoded[item] is not None:
             return
         media = request.media[item]
-        self.encoder_outputs[content_hash] = encode_media(self.family, self.vision, media, self.config.pruning)
+        self.encoder_outputs[content_hash] = encode_media(self.family, self.vision, media,
+                                                          media_pruning(media, self.config.pruning))
         self.progress(f"encoded {request_id} item {item}: grid {tuple(media.grid_thw)}")
 
     def prefill(self, request_id: str, computed: int, scheduled: int, cache_row: int | None = None) -> int | None:
