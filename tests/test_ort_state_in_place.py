@@ -10,7 +10,10 @@ Each KV cache and layer state is one host buffer, bound as the graph's input ``X
   shows the call's writes: a copy in or out would leave a pointer changed or the write elsewhere;
 * in ONNX Runtime's optimised graph every KV output (and Qwen3.5's recurrent state) comes straight out of a
   ``ScatterND`` whose data is the graph input itself, so the kernel sees input and output as one buffer and
-  skips its copy; a node that copied between them would fail this.
+  skips its copy; a node that copied between them would fail this;
+* one buffer as input and output is safe only if everything that reads ``X`` runs before the node that writes
+  ``X_RetainedState``: in that graph every reader of each state is the writer itself, one of its ancestors
+  (which ONNX Runtime runs first) or a ``Shape``, which reads no data.
 
 Qwen3.5's conv state is the exception: its write goes through an ``Unsqueeze``/``Gather`` pair around the
 scatter (the whole-row ``CtxScatterCB`` is four-dimensional), so ONNX Runtime copies it inside the graph
@@ -143,3 +146,28 @@ def test_kv_writes_alias_their_input_in_the_optimized_graph(bundle, tmp_path):
         assert ok, f"{output.name} comes from {node.op_type}({', '.join(node.input)}), not a write into {name}"
         checked.append(name)
     assert len(checked) >= 2
+
+
+def test_every_read_of_a_state_comes_before_its_write(bundle, tmp_path):
+    graph = optimized_graph(bundle.manifest.path(bundle.export_dir, "language"), tmp_path).graph
+    nodes = list(graph.node)
+    producer = {name: at for at, node in enumerate(nodes) for name in node.output}
+    window = {"vision_embeds", *bundle.language_shape.extras}  # written by an Identity of the same values
+    checked = 0
+    for output in graph.output:
+        name = output.name.removesuffix(RETAINED_SUFFIX)
+        if name == output.name or name in window:
+            continue
+        writer = producer[output.name]
+        ancestors, todo = set(), [writer]
+        while todo:
+            for value in nodes[todo.pop()].input:
+                at = producer.get(value)
+                if at is not None and at not in ancestors:
+                    ancestors.add(at)
+                    todo.append(at)
+        late = [nodes[at].op_type for at, node in enumerate(nodes)
+                if name in node.input and at != writer and node.op_type != "Shape" and at not in ancestors]
+        assert not late, f"{late} read {name} but need not run before {nodes[writer].op_type} writes it"
+        checked += 1
+    assert checked >= 2
