@@ -80,6 +80,18 @@ def test_outputs_written(smoke_run):
     assert "### Pruning sweep" in text and "### Window sweep" in text
 
 
+def test_ttft_runs_against_transformers_generate(smoke_run):
+    """The TTFT phase times the engine and transformers' own generate on the same clip; at q 0 both pick the same
+    first token (same fp32 weights), and every rate has a ratio to transformers."""
+    out, results = smoke_run
+    section = results["ttft"]
+    assert section["same_first_token_at_q0"] and section["first_tokens"]["transformers"]
+    assert set(section["vs_transformers"]) == {"transformers", "q=0", "q=0.5", "q=0.75"}
+    assert section["vs_transformers"]["transformers"] == {"wall": 1.0, "cpu": 1.0}
+    assert (out / "ttft.png").read_bytes().startswith(PNG_SIGNATURE)
+    assert "### Time to first token against transformers' generate" in (out / "results.md").read_text()
+
+
 def test_bench_graphs_are_a_qeff_evs_export(smoke_run):
     """The bench saved a checkpoint and measured the folder ``qeff-evs export`` made of it, which opens as
     ``qeff-evs run`` opens an export, with a specialization for every clip the phases ran."""
@@ -185,7 +197,7 @@ def test_only_one_phase_keeps_the_others_of_the_base_run(smoke_run, tmp_path):
     assert partial["vision_sweep"]["samples"] != results["vision_sweep"]["samples"]  # timed again
     assert [r["frames"] for r in partial["vision_sweep"]["rows"]] == list(SMOKE.vision_sweep_frames)
     assert partial["vision_sweep"]["call_peak_mb"] is not None
-    assert (tmp_path / "results.md").read_text().count("Measured: ") == 4
+    assert (tmp_path / "results.md").read_text().count("Measured: ") == 5  # one per phase, ttft included
 
 
 def test_only_refuses_a_base_run_of_other_graphs(smoke_run, tmp_path, capsys):
@@ -194,7 +206,7 @@ def test_only_refuses_a_base_run_of_other_graphs(smoke_run, tmp_path, capsys):
                      "--base", str(out / "results.json"), "-o", str(tmp_path)])
     assert code == 2
     assert "vision_layers (2 there, 3 here)" in capsys.readouterr().err
-    assert cli.main(["bench", "--smoke", "--only", "vision_sweep", "-o", str(tmp_path)]) == 2
+    assert cli.main(["bench", "--smoke", "--base", str(out / "results.json"), "-o", str(tmp_path)]) == 2  # no --only
     assert cli.main(["bench", "--smoke", "--only", "speed", "--base", str(out / "results.json"),
                      "-o", str(tmp_path)]) == 2
 
@@ -434,7 +446,8 @@ def test_a_phase_added_to_the_table_is_measured_reported_and_plotted(smoke_run, 
         assert cli.main(["bench", "--smoke", "--only", "encoder_calls", "--encoder-call-count", "3",
                          "--base", str(out / "results.json"), "-o", str(tmp_path)]) == 0
     partial = json.loads((tmp_path / "results.json").read_text())
-    assert partial["encoder_calls"]["calls"] == 3 and partial["config"]["options"] == {"encoder_call_count": 3}
+    assert partial["encoder_calls"]["calls"] == 3
+    assert partial["config"]["options"] == {"encoder_call_count": 3, "ttft_rates": [0.0, 0.5, 0.75]}  # and ttft's
     for name in ("pruning_sweep", "window_sweep", "vision_sweep", "evs_overhead"):
         assert partial[name] == results[name]
     text = (tmp_path / "results.md").read_text()

@@ -78,7 +78,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--render", type=Path, default=None, metavar="RESULTS_JSON",
                         help="measure nothing: re-render results.md and the plots of a saved results.json")
     parser.add_argument("--only", type=_names, default=None, metavar="PHASES",
-                        help=f"measure only these phases ({', '.join(phase_names())}) and keep the others from --base")
+                        help=f"measure only these phases ({', '.join(phase_names())}); with --base, keep the others from it")
     parser.add_argument("--base", type=Path, default=None, metavar="RESULTS_JSON",
                         help="with --only: the saved results.json whose other phases are kept (each section says "
                              "which run measured it)")

@@ -11,7 +11,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-from qeff_evs.bench import overhead, pruning, vision_sweep, window_sweep
+from qeff_evs.bench import overhead, pruning, ttft, vision_sweep, window_sweep
 from qeff_evs.bench.config import BenchConfig
 from qeff_evs.bench.phase import Option, Phase
 
@@ -34,6 +34,7 @@ def check_table(phases: Sequence[Phase]) -> tuple[Phase, ...]:
 
 PHASES: tuple[Phase, ...] = check_table((
     pruning.PHASE,
+    ttft.PHASE,
     window_sweep.PHASE,
     vision_sweep.PHASE,
     overhead.PHASE,

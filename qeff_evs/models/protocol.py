@@ -303,3 +303,8 @@ class ModelFamily(Protocol):
 
     def video_layout(self, video: MediaInput, kept_indices: np.ndarray) -> MediaLayout:
         """The video's real segment once the encoder has chosen the kept tokens."""
+
+    def hf_video_inputs(self, input_ids: torch.Tensor, video: MediaInput) -> dict[str, torch.Tensor]:
+        """transformers' own ``generate`` keyword arguments for ``input_ids (1, N)`` holding ``video``'s unpruned
+        pads (pixels, grid, token types, and what the family's rope index reads): the baseline a user without a
+        card would run on the same checkpoint and clip."""

@@ -8,8 +8,10 @@ other output is one of the family's extra rows (``ExtraRows``) and travels under
 mapping.
 
 A language session owns its retained state (KV cache, last vision window) the way a QAIC
-program does with ``-retained-state``: the engine sends only the per-call inputs, and the session
-feeds each ``*_RetainedState`` output back as the next call's input.
+program does with ``-retained-state``: the engine sends only the per-call inputs, and each
+``*_RetainedState`` output is the next call's input. Where it lives is the backend's: on the card
+(QAIC), in host buffers the graph writes in place (ONNX Runtime, ``ort.OrtLanguageSession``), or in
+host arrays fed in and read back each call (the PyTorch reference, ``HostStateSession``).
 
 Continuous batching: when the language graph was exported with ``batch_index``, the session keeps
 ``full_batch_size`` KV cache rows, one per running request. ``prefill(row, step)`` runs one
