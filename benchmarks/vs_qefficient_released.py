@@ -3,8 +3,9 @@
 For each family (default Qwen2.5-VL-3B and Qwen3-VL-2B widths, 2 text + 2 vision layers, random weights, the tiny
 tokenizer: ``bench.serving.serving_checkpoint``), one 16-frame 448x448 clip (a moving square, 2 fps) goes through
 ``qeff-evs bench --vs-qefficient``'s comparison: QEfficient's dual-QPC graphs (frames as images) and ours (the video
-at q 0, 0.5, 0.75), both on ONNX Runtime; vision bytes per chunk are also counted at 64 frames. The table:
-QEfficient's vision bytes per chunk, prefill time and TTFT over ours (process CPU time), and each side's max
+at q 0, 0.5, 0.75), both on ONNX Runtime; vision bytes per chunk are also counted at 64 frames. The table, a line
+per way QEfficient's graphs ran (every state fed, as its ORT runner; the state in place, as ours): QEfficient's vision
+bytes per chunk, prefill time and TTFT over ours (process CPU time), each side's ms per chunk, and each side's max
 |logit diff| from transformers. Each family's full report (JSON, Markdown, PNG) is written beside it.
 
 QEfficient's export at these widths takes minutes and GBs: run it alone,

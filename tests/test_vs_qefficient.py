@@ -76,31 +76,74 @@ def compare(tiny, family, tmp_path, python=None) -> dict:
 # ---- our side's pieces ------------------------------------------------------------------------------------
 
 
-def test_vision_bytes_of_one_window_are_the_rows_fed(tiny, tmp_path):
-    """The accounting (rows x hidden x levels x 4) equals the bytes of the window our engine feeds a chunk."""
+@pytest.fixture(scope="module")
+def qwen3_window(tiny, tmp_path_factory):
+    """A tiny Qwen3-VL export (deepstack levels beside the rows), its ORT sessions and the clip's prompt at q 0."""
     from qeff_evs.export.pipeline import ExportOptions, export_checkpoint
     from qeff_evs.runtime.engine.single_request import Engine, EngineConfig
-    from qeff_evs.runtime.engine.steps import prefill_step
     from qeff_evs.runtime.export_bundle import open_export
     from qeff_evs.runtime.inputs.prompt import video_question_pieces
     from qeff_evs.runtime.media import video_from_file
     from qeff_evs.runtime.sessions import sessions_for
 
-    checkpoint, clip_path = tiny("qwen3_vl")  # with deepstack levels beside the rows
+    checkpoint, clip_path = tiny("qwen3_vl")
+    folder = tmp_path_factory.mktemp("qwen3_window_export")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
-        export_checkpoint(checkpoint, tmp_path, ExportOptions(0.0, (FRAMES,), (SIZES["qwen3_vl"],), 16, 256))
-    bundle = open_export(tmp_path)
+        export_checkpoint(checkpoint, folder, ExportOptions(0.0, (FRAMES,), (SIZES["qwen3_vl"],), 16, 256))
+    bundle = open_export(folder)
     shape = bundle.language_shape
-    engine = Engine(bundle.family, *sessions_for(bundle, "ort"), EngineConfig(16, 256, shape.vision_size, 0.0))
+    sessions = sessions_for(bundle, "ort")
+    engine = Engine(bundle.family, *sessions, EngineConfig(16, 256, shape.vision_size, 0.0))
     prompt = engine.prepare(video_question_pieces(bundle.tokenizer, "What?", bundle.family.token_strings),
                             [video_from_file(clip_path, bundle)])
+    return shape, sessions[1], prompt
+
+
+def test_vision_bytes_of_one_window_are_the_rows_fed(qwen3_window):
+    """The accounting (rows x hidden x levels x 4) equals the bytes of the window our engine feeds a chunk."""
+    from qeff_evs.runtime.engine.steps import prefill_step
+
+    shape, _, prompt = qwen3_window
     step = prefill_step(prompt, 0, 16, 16, shape.vision_size, shape.hidden, shape.extras)
     levels = sum(shape.extras.values())
     assert levels > 0
     vision, per_call = step_bytes(step)
     assert vision == vision_bytes(shape.vision_size, shape.hidden, levels)
     assert per_call == vision + 16 * 8 + 4 * 16 * 8 + 8  # ids, positions, image_idx: int64
+
+
+def test_all_bytes_per_chunk_are_what_the_session_binds(qwen3_window):
+    """Our 'all bytes per chunk' is what ``OrtLanguageSession`` (built as ``run_comparison`` builds it) hands ONNX
+    Runtime per prefill call, recorded at its IOBinding: the per-call inputs and the window, no KV. The KV buffers
+    are bound once and written in place: the same arrays after the prefill, holding every chunk's rows."""
+    from qeff_evs.runtime.backends.ort import OrtLanguageSession
+    from qeff_evs.runtime.engine.steps import prefill_step
+    from qeff_evs.runtime.engine.window import prefill_chunks
+
+    shape, language, prompt = qwen3_window
+    session = OrtLanguageSession(language.session, shape)
+    kv = {name: buffer for name, buffer in session.state.items() if name.startswith("past_")}
+    assert kv
+    bound: list[tuple[str, int]] = []
+    for method in ("bind_cpu_input", "bind_ortvalue_input"):
+        original = getattr(session.binding, method)
+
+        def spy(name, value, original=original):
+            bound.append((name, int(np.asarray(value.numpy() if hasattr(value, "numpy") else value).nbytes)))
+            return original(name, value)
+        setattr(session.binding, method, spy)
+    steps = [prefill_step(prompt, c, n, 16, shape.vision_size, shape.hidden, shape.extras)
+             for c, n in prefill_chunks(len(prompt.ids), 16)]
+    assert len(steps) > 1
+    for step in steps:
+        bound.clear()
+        session.run(step)
+        assert not [name for name, _ in bound if name in kv], bound
+        assert sum(size for _, size in bound) == step_bytes(step)[1], bound
+    for name, buffer in kv.items():  # one slot per prompt token written, into the buffer bound at the start
+        assert session.state[name] is buffer
+        assert int(np.any(buffer != 0, axis=(0, 1, 3)).sum()) == len(prompt.ids), name
 
 
 def test_bytes_point_at_released_widths():
@@ -189,6 +232,9 @@ def test_report_without_qefficient_carries_on_with_ours(tiny, tmp_path):
     # Pruning shortens the prompt; every chunk gets the same window of user_vision_size rows.
     assert ours["0"]["prompt_tokens"] > ours["0.5"]["prompt_tokens"] > ours["0.75"]["prompt_tokens"]
     assert {cost["vision_rows_per_chunk"] for cost in ours.values()} == {16}
+    # The KV cache is bound in place, not fed: a chunk's bytes are its window and a few hundred of ids and positions.
+    for cost in ours.values():
+        assert cost["state_in_place"] and 0 < cost["all_bytes_per_chunk"] - cost["vision_bytes_per_chunk"] < 1024
     saved = json.loads((tmp_path / "out" / "vs_qefficient.json").read_text())
     assert saved["fidelity"] == results["fidelity"]
     table = (tmp_path / "out" / "vs_qefficient.md").read_text()
@@ -200,7 +246,8 @@ def test_report_without_qefficient_carries_on_with_ours(tiny, tmp_path):
     # 56x84 frames: 2x3 merged rows per image; 8 images (then 16) over a window of 16 rows.
     assert row["vision_bytes_ratio"] == {"8": 3.0, "16": 6.0}
     summary = summary_markdown([row])
-    assert summary[2].count("| n/a ") == 5 and "tokens equal |" in summary[2]
+    assert len(summary) == 5 and summary[2].count("| n/a ") == 6 and "tokens equal |" in summary[2]
+    assert "| every state fed |" in summary[2]
     assert summary[-1] == f"qwen2_5_vl: {row['qefficient_failure']}"
 
 
@@ -223,6 +270,14 @@ def test_comparison_end_to_end(tiny, tmp_path, family):
     assert cost["vision_bytes_per_chunk"] == vision_bytes(cost["vision_rows"], results["config"]["hidden"],
                                                           results["config"]["extra_levels"])
     assert cost["chunks"] == -(-cost["prompt_tokens"] // 16)
+    # Its graphs with the state bound in place: the same logits and tokens as fed through its runner's way; a chunk
+    # is fed its ids, positions and image_idx only, where the fed way adds the whole KV cache and vision rows.
+    in_place = qe["cost_in_place"]
+    assert qe["in_place_agrees"]["tokens_equal"] and qe["in_place_agrees"]["max_abs_logit_diff"] <= 1e-5
+    assert in_place["all_bytes_per_chunk"] == 16 * 8 + 4 * 16 * 8 + 8
+    assert in_place["upload_bytes"] == cost["vision_bytes_per_chunk"]
+    assert cost["all_bytes_per_chunk"] > in_place["all_bytes_per_chunk"] + cost["vision_bytes_per_chunk"]
+    assert not cost["state_in_place"] and in_place["state_in_place"]
     for side in ("qefficient", "qeff_evs"):
         fidelity = results["fidelity"][side]
         assert len(fidelity["tokens"]) == len(fidelity["reference_tokens"]) == 6

@@ -10,11 +10,19 @@ copied), with ONNX Runtime in place of ``qaicrt``:
   vision rows, ``image_idx`` starts at 0 and is the previous chunk's ``image_idx_output`` after;
 * greedy decode at ``max(position) + 1`` per position row.
 
-On the card ``vision_embeds`` is a retained buffer (uploaded once, kept across chunks); on ONNX Runtime every
-input is fed in and every ``*_RetainedState`` output read back on every call, as for our graphs
-(``HostStateSession``). The bytes counted per call are those of its inputs; the vision rows' share is what
-``set_buffers`` would upload per chunk if the buffer were not retained, and what vllm-qaic's windowed feeding
-uploads per chunk (reference qeff.md §7.3).
+Two ways on ONNX Runtime (``generate(..., in_place=...)``):
+
+* as QEfficient's own ORT runner does (``in_place=False``): every input fed and every ``*_RetainedState`` output
+  read back on every call, the whole KV cache and the whole prompt's vision rows included;
+* with the retained state bound in place (``in_place=True``), as ``OrtLanguageSession`` binds ours and as the card
+  keeps it: each retained input (KV caches, and ``vision_embeds`` / ``deepstack_features`` where the graph retains
+  them) is one buffer bound with ``IOBinding`` as the input and as its ``*_RetainedState`` output; the vision rows
+  are written into theirs once before the first chunk (``set_buffers`` on the card), so a chunk is fed only its ids,
+  positions and ``image_idx``.
+
+The bytes counted per call are those of its inputs; the vision rows' share is what ``set_buffers`` would upload per
+chunk if the buffer were not retained, and what vllm-qaic's windowed feeding uploads per chunk (reference qeff.md
+§7.3).
 """
 
 from __future__ import annotations
@@ -73,6 +81,8 @@ class QEfficientRun:
     chunks: Samples = field(default_factory=Samples)  # one sample per prefill chunk
     vision_bytes_per_chunk: list[int] = field(default_factory=list)
     all_bytes_per_chunk: list[int] = field(default_factory=list)
+    in_place: bool = False
+    vision_upload_bytes: int = 0  # in place: the vision rows written into their retained buffer once, per request
     first_logits: np.ndarray | None = field(default=None, repr=False)
     tokens: list[int] = field(default_factory=list)
 
@@ -109,8 +119,12 @@ class QEfficientGraphs:
         return state
 
     def generate(self, input_ids: np.ndarray, positions: np.ndarray, images, prefill_seq_len: int, ctx_len: int,
-                 new_tokens: int) -> QEfficientRun:
-        """Vision, chunked prefill and greedy decode of one prompt (``input_ids`` (N,), ``positions`` (4, 1, N_pad))."""
+                 new_tokens: int, in_place: bool = False, vision: dict | None = None) -> QEfficientRun:
+        """Vision, chunked prefill and greedy decode of one prompt (``input_ids`` (N,), ``positions`` (4, 1, N_pad)).
+
+        ``in_place``: the retained state bound in place (module docstring). ``vision``: the images' outputs of an
+        earlier ``encode_images`` (the run then times no vision of its own).
+        """
         n = int(input_ids.shape[0])
         chunks = -(-n // prefill_seq_len)
         padded = chunks * prefill_seq_len
@@ -119,35 +133,95 @@ class QEfficientGraphs:
                              f"{n} tokens in chunks of {prefill_seq_len}")
         ids = np.full((1, padded), PAD_TOKEN_ID, dtype=np.int64)
         ids[0, :n] = input_ids
-        run = QEfficientRun(prompt_tokens=n, vision_rows=0)
-        vision = self.encode_images(images, run.vision)
+        run = QEfficientRun(prompt_tokens=n, vision_rows=0, in_place=in_place)
+        if vision is None:
+            vision = self.encode_images(images, run.vision)
         run.vision_rows = int(vision["vision_embeds"].shape[-2])
-        state = self.zero_state(ctx_len)
+        call = InPlaceCalls(self, ctx_len, vision) if in_place else HostCalls(self, ctx_len, vision)
+        run.vision_upload_bytes = call.upload_bytes
         image_idx = np.zeros((1, 1), dtype=np.int64)
         outputs: dict[str, np.ndarray] = {}
         for i in range(chunks):
             span = slice(i * prefill_seq_len, (i + 1) * prefill_seq_len)
             feeds = {"input_ids": ids[:, span], "position_ids": np.ascontiguousarray(positions[..., span]),
-                     "image_idx": image_idx, **vision, **state}
-            outputs = self._call(feeds, run.chunks)
-            run.vision_bytes_per_chunk.append(feed_bytes({k: feeds[k] for k in VISION_INPUTS if k in feeds}))
-            run.all_bytes_per_chunk.append(feed_bytes(feeds))
+                     "image_idx": image_idx}
+            outputs, fed = call(feeds, run.chunks)
+            run.vision_bytes_per_chunk.append(feed_bytes({k: v for k, v in vision.items() if k in VISION_INPUTS}))
+            run.all_bytes_per_chunk.append(fed)
             image_idx = outputs["image_idx_output"]
-            state = {name: outputs[name + RETAINED] for name in state}
         run.first_logits = outputs["logits"].reshape(-1).copy()
         token = int(run.first_logits.argmax())
         run.tokens.append(token)
         position = positions.max(axis=-1, keepdims=True) + 1  # (4, 1, 1)
         for _ in range(1, new_tokens):
             feeds = {"input_ids": np.array([[token]], dtype=np.int64), "position_ids": position,
-                     "image_idx": image_idx, **vision, **state}
-            outputs = self._call(feeds, Samples())
-            state = {name: outputs[name + RETAINED] for name in state}
+                     "image_idx": image_idx}
+            outputs, _ = call(feeds, Samples())
             token = int(outputs["logits"].reshape(-1).argmax())
             run.tokens.append(token)
             position = position + 1
         return run
 
-    def _call(self, feeds: dict[str, np.ndarray], into: Samples) -> dict[str, np.ndarray]:
-        feeds = {name: feeds[name] for name in self.language_inputs}
-        return dict(zip(self.language_outputs, timed(lambda: self.language.run(None, feeds), into)))
+
+class HostCalls:
+    """Language calls as QEfficient's ORT runner makes them: the whole state fed, every retained output read back."""
+
+    upload_bytes = 0
+
+    def __init__(self, graphs: QEfficientGraphs, ctx_len: int, vision: dict[str, np.ndarray]):
+        self.graphs = graphs
+        self.vision = vision
+        self.state = graphs.zero_state(ctx_len)
+
+    def __call__(self, feeds: dict[str, np.ndarray], into: Samples) -> tuple[dict[str, np.ndarray], int]:
+        """(outputs, bytes fed) of one call."""
+        names = self.graphs.language_inputs
+        feeds = {name: value for name, value in {**feeds, **self.vision, **self.state}.items() if name in names}
+        outputs = dict(zip(self.graphs.language_outputs,
+                           timed(lambda: self.graphs.language.run(None, feeds), into)))
+        self.state = {name: outputs[name + RETAINED] for name in self.state}
+        return outputs, feed_bytes(feeds)
+
+
+class InPlaceCalls:
+    """Language calls with every retained input bound in place: one buffer as the input and its retained output."""
+
+    def __init__(self, graphs: QEfficientGraphs, ctx_len: int, vision: dict[str, np.ndarray]):
+        import onnxruntime as ort
+
+        self.graphs = graphs
+        self.binding = graphs.language.io_binding()
+        outputs = set(graphs.language_outputs)
+        self.buffers = graphs.zero_state(ctx_len)  # kept alive: ORT's values share their memory
+        self.fed_vision = {}  # vision inputs the graph does not retain: fed with every call, as the host does
+        for name, value in vision.items():
+            if name not in graphs.language_inputs:
+                continue
+            if name + RETAINED in outputs:
+                self.buffers[name] = np.array(value, copy=True)  # set_buffers: once; the graph rewrites it
+            else:
+                self.fed_vision[name] = value
+        self.upload_bytes = feed_bytes({k: v for k, v in self.buffers.items() if k in VISION_INPUTS})
+        self.per_call_outputs = []
+        for output in graphs.language_outputs:  # in graph order, which the binding's outputs then keep
+            name = output.removesuffix(RETAINED)
+            if output.endswith(RETAINED) and name in self.buffers:
+                value = ort.OrtValue.ortvalue_from_numpy(self.buffers[name])  # on the CPU: shares its memory
+                self.binding.bind_ortvalue_input(name, value)
+                self.binding.bind_ortvalue_output(output, value)
+            else:
+                self.per_call_outputs.append(output)
+                self.binding.bind_output(output, "cpu")
+
+    def __call__(self, feeds: dict[str, np.ndarray], into: Samples) -> tuple[dict[str, np.ndarray], int]:
+        """(outputs read back, bytes fed) of one call: the per-call inputs only."""
+        feeds = {name: np.ascontiguousarray(value) for name, value in {**feeds, **self.fed_vision}.items()
+                 if name in self.graphs.language_inputs}
+        for name, value in feeds.items():
+            self.binding.bind_cpu_input(name, value)
+        for name in self.per_call_outputs:  # rebound: logits change shape between prefill and decode
+            self.binding.bind_output(name, "cpu")
+        timed(lambda: self.graphs.language.run_with_iobinding(self.binding), into)
+        values = self.binding.get_outputs()
+        outputs = {name: values[self.graphs.language_outputs.index(name)].numpy() for name in self.per_call_outputs}
+        return outputs, feed_bytes(feeds)

@@ -4,9 +4,12 @@ through QEfficient's graphs and ours, side by side, on ONNX Runtime.
 * QEfficient (its own interpreter, a child process running ``qefficient_driver.py``): exports the checkpoint as
   its dual QPC (vision + language graph) and computes its prompt's positions. It takes a video as its frames, one
   image each (it has no video input), so its prompt holds every frame's image tokens, unpruned. Its graphs run
-  here with its host's loop (``qefficient_host``): the whole prompt's vision rows with every prefill chunk.
+  here with its host's loop (``qefficient_host``): the whole prompt's vision rows with every prefill chunk, twice:
+  every state fed and read back per call (as QEfficient's own ORT runner does), and the state bound in place (as
+  ours is, and as the card keeps it), so its time per chunk is compared with ours without the KV copies.
 * qeff-evs: ``qeff-evs export`` of the same checkpoint at the clip's size and frame count, the video through the
-  engine at each pruning rate; each chunk gets its window of ``user_vision_size`` rows.
+  engine at each pruning rate (``OrtLanguageSession``: the state bound in place); each chunk gets its window of
+  ``user_vision_size`` rows.
 * transformers referees both on the same inputs (``hf_reference``): QEfficient's image prompt, our video prompt
   at q = 0 (vLLM's positions).
 
@@ -81,19 +84,12 @@ def vision_bytes(rows: int, hidden: int, levels: int = 0, itemsize: int = 4) -> 
 
 
 def step_bytes(step: LanguageInputs) -> tuple[int, int]:
-    """(vision bytes, per-call bytes) of one of our language calls: the window's rows (and extras) as fed."""
+    """(vision bytes, all bytes) fed to one of our language calls: the window's rows (and extras), ids, positions,
+    ``image_idx``. The retained state (KV, layer states) is bound in place by ``OrtLanguageSession``: never fed."""
     vision = int(np.asarray(step.vision_embeds, dtype=np.float32).nbytes) if step.vision_embeds is not None else 0
     vision += sum(int(np.asarray(v, dtype=np.float32).nbytes) for v in step.extras.values())
     other = int(step.input_ids.nbytes + step.position_ids.nbytes + step.image_idx.nbytes)
     return vision, vision + other
-
-
-def state_bytes(shape) -> int:
-    """Bytes of the retained state ONNX Runtime is fed with every call (KV, layer states), float32."""
-    from qeff_evs.models.graph_io import state_shapes
-
-    skip = {"vision_embeds", *shape.extras}
-    return sum(int(np.prod(dims)) * 4 for name, dims in state_shapes(shape).items() if name not in skip)
 
 
 @dataclass(frozen=True)
@@ -129,7 +125,9 @@ class SideCost:
     vision_rows: int  # rows the vision side produced (kept rows for ours)
     vision_rows_per_chunk: int
     vision_bytes_per_chunk: int
-    all_bytes_per_chunk: int
+    all_bytes_per_chunk: int  # every input fed to a chunk's call; state bound in place is not fed
+    state_in_place: bool = True  # the KV cache (and every retained state) bound in place, not fed per call
+    upload_bytes: int = 0  # fed once per request outside the chunks (QEfficient in place: its vision rows)
     vision: Samples = field(default_factory=Samples)
     prefill_chunks: Samples = field(default_factory=Samples)
 
@@ -262,7 +260,6 @@ def run_comparison(config: VsConfig, output: Path, workdir: Path, progress: Prog
     ours: dict[float, SideCost] = {}
     runs: dict[str, ChunkedRun] = {}
     prompts = {}
-    kv_bytes = state_bytes(shape)
     for q in config.pruning_rates:
         engine = Engine(family, vision_session, language_session,
                         EngineConfig(config.prefill_seq_len, config.ctx_len, shape.vision_size, q,
@@ -275,22 +272,28 @@ def run_comparison(config: VsConfig, output: Path, workdir: Path, progress: Prog
                  for c, n in prefill_chunks(len(prompt.ids), config.prefill_seq_len)]
         vision_b, call_b = zip(*(step_bytes(s) for s in steps))
         ours[q] = SideCost(len(prompt.ids), len(steps), int(sum(len(e.kept_indices) for e in prompt.encoded)),
-                           shape.vision_size, max(vision_b), max(call_b) + kv_bytes, cost_vision)
+                           shape.vision_size, max(vision_b), max(call_b), vision=cost_vision)
         runs[f"q={q:g}"] = ChunkedRun(OrtLanguageSession(language_session.session, shape), steps)
 
     # QEfficient's run (vision + every chunk + decode), then our prefills interleaved chunk by chunk
-    theirs = None
-    qeff_run = None
+    theirs = theirs_in_place = None
+    qeff_run = qeff_in_place = None
     if not driver.failure:
         try:
-            progress("QEfficient's graphs on ONNX Runtime: vision per image, chunked prefill, decode")
+            progress("QEfficient's graphs on ONNX Runtime: vision per image")
             graphs = QEfficientGraphs(driver.vision_onnx, driver.language_onnx)
-            qeff_run = graphs.generate(image_ids, driver.positions, image_inputs, config.prefill_seq_len,
-                                       config.ctx_len, config.new_tokens)
-            theirs = SideCost(qeff_run.prompt_tokens, len(qeff_run.vision_bytes_per_chunk), qeff_run.vision_rows,
-                              qeff_run.vision_rows, max(qeff_run.vision_bytes_per_chunk),
-                              max(qeff_run.all_bytes_per_chunk), qeff_run.vision, qeff_run.chunks)
-            del graphs
+            qeff_vision = Samples()
+            vision_rows = graphs.encode_images(image_inputs, qeff_vision)
+            runs_qeff = {}
+            for in_place in (False, True):
+                progress("QEfficient's chunked prefill and decode, " + (
+                    "its retained state bound in place" if in_place else "every state fed (as its ORT runner)"))
+                runs_qeff[in_place] = graphs.generate(image_ids, driver.positions, image_inputs,
+                                                      config.prefill_seq_len, config.ctx_len, config.new_tokens,
+                                                      in_place=in_place, vision=vision_rows)
+            qeff_run, qeff_in_place = runs_qeff[False], runs_qeff[True]
+            theirs, theirs_in_place = (qefficient_cost(r, qeff_vision) for r in (qeff_run, qeff_in_place))
+            del graphs, vision_rows
         except Exception as error:  # noqa: BLE001 - QEfficient's graph failing is a result, not a crash
             driver = DriverResult(info=driver.info, failure=failure_line("run on ONNX Runtime", str(error)))
             progress(driver.failure)
@@ -325,7 +328,9 @@ def run_comparison(config: VsConfig, output: Path, workdir: Path, progress: Prog
         "finished_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
         "load_average": [round(v, 2) for v in os.getloadavg()],
         "qefficient": {"failure": driver.failure, **driver.info,
-                       "cost": theirs.to_json() if theirs else None},
+                       "cost": theirs.to_json() if theirs else None,
+                       "cost_in_place": theirs_in_place.to_json() if theirs_in_place else None,
+                       "in_place_agrees": in_place_agreement(qeff_run, qeff_in_place)},
         OURS: {"export_seconds": export.wall[0],
                "rates": {f"{q:g}": cost.to_json() for q, cost in ours.items()}},
         "fidelity": fidelity,
@@ -335,6 +340,21 @@ def run_comparison(config: VsConfig, output: Path, workdir: Path, progress: Prog
     }
     save(results, output)
     return results
+
+
+def qefficient_cost(run, vision: Samples) -> SideCost:
+    """One QEfficient run's cost: every image's rows with every chunk, its vision timed once for both runs."""
+    return SideCost(run.prompt_tokens, len(run.vision_bytes_per_chunk), run.vision_rows, run.vision_rows,
+                    max(run.vision_bytes_per_chunk), max(run.all_bytes_per_chunk), run.in_place,
+                    run.vision_upload_bytes, vision, run.chunks)
+
+
+def in_place_agreement(host, in_place) -> dict | None:
+    """QEfficient's graphs with the state bound in place against the same graphs fed as its runner feeds them."""
+    if host is None or in_place is None:
+        return None
+    diff = float(np.max(np.abs(host.first_logits - in_place.first_logits)))
+    return {"max_abs_logit_diff": diff, "tokens_equal": host.tokens == in_place.tokens}
 
 
 def card_commands(config: VsConfig, export_dir: Path, driver: DriverResult) -> list[str]:

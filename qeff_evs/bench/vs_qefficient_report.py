@@ -43,16 +43,18 @@ def markdown(results: dict) -> list[str]:
     if qe["failure"]:
         lines += [f"**{qe['failure']}**", ""]
     lines += [
-        "| side | prompt tokens | chunks | vision rows per chunk | vision bytes per chunk | all bytes per chunk "
-        "| vision s | prefill s | ms per chunk | TTFT s | QEfficient's TTFT / this TTFT |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| side | KV cache | prompt tokens | chunks | vision rows per chunk | vision bytes per chunk "
+        "| all bytes per chunk | vision s | prefill s | ms per chunk | TTFT s | QEfficient's TTFT / this TTFT |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     theirs = qe["cost"]
     base_ttft = theirs["wall"]["ttft_s"] if theirs else None
-    rows = ([("QEfficient (frames as images)", theirs)] if theirs else []) + [
-        (f"qeff-evs q={q}", cost) for q, cost in results[OURS]["rates"].items()]
+    rows = ([("QEfficient (frames as images)", theirs)] if theirs else []) + (
+        [("QEfficient (frames as images)", qe["cost_in_place"])] if qe.get("cost_in_place") else []
+    ) + [(f"qeff-evs q={q}", cost) for q, cost in results[OURS]["rates"].items()]
     for name, cost in rows:
         t = cost["wall"]
+        name = f"{name} | {'in place' if cost.get('state_in_place', False) else 'fed every call'}"
         lines.append(
             f"| {name} | {cost['prompt_tokens']:,} | {cost['chunks']} | {cost['vision_rows_per_chunk']:,} | "
             f"{cost['vision_bytes_per_chunk'] / MIB:.2f} MiB | {cost['all_bytes_per_chunk'] / MIB:.2f} MiB | "
@@ -61,6 +63,16 @@ def markdown(results: dict) -> list[str]:
             f"| {name} | {cost['prompt_tokens']:,} | {cost['chunks']} | {cost['vision_rows_per_chunk']:,} | "
             f"{cost['vision_bytes_per_chunk'] / MIB:.2f} MiB | {cost['all_bytes_per_chunk'] / MIB:.2f} MiB | "
             f"{t['vision_s']:.2f} | {t['prefill_s']:.2f} | {t['ms_per_chunk']:.0f} | {t['ttft_s']:.2f} | n/a |")
+    lines += ["", "All bytes per chunk: every input fed to a chunk's call. KV cache \"in place\": bound once "
+              "as the graph's input and its retained output, never fed"
+              + (f"; QEfficient's vision rows ({qe['cost_in_place']['upload_bytes'] / MIB:.2f} MiB) then go in once "
+                 "per request, as `set_buffers` puts them on the card" if qe.get("cost_in_place") else "")
+              + ". Vision s: QEfficient's images are encoded once and both its runs use them."]
+    agreement = qe.get("in_place_agrees")
+    if agreement:
+        lines += ["", f"QEfficient's graphs with the state in place against the same graphs fed: max |logit diff| "
+                  f"{agreement['max_abs_logit_diff']:.1e}, greedy tokens "
+                  + ("equal." if agreement["tokens_equal"] else "differ.")]
     lines += ["", "Fidelity against transformers on the same inputs (first-token logits, greedy tokens):", "",
               "| side | max \\|logit diff\\| | logit scale | greedy tokens |", "|---|---|---|---|"]
     for side, name in ((QEFFICIENT, "QEfficient (images)"), (OURS, "qeff-evs q=0 (video, vLLM positions)")):
@@ -84,22 +96,34 @@ def markdown(results: dict) -> list[str]:
 
 def summary_row(results: dict, rates: tuple[str, ...] = ("0", "0.75")) -> dict:
     """One run's headline numbers: QEfficient's cost over ours (vision bytes per chunk at every counted frame count,
-    prefill and TTFT on process CPU time at ``rates``), and each side's max |logit diff| from transformers."""
-    cfg, theirs = results["config"], results["qefficient"]["cost"]
+    prefill and TTFT on process CPU time at ``rates``) for each way its graphs ran (``fed``: every state fed, as its
+    ORT runner; ``in_place``: the state bound in place, where measured), the ms per chunk of each (CPU), and each
+    side's max |logit diff| from transformers."""
+    cfg, qe = results["config"], results["qefficient"]
+    ours = results[OURS]["rates"]
     row = {"family": cfg["family"], "frames": cfg["frames_sampled"], "size": f"{cfg['height']}x{cfg['width']}",
-           "qefficient_failure": results["qefficient"]["failure"],
-           "vision_bytes_ratio": {str(p["frames"]): p["ratio"] for p in results["vision_bytes_per_chunk"]}}
-    row["qefficient_over_ours"] = {
-        q: {key: (theirs[CPU][key] / results[OURS]["rates"][q][CPU][key] if theirs else None)
-            for key in ("prefill_s", "ttft_s")} for q in rates}
+           "qefficient_failure": qe["failure"],
+           "vision_bytes_ratio": {str(p["frames"]): p["ratio"] for p in results["vision_bytes_per_chunk"]},
+           "ms_per_chunk": {f"qeff_evs q={q}": ours[q][CPU]["ms_per_chunk"] for q in rates}}
+    ways = {"fed": qe["cost"], **({"in_place": qe["cost_in_place"]} if qe.get("cost_in_place") else {})}
+    for way, theirs in ways.items():
+        key = "qefficient_over_ours" if way == "fed" else f"qefficient_{way}_over_ours"
+        row[key] = {q: {what: (theirs[CPU][what] / ours[q][CPU][what] if theirs else None)
+                        for what in ("prefill_s", "ttft_s")} for q in rates}
+        row["ms_per_chunk"][f"qefficient {way}"] = theirs[CPU]["ms_per_chunk"] if theirs else None
     row["fidelity"] = {side: {"max_abs_logit_diff": f["max_abs_logit_diff"], "logit_scale": f["logit_scale"],
                               "tokens_equal": f["tokens_equal"], "first_divergence": f["first_divergence"]}
                        for side, f in results["fidelity"].items()}
     return row
 
 
+WAYS = {"qefficient_over_ours": ("fed", "every state fed"),
+        "qefficient_in_place_over_ours": ("in_place", "state in place")}
+
+
 def summary_markdown(rows: Sequence[dict]) -> list[str]:
-    """The one table of several runs (one per family): QEfficient's cost over ours, and fidelity."""
+    """The one table of several runs: per family, a line per way QEfficient's graphs ran (every state fed, and the
+    state in place where measured), QEfficient's cost over ours, ms per chunk, and fidelity."""
     frames = sorted({int(f) for row in rows for f in row["vision_bytes_ratio"]})
     rates = list(rows[0]["qefficient_over_ours"])
 
@@ -110,27 +134,38 @@ def summary_markdown(rows: Sequence[dict]) -> list[str]:
         tokens = "tokens equal" if f["tokens_equal"] else f"tokens diverge at {f['first_divergence']}"
         return f"{f['max_abs_logit_diff']:.1e} (of {f['logit_scale']:.1f}); {tokens}"
 
-    head = (["family", "clip"] + [f"vision bytes/chunk, {f} frames" for f in frames]
+    def ms(value):
+        return "n/a" if value is None else f"{value:.0f}"
+
+    head = (["family", "clip", "QEfficient's state"] + [f"vision bytes/chunk, {f} frames" for f in frames]
+            + ["ms/chunk QEfficient", "ms/chunk qeff-evs q=0"]
             + [f"{what} q={q}" for q in rates for what in ("prefill", "TTFT")]
             + ["QEfficient vs transformers", "qeff-evs q=0 vs transformers"])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in rows:
-        cells = [row["family"], f"{row['frames']} frames {row['size']}"]
-        cells += [f"{row['vision_bytes_ratio'][str(f)]:.0f}x" if str(f) in row["vision_bytes_ratio"] else "n/a"
-                  for f in frames]
-        ratios = row["qefficient_over_ours"]
-        cells += [("n/a" if ratios[q][what] is None else f"{ratios[q][what]:.2f}x")
-                  for q in rates for what in ("prefill_s", "ttft_s")]
-        cells += [fidelity(row, QEFFICIENT), fidelity(row, OURS)]
-        lines.append("| " + " | ".join(cells) + " |")
+        for key, (way, label) in WAYS.items():
+            if key not in row:
+                continue
+            cells = [row["family"], f"{row['frames']} frames {row['size']}", label]
+            cells += [f"{row['vision_bytes_ratio'][str(f)]:.0f}x" if str(f) in row["vision_bytes_ratio"] else "n/a"
+                      for f in frames]
+            times = row.get("ms_per_chunk", {})
+            cells += [ms(times.get(f"qefficient {way}")), ms(times.get(f"qeff_evs q={rates[0]}"))]
+            ratios = row[key]
+            cells += [("n/a" if ratios[q][what] is None else f"{ratios[q][what]:.2f}x")
+                      for q in rates for what in ("prefill_s", "ttft_s")]
+            cells += [fidelity(row, QEFFICIENT), fidelity(row, OURS)]
+            lines.append("| " + " | ".join(cells) + " |")
     failures = [f"{row['family']}: {row['qefficient_failure']}" for row in rows if row["qefficient_failure"]]
     return lines + ([""] + failures if failures else [])
 
 
 def plot(results: dict, path: Path) -> Path:
     """TTFT split into vision and prefill, and vision bytes per chunk, per side."""
-    qe = results["qefficient"]["cost"]
-    sides = ([("QEfficient", qe)] if qe else []) + [(f"ours q={q}", c) for q, c in results[OURS]["rates"].items()]
+    qe = results["qefficient"]
+    sides = (([("QEfficient fed", qe["cost"])] if qe["cost"] else [])
+             + ([("QEfficient in place", qe["cost_in_place"])] if qe.get("cost_in_place") else [])
+             + [(f"ours q={q}", c) for q, c in results[OURS]["rates"].items()])
     figure = plots.figure(8.0, 3.2)
     left, right = figure.add_subplot(1, 2, 1), figure.add_subplot(1, 2, 2)
     names = [name for name, _ in sides]
