@@ -69,6 +69,7 @@ from qeff_evs.specializations import (
     EncoderTarget,
     PruningTarget,
     Specialization,
+    comp_ctx_lengths,
     default_frame_buckets,
     language_specializations,
     prepare_graph_compile,
@@ -142,6 +143,8 @@ class ExportOptions:
     max_frames: int | None = None  # the largest bucket when frames is (); None: DEFAULT_MAX_FRAMES
     max_video_pruning_rate: float = DEFAULT_MAX_PRUNING_RATE  # the largest rate the RoPE tables cover
     video_pruning_methods: tuple[str, ...] = PRUNING_METHODS  # pruning graphs exported; the first is the default
+    # Compute context lengths (--ctx-lengths, DESIGN §15); None: specializations.sets' default ladder up to ctx_len.
+    ctx_lengths: tuple[int, ...] | None = None
 
     @property
     def effective_user_vision_size(self) -> int:
@@ -259,8 +262,9 @@ def save_video_processor_config(checkpoint, family: ModelFamily, folder: Path) -
 def export_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, options: ExportOptions,
                       progress: Progress = lambda message: None) -> Manifest:
     q, max_rate, methods = check_pruning_options(options)
+    ctx_lengths = comp_ctx_lengths(options.ctx_lengths, options.ctx_len, options.prefill_seq_len)
     lang_specs = language_specializations(options.prefill_seq_len, options.ctx_len, options.user_vision_size,
-                                          full_batch_size=options.full_batch_size)
+                                          full_batch_size=options.full_batch_size, comp_ctx_lengths=ctx_lengths)
     rope_positions = options.rope_positions or rope_table_length(options.ctx_len, max_rate)
     if rope_positions < options.ctx_len:
         raise ValueError(f"--rope-positions {rope_positions} is below --ctx-len {options.ctx_len}; the RoPE tables "
@@ -303,7 +307,7 @@ def export_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, 
     export_language_graph(checkpoint.model, out / files["language"],
                           media_token_ids=family.special_tokens().media_pads,
                           continuous_batching=options.full_batch_size is not None, rope_positions=rope_positions,
-                          prefill_seq_len=options.prefill_seq_len)
+                          prefill_seq_len=options.prefill_seq_len, comp_ctx_lengths=bool(ctx_lengths))
 
     progress("checking specializations against the graphs and writing compile inputs")
     node_precision = write_state_node_precision(out, spec.layer_states)
@@ -333,7 +337,7 @@ def export_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, 
             ctx_len=options.ctx_len, vision_size=options.effective_user_vision_size, extras=dict(spec.extras),
             full_batch_size=options.full_batch_size or 1, vocab=spec.vocab_size,
             continuous_batching=options.full_batch_size is not None, rope_positions=rope_positions,
-            kv_layers=spec.io_kv_layers, layer_states=spec.layer_states),
+            kv_layers=spec.io_kv_layers, layer_states=spec.layer_states, comp_ctx_lengths=ctx_lengths),
         files=files,
         encoder_entries=tuple(
             EncoderEntry(target.height, target.width, target.frames_per_call, grid_hw,

@@ -43,7 +43,7 @@ from qeff_evs.export.fp16 import convert_to_fp16
 from qeff_evs.export.node_precision import keep_in_fp32
 from qeff_evs.export.onnx_graph import legacy_export
 from qeff_evs.manifest import MODEL_CONFIG_DIR, PRUNING_ROLE, graph_role, pruning_graph, read_manifest
-from qeff_evs.models.graph_io import BATCH_INDEX, RETAINED_SUFFIX, LanguageGraphIO, state_shapes
+from qeff_evs.models.graph_io import BATCH_INDEX, COMP_CTX_LENGTHS, RETAINED_SUFFIX, LanguageGraphIO, state_shapes
 from qeff_evs.models.pruning import BUCKET_TOKENS, PruningRanking, VideoPruning, pad_to_bucket, pruning_host_inputs
 from qeff_evs.specializations import read_specializations_json
 
@@ -190,6 +190,9 @@ class _LanguageRun:
                  "image_idx": np.zeros((1, 1), np.int64)}
         if BATCH_INDEX in self.io.input_names:
             feeds[BATCH_INDEX] = np.zeros((input_ids.shape[0], 1), np.int64)
+        length = self.shape.comp_ctx_len(int(positions[0].max()))
+        if length is not None:  # the specialization a card would pick: the smallest holding the last slot
+            feeds[COMP_CTX_LENGTHS] = np.arange(length, dtype=np.int64)
         outputs = dict(zip(self.io.output_names, self.session.run(self.io.output_names, feeds)))
         for name, value in outputs.items():
             if name.endswith(RETAINED_SUFFIX):

@@ -34,11 +34,13 @@ from .custom_io import (
 )
 from .files import parse_specializations, read_specializations_json, write_specializations_json
 from .sets import (
+    COMP_CTX_SYMBOL,
     DEFAULT_FRAMES_PER_CALL,
     EncoderTarget,
     Specialization,
     DEFAULT_MAX_FRAMES,
     PruningTarget,
+    comp_ctx_lengths,
     default_frame_buckets,
     language_specializations,
     manifest_entries,
@@ -59,11 +61,13 @@ __all__ = [
     "CompileOptions",
     "HW_VERSIONS",
     "detect_aic_hw_version",
+    "COMP_CTX_SYMBOL",
     "DEFAULT_FRAMES_PER_CALL",
     "EncoderTarget",
     "Specialization",
     "DEFAULT_MAX_FRAMES",
     "PruningTarget",
+    "comp_ctx_lengths",
     "default_frame_buckets",
     "check_specializations",
     "compile_file_name",

@@ -16,7 +16,8 @@ reported to make ``qaic-compile`` exit with status 255):
                            {"name": "Decode", "symbols": {...}}]}
 
 The flat layout carries no names; the reader gives its entries QEfficient's default names
-(``seq_len == 1`` -> ``Decode``, other ``seq_len`` -> ``Prefill``, else ``Vision`` /
+(``seq_len == 1`` -> ``Decode``, other ``seq_len`` -> ``Prefill``, with ``_<comp_ctx_len>`` where
+that is bound, else ``Vision`` /
 ``Vision_<i>``), which is exactly what :mod:`.sets` produces, so either layout reads back to
 the same entries. ``serves`` (the vision targets) lives in the manifest, not in this file.
 """
@@ -28,7 +29,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Literal
 
-from .sets import DECODE_NAME, PREFILL_NAME, VISION_NAME, Specialization
+from .sets import COMP_CTX_SYMBOL, DECODE_NAME, PREFILL_NAME, VISION_NAME, Specialization
 
 SpecializationStyle = Literal["flat", "named"]
 STYLES: tuple[str, ...] = ("flat", "named")
@@ -66,7 +67,8 @@ def write_specializations_json(
 def default_name(symbols: Mapping[str, int], index: int, count: int) -> str:
     """QEfficient's name for an unnamed entry: Decode / Prefill by ``seq_len``, else Vision[_i]."""
     if "seq_len" in symbols:
-        return DECODE_NAME if int(symbols["seq_len"]) == 1 else PREFILL_NAME
+        name = DECODE_NAME if int(symbols["seq_len"]) == 1 else PREFILL_NAME
+        return f"{name}_{int(symbols[COMP_CTX_SYMBOL])}" if COMP_CTX_SYMBOL in symbols else name
     return VISION_NAME if count == 1 else f"{VISION_NAME}_{index}"
 
 

@@ -9,6 +9,9 @@ Two sets exist per model:
 * language: ``Prefill`` (``seq_len = prefill_seq_len``) and ``Decode`` (``seq_len = 1``),
   both binding ``vision_size = user_vision_size`` -- each prefill chunk is handed only its
   own window of kept vision rows, so the language graph never needs the whole prompt's.
+  With compute context lengths (DESIGN §15) each of them comes once per length, binding
+  ``comp_ctx_len`` too and named ``Prefill_<len>`` / ``Decode_<len>``: a call reads only that many
+  slots of its KV row, and the host picks the smallest length holding the call's last slot.
   With continuous batching both also bind ``full_batch_size`` (the KV cache rows); prefill
   runs ``batch_size = 1`` (one request into its row) and decode ``batch_size = full_batch_size``
   (or a chosen decode batch), QEfficient's CB layout;
@@ -29,6 +32,7 @@ from dataclasses import dataclass, field
 PREFILL_NAME = "Prefill"
 DECODE_NAME = "Decode"
 VISION_NAME = "Vision"
+COMP_CTX_SYMBOL = "comp_ctx_len"  # slots a call reads of its KV row: the length of input comp_ctx_lengths
 
 # Temporal patches per encoder call. Measured on this machine (README "Performance"): Qwen2.5-VL-3B
 # vision widths at 448x448, ONNX Runtime CPU time per temporal patch for F = 1, 2, 4, 8 was 0.82,
@@ -39,6 +43,11 @@ DEFAULT_FRAMES_PER_CALL = 2
 # video pads to the smallest bucket that holds it, so the pruning graph computes at most twice its real
 # rows (README "Performance": the padding's measured cost).
 DEFAULT_MAX_FRAMES = 64
+# The default compute context lengths: ctx_len, ctx_len / 4, ctx_len / 16, ... down to this floor (a 32k
+# export gets 2048, 8192, 32768, as QEfficient's examples). Steps of 4 keep a call within 4x of the slots
+# it needs; below 2k a decode step's weights, not its KV reads, set the time.
+DEFAULT_MIN_COMP_CTX_LEN = 2048
+COMP_CTX_STEP = 4
 
 
 
@@ -137,6 +146,39 @@ class Specialization:
         object.__setattr__(self, "serves", tuple(self.serves))
 
 
+def comp_ctx_lengths(requested: Sequence[int] | None, ctx_len: int, prefill_seq_len: int) -> tuple[int, ...]:
+    """The export's compute context lengths, ascending and ending at ``ctx_len``; ``()`` when that is the only
+    one (the graph then reads all of ``ctx_len`` and has no ``comp_ctx_lengths`` input).
+
+    ``requested`` (``--ctx-lengths``): lengths in ``[prefill_seq_len, ctx_len]``; ``ctx_len`` is added when
+    missing (every position must have a length). None: ``ctx_len / 4**k`` down to ``DEFAULT_MIN_COMP_CTX_LEN``.
+    Example: ``comp_ctx_lengths(None, 32768, 128) == (2048, 8192, 32768)``.
+    """
+    if requested is None:
+        lengths, length = [], ctx_len
+        while length >= DEFAULT_MIN_COMP_CTX_LEN and length >= prefill_seq_len:
+            lengths.append(length)
+            if length % COMP_CTX_STEP:
+                break
+            length //= COMP_CTX_STEP
+        requested = lengths or [ctx_len]
+    lengths = sorted({_check_dimension("a compute context length", n, "--ctx-lengths") for n in requested})
+    outside = [n for n in lengths if not prefill_seq_len <= n <= ctx_len]
+    if outside:
+        raise ValueError(f"--ctx-lengths {outside} lie outside [prefill_seq_len={prefill_seq_len}, ctx_len={ctx_len}]"
+                         f"; a length must hold one prefill chunk and fit the KV cache: use values in that range")
+    if lengths[-1] != ctx_len:
+        lengths.append(ctx_len)
+    return tuple(lengths) if len(lengths) > 1 else ()
+
+
+def _per_comp_ctx_len(specs: list[Specialization], lengths: Sequence[int]) -> list[Specialization]:
+    """Each entry once per compute context length (``comp_ctx_len`` bound, ``_<len>`` in its name); as given
+    without lengths."""
+    return [Specialization(f"{spec.name}_{n}", {**spec.symbols, COMP_CTX_SYMBOL: n})
+            for spec in specs for n in lengths] if lengths else specs
+
+
 def language_specializations(
     prefill_seq_len: int,
     ctx_len: int,
@@ -144,6 +186,7 @@ def language_specializations(
     batch_size: int = 1,
     full_batch_size: int | None = None,
     decode_batch_size: int | None = None,
+    comp_ctx_lengths: Sequence[int] = (),
 ) -> list[Specialization]:
     """``[Prefill, Decode]`` for the language graph, both with ``vision_size = user_vision_size``.
 
@@ -155,6 +198,9 @@ def language_specializations(
     that symbol to both entries, sets the prefill ``batch_size`` to 1 and the decode
     ``batch_size`` to ``decode_batch_size`` (default ``full_batch_size``). Then a one-token
     prefill still needs its own batch-1 entry unless the decode batch is 1 too.
+
+    ``comp_ctx_lengths`` (from :func:`comp_ctx_lengths`; empty: none): every entry once per length, the
+    prefill ones too (a chunk early in a long context then reads only the slots it can see).
     """
     context = "language_specializations"
     prefill_seq_len = _check_dimension("prefill_seq_len", prefill_seq_len, context)
@@ -182,20 +228,23 @@ def language_specializations(
             "lower user_vision_size or raise --ctx-len"
         )
 
+    if comp_ctx_lengths and tuple(comp_ctx_lengths)[-1] != ctx_len:
+        raise ValueError(f"compute context lengths {list(comp_ctx_lengths)} must end at ctx_len={ctx_len}")
     shared = {"batch_size": batch_size, "ctx_len": ctx_len, "vision_size": user_vision_size}
     if cb is None:
         decode = Specialization(DECODE_NAME, {**shared, "seq_len": 1})
         if prefill_seq_len == 1:
-            return [decode]
-        return [Specialization(PREFILL_NAME, {**shared, "seq_len": prefill_seq_len}), decode]
+            return _per_comp_ctx_len([decode], comp_ctx_lengths)
+        prefill = Specialization(PREFILL_NAME, {**shared, "seq_len": prefill_seq_len})
+        return _per_comp_ctx_len([prefill, decode], comp_ctx_lengths)
 
     full, decode_batch = cb
     shared["full_batch_size"] = full
     prefill = Specialization(PREFILL_NAME, {**shared, "batch_size": 1, "seq_len": prefill_seq_len})
     decode = Specialization(DECODE_NAME, {**shared, "batch_size": decode_batch, "seq_len": 1})
     if prefill.symbols == decode.symbols:
-        return [decode]
-    return [prefill, decode]
+        return _per_comp_ctx_len([decode], comp_ctx_lengths)
+    return _per_comp_ctx_len([prefill, decode], comp_ctx_lengths)
 
 
 def _continuous_batching_sizes(
