@@ -40,18 +40,28 @@ LADDER = (32, 64, 128)
 REQUESTS = ((4, 100, 110, 3, 64), (8, 110, 170, 9, 8), (4, 120, 150, 1, 16))
 
 
-@pytest.fixture(scope="module")
-def exports(served_export, tmp_path_factory) -> tuple[Path, Path]:
-    """(the single-length serving export, the same checkpoint exported with the ladder)."""
-    checkpoint, single = served_export("qwen2_5_vl")
+def _exports(served_export, tmp_path_factory, family: str) -> tuple[Path, Path]:
+    """(the family's single-length serving export, the same checkpoint exported with the ladder)."""
+    checkpoint, single = served_export(family)
     m = read_manifest(single)
     options = ExportOptions(m.video_pruning_rate, m.frame_buckets, m.resolutions, m.prefill_seq_len, m.ctx_len,
                             full_batch_size=m.language_shape.full_batch_size, ctx_lengths=LADDER)
-    folder = tmp_path_factory.mktemp("ctx_lengths")
+    folder = tmp_path_factory.mktemp(f"ctx_lengths_{family}")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         export_checkpoint(checkpoint, folder, options)
     return single, folder
+
+
+@pytest.fixture(scope="module")
+def exports(served_export, tmp_path_factory) -> tuple[Path, Path]:
+    return _exports(served_export, tmp_path_factory, "qwen2_5_vl")
+
+
+@pytest.fixture(scope="module")
+def hybrid_exports(served_export, tmp_path_factory) -> tuple[Path, Path]:
+    """Qwen3.5: KV only in its full-attention layers, linear-attention state in the others."""
+    return _exports(served_export, tmp_path_factory, "qwen3_5")
 
 
 class LogitsLog:
@@ -169,6 +179,17 @@ def test_serving_on_ort_equals_the_single_length_export(exports, tmp_path):
     crossings = {rid: (shape.comp_ctx_len(prompts[rid]), shape.comp_ctx_len(prompts[rid] + len(tokens[rid]) - 2))
                  for rid in tokens}
     assert crossings["r0"] == (128, 256) and crossings["r2"] == (64, 128), crossings
+
+
+def test_hybrid_family_serving_on_ort_equals_the_single_length_export(hybrid_exports, tmp_path):
+    single, ladder = hybrid_exports
+    reference = _serve(single, "ort", tmp_path)
+    result = _serve(ladder, "ort", tmp_path)
+    _assert_same(reference, result)
+    shape = read_manifest(ladder).language_shape
+    tokens, _, prompts = result
+    assert any(shape.comp_ctx_len(prompts[rid]) != shape.comp_ctx_len(prompts[rid] + len(tokens[rid]) - 2)
+               for rid in tokens), (prompts, {rid: len(t) for rid, t in tokens.items()})
 
 
 def test_serving_on_the_fake_card_runs_each_step_in_its_specialization(exports, tmp_path, card):
