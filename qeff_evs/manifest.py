@@ -263,6 +263,9 @@ class Manifest:
     video_pruning_method: str = "evs"  # the default method
     max_video_pruning_rate: float = 0.9  # the largest rate the RoPE tables were sized for
     kv_precision: str = "float16"
+    # Shorter prefill lengths a chunk that holds fewer tokens runs in (``Prefill<n>`` specializations); absent in
+    # manifests written before them: every chunk runs at prefill_seq_len.
+    short_prefill_lens: tuple[int, ...] = ()
     version: int = MANIFEST_VERSION
 
     @property
@@ -419,6 +422,7 @@ def read_manifest(export_dir: Path) -> Manifest:
     tokens["eos"] = tuple(tokens.get("eos", ()))
     raw["frame_buckets"] = tuple(raw["frame_buckets"])
     raw["video_pruning_methods"] = tuple(raw["video_pruning_methods"])
+    raw["short_prefill_lens"] = tuple(raw.get("short_prefill_lens", ()))
     raw["resolutions"] = tuple(tuple(r) for r in raw["resolutions"])
     return Manifest(**raw, special_tokens=SpecialTokens(**tokens), language_shape=LanguageShape(**shape),
                     encoder_entries=encoder, pruning_entries=pruning)

@@ -44,6 +44,7 @@ from .sets import (
     default_frame_buckets,
     language_specializations,
     manifest_entries,
+    short_prefill_lens,
     specialization_for_target,
     vision_specializations,
 )
@@ -84,6 +85,7 @@ __all__ = [
     "read_custom_io_yaml",
     "read_specializations_json",
     "run_compile",
+    "short_prefill_lens",
     "specialization_for_target",
     "state_precisions",
     "vision_custom_io",

@@ -48,6 +48,10 @@ DEFAULT_MAX_FRAMES = 64
 # it needs; below 2k a decode step's weights, not its KV reads, set the time.
 DEFAULT_MIN_COMP_CTX_LEN = 2048
 COMP_CTX_STEP = 4
+# The default shorter prefill length (--short-prefill-lens): a chunk of at most this many tokens (a prompt's
+# tail, a chunk vLLM's budget cut short) runs in it instead of a full prefill_seq_len chunk. Chosen by measurement
+# (README "Performance": prefill chunk time per length at Qwen2.5-VL-3B widths).
+DEFAULT_SHORT_PREFILL_LEN = 32
 
 
 
@@ -172,6 +176,31 @@ def comp_ctx_lengths(requested: Sequence[int] | None, ctx_len: int, prefill_seq_
     return tuple(lengths) if len(lengths) > 1 else ()
 
 
+def short_prefill_lens(requested: Sequence[int] | None, prefill_seq_len: int) -> tuple[int, ...]:
+    """The shorter prefill lengths besides ``prefill_seq_len``, ascending (``--short-prefill-lens``).
+
+    Each lies in ``[2, prefill_seq_len)`` (length 1 is decode's); ``requested`` None: ``DEFAULT_SHORT_PREFILL_LEN``
+    where ``prefill_seq_len`` is above it, else none. Example: ``short_prefill_lens(None, 128) == (32,)``.
+    """
+    if requested is None:
+        return (DEFAULT_SHORT_PREFILL_LEN,) if prefill_seq_len > DEFAULT_SHORT_PREFILL_LEN else ()
+    lengths = sorted({_check_dimension("a short prefill length", n, "--short-prefill-lens") for n in requested})
+    outside = [n for n in lengths if not 2 <= n < prefill_seq_len]
+    if outside:
+        raise ValueError(f"--short-prefill-lens {outside} lie outside [2, prefill_seq_len={prefill_seq_len}): a short "
+                         "length is below the full chunk and above decode's 1; use values in that range")
+    return tuple(lengths)
+
+
+def chunk_seq_len(scheduled: int, prefill_seq_len: int, short_lens: Sequence[int] = ()) -> int:
+    """The prefill length a chunk of ``scheduled`` tokens runs in: the shortest of ``short_lens`` and
+    ``prefill_seq_len`` holding it (the chunk is padded to it). Example: ``chunk_seq_len(34, 128, (32,)) == 128``."""
+    if not 1 <= scheduled <= prefill_seq_len:
+        raise ValueError(f"chunk of {scheduled} tokens exceeds the prefill length {prefill_seq_len}"
+                         if scheduled > prefill_seq_len else f"a prefill chunk needs at least one token, got {scheduled}")
+    return min(n for n in (*short_lens, prefill_seq_len) if n >= scheduled)
+
+
 def _per_comp_ctx_len(specs: list[Specialization], lengths: Sequence[int]) -> list[Specialization]:
     """Each entry once per compute context length (``comp_ctx_len`` bound, ``_<len>`` in its name); as given
     without lengths."""
@@ -187,6 +216,7 @@ def language_specializations(
     full_batch_size: int | None = None,
     decode_batch_size: int | None = None,
     comp_ctx_lengths: Sequence[int] = (),
+    short_prefill_lens: Sequence[int] = (),
 ) -> list[Specialization]:
     """``[Prefill, Decode]`` for the language graph, both with ``vision_size = user_vision_size``.
 
@@ -201,6 +231,9 @@ def language_specializations(
 
     ``comp_ctx_lengths`` (from :func:`comp_ctx_lengths`; empty: none): every entry once per length, the
     prefill ones too (a chunk early in a long context then reads only the slots it can see).
+    ``short_prefill_lens`` (from :func:`short_prefill_lens`): a prefill entry ``Prefill<n>`` per shorter length
+    ``n`` after ``Prefill``, the same window (``vision_size = user_vision_size``: a chunk's own rows only, at most
+    ``n``, zero-padded; the retained window keeps one size across entries).
     """
     context = "language_specializations"
     prefill_seq_len = _check_dimension("prefill_seq_len", prefill_seq_len, context)
@@ -231,20 +264,30 @@ def language_specializations(
     if comp_ctx_lengths and tuple(comp_ctx_lengths)[-1] != ctx_len:
         raise ValueError(f"compute context lengths {list(comp_ctx_lengths)} must end at ctx_len={ctx_len}")
     shared = {"batch_size": batch_size, "ctx_len": ctx_len, "vision_size": user_vision_size}
+    short = [n for n in short_prefill_lens if n != prefill_seq_len]
+    if any(not 2 <= n < prefill_seq_len for n in short):
+        raise ValueError(f"short prefill lengths {list(short)} must lie in [2, prefill_seq_len={prefill_seq_len})")
     if cb is None:
         decode = Specialization(DECODE_NAME, {**shared, "seq_len": 1})
         if prefill_seq_len == 1:
             return _per_comp_ctx_len([decode], comp_ctx_lengths)
-        prefill = Specialization(PREFILL_NAME, {**shared, "seq_len": prefill_seq_len})
-        return _per_comp_ctx_len([prefill, decode], comp_ctx_lengths)
+        prefill = [Specialization(prefill_name(n, prefill_seq_len), {**shared, "seq_len": n})
+                   for n in (prefill_seq_len, *short)]
+        return _per_comp_ctx_len([*prefill, decode], comp_ctx_lengths)
 
     full, decode_batch = cb
     shared["full_batch_size"] = full
-    prefill = Specialization(PREFILL_NAME, {**shared, "batch_size": 1, "seq_len": prefill_seq_len})
+    prefill = [Specialization(prefill_name(n, prefill_seq_len), {**shared, "batch_size": 1, "seq_len": n})
+               for n in (prefill_seq_len, *short)]
     decode = Specialization(DECODE_NAME, {**shared, "batch_size": decode_batch, "seq_len": 1})
-    if prefill.symbols == decode.symbols:
+    if prefill[0].symbols == decode.symbols:
         return _per_comp_ctx_len([decode], comp_ctx_lengths)
-    return _per_comp_ctx_len([prefill, decode], comp_ctx_lengths)
+    return _per_comp_ctx_len([*prefill, decode], comp_ctx_lengths)
+
+
+def prefill_name(seq_len: int, prefill_seq_len: int) -> str:
+    """``Prefill`` for the full chunk length, ``Prefill<seq_len>`` for a shorter one."""
+    return PREFILL_NAME if seq_len == prefill_seq_len else f"{PREFILL_NAME}{seq_len}"
 
 
 def _continuous_batching_sizes(
