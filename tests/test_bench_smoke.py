@@ -92,6 +92,12 @@ def test_decode_context_runs_each_position_in_its_length(smoke_run):
     assert "### Decode step against position" in (out / "results.md").read_text()
 
 
+def test_prefill_lengths_times_each_length(smoke_run):
+    _, results = smoke_run
+    section = results["prefill_lengths"]
+    assert [r["seq_len"] for r in section["rows"]] == [4, 8, 16] and section["rows"][-1]["over_longest"]["cpu"] == 1
+
+
 def test_bench_graphs_are_a_qeff_evs_export(smoke_run):
     """The bench saved a checkpoint and measured the folder ``qeff-evs export`` made of it, which opens as
     ``qeff-evs run`` opens an export, with a specialization for every clip the phases ran."""
@@ -191,13 +197,13 @@ def test_only_one_phase_keeps_the_others_of_the_base_run(smoke_run, tmp_path):
         assert cli.main(["bench", "--smoke", "--only", "vision_sweep", "--base", str(out / "results.json"),
                          "-o", str(tmp_path)]) == 0
     partial = json.loads((tmp_path / "results.json").read_text())
-    for phase in ("pruning_sweep", "window_sweep", "evs_overhead", "decode_context"):
+    for phase in ("pruning_sweep", "window_sweep", "evs_overhead", "decode_context", "prefill_lengths"):
         assert partial[phase] == results[phase]
         assert partial["phase_runs"][phase] == results["phase_runs"][phase]
     assert partial["vision_sweep"]["samples"] != results["vision_sweep"]["samples"]  # timed again
     assert [r["frames"] for r in partial["vision_sweep"]["rows"]] == list(SMOKE.vision_sweep_frames)
     assert partial["vision_sweep"]["call_peak_mb"] is not None
-    assert (tmp_path / "results.md").read_text().count("Measured: ") == 5
+    assert (tmp_path / "results.md").read_text().count("Measured: ") == 6
 
 
 def test_only_refuses_a_base_run_of_other_graphs(smoke_run, tmp_path, capsys):
@@ -447,7 +453,7 @@ def test_a_phase_added_to_the_table_is_measured_reported_and_plotted(smoke_run, 
                          "--base", str(out / "results.json"), "-o", str(tmp_path)]) == 0
     partial = json.loads((tmp_path / "results.json").read_text())
     assert partial["encoder_calls"]["calls"] == 3 and partial["config"]["options"]["encoder_call_count"] == 3
-    for name in ("pruning_sweep", "window_sweep", "vision_sweep", "evs_overhead", "decode_context"):
+    for name in ("pruning_sweep", "window_sweep", "vision_sweep", "evs_overhead", "decode_context", "prefill_lengths"):
         assert partial[name] == results[name]
     text = (tmp_path / "results.md").read_text()
     assert text.index("### EVS overhead") < text.index("### Encoder calls") and "3 calls timed" in text
