@@ -44,6 +44,14 @@ EXPORT_FILES = dict(
 )
 
 
+# A graph unrolled for its prefill length (Qwen3.5's linear-attention layers) computes the chunked rule *and* the
+# one-token recurrence and selects by seq_len; the card's compiler drops the untaken path per specialization,
+# ONNX Runtime does not. Such an export also carries this decode-only twin (the same I/O), which the ORT session
+# runs for seq_len-1 calls; the card compiles only the language graph.
+LANGUAGE_DECODE = "language_decode"
+LANGUAGE_DECODE_FILE = "language/language_decode.onnx"
+
+
 def pruning_graph(method: str) -> str:
     """The graph (and file key) of one pruning method: ``pruning_evs`` at ``vision/pruning_evs.onnx``."""
     return f"{PRUNING_ROLE}_{method}"

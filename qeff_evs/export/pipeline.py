@@ -42,6 +42,8 @@ from qeff_evs.export.node_precision import node_precision_yaml, state_path
 from qeff_evs.export.vision import export_encoder_graph, export_pruning_graph
 from qeff_evs.manifest import (
     EXPORT_FILES,
+    LANGUAGE_DECODE,
+    LANGUAGE_DECODE_FILE,
     MODEL_CONFIG_DIR,
     PRUNING_ROLE,
     EncoderEntry,
@@ -321,6 +323,13 @@ def export_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, 
                           media_token_ids=family.special_tokens().media_pads,
                           continuous_batching=options.full_batch_size is not None, rope_positions=rope_positions,
                           prefill_seq_len=options.prefill_seq_len, comp_ctx_lengths=bool(ctx_lengths))
+    if spec.layer_states:  # an unrolled prefill graph: a decode-only twin for ONNX Runtime (manifest.LANGUAGE_DECODE)
+        progress("exporting the decode-only language graph")
+        files[LANGUAGE_DECODE] = LANGUAGE_DECODE_FILE
+        export_language_graph(checkpoint.model, out / LANGUAGE_DECODE_FILE,
+                              media_token_ids=family.special_tokens().media_pads,
+                              continuous_batching=options.full_batch_size is not None, rope_positions=rope_positions,
+                              prefill_seq_len=1, comp_ctx_lengths=bool(ctx_lengths))
 
     progress("checking specializations against the graphs and writing compile inputs")
     node_precision = write_state_node_precision(out, spec.layer_states)

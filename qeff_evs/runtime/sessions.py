@@ -3,7 +3,7 @@ pipeline, the language session, or both."""
 
 from __future__ import annotations
 
-from qeff_evs.manifest import pruning_graph
+from qeff_evs.manifest import LANGUAGE_DECODE, pruning_graph
 from qeff_evs.runtime.backends.ort import OrtEncoderSession, OrtLanguageSession, OrtPruningSession
 from qeff_evs.runtime.backends.torch_reference import TorchEncoderSession, TorchLanguageSession, TorchPruningSession
 from qeff_evs.runtime.backends.vision import VisionPipeline
@@ -86,7 +86,8 @@ def language_session(bundle: ExportBundle, backend: str, device: str | None = No
     m, root = bundle.manifest, bundle.export_dir
     _check_device_ids(backend, device_ids)
     if backend == "ort":
-        return OrtLanguageSession(m.path(root, "language"), bundle.language_shape)
+        decode = m.path(root, LANGUAGE_DECODE) if LANGUAGE_DECODE in m.files else None
+        return OrtLanguageSession(m.path(root, "language"), bundle.language_shape, decode)
     if backend == "torch":
         from qeff_evs.models.checkpoint import load_checkpoint
 

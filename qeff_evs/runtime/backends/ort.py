@@ -65,14 +65,27 @@ class OrtPruningSession(OrtGraph):
 
 
 class OrtLanguageSession(HostStateSession):
-    """The language graph in ONNX Runtime; ``graph`` is its path or an opened ``InferenceSession``."""
+    """The language graph in ONNX Runtime; ``graph`` is its path or an opened ``InferenceSession``.
 
-    def __init__(self, graph, shape: LanguageShape):
+    ``decode_graph``: the export's decode-only twin (``manifest.LANGUAGE_DECODE``, same I/O), run for one-token
+    calls instead of a graph that computes its prefill path there too.
+    """
+
+    def __init__(self, graph, shape: LanguageShape, decode_graph=None):
         self.session = _session(graph)
+        self.decode_session = None if decode_graph is None else _session(decode_graph)
         super().__init__(shape, [i.name for i in self.session.get_inputs()],
                          [o.name for o in self.session.get_outputs()])
+        if self.decode_session is not None:
+            names = ([i.name for i in self.decode_session.get_inputs()],
+                     [o.name for o in self.decode_session.get_outputs()])
+            if names != (self.input_names, self.output_names):
+                raise ValueError(f"the decode-only language graph's I/O {names} differs from the language graph's; "
+                                 "re-export this folder")
 
     def _execute(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
-        return self.session.run(None, {name: feeds[name] for name in self.input_names})
+        one_token = self.decode_session is not None and feeds["input_ids"].shape[1] == 1
+        session = self.decode_session if one_token else self.session
+        return session.run(None, {name: feeds[name] for name in self.input_names})
 
 
