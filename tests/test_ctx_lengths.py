@@ -40,28 +40,30 @@ LADDER = (32, 64, 128)
 REQUESTS = ((4, 100, 110, 3, 64), (8, 110, 170, 9, 8), (4, 120, 150, 1, 16))
 
 
-def _exports(served_export, tmp_path_factory, family: str) -> tuple[Path, Path]:
-    """(the family's single-length serving export, the same checkpoint exported with the ladder)."""
-    checkpoint, single = served_export(family)
-    m = read_manifest(single)
-    options = ExportOptions(m.video_pruning_rate, m.frame_buckets, m.resolutions, m.prefill_seq_len, m.ctx_len,
-                            full_batch_size=m.language_shape.full_batch_size, ctx_lengths=LADDER)
-    folder = tmp_path_factory.mktemp(f"ctx_lengths_{family}")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        export_checkpoint(checkpoint, folder, options)
-    return single, folder
+@pytest.fixture(scope="module")
+def exports_of(served_export, tmp_path_factory):
+    """``exports_of(family)``: (the family's single-length serving export, the same checkpoint exported with the
+    ladder), made once per module."""
+    made: dict[str, tuple[Path, Path]] = {}
+
+    def get(family: str) -> tuple[Path, Path]:
+        if family not in made:
+            checkpoint, single = served_export(family)
+            m = read_manifest(single)
+            options = ExportOptions(m.video_pruning_rate, m.frame_buckets, m.resolutions, m.prefill_seq_len,
+                                    m.ctx_len, full_batch_size=m.language_shape.full_batch_size, ctx_lengths=LADDER)
+            folder = tmp_path_factory.mktemp(f"ctx_lengths_{family}")
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", DeprecationWarning)
+                export_checkpoint(checkpoint, folder, options)
+            made[family] = (single, folder)
+        return made[family]
+    return get
 
 
 @pytest.fixture(scope="module")
-def exports(served_export, tmp_path_factory) -> tuple[Path, Path]:
-    return _exports(served_export, tmp_path_factory, "qwen2_5_vl")
-
-
-@pytest.fixture(scope="module")
-def hybrid_exports(served_export, tmp_path_factory) -> tuple[Path, Path]:
-    """Qwen3.5: KV only in its full-attention layers, linear-attention state in the others."""
-    return _exports(served_export, tmp_path_factory, "qwen3_5")
+def exports(exports_of) -> tuple[Path, Path]:
+    return exports_of("qwen2_5_vl")
 
 
 class LogitsLog:
@@ -98,12 +100,15 @@ def _requests(bundle, folder: Path) -> list[ServeRequest]:
     return requests
 
 
-def _serve(export: Path, backend: str, folder: Path) -> tuple[dict[str, list[int]], list[np.ndarray], dict]:
+def _serve(export: Path, backend: str, folder: Path, language=None
+           ) -> tuple[dict[str, list[int]], list[np.ndarray], dict]:
     """The requests through the serving engine (a 24-token budget: chunks share steps with decodes), no stop ids
-    (random weights: every request decodes all its tokens); (tokens by request, every logits array, prompt lengths)."""
+    (random weights: every request decodes all its tokens); (tokens by request, every logits array, prompt lengths).
+    ``language``: a language session to use instead of the backend's."""
     bundle = open_export(export)
     m = bundle.manifest
-    vision, language = sessions_for(bundle, backend)
+    vision, backend_language = sessions_for(bundle, backend)
+    language = backend_language if language is None else language
     log = LogitsLog(language)
     scheduler = SchedulerConfig(max_num_batched_tokens=24, max_num_seqs=m.language_shape.full_batch_size,
                                 prefill_seq_len=m.prefill_seq_len, ctx_len=m.ctx_len,
@@ -168,28 +173,20 @@ def test_export_files_follow_the_ladder(exports, tmp_path):
     assert read_manifest(tmp_path).language_shape.comp_ctx_lengths == ()
 
 
-def test_serving_on_ort_equals_the_single_length_export(exports, tmp_path):
-    single, ladder = exports
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_5"])  # qwen3_5: KV in its full-attention layers only
+def test_serving_on_ort_equals_the_single_length_export(family, exports_of, tmp_path):
+    single, ladder = exports_of(family)
     reference = _serve(single, "ort", tmp_path)
     result = _serve(ladder, "ort", tmp_path)
     _assert_same(reference, result)
-    # Decodes cross lengths: each request's first and last decode slots lie in different lengths.
+    # Decodes cross lengths: a request's first and last decode slots lie in different lengths.
     shape = read_manifest(ladder).language_shape
     tokens, _, prompts = result
     crossings = {rid: (shape.comp_ctx_len(prompts[rid]), shape.comp_ctx_len(prompts[rid] + len(tokens[rid]) - 2))
                  for rid in tokens}
-    assert crossings["r0"] == (128, 256) and crossings["r2"] == (64, 128), crossings
-
-
-def test_hybrid_family_serving_on_ort_equals_the_single_length_export(hybrid_exports, tmp_path):
-    single, ladder = hybrid_exports
-    reference = _serve(single, "ort", tmp_path)
-    result = _serve(ladder, "ort", tmp_path)
-    _assert_same(reference, result)
-    shape = read_manifest(ladder).language_shape
-    tokens, _, prompts = result
-    assert any(shape.comp_ctx_len(prompts[rid]) != shape.comp_ctx_len(prompts[rid] + len(tokens[rid]) - 2)
-               for rid in tokens), (prompts, {rid: len(t) for rid, t in tokens.items()})
+    assert any(first != last for first, last in crossings.values()), crossings
+    if family == "qwen2_5_vl":
+        assert crossings["r0"] == (128, 256) and crossings["r2"] == (64, 128), crossings
 
 
 def test_serving_on_the_fake_card_runs_each_step_in_its_specialization(exports, tmp_path, card):

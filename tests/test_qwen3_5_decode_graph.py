@@ -13,12 +13,7 @@ import onnx
 
 from qeff_evs.manifest import LANGUAGE_DECODE, read_manifest
 from qeff_evs.runtime.backends.ort import OrtLanguageSession
-from qeff_evs.runtime.builders import engine_config
-from qeff_evs.runtime.engine.scheduler import SchedulerConfig
-from qeff_evs.runtime.engine.serving import ServingEngine
-from qeff_evs.runtime.export_bundle import open_export
-from qeff_evs.runtime.sessions import sessions_for
-from test_ctx_lengths import REQUESTS, LogitsLog, _requests
+from test_ctx_lengths import REQUESTS, _serve
 
 
 class CountingSession:
@@ -35,23 +30,6 @@ class CountingSession:
         return self.inner.run(*args, **kwargs)
 
 
-def _serve(bundle, language, folder):
-    m = bundle.manifest
-    vision, _ = sessions_for(bundle, "ort")
-    log = LogitsLog(language)
-    scheduler = SchedulerConfig(max_num_batched_tokens=24, max_num_seqs=m.language_shape.full_batch_size,
-                                prefill_seq_len=m.prefill_seq_len, ctx_len=m.ctx_len,
-                                encoder_compute_budget=200, encoder_cache_size=200)
-    engine = ServingEngine(bundle.family, vision, log, engine_config(bundle), scheduler)
-    for request in _requests(bundle, folder):
-        engine.add_request(request)
-    tokens: dict[str, list[int]] = {}
-    while engine.has_unfinished():
-        for event in engine.step():
-            tokens.setdefault(event.request_id, []).append(event.token_id)
-    return tokens, log.logits
-
-
 def test_decode_steps_run_in_the_decode_only_graph_and_equal_todays(served_export, tmp_path):
     _, export = served_export("qwen3_5")
     m = read_manifest(export)
@@ -59,12 +37,11 @@ def test_decode_steps_run_in_the_decode_only_graph_and_equal_todays(served_expor
     decode_graph = onnx.load(str(decode_path), load_external_data=False)
     full_graph = onnx.load(str(m.path(export, "language")), load_external_data=False)
     assert len(decode_graph.graph.node) < len(full_graph.graph.node)  # the unrolled chunk is not in it
-    bundle = open_export(export)
-    reference = _serve(bundle, OrtLanguageSession(m.path(export, "language"), m.language_shape), tmp_path)
+    reference = _serve(export, "ort", tmp_path, OrtLanguageSession(m.path(export, "language"), m.language_shape))
     session = OrtLanguageSession(m.path(export, "language"), m.language_shape, decode_path)
     counting = CountingSession(session.decode_session)
     session.decode_session = counting
-    tokens, logits = _serve(bundle, session, tmp_path)
+    tokens, logits, _ = _serve(export, "ort", tmp_path, session)
     assert tokens == reference[0]
     assert len(logits) == len(reference[1])
     for got, want in zip(logits, reference[1]):
