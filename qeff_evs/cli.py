@@ -282,8 +282,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ctx-len", type=int, default=8192)
     p.add_argument("--short-prefill-lens", type=_int_list, action="append", default=None,
                    help="shorter prefill lengths, e.g. 32: a chunk holding at most that many tokens (a prompt's tail) "
-                        "runs in it instead of a full --prefill-seq-len chunk; 0 for none (default: 32 below a longer "
-                        "--prefill-seq-len, none for a graph unrolled for one length: Qwen3.5)")
+                        "runs in it instead of a full --prefill-seq-len chunk; 0 for none (default: --prefill-seq-len halved "
+                        "down to 32, e.g. 32,64 for 128; none for a graph unrolled for one length: Qwen3.5)")
     p.add_argument("--ctx-lengths", type=_int_list, action="append", default=None,
                    help="compute context lengths, e.g. 2048,8192,32768: decode and prefill specializations that read "
                         "only that many KV slots; a call runs in the smallest holding its last position (--ctx-len is "

@@ -63,7 +63,8 @@ def _generate(export: Path, backend: str, video_npy: Path, question: str, chunki
 
 
 def test_lengths_and_specializations():
-    assert short_prefill_lens(None, 128) == (32,)
+    assert short_prefill_lens(None, 128) == (32, 64)
+    assert short_prefill_lens(None, 96) == (48,)
     assert short_prefill_lens(None, 32) == ()
     assert short_prefill_lens((16, 8, 16), 32) == (8, 16)
     with pytest.raises(ValueError, match=r"--short-prefill-lens \[1, 32\] lie outside \[2, prefill_seq_len=32\)"):

@@ -48,9 +48,10 @@ DEFAULT_MAX_FRAMES = 64
 # it needs; below 2k a decode step's weights, not its KV reads, set the time.
 DEFAULT_MIN_COMP_CTX_LEN = 2048
 COMP_CTX_STEP = 4
-# The default shorter prefill length (--short-prefill-lens): a chunk of at most this many tokens (a prompt's
-# tail, a chunk vLLM's budget cut short) runs in it instead of a full prefill_seq_len chunk. Chosen by measurement
-# (README "Performance": prefill chunk time per length at Qwen2.5-VL-3B widths).
+# The default shorter prefill lengths (--short-prefill-lens): prefill_seq_len / 2, / 4, ... down to this floor, so
+# a chunk (a prompt's tail, a chunk vLLM's budget cut short) is padded to under twice its tokens (above the floor).
+# A chunk's time is close to linear in its length at Qwen2.5-VL-3B widths (README "Performance", prefill lengths);
+# below 32 the call's fixed cost dominates.
 DEFAULT_SHORT_PREFILL_LEN = 32
 
 
@@ -179,11 +180,16 @@ def comp_ctx_lengths(requested: Sequence[int] | None, ctx_len: int, prefill_seq_
 def short_prefill_lens(requested: Sequence[int] | None, prefill_seq_len: int) -> tuple[int, ...]:
     """The shorter prefill lengths besides ``prefill_seq_len``, ascending (``--short-prefill-lens``).
 
-    Each lies in ``[2, prefill_seq_len)`` (length 1 is decode's); ``requested`` None: ``DEFAULT_SHORT_PREFILL_LEN``
-    where ``prefill_seq_len`` is above it, else none. Example: ``short_prefill_lens(None, 128) == (32,)``.
+    Each lies in ``[2, prefill_seq_len)`` (length 1 is decode's); ``requested`` None: ``prefill_seq_len`` halved
+    while the half is a whole number of at least ``DEFAULT_SHORT_PREFILL_LEN``. Example:
+    ``short_prefill_lens(None, 128) == (32, 64)``.
     """
     if requested is None:
-        return (DEFAULT_SHORT_PREFILL_LEN,) if prefill_seq_len > DEFAULT_SHORT_PREFILL_LEN else ()
+        lengths, length = [], prefill_seq_len
+        while length % 2 == 0 and length // 2 >= DEFAULT_SHORT_PREFILL_LEN:
+            length //= 2
+            lengths.append(length)
+        return tuple(sorted(lengths))
     lengths = sorted({_check_dimension("a short prefill length", n, "--short-prefill-lens") for n in requested})
     outside = [n for n in lengths if not 2 <= n < prefill_seq_len]
     if outside:
