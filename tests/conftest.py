@@ -80,7 +80,7 @@ def video_npy(tmp_path_factory) -> Path:
 # budget ends inside video placeholders and requests outnumber rows.
 SERVED_FULL_BATCH, SERVED_PREFILL, SERVED_CTX_LEN = 4, 16, 256
 SERVED_RESOLUTIONS = {"qwen2_5_vl": ((112, 112), (112, 168)), "qwen3_vl": ((128, 128), (128, 192)),
-                      "qwen3_5": ((128, 128), (128, 192))}
+                      "qwen3_5": ((128, 128), (128, 192)), "qwen3_vl_moe": ((128, 128),), "qwen3_5_moe": ((128, 128),)}
 
 
 @pytest.fixture(scope="session")

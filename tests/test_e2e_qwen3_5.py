@@ -16,16 +16,12 @@ export -> engine, against transformers' own ``Qwen3_5ForConditionalGeneration``.
   tokens equal transformers' on that request alone.
 * ONNX Runtime and the PyTorch reference backend agree.
 
-The reference prompt ids are built here from the tokenizer, transformers' ``replace_video_token``
-(Qwen3.5 uses Qwen3-VL's processor) and the HF frame sampler's indices, not by the package.
+The reference prompt ids and model runs are ``helpers.qwen3_reference``'s: from the tokenizer, transformers'
+``replace_video_token`` (Qwen3.5 uses Qwen3-VL's processor) and the HF frame sampler's indices, not by the package.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-import json
-import types
 import warnings
 from pathlib import Path
 
@@ -34,25 +30,21 @@ import onnx
 import pytest
 import torch
 import yaml
-from transformers import DynamicCache, Qwen3_5ForConditionalGeneration
-from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
-from transformers.video_utils import VideoMetadata
+from transformers import Qwen3_5ForConditionalGeneration
 
-from qeff_evs import cli, evs
 from qeff_evs.export.pipeline import ExportOptions, export_checkpoint
 from qeff_evs.export.verify import verify_export
 from qeff_evs.models.tiny import save_tiny_checkpoint
-from qeff_evs.runtime.engine.request import PromptPiece
 from qeff_evs.runtime.engine.scheduler import SchedulerConfig
-from qeff_evs.runtime.engine.serving import ServeRequest, ServingEngine
+from qeff_evs.runtime.engine.serving import ServingEngine
 from qeff_evs.runtime.engine.single_request import Engine, EngineConfig
-from qeff_evs.runtime.inputs.synthetic import moving_square_video
 from qeff_evs.specializations import read_custom_io_yaml
 from qeff_evs.models.pruning import VideoPruning
 from qeff_evs.runtime.builders import build_engine, stop_ids
 from qeff_evs.runtime.export_bundle import open_export
 from qeff_evs.runtime.sessions import sessions_for
-from helpers.pruning_oracles import vllm_vidcom2_mask
+from helpers.qwen3_reference import (add_cb_requests, assert_chunked_run_equals, hf_generate, hf_reference,
+                                     our_pieces, qeff_evs_run, split_template, until_stop)
 from helpers.sampled_clips import Clip, sampled_clips
 from helpers.top_logits import assert_top_logits_match
 
@@ -125,103 +117,7 @@ def make_engine(bundles, sessions, seq_len: int, backend: str, q: float) -> Engi
 
 
 # --------------------------------------------------------------------------------------------------
-# the reference prompt and model run, as transformers does them
-
-
-def hf_video_ids(tokenizer, config, grid_thw, frame_indices: list[int], fps: float) -> list[int]:
-    """``Qwen3VLProcessor.replace_video_token`` on a stand-in (its video processor needs torchvision)."""
-    vision = config.vision_config
-    stand_in = types.SimpleNamespace(
-        video_processor=types.SimpleNamespace(merge_size=vision.spatial_merge_size,
-                                              temporal_patch_size=vision.temporal_patch_size),
-        vision_start_token="<|vision_start|>", vision_end_token="<|vision_end|>", video_token="<|video_pad|>")
-    stand_in._calculate_timestamps = functools.partial(Qwen3VLProcessor._calculate_timestamps, stand_in)
-    metadata = VideoMetadata(total_num_frames=max(frame_indices) + 1, fps=fps, frames_indices=list(frame_indices))
-    text = Qwen3VLProcessor.replace_video_token(
-        stand_in, {"video_grid_thw": torch.tensor([list(grid_thw)]), "video_metadata": [metadata]}, 0)
-    return tokenizer.encode(text, add_special_tokens=False)
-
-
-def split_template(tokenizer, question: str) -> tuple[list[int], list[int]]:
-    """The chat template for one video and ``question``, split at the video pad: ids before and after."""
-    text = tokenizer.apply_chat_template(
-        [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": question}]}],
-        tokenize=False, add_generation_prompt=True)
-    before, after = text.split("<|video_pad|>")
-    return tokenizer.encode(before, add_special_tokens=False), tokenizer.encode(after, add_special_tokens=False)
-
-
-def our_pieces(before: list[int], after: list[int]) -> list[PromptPiece]:
-    return [PromptPiece(ids=tuple(before)), PromptPiece(media_item=0), PromptPiece(ids=tuple(after))]
-
-
-@dataclasses.dataclass
-class Reference:
-    ids: list[int]  # the prompt transformers sees (pruned layout when q > 0)
-    positions: np.ndarray  # (3, N)
-    kept: np.ndarray  # the video's kept merged-token indices
-    tokens: list[int]
-    first_logits: torch.Tensor
-
-
-@torch.no_grad()
-def hf_reference(model, tokenizer, question: str, video, indices, fps, q: float, steps: int,
-                 method: str = "evs") -> Reference:
-    """Transformers' vision tower, EVS (or vLLM's VidCom2) on its merged rows, and its text model over the
-    pruned layout."""
-    config = model.config
-    merge = config.vision_config.spatial_merge_size
-    before, after = split_template(tokenizer, question)
-    grid = tuple(video.grid_thw)
-    merged = model.model.visual(video.pixel_values, grid_thw=torch.tensor([grid])).pooler_output
-    if q == 0:
-        mask = torch.ones(merged.shape[0], dtype=torch.bool)
-    elif method == "vidcom2":
-        mask = vllm_vidcom2_mask(merged, grid, merge, q)
-    else:
-        mask = evs.retention_mask(merged, grid, merge, q)
-    video_ids = hf_video_ids(tokenizer, config, grid, indices, fps)
-    keep = np.ones(len(video_ids), dtype=bool)
-    keep[np.asarray(video_ids) == config.video_token_id] = mask.numpy()
-    unpruned = torch.tensor([before + video_ids + after])
-    keep_t = torch.tensor([True] * len(before) + keep.tolist() + [True] * len(after))
-    token_types = torch.zeros_like(unpruned, dtype=torch.int32)
-    token_types[unpruned == config.video_token_id] = 2
-    unpruned_positions, _ = model.model.get_rope_index(unpruned, mm_token_type_ids=token_types,
-                                                       video_grid_thw=torch.tensor([list(grid)]))
-    ids, positions = unpruned[:, keep_t], unpruned_positions[:, :, keep_t]
-
-    text_model = model.model.language_model
-    embeds = text_model.embed_tokens(ids).clone()
-    embeds[ids == config.video_token_id] = merged[mask]
-    cache = DynamicCache(config=config.text_config)
-    out = text_model(inputs_embeds=embeds, position_ids=positions, past_key_values=cache, use_cache=True)
-    first_logits = model.lm_head(out.last_hidden_state[0, -1])
-    tokens = [int(first_logits.argmax())]
-    decode_start = int(unpruned_positions.max()) + 1
-    for j in range(1, steps):
-        step_positions = torch.full((3, 1, 1), decode_start + j - 1, dtype=torch.int64)
-        out = text_model(inputs_embeds=text_model.embed_tokens(torch.tensor([[tokens[-1]]])),
-                         position_ids=step_positions, past_key_values=cache, use_cache=True)
-        tokens.append(int(model.lm_head(out.last_hidden_state[0, -1]).argmax()))
-    return Reference(ids[0].tolist(), positions[:, 0].numpy(), torch.nonzero(mask).reshape(-1).numpy(), tokens,
-                     first_logits)
-
-
-@torch.no_grad()
-def hf_generate(model, tokenizer, question: str, video, indices, fps, steps: int):
-    """Transformers' own ``generate`` (greedy, no stop) on the unpruned prompt."""
-    config = model.config
-    before, after = split_template(tokenizer, question)
-    ids = before + hf_video_ids(tokenizer, config, tuple(video.grid_thw), indices, fps) + after
-    ids_t = torch.tensor([ids])
-    token_types = torch.zeros_like(ids_t, dtype=torch.int32)
-    token_types[ids_t == config.video_token_id] = 2
-    out = model.generate(input_ids=ids_t, attention_mask=torch.ones_like(ids_t), mm_token_type_ids=token_types,
-                         pixel_values_videos=video.pixel_values, video_grid_thw=torch.tensor([list(video.grid_thw)]),
-                         max_new_tokens=steps, min_new_tokens=steps, do_sample=False, output_logits=True,
-                         return_dict_in_generate=True)
-    return ids, out.sequences[0, ids_t.shape[1]:].tolist(), out.logits[0][0]
+# the reference model runs (helpers.qwen3_reference)
 
 
 @pytest.fixture(scope="module")
@@ -260,19 +156,8 @@ def test_chunked_prefill_and_decode_equal_transformers(bundles, sessions, clips,
     video = clips["long"][0]
     ref = references[("long", q)]
     tokenizer = bundles[seq_len].tokenizer
-    engine = make_engine(bundles, sessions, seq_len, backend, q)
-    prompt = engine.prepare(our_pieces(*split_template(tokenizer, QUESTION)), [video])
-    assert prompt.ids.tolist() == ref.ids
-    np.testing.assert_array_equal(prompt.positions, ref.positions)
-    np.testing.assert_array_equal(prompt.encoded[0].kept_indices, ref.kept)
-    # Chunk boundaries fall inside the video placeholder (the state crosses them mid-video).
-    placeholder = prompt.placeholders[0]
-    cuts = range(seq_len, len(ref.ids), seq_len)
-    assert any(placeholder.offset < cut < placeholder.offset + placeholder.length for cut in cuts)
-    result = engine.generate(prompt, eos_ids=())
-    assert result.num_prefill_chunks == -(-len(ref.ids) // seq_len) >= 2
-    assert result.generated_token_ids == ref.tokens
-    assert_top_logits_match(result.prefill_top_logits, ref.first_logits, ATOL)
+    assert_chunked_run_equals(make_engine(bundles, sessions, seq_len, backend, q), video, ref, tokenizer, QUESTION,
+                              seq_len, ATOL)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -315,19 +200,8 @@ def test_continuous_batching_reused_rows_equal_transformers(bundles, sessions, h
                                 encoder_cache_size=256)
     config = EngineConfig(m.prefill_seq_len, m.ctx_len, m.user_vision_size, Q)
     engine = ServingEngine(bundle.family, vision, recording, config, scheduler)
-    tokenizer = bundle.tokenizer
-    requests = {"a": ("long", QUESTION), "b": ("short", QUESTION), "c": ("short", "Describe the video in detail."),
-                "d": ("long", "Where")}
-    expected, lengths = {}, set()
-    for request_id, (clip, question) in requests.items():
-        video, indices, fps = clips[clip]
-        ref = (references[(clip, Q)] if question == QUESTION else
-               hf_reference(hf_model, tokenizer, question, video, indices, fps, Q, DECODE_STEPS))
-        expected[request_id] = ref.tokens
-        lengths.add(len(ref.ids))
-        engine.add_request(ServeRequest(request_id, our_pieces(*split_template(tokenizer, question)), [video],
-                                        max_new_tokens=DECODE_STEPS))
-    assert len(lengths) == 4
+    known = {(clip, QUESTION): references[(clip, Q)] for clip in ("long", "short")}
+    expected = add_cb_requests(engine, hf_model, bundle.tokenizer, clips, known, Q, DECODE_STEPS)
     outputs = engine.run_to_completion()
     first_chunks = [row for row, slot in recording.prefills if slot == 0]
     assert len(first_chunks) == 4 and sorted(set(first_chunks)) == list(range(FULL_BATCH)), recording.prefills
@@ -398,20 +272,11 @@ def test_verify_fp16_follows_the_state_over_many_chunks(bundles):
 
 def test_qeff_evs_run_equals_transformers(bundles, references, tmp_path, capsys):
     """``qeff-evs run`` (the CLI, its own prompt and stop ids) over the 64-token export at its q = 0.5."""
-    clip = CLIPS[0]
-    path = tmp_path / "clip.npy"
-    np.save(path, moving_square_video(clip.frames, clip.height, clip.width, seed=clip.seed))
     bundle = bundles[64]
-    capsys.readouterr()
-    code = cli.main(["run", str(bundle.export_dir), "--video", str(path), "--prompt", QUESTION,
-                     "--max-new-tokens", str(DECODE_STEPS), "--json"])
-    assert code == 0
-    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    result = qeff_evs_run(bundle, CLIPS[0], QUESTION, DECODE_STEPS, tmp_path, capsys)
     ref = references[("long", Q)]
-    stops = set(stop_ids(bundle))
-    expected = ref.tokens[: next((i + 1 for i, t in enumerate(ref.tokens) if t in stops), len(ref.tokens))]
     assert result["prompt_token_ids"] == ref.ids
-    assert result["generated_token_ids"] == expected
+    assert result["generated_token_ids"] == until_stop(ref.tokens, stop_ids(bundle))
 
 
 def test_vidcom2_equals_transformers(bundles, hf_model, clips):

@@ -56,8 +56,8 @@ EXPORT = dict(video_pruning_rate=0.5, frames=(8,), resolutions=((112, 196),), pr
               user_vision_size=48)
 FULL_BATCH = 2
 # Qwen3.5: 16 px patches (120x200 -> 128x192), layers linear, full, linear, linear.
-FAMILY_EXPORT = {"qwen3_5": dict(resolutions=((128, 192),))}
-FAMILY_CHECKPOINT = {"qwen3_5": dict(text_layers=4)}
+FAMILY_EXPORT = {"qwen3_5": dict(resolutions=((128, 192),)), "qwen3_5_moe": dict(resolutions=((128, 192),))}
+FAMILY_CHECKPOINT = {"qwen3_5": dict(text_layers=4), "qwen3_5_moe": dict(text_layers=4)}
 
 # --------------------------------------------------------------------------------------------------
 # the fake Apps SDK
@@ -356,11 +356,13 @@ def export_tiny(root: Path, full_batch_size: int | None, family: str = "qwen2_5_
 
 @pytest.fixture(scope="module")
 def exports(tmp_path_factory) -> dict[str, Path]:
-    """A plain and a continuous-batching export, and a continuous-batching Qwen3.5 one (linear-attention
-    layers: conv and recurrent state kept on the device beside the KV cache); QPC folders not yet "compiled"."""
+    """A plain and a continuous-batching export, and continuous-batching Qwen3.5 and Qwen3.5-MoE ones (linear-attention
+    layers: conv and recurrent state kept on the device beside the KV cache; sparse MLPs, routers in the
+    node-precision file); QPC folders not yet "compiled"."""
     return {"plain": export_tiny(tmp_path_factory.mktemp("plain"), None),
             "cb": export_tiny(tmp_path_factory.mktemp("cb"), FULL_BATCH),
-            "qwen3_5_cb": export_tiny(tmp_path_factory.mktemp("qwen3_5_cb"), FULL_BATCH, "qwen3_5")}
+            "qwen3_5_cb": export_tiny(tmp_path_factory.mktemp("qwen3_5_cb"), FULL_BATCH, "qwen3_5"),
+            "qwen3_5_moe_cb": export_tiny(tmp_path_factory.mktemp("qwen3_5_moe_cb"), FULL_BATCH, "qwen3_5_moe")}
 
 
 @pytest.fixture(scope="module")
@@ -435,7 +437,7 @@ def test_missing_qpc_folder_says_to_compile(exports, device, tmp_path):
 # results and buffer traffic
 
 
-@pytest.mark.parametrize("kind", ["plain", "cb", "qwen3_5_cb"])
+@pytest.mark.parametrize("kind", ["plain", "cb", "qwen3_5_cb", "qwen3_5_moe_cb"])
 def test_tokens_equal_onnx_runtime_backend(compiled, device, video_npy, kind):
     bundle = open_export(compiled[kind])
     expected = generate(bundle, engine_for(bundle, "ort"), video_npy)
@@ -467,7 +469,7 @@ def moved(table: dict[str, int]) -> dict[str, int]:
     return {name: size for name, size in table.items() if size}
 
 
-@pytest.mark.parametrize("kind", ["plain", "cb", "qwen3_5_cb"])
+@pytest.mark.parametrize("kind", ["plain", "cb", "qwen3_5_cb", "qwen3_5_moe_cb"])
 def test_kv_goes_up_once_per_load_and_each_call_moves_only_its_inputs(compiled, device, video_npy, kind):
     bundle = open_export(compiled[kind])
     engine = engine_for(bundle, "qaic")

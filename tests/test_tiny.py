@@ -156,7 +156,8 @@ def test_unknown_family_is_rejected(tokenizer, tmp_path):
 
 # The released widths each family's bench config copies: (vocab, hidden, video pad id).
 RELEASED = {"qwen2_5_vl": (151936, 2048, 151656), "qwen3_vl": (151936, 2048, 151656),
-            "qwen3_5": (248320, 1024, 248057)}
+            "qwen3_5": (248320, 1024, 248057), "qwen3_vl_moe": (151936, 2048, 151656),
+            "qwen3_5_moe": (248320, 2048, 248057)}
 
 
 @pytest.mark.parametrize("family", family_names())
@@ -175,11 +176,23 @@ def test_realistic_config_is_consistent(family):
         assert vision.fullatt_block_indexes == [2]
     elif family == "qwen3_vl":
         assert max(vision.deepstack_visual_indexes) < vision.depth
-    else:  # Qwen3.5-0.8B: full attention every 4th layer, 16 + 16 linear heads of 128
+    elif family == "qwen3_5":  # Qwen3.5-0.8B: full attention every 4th layer, 16 + 16 linear heads of 128
         assert text.layer_types == ["linear_attention"] * 3 + ["full_attention"]
         assert (text.num_attention_heads, text.num_key_value_heads, text.head_dim, rotary) == (8, 2, 256, 64)
         assert (text.linear_num_key_heads, text.linear_num_value_heads, text.linear_key_head_dim) == (16, 16, 128)
         assert (vision.hidden_size, vision.intermediate_size, vision.num_heads) == (768, 3072, 12)
+    elif family == "qwen3_vl_moe":  # Qwen3-VL-30B-A3B: 128 experts of 768, 8 per token, every layer sparse
+        assert max(vision.deepstack_visual_indexes) < vision.depth
+        assert (text.num_attention_heads, text.num_key_value_heads, text.head_dim) == (32, 4, 128)
+        assert (text.num_experts, text.num_experts_per_tok, text.moe_intermediate_size) == (128, 8, 768)
+        assert (text.decoder_sparse_step, text.mlp_only_layers, config.tie_word_embeddings) == (1, [], False)
+    else:  # Qwen3.5-35B-A3B: 256 experts of 512, 8 per token, a shared expert of 512, 16 + 32 linear heads
+        assert text.layer_types == ["linear_attention"] * 3 + ["full_attention"]
+        assert (text.num_attention_heads, text.num_key_value_heads, text.head_dim, rotary) == (16, 2, 256, 64)
+        assert (text.linear_num_key_heads, text.linear_num_value_heads, text.linear_key_head_dim) == (16, 32, 128)
+        assert (text.num_experts, text.num_experts_per_tok, text.moe_intermediate_size,
+                text.shared_expert_intermediate_size) == (256, 8, 512, 512)
+        assert config.tie_word_embeddings is False
     # Shapes are consistent: the real class builds on the meta device (no memory).
     with torch.device("meta"):
         model = family_class(family).model_class(config)

@@ -106,3 +106,36 @@ def keep_in_fp32(converted: onnx.ModelProto, tensors: Iterable[str], inputs: Ite
     del graph.node[:]
     graph.node.extend(nodes)
     return model
+
+
+# A sparse MoE router as exported (``qeff_evs.models.sparse_moe.route``): MatMul -> Softmax -> [Cast] -> TopK, the
+# TopK values renormalised by ReduceSum and Div.
+ROUTER_OPS = frozenset({"Cast", "TopK", "ReduceSum", "Div"})
+
+
+def router_paths(model: onnx.ModelProto) -> list[list[str]]:
+    """Each MoE router of the graph, in graph order, as the float node outputs from its logits to its renormalised
+    weights: the logits MatMul, the Softmax, casts, the TopK values, their sum and quotient. A router is a Softmax
+    over a MatMul whose probabilities (through casts) feed a TopK; an attention Softmax feeds none."""
+    producers = {name: node for node in model.graph.node for name in node.output}
+    readers: dict[str, list[onnx.NodeProto]] = {}
+    for node in model.graph.node:
+        for name in node.input:
+            readers.setdefault(name, []).append(node)
+    paths = []
+    for node in model.graph.node:
+        logits = producers.get(node.input[0]) if node.op_type == "Softmax" else None
+        if logits is None or logits.op_type != "MatMul":
+            continue
+        path, frontier = [logits.output[0], node.output[0]], [node.output[0]]
+        while frontier:
+            name = frontier.pop()
+            if producers[name].op_type == "Div":  # the renormalised weights: the router ends here
+                continue
+            for reader in readers.get(name, ()):
+                if reader.op_type in ROUTER_OPS and reader.output[0] not in path:
+                    path.append(reader.output[0])
+                    frontier.append(reader.output[0])
+        if any(producers[name].op_type == "TopK" for name in path):
+            paths.append(path)
+    return paths

@@ -13,7 +13,8 @@ Layout of the export folder::
     language/language.onnx        language graph (QEfficient contract, user_vision_size windows)
     language/specializations.json prefill + decode; + specializations.named.json
     language/custom_io.yaml
-    language/node_precision.yaml  the ops an fp32 layer state flows through (-node-precision-info), if any
+    language/node_precision.yaml  the ops kept fp32 on the card (-node-precision-info): an fp32 layer state's path,
+                                  each MoE router's, if any
     tokenizer.json, tokenizer_config.json, chat_template.jinja, ...
                                   the checkpoint's tokenizer (and chat template), at the top like a model folder
     config.json, generation_config.json   the export as a model folder (vLLM, transformers' Auto* classes)
@@ -38,7 +39,7 @@ import onnx
 from qeff_evs import evs
 from qeff_evs.positions import rope_table_length
 from qeff_evs.export.language import export_language_graph
-from qeff_evs.export.node_precision import node_precision_yaml, state_path
+from qeff_evs.export.node_precision import node_precision_yaml, router_paths, state_path
 from qeff_evs.export.vision import export_encoder_graph, export_pruning_graph
 from qeff_evs.manifest import (
     EXPORT_FILES,
@@ -86,7 +87,7 @@ from qeff_evs.specializations.sets import check_frame_size, check_frames_per_cal
 from qeff_evs.specializations.placement import PerGraph, write_placement_record
 
 FLOAT32 = "float32"
-NODE_PRECISION_FILE = "language/node_precision.yaml"  # the language graph's fp32 state path, when it has one
+NODE_PRECISION_FILE = "language/node_precision.yaml"  # the language graph's fp32 nodes (state paths, routers), if any
 
 Progress = Callable[[str], None]
 PREPROCESSOR_FILES = ("preprocessor_config.json", "video_preprocessor_config.json")
@@ -198,14 +199,17 @@ def embedding_io_names(family: ModelFamily | type[ModelFamily]) -> tuple[str, ..
     return (*EMBEDDING_NAMES, *(rows.name for rows in family.extra_rows))
 
 
-def write_state_node_precision(export_dir: Path, layer_states: Sequence[LayerState]) -> Path | None:
-    """The language graph's ``-node-precision-info`` file keeping each fp32 layer state's path in fp32
-    (``node_precision.state_path``: from its input to its ``_RetainedState``); None when no state is fp32."""
+def write_node_precision(export_dir: Path, layer_states: Sequence[LayerState]) -> Path | None:
+    """The language graph's ``-node-precision-info`` file keeping in fp32 each fp32 layer state's path
+    (``node_precision.state_path``: from its input to its ``_RetainedState``) and each MoE router's
+    (``node_precision.router_paths``: logits to renormalised weights; in fp16 twice as many tokens change their
+    top-k set, ``benchmarks/moe_router_fp16.py``); None when the graph has neither."""
     fp32 = [name for state in layer_states if state.precision == FLOAT32 for name in state.input_names]
-    if not fp32:
-        return None
     model = onnx.load(str(export_dir / EXPORT_FILES["language"]), load_external_data=False)
-    names = list(dict.fromkeys(node for name in fp32 for node in state_path(model, name, name + RETAINED_SUFFIX)))
+    names = [node for name in fp32 for node in state_path(model, name, name + RETAINED_SUFFIX)]
+    names = list(dict.fromkeys(names + [node for path in router_paths(model) for node in path]))
+    if not names:
+        return None
     path = export_dir / NODE_PRECISION_FILE
     path.write_text(node_precision_yaml(names))
     return path
@@ -220,7 +224,7 @@ def compile_commands(export_dir: Path, options: CompileOptions, kv_precision: st
     are per role (``manifest.graph_role``): every method's pruning graph gets the pruning role's.
     ``embedding_names``: the I/O kept in fp16 on the card (``embedding_io_names``); ``layer_states``: a
     family's other retained state (custom IO by its declared precision); ``node_precision``: the language
-    graph's node-precision file (``write_state_node_precision``), passed to its compile line."""
+    graph's node-precision file (``write_node_precision``), passed to its compile line."""
     if node_precision is not None:
         if any(flag.startswith(NODE_PRECISION_FLAG) for flag in options.extra_flags):
             raise ValueError(f"the export keeps its fp32 state's ops in fp32 with {node_precision}; add your nodes to "
@@ -332,7 +336,7 @@ def export_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, 
                               prefill_seq_len=1, comp_ctx_lengths=bool(ctx_lengths))
 
     progress("checking specializations against the graphs and writing compile inputs")
-    node_precision = write_state_node_precision(out, spec.layer_states)
+    node_precision = write_node_precision(out, spec.layer_states)
     if node_precision is not None:
         files["language_node_precision"] = NODE_PRECISION_FILE
     commands = compile_commands(out, CompileOptions(num_cores=options.num_cores, mxfp6_matmul=options.mxfp6_matmul),

@@ -40,7 +40,7 @@ import yaml
 from qeff_evs import evs
 from qeff_evs.evs import kept_from_ranking
 from qeff_evs.export.fp16 import convert_to_fp16
-from qeff_evs.export.node_precision import keep_in_fp32
+from qeff_evs.export.node_precision import keep_in_fp32, router_paths
 from qeff_evs.export.onnx_graph import legacy_export
 from qeff_evs.manifest import LANGUAGE_DECODE, MODEL_CONFIG_DIR, PRUNING_ROLE, graph_role, pruning_graph, read_manifest
 from qeff_evs.models.graph_io import BATCH_INDEX, COMP_CTX_LENGTHS, RETAINED_SUFFIX, LanguageGraphIO, state_shapes
@@ -55,6 +55,7 @@ EVS_NORMS = (20.0, 100.0)
 MAGNITUDE = 1e3
 DECODE_STEPS = 4
 STATE_CHUNKS, STATE_DECODE_STEPS = 16, 64  # the layer-state workload: prefill chunks, then decode steps
+ROUTER_CHUNKS = 8  # the router workload: prefill chunks of video-like media rows
 
 
 def compile_lines(export_dir: Path) -> dict[str, bool]:
@@ -313,6 +314,99 @@ def state_comparison(fp32_dir: Path, fp16_dir: Path | None, chunks: int = STATE_
     return _compare_runs("layer_states", results["fp32"], results.get("fp16"), **detail)
 
 
+def _router_outputs(model: onnx.ModelProto, paths: list[list[str]]) -> tuple[list[str], list[str]]:
+    """Each router's probabilities (its Softmax output) and chosen experts (its TopK indices) in the fp32 graph (the
+    fp16 emulation keeps both names)."""
+    producers = {name: node for node in model.graph.node for name in node.output}
+    chosen = [next(producers[name].output[1] for name in path if producers[name].op_type == "TopK") for path in paths]
+    return [path[1] for path in paths], chosen
+
+
+def _router_probe(model: onnx.ModelProto, probs: list[str], chosen: list[str]) -> onnx.ModelProto:
+    """``model`` with the routers' probabilities and chosen experts as extra graph outputs."""
+    probe = onnx.ModelProto()
+    probe.CopyFrom(model)
+    probe.graph.output.extend([onnx.helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, None) for name in probs]
+                              + [onnx.helper.make_tensor_value_info(name, onnx.TensorProto.INT64, None) for name in chosen])
+    return probe
+
+
+def router_comparison(export_dir: Path, chunks: int = ROUTER_CHUNKS) -> Comparison | None:
+    """The MoE routers of the language graph under the fp16 emulation, with the router in fp16 and kept in fp32
+    (its path from logits to renormalised weights in the node-precision list; the rest as the export's
+    node-precision file says): ``chunks`` prefill chunks of video-like media rows (norms 20..100, frames drifting),
+    each run carrying its own KV/state. Per (token, sparse layer): whether the fp16 run's top-k set differs from
+    fp32's, and for each flipped one fp32's margin between its k-th and (k+1)-th router probability (how near a
+    tie the flip was). None for a graph without routers."""
+    manifest = read_manifest(export_dir)
+    model = onnx.load(str(manifest.path(export_dir, "language")))
+    paths = router_paths(model)
+    if not paths:
+        return None
+    listed = []
+    if "language_node_precision" in manifest.files:
+        listed = yaml.safe_load(manifest.path(export_dir, "language_node_precision").read_text())
+        listed = listed.get("FP32NodeInstanceNames") or []
+    router_nodes = {name for path in paths for name in path}
+    others = [name for name in listed if name not in router_nodes]
+    fp32_inputs = [name for state in manifest.language_shape.layer_states if state.precision == "float32"
+                   for name in state.input_names]
+    converted = convert_to_fp16(model)
+    variants = {"fp32": model,
+                "router_fp16": keep_in_fp32(converted, others, fp32_inputs),
+                "router_fp32": keep_in_fp32(converted, others + sorted(router_nodes), fp32_inputs)}
+    import onnxruntime as ort
+
+    probs, chosen = _router_outputs(model, paths)
+    runs, outputs = {}, {}
+    with tempfile.TemporaryDirectory() as scratch:
+        for label, graph in variants.items():
+            path = Path(scratch) / f"{label}.onnx"  # external data: a realistic-width graph passes 2 GB
+            onnx.save(_router_probe(graph, probs, chosen), str(path), save_as_external_data=True,
+                      location=f"{label}.data")
+            run = _LanguageRun(export_dir)
+            run.session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+            run.io_outputs = [*run.io.output_names, *probs, *chosen]
+            runs[label], outputs[label] = run, []
+    seq_len = runs["fp32"].prefill_seq_len
+    shape = runs["fp32"].shape
+    rows = video_like_rows(chunks, seq_len - 1, shape.hidden, EVS_NORMS, seed=5)
+    for c in range(chunks):
+        ids, positions, vision = _chunk(runs["fp32"], seq_len, 0, seed=200 + c,
+                                        media_rows=rows[c * (seq_len - 1):(c + 1) * (seq_len - 1)])
+        positions = positions + c * seq_len
+        for label, run in runs.items():
+            outputs[label].append(_run_with(run, ids, positions, vision, len(paths)))
+    top_k = outputs["fp32"][0][1][0].shape[-1]
+    ranked = [-np.sort(-p, axis=-1) for probs, _ in outputs["fp32"] for p in probs]  # descending per token
+    margins = np.concatenate([p[:, top_k - 1] - p[:, top_k] for p in ranked])
+    detail = {"routers": len(paths), "top_k": int(top_k), "tokens_x_layers": int(margins.size),
+              "median_margin": float(np.median(margins))}
+    for label in ("router_fp16", "router_fp32"):
+        flipped = np.concatenate([np.any(np.sort(a, axis=-1) != np.sort(b, axis=-1), axis=-1)
+                                  for (_, ours), (_, theirs) in zip(outputs["fp32"], outputs[label])
+                                  for a, b in zip(ours, theirs)])
+        detail[f"flipped_share_{label}"] = float(flipped.mean())
+        detail[f"flipped_margins_{label}"] = sorted(float(m) for m in margins[flipped])
+        detail[f"flipped_margin_max_{label}"] = float(margins[flipped].max()) if flipped.any() else 0.0
+    compiled = set(router_nodes) <= set(listed)
+    return Comparison("router", detail={**detail, "compiled_router_precision": "float32" if compiled else "float16"})
+
+
+def _run_with(run: _LanguageRun, input_ids, positions, vision, routers: int) -> tuple[list, list]:
+    """One prefill chunk through a router probe: (each router's probabilities, each router's chosen experts)."""
+    feeds = {**run.state, **vision, "input_ids": input_ids, "position_ids": positions,
+             "image_idx": np.zeros((1, 1), np.int64)}
+    if BATCH_INDEX in run.io.input_names:
+        feeds[BATCH_INDEX] = np.zeros((input_ids.shape[0], 1), np.int64)
+    values = dict(zip(run.io_outputs, run.session.run(run.io_outputs, feeds)))
+    for name, value in values.items():
+        if name.endswith(RETAINED_SUFFIX):
+            run.state[name[: -len(RETAINED_SUFFIX)]] = value
+    names = run.io_outputs[len(run.io.output_names):]
+    return [values[n] for n in names[:routers]], [values[n] for n in names[routers:]]
+
+
 def _vision_feeds(export_dir: Path, role: str, session, seed: int) -> dict[str, np.ndarray]:
     """Sample inputs of a vision-side graph at its first specialization.
 
@@ -467,6 +561,10 @@ def verify_export(export_dir: str | Path, fp16: bool = False, progress: Progress
             progress(f"language graph's layer states over {STATE_CHUNKS} chunks and {STATE_DECODE_STEPS} decode steps")
             report.comparisons.append(state_comparison(export_dir, twin))
         if fp16:
+            progress(f"MoE routers over {ROUTER_CHUNKS} chunks of video-like rows, router in fp16 and in fp32")
+            router = router_comparison(export_dir)
+            if router is not None:
+                report.comparisons.append(router)
             progress(f"EVS arithmetic at widths {EVS_WIDTHS}, norms {EVS_NORMS}")
             report.comparisons += evs_comparisons(export_dir, _evs_graph_converts(export_dir, converts))
     return report
@@ -485,7 +583,9 @@ def format_report(report: VerifyReport) -> str:
         if c.kept_token_agreement is not None:
             parts.append(f"kept-token agreement {c.kept_token_agreement:.2%}")
         parts += [f"{key.replace('_', ' ')} {value:.3g}" for key, value in c.detail.items()
-                  if key.endswith("_relative_error")]
+                  if isinstance(value, float) and (key.endswith("_relative_error") or key.startswith("flipped_"))]
+        if "compiled_router_precision" in c.detail:
+            parts.append(f"compiled router {c.detail['compiled_router_precision']}")
         parts.append(f"inf/NaN fp32 {c.nonfinite_fp32}" + (f" fp16 {c.nonfinite_fp16}" if report.fp16 else ""))
         lines.append("  " + "  ".join(parts))
     lines += [f"  problem: {p}" for p in report.problems] or ["  no inf/NaN"]

@@ -247,6 +247,17 @@ class LanguageGraph(nn.Module):
             position_embeddings=step.rotary,
         )
 
+    def attention(self, layer: nn.Module, hidden: torch.Tensor, step: LayerStep) -> torch.Tensor:
+        """A decoder layer's self-attention alone over the slot KV cache, for a graph that runs the rest of the
+        layer itself (``hidden``: after the layer's input norm)."""
+        return layer.self_attn(hidden_states=hidden, attention_mask=step.attention_mask, position_ids=step.slots,
+                               past_key_values=step.cache, position_embeddings=step.rotary)[0]
+
+    def feed_forward(self, layer_idx: int, layer: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+        """A decoder layer's MLP, for a graph that runs the rest of the layer itself (``hidden``: after the
+        layer's post-attention norm): transformers' own, unless a family's graph computes it otherwise."""
+        return layer.mlp(hidden)
+
     @staticmethod
     def _check_comp_ctx_len(position_ids, past_keys, comp_ctx_lengths) -> None:
         if torch.jit.is_tracing() or comp_ctx_lengths is None or not past_keys:

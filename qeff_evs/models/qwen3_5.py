@@ -140,7 +140,7 @@ class Qwen3_5LanguageGraph(LanguageGraph):
                      step.batch_index)
         step.states[conv], step.states[recurrent] = out.conv_state, out.recurrent_state
         hidden = hidden + out.hidden_states
-        return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        return hidden + self.feed_forward(layer_idx, layer, layer.post_attention_layernorm(hidden))
 
 
 @register_family

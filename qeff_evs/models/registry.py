@@ -27,9 +27,9 @@ F = TypeVar("F", bound=type)
 
 def _shipped_modules() -> tuple[ModuleType, ...]:
     """The families qeff-evs ships, in listing order: importing a family's module registers it."""
-    from qeff_evs.models import qwen2_5_vl, qwen3_5, qwen3_vl
+    from qeff_evs.models import qwen2_5_vl, qwen3_5, qwen3_5_moe, qwen3_vl, qwen3_vl_moe
 
-    return (qwen2_5_vl, qwen3_vl, qwen3_5)
+    return (qwen2_5_vl, qwen3_vl, qwen3_5, qwen3_vl_moe, qwen3_5_moe)
 
 
 def _registered() -> list[type[ModelFamily]]:
