@@ -31,7 +31,7 @@ def engine_config(bundle: ExportBundle, pruning: VideoPruning | None = None, **o
     pruning = video_pruning(bundle) if pruning is None else pruning
     m.check_pruning(pruning.method, pruning.rate)
     return EngineConfig(m.prefill_seq_len, m.ctx_len, m.user_vision_size, pruning.rate,
-                        video_pruning_method=pruning.method, **overrides)
+                        video_pruning_method=pruning.method, short_prefill_lens=m.short_prefill_lens, **overrides)
 
 
 def build_engine(bundle: ExportBundle, backend: str = "ort", max_new_tokens: int = 16,

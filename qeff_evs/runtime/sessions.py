@@ -3,7 +3,7 @@ pipeline, the language session, or both."""
 
 from __future__ import annotations
 
-from qeff_evs.manifest import pruning_graph
+from qeff_evs.manifest import LANGUAGE_DECODE, pruning_graph
 from qeff_evs.runtime.backends.ort import OrtEncoderSession, OrtLanguageSession, OrtPruningSession
 from qeff_evs.runtime.backends.torch_reference import TorchEncoderSession, TorchLanguageSession, TorchPruningSession
 from qeff_evs.runtime.backends.vision import VisionPipeline
@@ -88,7 +88,7 @@ def _torch_language(bundle: ExportBundle, checkpoint, device: str | None) -> Tor
     language = ExportableLanguageGraph(
         bundle.family.language_graph(checkpoint.model, bundle.family.special_tokens().media_pads,
                                      shape.rope_positions, bundle.manifest.prefill_seq_len),
-        continuous_batching=shape.continuous_batching)
+        continuous_batching=shape.continuous_batching, comp_ctx_lengths=bool(shape.comp_ctx_lengths))
     return TorchLanguageSession(language, shape, device)
 
 
@@ -98,7 +98,8 @@ def language_session(bundle: ExportBundle, backend: str, device: str | None = No
     m, root = bundle.manifest, bundle.export_dir
     _check_device_ids(backend, device_ids)
     if backend == "ort":
-        return OrtLanguageSession(m.path(root, "language"), bundle.language_shape)
+        decode = m.path(root, LANGUAGE_DECODE) if LANGUAGE_DECODE in m.files else None
+        return OrtLanguageSession(m.path(root, "language"), bundle.language_shape, decode)
     if backend == "torch":
         from qeff_evs.models.checkpoint import load_checkpoint
 

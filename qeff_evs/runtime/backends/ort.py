@@ -80,11 +80,20 @@ class OrtLanguageSession(RetainedStateSession):
     ``graph`` is its path or an opened ``InferenceSession``. ``state`` maps each retained input to the numpy
     array that *is* its bound buffer: what the last call wrote, read without a copy; write into it in place
     (``state[name][...] = ...``) to change what the next call reads.
+    ``decode_graph``: the export's decode-only twin (``manifest.LANGUAGE_DECODE``, same I/O), run for one-token
+    calls instead of a graph that computes its prefill path there too; it is bound to the same buffers.
     """
 
-    def __init__(self, graph, shape: LanguageShape):
+    def __init__(self, graph, shape: LanguageShape, decode_graph=None):
         self.session = _session(graph)
+        self.decode_session = None if decode_graph is None else _session(decode_graph)
         self._dtypes = {i.name: _numpy_dtype(i.type) for i in self.session.get_inputs()}
+        if self.decode_session is not None:
+            names = ([i.name for i in self.decode_session.get_inputs()],
+                     [o.name for o in self.decode_session.get_outputs()])
+            if names != ([i.name for i in self.session.get_inputs()], [o.name for o in self.session.get_outputs()]):
+                raise ValueError(f"the decode-only language graph's I/O {names} differs from the language graph's; "
+                                 "re-export this folder")
         super().__init__(shape, [i.name for i in self.session.get_inputs()],
                          [o.name for o in self.session.get_outputs()])
         self._logits_at = self.output_names.index("logits")
@@ -98,33 +107,31 @@ class OrtLanguageSession(RetainedStateSession):
             raise ValueError(f"the language graph retains {missing}, which the export's language shape does not "
                              "describe; re-export this folder with this qeff-evs")
         self.state: dict[str, np.ndarray] = {}
-        self.binding = self.session.io_binding()
-        for output in self.output_names:  # in graph order, which the binding's outputs then keep
+        sessions = [self.session] + ([] if self.decode_session is None else [self.decode_session])
+        self.bindings = [session.io_binding() for session in sessions]
+        for output in self.output_names:  # in graph order, which the bindings' outputs then keep
             name = output.removesuffix(RETAINED_SUFFIX)
             if name in retained:
                 self._bind_state(name, np.zeros(dims[name], dtype=self._dtypes[name]))
             else:
-                self.binding.bind_output(output, "cpu")
+                for binding in self.bindings:
+                    binding.bind_output(output, "cpu")
 
     def _bind_state(self, name: str, buffer: np.ndarray) -> None:
         import onnxruntime as ort
 
         self.state[name] = buffer
         value = ort.OrtValue.ortvalue_from_numpy(buffer)  # on the CPU: shares the array's memory
-        self.binding.bind_ortvalue_input(name, value)
-        self.binding.bind_ortvalue_output(name + RETAINED_SUFFIX, value)
-
-    def _bind_per_call_outputs(self) -> None:
-        # Rebound each call: a bound output keeps the shape of its last call, and logits change shape
-        # between prefill (one row) and decode (decode_batch_size rows).
-        for name in self.output_names:
-            if not name.endswith(RETAINED_SUFFIX):
-                self.binding.bind_output(name, "cpu")
+        for binding in self.bindings:
+            binding.bind_ortvalue_input(name, value)
+            binding.bind_ortvalue_output(name + RETAINED_SUFFIX, value)
 
     def _call(self, inputs: dict[str, np.ndarray]) -> np.ndarray:
         missing = [name for name in self.input_names if name not in inputs and name not in self.state]
         if missing:
             raise ValueError(f"language graph inputs {missing} were not provided")
+        one_token = self.decode_session is not None and inputs["input_ids"].shape[1] == 1
+        session, binding = (self.decode_session, self.bindings[1]) if one_token else (self.session, self.bindings[0])
         for name, value in inputs.items():
             value = np.ascontiguousarray(value, dtype=self._dtypes[name])
             if name in self.state:
@@ -132,10 +139,14 @@ class OrtLanguageSession(RetainedStateSession):
                 # returns it as it came, into the same buffer).
                 self._bind_state(name, value)
             else:
-                self.binding.bind_cpu_input(name, value)
-        self._bind_per_call_outputs()
-        self.session.run_with_iobinding(self.binding)
-        return self.binding.get_outputs()[self._logits_at].numpy()
+                binding.bind_cpu_input(name, value)
+        # Rebound each call: a bound output keeps the shape of its last call, and logits change shape
+        # between prefill (one row) and decode (decode_batch_size rows).
+        for name in self.output_names:
+            if not name.endswith(RETAINED_SUFFIX):
+                binding.bind_output(name, "cpu")
+        session.run_with_iobinding(binding)
+        return binding.get_outputs()[self._logits_at].numpy()
 
 
 _NUMPY_DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(int64)": np.int64,

@@ -26,6 +26,7 @@ from qeff_evs import evs
 from qeff_evs.models.protocol import MediaInput, ModelFamily
 from qeff_evs.models.pruning import DEFAULT_METHOD, VideoPruning
 from qeff_evs.positions import check_rope_range
+from qeff_evs.specializations.sets import chunk_seq_len
 from qeff_evs.runtime.backends.base import DecodeRow, LanguageSession, VisionSession, close_session, decode_batch
 from qeff_evs.runtime.engine.request import EncodedMedia, PromptPiece, PromptPlan, plan_prompt
 from qeff_evs.runtime.engine.steps import prefill_step
@@ -40,6 +41,7 @@ class EngineConfig:
     max_new_tokens: int = 16
     pad_token_id: int = 0
     video_pruning_method: str = DEFAULT_METHOD
+    short_prefill_lens: tuple[int, ...] = ()  # the export's shorter prefill lengths (Manifest.short_prefill_lens)
 
     def __post_init__(self) -> None:
         VideoPruning(self.video_pruning_method, self.video_pruning_rate)  # raises on a bad method or rate
@@ -53,6 +55,10 @@ class EngineConfig:
     @property
     def pruning(self) -> VideoPruning:
         return VideoPruning(self.video_pruning_method, self.video_pruning_rate)
+
+    def chunk_seq_len(self, scheduled: int) -> int:
+        """The prefill length a chunk of ``scheduled`` tokens is padded to: the shortest the export has."""
+        return chunk_seq_len(scheduled, self.prefill_seq_len, self.short_prefill_lens)
 
 
 def kept_count(family: ModelFamily, media: MediaInput, pruning: VideoPruning) -> int:
@@ -202,7 +208,7 @@ class Executor:
         elif request.cache_row is None:
             request.cache_row = self.free_cache_row()
         self._fill(request, computed, scheduled)
-        inputs = prefill_step(request.plan, computed, scheduled, cfg.prefill_seq_len, cfg.user_vision_size,
+        inputs = prefill_step(request.plan, computed, scheduled, cfg.chunk_seq_len(scheduled), cfg.user_vision_size,
                               shape.hidden, shape.extras, cfg.pad_token_id)
         request.vision_rows_per_chunk.append(inputs.vision_rows)
         self.progress(f"prefill {request_id} [{computed}, {computed + scheduled}): {inputs.vision_rows} vision rows")
