@@ -126,13 +126,14 @@ def test_all_bytes_per_chunk_are_what_the_session_binds(qwen3_window):
     kv = {name: buffer for name, buffer in session.state.items() if name.startswith("past_")}
     assert kv
     bound: list[tuple[str, int]] = []
-    for method in ("bind_cpu_input", "bind_ortvalue_input"):
-        original = getattr(session.binding, method)
+    for binding in session.bindings:
+        for method in ("bind_cpu_input", "bind_ortvalue_input"):
+            original = getattr(binding, method)
 
-        def spy(name, value, original=original):
-            bound.append((name, int(np.asarray(value.numpy() if hasattr(value, "numpy") else value).nbytes)))
-            return original(name, value)
-        setattr(session.binding, method, spy)
+            def spy(name, value, original=original):
+                bound.append((name, int(np.asarray(value.numpy() if hasattr(value, "numpy") else value).nbytes)))
+                return original(name, value)
+            setattr(binding, method, spy)
     steps = [prefill_step(prompt, c, n, 16, shape.vision_size, shape.hidden, shape.extras)
              for c, n in prefill_chunks(len(prompt.ids), 16)]
     assert len(steps) > 1
