@@ -24,6 +24,11 @@ def save(results: dict, output: Path) -> None:
     plot(results, output / f"{RESULTS}.png")
 
 
+def _size(n: int) -> str:
+    """MiB, or KiB where MiB would print as 0.00 (a chunk fed only its ids and positions)."""
+    return f"{n / MIB:.2f} MiB" if n >= MIB / 100 else f"{n / 1024:.1f} KiB"
+
+
 def _ratio(a: float | None, b: float | None) -> str:
     return "n/a" if not a or not b else f"{a / b:.2f}x"
 
@@ -57,11 +62,11 @@ def markdown(results: dict) -> list[str]:
         name = f"{name} | {'in place' if cost.get('state_in_place', False) else 'fed every call'}"
         lines.append(
             f"| {name} | {cost['prompt_tokens']:,} | {cost['chunks']} | {cost['vision_rows_per_chunk']:,} | "
-            f"{cost['vision_bytes_per_chunk'] / MIB:.2f} MiB | {cost['all_bytes_per_chunk'] / MIB:.2f} MiB | "
+            f"{_size(cost['vision_bytes_per_chunk'])} | {_size(cost['all_bytes_per_chunk'])} | "
             f"{t['vision_s']:.2f} | {t['prefill_s']:.2f} | {t['ms_per_chunk']:.0f} | {t['ttft_s']:.2f} | "
             f"{_ratio(base_ttft, t['ttft_s'])} |" if theirs else
             f"| {name} | {cost['prompt_tokens']:,} | {cost['chunks']} | {cost['vision_rows_per_chunk']:,} | "
-            f"{cost['vision_bytes_per_chunk'] / MIB:.2f} MiB | {cost['all_bytes_per_chunk'] / MIB:.2f} MiB | "
+            f"{_size(cost['vision_bytes_per_chunk'])} | {_size(cost['all_bytes_per_chunk'])} | "
             f"{t['vision_s']:.2f} | {t['prefill_s']:.2f} | {t['ms_per_chunk']:.0f} | {t['ttft_s']:.2f} | n/a |")
     lines += ["", "All bytes per chunk: every input fed to a chunk's call. KV cache \"in place\": bound once "
               "as the graph's input and its retained output, never fed"
