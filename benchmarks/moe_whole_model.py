@@ -25,10 +25,14 @@ from qeff_evs.bench.checkpoint import model_config
 from qeff_evs.bench.config import preset, validate
 from qeff_evs.bench.graphs import build_graphs
 from qeff_evs.bench.memory import peak_mb
+from qeff_evs.bench.realistic import realistic_config
 from qeff_evs.bench.report import environment
 from qeff_evs.bench.suite import model_summary
 from qeff_evs.bench.timing import CPU, WALL
 from qeff_evs.models.registry import family_class
+from qeff_evs.models.sparse_moe import HIT
+
+from moe_expert_forms import FP16, MODELS, cost  # this folder's script: the sparse block's computed cost
 
 RATES = (0.0, 0.5, 0.75)
 FRAMES, SIDE = 16, 448
@@ -58,24 +62,39 @@ def run(family: str, out: Path, text_layers: int, vision_layers: int, repeats: i
     return result
 
 
+def mlp_cost(family: str, tokens: int = 128) -> tuple[float, float]:
+    """fp16 GB and GFLOP of one text layer's MLP for a ``tokens``-token chunk: the sparse block in the graphs'
+    ``hit`` form (``moe_expert_forms.cost``: experts, router, shared expert), or the dense sibling's MLP."""
+    text = realistic_config(family, 1, 2).text_config
+    if getattr(text, "num_experts", None):
+        model = MODELS[family]
+        c = cost(HIT, tokens, model)
+        return c["weight_bytes"] / 1e9, c["flops"] / 1e9
+    weights = 3 * text.hidden_size * text.intermediate_size
+    return weights * FP16 / 1e9, 2 * tokens * weights / 1e9
+
+
 def table(out: Path, pairs: list[tuple[str, str]]) -> str:
     lines = ["| model | q | K | chunks | prefill CPU s | prefill wall s | q / q0 CPU | peak RSS MB (sweep) "
-             "| export + open s | export peak RSS MB |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "| export + open s | export peak RSS MB | MLP per layer and chunk (fp16 GB, GFLOP) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for pair in pairs:
         for family in pair:
             path = out / f"{family}.json"
             if not path.is_file():
-                lines.append(f"| {family} | not measured | | | | | | | | |")
+                lines.append(f"| {family} | not measured | | | | | | | | | |")
                 continue
             r = json.loads(path.read_text())
             rows = r["pruning_sweep"]["rows"]
             q0 = next(row for row in rows if row["q"] == 0.0)
+            gb, gflop = mlp_cost(family)
             for row in rows:
                 lines.append(
                     f"| {family} ({r['model']['text_layers']}+{r['model']['vision_layers']} layers) | {row['q']:g} "
                     f"| {row['kept_tokens']} | {row['prefill_chunks']} | {row[CPU]['prefill_ms'] / 1000:.1f} "
                     f"| {row[WALL]['prefill_ms'] / 1000:.1f} | {row[CPU]['prefill_ms'] / q0[CPU]['prefill_ms']:.2f} "
-                    f"| {row['peak_rss_mb']:.0f} | {r['export_open_s']:.0f} | {r['export_peak_rss_mb']:.0f} |")
+                    f"| {row['peak_rss_mb']:.0f} | {r['export_open_s']:.0f} | {r['export_peak_rss_mb']:.0f} "
+                    f"| {gb:.3f}, {gflop:.1f} |")
     text = "\n".join(lines) + "\n"
     (out / "moe_whole_model.md").write_text(text)
     return text
