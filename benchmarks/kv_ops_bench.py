@@ -13,6 +13,12 @@ between processes more than the differences measured)::
 
 ``time`` prints the median process CPU time per call (ONNX Runtime on one thread, so CPU time is
 the work done, whatever else runs on the machine).
+
+``state FOLDER`` times the runtime's session over the same graphs two ways, interleaved in one process: the
+retained state fed as host arrays and read back every call (``session.run``, as the language session did
+before issue 25), and ``OrtLanguageSession`` with each cache bound in place (IOBinding, no copies)::
+
+    python benchmarks/kv_ops_bench.py state after/ [--ctx-len 8192]
 """
 
 from __future__ import annotations
@@ -84,6 +90,61 @@ def time_folders(folders: list[Path], ctx_len: int, prefill_seq_len: int, repeat
             print(f"{graph[:-5]:14s} {label:12s} rows {rows}: {medians}  ms", flush=True)
 
 
+def language_shape(session: ort.InferenceSession, ctx_len: int, vision_size: int):
+    """The ``LanguageShape`` of one of these graphs at ``ctx_len``, read from its inputs."""
+    from qeff_evs.manifest import LanguageShape
+
+    dims = {i.name: i.shape for i in session.get_inputs()}
+    layers = sum(name.startswith("past_key.") for name in dims)
+    _, kv_heads, _, head_dim = dims["past_key.0"]
+    extras = {name: shape[0] for name, shape in dims.items() if name == "deepstack_features"}
+    cb = "batch_index" in dims
+    return LanguageShape(layers, kv_heads, head_dim, dims["vision_embeds"][2], ctx_len, vision_size, extras,
+                         CB_ROWS if cb else 1, continuous_batching=cb)
+
+
+def time_state(folder: Path, ctx_len: int, prefill_seq_len: int, repeats: int) -> None:
+    from qeff_evs.runtime.backends.base import LanguageInputs
+    from qeff_evs.runtime.backends.ort import OrtLanguageSession
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = options.inter_op_num_threads = 1
+    for graph in sorted(p.name for p in folder.glob("*.onnx")):
+        session = ort.InferenceSession(str(folder / graph), options, providers=["CPUExecutionProvider"])
+        shape = language_shape(session, ctx_len, prefill_seq_len)
+        bound = OrtLanguageSession(session, shape)
+        retained = list(bound.state)
+        host = {name: np.zeros_like(value) for name, value in bound.state.items()}
+        outputs = [o.name for o in session.get_outputs()]
+        batch = CB_ROWS if shape.continuous_batching else 1
+        for label, seq_len, start, rows in (("decode", 1, 200, batch), (f"prefill {prefill_seq_len}", prefill_seq_len, 0, 1)):
+            values = feeds(session, seq_len, ctx_len, start, rows)
+            per_call = {k: v for k, v in values.items() if k not in retained or (seq_len > 1 and not k.startswith("past_"))}
+
+            def copied():  # the state as host arrays: fed in whole, every output read back
+                results = dict(zip(outputs, session.run(None, {**host, **per_call})))
+                host.update({name: results[name + "_RetainedState"] for name in retained})
+
+            step = LanguageInputs(values["input_ids"], values["position_ids"], per_call.get("vision_embeds"),
+                                  {k: per_call[k] for k in shape.extras if k in per_call}, values["image_idx"], 0)
+            batch_index = values["batch_index"].reshape(-1).tolist() if shape.continuous_batching else None
+
+            def in_place():
+                bound.run_rows(step, batch_index) if batch_index is not None else bound.run(step)
+
+            samples = {"copied": [], "in place": []}
+            for run in (copied, in_place):
+                run()  # warm-up
+            for repeat in range(repeats):
+                for name, run in (("copied", copied), ("in place", in_place))[:: 1 if repeat % 2 == 0 else -1]:
+                    begin = time.process_time()
+                    run()
+                    samples[name].append((time.process_time() - begin) * 1e3)
+            medians = {name: statistics.median(s) for name, s in samples.items()}
+            print(f"{graph[:-5]:14s} {label:12s} rows {rows}: copied {medians['copied']:7.2f}  in place "
+                  f"{medians['in place']:7.2f} ms  ({medians['copied'] / medians['in place']:.2f}x)", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -93,10 +154,18 @@ def main() -> None:
     timing.add_argument("--ctx-len", type=int, default=8192)
     timing.add_argument("--prefill-seq-len", type=int, default=128)
     timing.add_argument("--repeats", type=int, default=50)
+    state = commands.add_parser("state")
+    state.add_argument("folder", type=Path)
+    state.add_argument("--ctx-len", type=int, default=8192)
+    state.add_argument("--prefill-seq-len", type=int, default=128)
+    state.add_argument("--repeats", type=int, default=50)
     args = parser.parse_args()
     if args.command == "export":
         args.folder.mkdir(parents=True, exist_ok=True)
         export(args.folder)
+    elif args.command == "state":
+        print("median CPU ms per call, the state copied in and out / bound in place")
+        time_state(args.folder, args.ctx_len, args.prefill_seq_len, args.repeats)
     else:
         print("median CPU ms per call, columns: " + "  ".join(str(f) for f in args.folders))
         time_folders(args.folders, args.ctx_len, args.prefill_seq_len, args.repeats)

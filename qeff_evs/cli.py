@@ -84,6 +84,9 @@ def cmd_export(args: argparse.Namespace) -> int:
         resolutions=tuple(_resolutions(_flatten(args.height), _flatten(args.width))),
         prefill_seq_len=args.prefill_seq_len,
         ctx_len=args.ctx_len,
+        ctx_lengths=None if args.ctx_lengths is None else tuple(_flatten(args.ctx_lengths)),
+        short_prefill_lens=None if args.short_prefill_lens is None else tuple(
+            n for n in _flatten(args.short_prefill_lens) if n != 0),
         user_vision_size=args.user_vision_size,
         kv_precision=args.kv_precision,
         num_cores=_per_graph(args.num_cores, "--num-cores"),
@@ -194,7 +197,7 @@ def _serve_requests(args: argparse.Namespace, bundle, pruning) -> int:
     from qeff_evs.runtime.builders import build_serving_engine
     from qeff_evs.runtime.requests_jsonl import requests_from_jsonl
 
-    requests = requests_from_jsonl(args.requests, bundle)
+    requests = requests_from_jsonl(args.requests, bundle, pruning)
     engine = build_serving_engine(bundle, args.backend, args.max_num_seqs, args.max_num_batched_tokens,
                                   args.encoder_cache_rows, progress=_progress, device_ids=_device_ids(args),
                                   pruning=pruning)
@@ -277,6 +280,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--width", type=_int_list, action="append", required=True, help="frame widths")
     p.add_argument("--prefill-seq-len", type=int, default=128)
     p.add_argument("--ctx-len", type=int, default=8192)
+    p.add_argument("--short-prefill-lens", type=_int_list, action="append", default=None,
+                   help="shorter prefill lengths, e.g. 32: a chunk holding at most that many tokens (a prompt's tail) "
+                        "runs in it instead of a full --prefill-seq-len chunk; 0 for none (default: --prefill-seq-len halved "
+                        "down to 32, e.g. 32,64 for 128; none for a graph unrolled for one length: Qwen3.5)")
+    p.add_argument("--ctx-lengths", type=_int_list, action="append", default=None,
+                   help="compute context lengths, e.g. 2048,8192,32768: decode and prefill specializations that read "
+                        "only that many KV slots; a call runs in the smallest holding its last position (--ctx-len is "
+                        "always one; pass just --ctx-len for one length; default: --ctx-len / 4^k down to 2048)")
     p.add_argument("--user-vision-size", type=int, default=None,
                    help="vision rows per prefill chunk (default: the prefill length)")
     p.add_argument("--kv-precision", choices=(FLOAT16, MXINT8), default=FLOAT16)

@@ -44,6 +44,14 @@ EXPORT_FILES = dict(
 )
 
 
+# A graph unrolled for its prefill length (Qwen3.5's linear-attention layers) computes the chunked rule *and* the
+# one-token recurrence and selects by seq_len; the card's compiler drops the untaken path per specialization,
+# ONNX Runtime does not. Such an export also carries this decode-only twin (the same I/O), which the ORT session
+# runs for seq_len-1 calls; the card compiles only the language graph.
+LANGUAGE_DECODE = "language_decode"
+LANGUAGE_DECODE_FILE = "language/language_decode.onnx"
+
+
 def pruning_graph(method: str) -> str:
     """The graph (and file key) of one pruning method: ``pruning_evs`` at ``vision/pruning_evs.onnx``."""
     return f"{PRUNING_ROLE}_{method}"
@@ -164,8 +172,16 @@ class LanguageShape:
     # Decoder layers with a KV cache (``past_key.{i}``/``past_value.{i}``); None: every layer.
     kv_layers: tuple[int, ...] | None = None
     layer_states: tuple[LayerState, ...] = ()  # per-row state of the other layers (e.g. linear attention)
+    # Compute context lengths (DESIGN §15), ascending, the last ctx_len: a call reads only the first
+    # comp_ctx_len slots of its KV row. Empty: the graph has no comp_ctx_lengths input and every call reads
+    # ctx_len (exports without a ladder, and every export written before it; their manifests lack the key).
+    comp_ctx_lengths: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "comp_ctx_lengths", tuple(int(n) for n in self.comp_ctx_lengths))
+        if self.comp_ctx_lengths and self.comp_ctx_lengths[-1] != self.ctx_len:
+            raise ValueError(f"compute context lengths {list(self.comp_ctx_lengths)} must end at ctx_len "
+                             f"{self.ctx_len}; re-export this folder")
         if self.kv_layers is not None:
             object.__setattr__(self, "kv_layers", tuple(int(i) for i in self.kv_layers))
         object.__setattr__(self, "layer_states", tuple(
@@ -186,6 +202,16 @@ class LanguageShape:
     @property
     def kv_layer_indices(self) -> tuple[int, ...]:
         return tuple(range(self.num_layers)) if self.kv_layers is None else self.kv_layers
+
+    def comp_ctx_len(self, last_slot: int) -> int | None:
+        """The compute context length a call whose largest KV slot is ``last_slot`` runs in: the smallest of
+        ``comp_ctx_lengths`` holding it (None: the graph has no such input and reads all of ``ctx_len``)."""
+        if not self.comp_ctx_lengths:
+            return None
+        if not 0 <= last_slot < self.ctx_len:
+            raise ValueError(f"KV slot {last_slot} lies outside [0, ctx_len={self.ctx_len}); a request must fit "
+                             "the export's context")
+        return next(n for n in self.comp_ctx_lengths if n > last_slot)
 
     def kv_row_bytes(self, itemsize: int = 2) -> int:
         """Bytes of one request row's KV cache (keys and values of every KV layer over ``ctx_len``)."""
@@ -245,6 +271,9 @@ class Manifest:
     video_pruning_method: str = "evs"  # the default method
     max_video_pruning_rate: float = 0.9  # the largest rate the RoPE tables were sized for
     kv_precision: str = "float16"
+    # Shorter prefill lengths a chunk that holds fewer tokens runs in (``Prefill<n>`` specializations); absent in
+    # manifests written before them: every chunk runs at prefill_seq_len.
+    short_prefill_lens: tuple[int, ...] = ()
     version: int = MANIFEST_VERSION
 
     @property
@@ -401,6 +430,7 @@ def read_manifest(export_dir: Path) -> Manifest:
     tokens["eos"] = tuple(tokens.get("eos", ()))
     raw["frame_buckets"] = tuple(raw["frame_buckets"])
     raw["video_pruning_methods"] = tuple(raw["video_pruning_methods"])
+    raw["short_prefill_lens"] = tuple(raw.get("short_prefill_lens", ()))
     raw["resolutions"] = tuple(tuple(r) for r in raw["resolutions"])
     return Manifest(**raw, special_tokens=SpecialTokens(**tokens), language_shape=LanguageShape(**shape),
                     encoder_entries=encoder, pruning_entries=pruning)

@@ -80,6 +80,36 @@ def test_outputs_written(smoke_run):
     assert "### Pruning sweep" in text and "### Window sweep" in text
 
 
+def test_ttft_runs_against_transformers_generate(smoke_run):
+    """The TTFT phase times the engine and transformers' own generate on the same clip; at q 0 both pick the same
+    first token (same fp32 weights), and every rate has a ratio to transformers."""
+    out, results = smoke_run
+    section = results["ttft"]
+    assert section["same_first_token_at_q0"] and section["first_tokens"]["transformers"]
+    assert set(section["vs_transformers"]) == {"transformers", "q=0", "q=0.5", "q=0.75"}
+    assert section["vs_transformers"]["transformers"] == {"wall": 1.0, "cpu": 1.0}
+    assert (out / "ttft.png").read_bytes().startswith(PNG_SIGNATURE)
+    assert "### Time to first token against transformers' generate" in (out / "results.md").read_text()
+
+
+def test_decode_context_runs_each_position_in_its_length(smoke_run):
+    """The decode phase: a step at each position ran in the smallest length holding it, beside the one-length graph
+    (timings are the bench's; the smoke run only checks what it measured)."""
+    out, results = smoke_run
+    section = results["decode_context"]
+    assert section["lengths"] == [64, 256]
+    assert [(r["position"], r["comp_ctx_len"]) for r in section["rows"]] == [(16, 64), (100, 256), (200, 256)]
+    assert all(r["ladder_ms"]["cpu"] > 0 and r["single_ms"]["cpu"] > 0 for r in section["rows"])
+    assert (out / "decode_context.png").read_bytes().startswith(PNG_SIGNATURE)
+    assert "### Decode step against position" in (out / "results.md").read_text()
+
+
+def test_prefill_lengths_times_each_length(smoke_run):
+    _, results = smoke_run
+    section = results["prefill_lengths"]
+    assert [r["seq_len"] for r in section["rows"]] == [4, 8, 16] and section["rows"][-1]["over_longest"]["cpu"] == 1
+
+
 def test_bench_graphs_are_a_qeff_evs_export(smoke_run):
     """The bench saved a checkpoint and measured the folder ``qeff-evs export`` made of it, which opens as
     ``qeff-evs run`` opens an export, with a specialization for every clip the phases ran."""
@@ -179,13 +209,13 @@ def test_only_one_phase_keeps_the_others_of_the_base_run(smoke_run, tmp_path):
         assert cli.main(["bench", "--smoke", "--only", "vision_sweep", "--base", str(out / "results.json"),
                          "-o", str(tmp_path)]) == 0
     partial = json.loads((tmp_path / "results.json").read_text())
-    for phase in ("pruning_sweep", "window_sweep", "evs_overhead"):
+    for phase in ("pruning_sweep", "window_sweep", "evs_overhead", "decode_context", "prefill_lengths"):
         assert partial[phase] == results[phase]
         assert partial["phase_runs"][phase] == results["phase_runs"][phase]
     assert partial["vision_sweep"]["samples"] != results["vision_sweep"]["samples"]  # timed again
     assert [r["frames"] for r in partial["vision_sweep"]["rows"]] == list(SMOKE.vision_sweep_frames)
     assert partial["vision_sweep"]["call_peak_mb"] is not None
-    assert (tmp_path / "results.md").read_text().count("Measured: ") == 4
+    assert (tmp_path / "results.md").read_text().count("Measured: ") == 7  # one per phase
 
 
 def test_only_refuses_a_base_run_of_other_graphs(smoke_run, tmp_path, capsys):
@@ -194,7 +224,7 @@ def test_only_refuses_a_base_run_of_other_graphs(smoke_run, tmp_path, capsys):
                      "--base", str(out / "results.json"), "-o", str(tmp_path)])
     assert code == 2
     assert "vision_layers (2 there, 3 here)" in capsys.readouterr().err
-    assert cli.main(["bench", "--smoke", "--only", "vision_sweep", "-o", str(tmp_path)]) == 2
+    assert cli.main(["bench", "--smoke", "--base", str(out / "results.json"), "-o", str(tmp_path)]) == 2  # no --only
     assert cli.main(["bench", "--smoke", "--only", "speed", "--base", str(out / "results.json"),
                      "-o", str(tmp_path)]) == 2
 
@@ -434,8 +464,8 @@ def test_a_phase_added_to_the_table_is_measured_reported_and_plotted(smoke_run, 
         assert cli.main(["bench", "--smoke", "--only", "encoder_calls", "--encoder-call-count", "3",
                          "--base", str(out / "results.json"), "-o", str(tmp_path)]) == 0
     partial = json.loads((tmp_path / "results.json").read_text())
-    assert partial["encoder_calls"]["calls"] == 3 and partial["config"]["options"] == {"encoder_call_count": 3}
-    for name in ("pruning_sweep", "window_sweep", "vision_sweep", "evs_overhead"):
+    assert partial["encoder_calls"]["calls"] == 3 and partial["config"]["options"]["encoder_call_count"] == 3
+    for name in ("pruning_sweep", "window_sweep", "vision_sweep", "evs_overhead", "decode_context", "prefill_lengths"):
         assert partial[name] == results[name]
     text = (tmp_path / "results.md").read_text()
     assert text.index("### EVS overhead") < text.index("### Encoder calls") and "3 calls timed" in text

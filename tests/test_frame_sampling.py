@@ -21,6 +21,7 @@ Oracles, none of them the code under test:
 from __future__ import annotations
 
 import ast
+import io
 import json
 import math
 import types
@@ -584,3 +585,65 @@ def test_sample_clip_is_pure_over_metadata():
     clip = sample_clip(metadata, frame_rule(spec.video_processor), ProcessorSettings.from_kwargs(spec))
     assert clip.num_frames == 20 and clip.grid_t == 10 and not metadata.do_sample_frames
     assert clip.indices == tuple(np.linspace(0, 299, 20).round().astype(int))
+
+
+# ------------------------------------------------------------------------------------------------
+# the plugin's video_url loader (qeff_evs.vllm.video_loader) against vLLM's own
+
+
+PLUGIN_LOADER_CASES = [{}, {"num_frames": 8}, {"num_frames": -1}, {"fps": 1}, {"fps": 6, "max_frames": 10},
+                       {"min_frames": 2, "max_frames": 40}]
+
+
+def _image_bytes(fmt: str) -> bytes:
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.fromarray(_texture(48, 64, seed=1)).save(buffer, format=fmt)
+    return buffer.getvalue()
+
+
+@pytest.mark.parametrize("backend", ["qwen2_vl", "qwen3_vl", "opencv"])
+def test_plugin_loader_equals_vllm_loader_where_it_works(clips, backend):
+    """vLLM's ``VideoMediaIO`` with its own loader, and the same call with ours: bit-equal frames and an equal
+    metadata dict on every clip and kwargs where vLLM's loader delivers frames; the one-frame file, where it
+    fails or delivers none, delivers its one frame with ours."""
+    from qeff_evs.vllm.video_loader import LOADERS
+
+    compared = 0
+    for name, path in clips.items():
+        data = path.read_bytes()
+        for kwargs in PLUGIN_LOADER_CASES:
+            media_io = VideoMediaIO(ImageMediaIO(), video_backend=backend, **kwargs)
+            ours = LOADERS[backend].load_bytes(data, num_frames=media_io.num_frames, **media_io.kwargs)
+            try:
+                frames, metadata = media_io.load_bytes(data).media
+            except ZeroDivisionError:  # vLLM's qwen2_vl loader on a clip shorter than a temporal patch
+                frames, metadata = np.zeros((0,)), None
+            if len(frames) == 0:
+                assert name == "h264_1f.mp4", (name, kwargs)
+                assert len(ours[0]) == 1 and ours[1]["frames_indices"] == [0] and ours[1]["total_num_frames"] == 1
+                continue
+            np.testing.assert_array_equal(ours[0], frames, err_msg=str((name, kwargs)))
+            assert ours[1] == metadata, (name, kwargs)
+            compared += 1
+    assert compared == (len(clips) - 1) * len(PLUGIN_LOADER_CASES)
+
+
+@pytest.mark.parametrize("what", ["png", "jpeg", "garbage", "truncated"])
+def test_plugin_loader_refuses_undecodable_bytes_by_name(clips, what):
+    """Bytes no frame decodes from: vLLM's loaders raise errors vLLM answers with HTTP 500 (ZeroDivisionError,
+    RuntimeError from torch.arange, numpy's ufunc errors); ours raise vLLM's validation error (HTTP 400) that names
+    the video_url and, for an image, says to send it as image_url."""
+    from vllm.exceptions import VLLMValidationError
+
+    from qeff_evs.vllm.video_loader import LOADERS
+
+    data = {"png": lambda: _image_bytes("PNG"), "jpeg": lambda: _image_bytes("JPEG"),
+            "garbage": lambda: b"\x00\x01 not a video " * 100,
+            "truncated": lambda: clips["h264_30fps_90f.mp4"].read_bytes()[:200]}[what]()
+    for backend, loader in LOADERS.items():
+        with pytest.raises(VLLMValidationError, match="video_url: no video frame can be decoded") as error:
+            loader.load_bytes(data, num_frames=32)
+        if what in ("png", "jpeg"):
+            assert f"they hold a {what.upper()} image: send it as image_url" in str(error.value), backend

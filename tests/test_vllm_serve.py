@@ -9,10 +9,10 @@ mid-generation frees its KV row (4 requests afterwards run at once and complete)
 
 Nothing a request carries can stop the server (issue 15): each kind of bad request (media pad tokens in
 the text, more pads than media, too many media, positions past the RoPE tables, corrupt and truncated
-videos, an unsupported media
-type, a huge image, refused parameters) gets a 4xx naming the value and the limit, and the next request
-succeeds. vLLM's own benchmark client (``vllm bench serve``, ShareGPT-style dataset with local videos) runs
-with 0 failures. Videos that come to one frame are padded in time as vLLM does and served (the soak
+videos, a PNG sent as ``video_url``, an unsupported media type, a huge image, refused parameters) gets a 4xx
+naming the value and the limit, and the next request succeeds. vLLM's own benchmark client (``vllm bench
+serve``, ShareGPT-style dataset with local videos) runs with 0 failures. Videos that come to one frame are
+padded in time as vLLM does and served, a one-frame file included (the plugin's video loader, issue 26; the soak
 sends them as good requests). The same export served again at other rates and with the other method
 (``--video-pruning-rate``, ``--video-pruning-method``) answers as ``qeff-evs run`` with those settings.
 """
@@ -46,6 +46,7 @@ from qeff_evs.bench.serving import write_video as write_mkv  # noqa: E402 (lossl
 from qeff_evs.models.pruning import VideoPruning  # noqa: E402
 from qeff_evs.runtime.engine.executor import kept_count  # noqa: E402
 from qeff_evs.runtime.engine.request import PromptPiece, plan_prompt  # noqa: E402
+from qeff_evs.runtime.request_pruning import rate_for_at_most  # noqa: E402
 from qeff_evs.runtime.inputs.prompt import chat_pieces  # noqa: E402
 from qeff_evs.runtime.inputs.synthetic import moving_square_video  # noqa: E402
 from helpers.vllm_server import openai_client  # noqa: E402
@@ -89,6 +90,8 @@ def media(tmp_path_factory):
                 # 8 frames 600 s apart: Qwen2.5-VL's temporal positions follow the timestamps, far past the RoPE tables
                 sparse=write_mkv(folder / "sparse.mkv", moving_square_video(8, 120, 120, seed=8), fps=Fraction(1, 600)),
                 three=write_mkv(folder / "three.mkv", moving_square_video(3, 120, 120, seed=6), fps=2),
+                # one frame: vLLM 0.32's own qwen2_vl loader divides by zero on it (HTTP 500); the plugin's loader serves it
+                one_frame=write_mkv(folder / "one.mkv", moving_square_video(1, 120, 120, seed=9), fps=2),
                 # 90 frames at 30 fps: sampled down as vLLM's processor does at the export's maximum (8 frames)
                 long=write_mkv(folder / "long.mkv", moving_square_video(90, 112, 150, seed=7), fps=30))
 
@@ -221,9 +224,12 @@ BAD_REQUESTS = {
     "positions past the RoPE tables": (lambda m: media_message([("video_url", m["sparse"], MKV)]), {},
                                        "; its prompt alone passes them"),
     "a corrupt video": (lambda m: media_message([("video_url", m["corrupt"], "video/mp4")]), {},
-                        "Could not open video stream"),
+                        "video_url: no video frame can be decoded from the video's"),
     "a truncated video": (lambda m: media_message([("video_url", m["truncated"], MKV)]), {},
-                          "Could not open video stream"),
+                          "video_url: no video frame can be decoded from the video's 200 bytes"),
+    # vLLM 0.32's own loader: "upper bound and lower bound inconsistent with step sign" (HTTP 500)
+    "an image sent as video_url": (lambda m: media_message([("video_url", m["image"], "video/mp4")]), {},
+                                   "they hold a PNG image: send it as image_url"),
     "an unsupported media type": (lambda m: media_message([("input_audio", m["image"], "")]), {},
                                   "At most 0 audio(s) may be provided in one prompt"),
     "not an image": (lambda m: media_message([("image_url", m["corrupt"], "image/png")]), {},
@@ -232,6 +238,12 @@ BAD_REQUESTS = {
                      "Image dimensions 20000x20000 (400000000 pixels) exceed the maximum"),
     "prompt_logprobs": (lambda m: text_message("hello"), {"prompt_logprobs": 1},
                         "prompt_logprobs=1: the language graph returns the last position's logits only"),
+    "a pruning rate past the RoPE tables": (lambda m: media_message([("video_url", m["clip"], MKV)]),
+                                            {"mm_processor_kwargs": {"video_pruning_rate": 0.99}},
+                                            "video 0: video_pruning_rate: video pruning rate 0.99 reaches"),
+    "an unknown pruning method": (lambda m: media_message([("video_url", m["clip"], MKV)]),
+                                  {"mm_processor_kwargs": {"video_pruning_method": "tome"}},
+                                  "video pruning method 'tome' is not one this export carries"),
     "mm_processor_kwargs": (lambda m: media_message([("video_url", m["clip"], MKV)]),
                             # the server trusts request kwargs (--trust-request-mm-kwargs); HF's processor refuses these
                             {"mm_processor_kwargs": {"fps": 2, "num_frames": 4}},
@@ -241,13 +253,13 @@ BAD_REQUESTS = {
 # Videos that come to one frame at the checkpoint's rate: kind -> (media key, what the 4xx says while refused).
 ONE_FRAME_VIDEOS = {
     "a video sampled to one frame": ("too_short", "exported frame count [2, 4, 8]"),
+    # vLLM 0.32's own qwen2_vl loader divides by zero on it in the frontend (HTTP 500, as on a GPU); the plugin's
+    # video loader delivers its frame (issue 26)
+    "a one-frame video file": ("one_frame", "division by zero"),
 }
-# A one-frame video file never reaches qeff-evs: vLLM 0.32's own qwen2_vl loader divides by zero on it in the
-# frontend (an unhandled exception: HTTP 500 and the connection closed, as on a GPU; the server goes on), so the
-# soak leaves it out.
 # vLLM pads such a video in time, and so does qeff-evs (issue 16): a kind not in this list leaves BAD_REQUESTS and the
 # soak sends it as a good request (its tokens equal to the request alone).
-ONE_FRAME_REFUSED: list[str] = []  # served since issue 16
+ONE_FRAME_REFUSED: list[str] = []  # served since issue 16 (the one-frame file since issue 26)
 BAD_REQUESTS.update({kind: (lambda m, key=key: media_message([("video_url", m[key], MKV)]), {}, says)
                      for kind, (key, says) in ONE_FRAME_VIDEOS.items() if kind in ONE_FRAME_REFUSED})
 
@@ -323,6 +335,42 @@ def test_max_tokens_past_the_rope_tables_names_the_largest_that_fits(server, exp
     assert f"positions up to {end + 149}" in str(error.value) and f"ask for at most max_tokens={room}," in str(error.value)
     reply = chat(server, video_message(path), max_tokens=room)
     assert reply.choices[0].finish_reason in ("length", "stop") and len(reply.choices[0].token_ids) <= room
+
+
+def test_each_request_chooses_its_pruning(server, export, media):
+    """Three requests with the same video at once, on a server at q 0.5: q 0, q 0.75 and at most N video tokens
+    (mm_processor_kwargs). Each equals ``qeff-evs run`` at its own setting (prompt and generated ids), and each
+    response's ``usage.prompt_tokens`` counts its own kept tokens."""
+    bundle = open_export(export)
+    t, h, w = bundle.family.merged_grid(video_from_file(media["clip"], bundle).grid_thw)
+    at_most = h * w * t // 3
+    cases = {"q 0": ({"video_pruning_rate": 0}, VideoPruning("evs", 0.0)),
+             "q 0.75": ({"video_pruning_rate": 0.75}, VideoPruning("evs", 0.75)),
+             "max_video_tokens": ({"max_video_tokens": at_most},
+                                  VideoPruning("evs", rate_for_at_most("evs", at_most, h * w, t)))}
+
+    def one(kwargs):
+        return chat(server, video_message(media["clip"]), extra_body={"mm_processor_kwargs": kwargs})
+
+    with ThreadPoolExecutor(len(cases)) as pool:
+        responses = dict(zip(cases, pool.map(one, [kwargs for kwargs, _ in cases.values()])))
+    for name, (_, pruning) in cases.items():
+        expected = run_answer(export, media["clip"], pruning)
+        response = responses[name]
+        assert response.choices[0].token_ids == expected.generated_token_ids, name
+        assert response.prompt_token_ids == expected.prompt_token_ids, name
+        assert response.usage.prompt_tokens == len(expected.prompt_token_ids), name
+    assert len({r.usage.prompt_tokens for r in responses.values()}) == len(cases)
+    kept = cases["max_video_tokens"][1].kept_token_count(h * w, t)
+    assert kept <= at_most < VideoPruning("evs", 0.5).kept_token_count(h * w, t)
+
+
+def test_one_frame_video_file_equals_qeff_evs_run(server, export, media):
+    """A one-frame file through the plugin's video loader: HTTP 200, padded in time as ``qeff-evs run`` pads it."""
+    expected = run_answer(export, media["one_frame"])
+    response = chat(server, video_message(media["one_frame"]))
+    assert response.choices[0].token_ids == expected.generated_token_ids
+    assert response.prompt_token_ids == expected.prompt_token_ids
 
 
 def test_unservable_video_is_a_400_and_the_server_goes_on(server, media):

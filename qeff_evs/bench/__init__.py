@@ -10,7 +10,9 @@ their sections into results.json and results.md. Measuring helpers: ``timing``, 
 ``benchmarks/README.md`` has the results; ``benchmarks/issue_targets.py`` judges a run against issues 6
 and 10's targets.
 ``--serving`` runs ``serving`` instead: vLLM's own benchmark client against ``vllm serve`` over exports (issue
-15).
+15). ``--vs-qefficient CHECKPOINT`` runs ``vs_qefficient`` instead: a user's checkpoint and clip through
+QEfficient's graphs (exported by QEfficient in its own Python) and ours, side by side (issue 27). Neither is a
+phase: they measure a given checkpoint or export, not the suite's random one.
 """
 
 from __future__ import annotations
@@ -76,7 +78,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--render", type=Path, default=None, metavar="RESULTS_JSON",
                         help="measure nothing: re-render results.md and the plots of a saved results.json")
     parser.add_argument("--only", type=_names, default=None, metavar="PHASES",
-                        help=f"measure only these phases ({', '.join(phase_names())}) and keep the others from --base")
+                        help=f"measure only these phases ({', '.join(phase_names())}); with --base, keep the others from it")
     parser.add_argument("--base", type=Path, default=None, metavar="RESULTS_JSON",
                         help="with --only: the saved results.json whose other phases are kept (each section says "
                              "which run measured it)")
@@ -124,6 +126,20 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     serving.add_argument("--num-prompts", type=int, default=None, help="requests per export (default 12)")
     serving.add_argument("--max-concurrency", type=int, default=None, help="default 4")
     serving.add_argument("--output-len", type=int, default=None, help="new tokens per request (default 16)")
+    versus = parser.add_argument_group(
+        "QEfficient comparison (--vs-qefficient): a checkpoint and clip through QEfficient's graphs and ours; "
+        "takes --frames (default 16), --size (default 448), --pruning-rates (default 0,0.5,0.75), "
+        "--prefill-seq-len (default 128), --ctx-len (default 8192), -o, --workdir")
+    versus.add_argument("--vs-qefficient", type=Path, default=None, metavar="CHECKPOINT",
+                        help="a transformers checkpoint folder (Qwen2.5-VL or Qwen3-VL) to compare on")
+    versus.add_argument("--clip", type=Path, default=None, help="the video (a file, or a (T, H, W, 3) uint8 .npy)")
+    versus.add_argument("--qefficient-python", default=None, metavar="PYTHON",
+                        help="the Python of an environment with QEfficient installed (default "
+                             "$QEFF_EVS_QEFFICIENT_PYTHON; none: qeff-evs is measured alone, and the report says so)")
+    versus.add_argument("--new-tokens", type=int, default=8, help="greedy tokens compared per side (default 8)")
+    versus.add_argument("--question", default="What happens in this video?")
+    versus.add_argument("--accounting-frames", type=_ints, default=(64,), metavar="FRAMES",
+                        help="frame counts whose vision bytes per chunk are counted from the shapes (default 64)")
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
@@ -179,10 +195,37 @@ def run_serving(args: argparse.Namespace, progress) -> int:
     return 0
 
 
+def run_vs_qefficient(args: argparse.Namespace, progress) -> int:
+    import sys
+    import tempfile
+
+    from qeff_evs.bench.vs_qefficient import VsConfig, qefficient_python, run_comparison
+    from qeff_evs.bench.vs_qefficient_report import markdown
+
+    if args.clip is None:
+        raise ValueError("--vs-qefficient needs --clip: the video both sides are given")
+    for path, flag in ((args.vs_qefficient, "--vs-qefficient"), (args.clip, "--clip")):
+        if not path.exists():
+            raise ValueError(f"{flag} {path}: not found")
+    given = {"frames": args.frames, "pruning_rates": args.pruning_rates, "prefill_seq_len": args.prefill_seq_len,
+             "ctx_len": args.ctx_len}
+    config = VsConfig(args.vs_qefficient, args.clip, qefficient_python(args.qefficient_python),
+                      new_tokens=args.new_tokens, question=args.question, accounting_frames=args.accounting_frames,
+                      **({"size": (args.size, args.size)} if args.size else {}),
+                      **{k: v for k, v in given.items() if v is not None})
+    with tempfile.TemporaryDirectory(prefix="qeff_evs_vs_qefficient_") as scratch:
+        results = run_comparison(config, args.output, Path(args.workdir or scratch), progress,
+                                 command=" ".join(["qeff-evs", *sys.argv[1:]]))
+    print("\n".join(markdown(results)))
+    return 0
+
+
 def run_bench(args: argparse.Namespace, progress) -> int:
     require_plotting()
     if args.serving:
         return run_serving(args, progress)
+    if args.vs_qefficient is not None:
+        return run_vs_qefficient(args, progress)
     from qeff_evs.bench.report import markdown
     from qeff_evs.bench.suite import render_saved, run_suite
 

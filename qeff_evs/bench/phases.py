@@ -11,7 +11,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-from qeff_evs.bench import overhead, pruning, vision_sweep, window_sweep
+from qeff_evs.bench import decode_context, overhead, prefill_lengths, pruning, ttft, vision_sweep, window_sweep
 from qeff_evs.bench.config import BenchConfig
 from qeff_evs.bench.phase import Option, Phase
 
@@ -34,9 +34,12 @@ def check_table(phases: Sequence[Phase]) -> tuple[Phase, ...]:
 
 PHASES: tuple[Phase, ...] = check_table((
     pruning.PHASE,
+    ttft.PHASE,
     window_sweep.PHASE,
     vision_sweep.PHASE,
     overhead.PHASE,
+    decode_context.PHASE,
+    prefill_lengths.PHASE,
 ))
 
 

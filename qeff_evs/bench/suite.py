@@ -72,10 +72,9 @@ def run_suite(config: BenchConfig, output: Path, workdir: Path | None, progress:
     hf_config = model_config(config)
     vc = family_class(config.family).config_paths.read(hf_config)
     validate(config, vc.patch_size, vc.merge_size, vc.temporal_patch_size)
-    if (only is None) != (base is None):
-        raise ValueError("--only and --base go together: the phases to measure, and the results.json that "
-                         "holds the others")
-    saved = load_base(config, only, base) if only is not None else None
+    if base is not None and only is None:
+        raise ValueError("--base keeps the phases --only does not measure: pass --only PHASES with it")
+    saved = load_base(config, only, base) if base is not None else None  # --only alone: those phases only
     selected = phases.select(only)
     for phase in selected:
         if phase.check is not None:

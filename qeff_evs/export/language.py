@@ -3,7 +3,8 @@
 The graph's I/O names, order and dynamic axes are ``qeff_evs.models.graph_io.LanguageGraphIO``; the
 traced module is ``qeff_evs.models.language.ExportableLanguageGraph``. The dynamic symbols are
 ``batch_size``, ``seq_len``, ``vision_size`` and ``ctx_len`` (``full_batch_size`` for the caches under
-continuous batching); one file serves the prefill and the decode specializations.
+continuous batching, ``comp_ctx_len`` with compute context lengths); one file serves the prefill and the
+decode specializations.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 from torch import nn
 
 from qeff_evs.export.onnx_graph import check_named_axes, check_static_ops, legacy_export
-from qeff_evs.models.graph_io import BATCH_INDEX, LanguageGraphIO
+from qeff_evs.models.graph_io import BATCH_INDEX, COMP_CTX_LENGTHS, LanguageGraphIO
 from qeff_evs.models.language import ExportableLanguageGraph, LanguageSpec
 from qeff_evs.models.registry import family_for_config
 
@@ -33,12 +34,16 @@ def language_dummy_inputs(
     ctx_len: int = 32,
     dtype: torch.dtype = torch.float32,
     full_batch_size: int | None = None,
+    comp_ctx_len: int | None = None,
 ) -> dict[str, torch.Tensor]:
     """Example inputs keyed and ordered like the graph: a prefill chunk with a few media tokens.
 
     With ``full_batch_size`` (continuous batching) the caches have that many rows and
-    ``batch_index`` sends batch row ``b`` to cache row ``full_batch_size - 1 - b``.
+    ``batch_index`` sends batch row ``b`` to cache row ``full_batch_size - 1 - b``. With ``comp_ctx_len`` the
+    graph takes ``comp_ctx_lengths`` of that length (in ``[seq_len, ctx_len]``).
     """
+    if comp_ctx_len is not None and not seq_len <= comp_ctx_len <= ctx_len:
+        raise ValueError(f"example comp_ctx_len {comp_ctx_len} must lie in [seq_len {seq_len}, ctx_len {ctx_len}]")
     if seq_len > ctx_len:
         raise ValueError(f"example seq_len {seq_len} exceeds ctx_len {ctx_len}; choose ctx_len >= seq_len")
     if full_batch_size is not None and full_batch_size < batch_size:
@@ -47,7 +52,7 @@ def language_dummy_inputs(
             "distinct cache rows, so choose full_batch_size >= batch_size"
         )
     io = LanguageGraphIO(spec.num_layers, tuple(spec.extras), full_batch_size is not None, spec.io_kv_layers,
-                         spec.layer_states)
+                         spec.layer_states, comp_ctx_len is not None)
     media = min(seq_len // 2, vision_size)
     input_ids = torch.zeros(batch_size, seq_len, dtype=torch.int64)
     input_ids[:, 1 : 1 + media] = spec.media_token_ids[-1]
@@ -61,6 +66,8 @@ def language_dummy_inputs(
         "position_ids": positions,
         "image_idx": torch.zeros(1, 1, dtype=torch.int64),
     }
+    if comp_ctx_len is not None:
+        values[COMP_CTX_LENGTHS] = torch.arange(comp_ctx_len, dtype=torch.int64)
     if full_batch_size is not None:
         values[BATCH_INDEX] = (full_batch_size - 1 - torch.arange(batch_size, dtype=torch.int64)).reshape(-1, 1)
     for state in spec.layer_states:  # fp32 like the graph's float inputs
@@ -82,6 +89,7 @@ def export_language_graph(
     full_batch_size_example: int = 4,
     rope_positions: int | None = None,
     prefill_seq_len: int | None = None,
+    comp_ctx_lengths: bool = False,
 ) -> Path:
     """Trace the language step of ``hf_model`` (legacy exporter, opset 17) and write it to ``path``.
 
@@ -90,11 +98,12 @@ def export_language_graph(
     value is only traced with; the specializations choose the real one). ``rope_positions`` is the
     length of the RoPE cos/sin tables (default: the config's ``max_position_embeddings``).
     ``prefill_seq_len``: the compiled prefill length; a family graph that unrolls its prefill per length
-    (``LanguageGraph.trace_seq_len``) is built for it and traced at it.
+    (``LanguageGraph.trace_seq_len``) is built for it and traced at it. ``comp_ctx_lengths``: the graph takes
+    the ``comp_ctx_lengths`` input (an export with compute context lengths, DESIGN §15).
     """
     family = family_for_config(hf_model.config)
     graph = family.language_graph(hf_model, media_token_ids, rope_positions, prefill_seq_len)
-    module = ExportableLanguageGraph(graph, continuous_batching)
+    module = ExportableLanguageGraph(graph, continuous_batching, comp_ctx_lengths)
     io = module.io
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -111,6 +120,8 @@ def export_language_graph(
         ctx_len=ctx_len_example,
         dtype=dtype,
         full_batch_size=full_batch_size_example if continuous_batching else None,
+        # Between seq_len and ctx_len, equal to neither, so the trace cannot tie its symbol to theirs.
+        comp_ctx_len=(seq_len_example + ctx_len_example) // 2 if comp_ctx_lengths else None,
     )
     _LOG.info(
         "exporting language graph (%d layers, extra rows %s, layer states %s, continuous_batching=%s) with "

@@ -32,7 +32,8 @@ writes padding into slot 0 of a live row. Our bodies instead *are* the skip, in 
   decode, vllm-qaic's ``batch_index = -1`` rows) redirects them onto slot 0 of row 0 with the value
   that slot already holds. So a skipped write touches nothing, whatever its batch row, and real
   writes land exactly once with their own values. The only full-cache pass is ScatterND's copy of
-  ``data`` (a graph input, which ONNX Runtime does not overwrite in place);
+  ``data`` into its output, which ONNX Runtime skips when both are one buffer: the runtime's language
+  session binds each cache as both (``qeff_evs.runtime.backends.ort``);
 * the gather bodies read slot 0 (and row 0) in place of a skipped index, as one Gather of
   ``head_dim`` vectors from the cache seen as ``(rows * heads * ctx_len, head_dim)``; the language
   graph zeroes what a skipped read returns (keys and values), so the card's unspecified skipped data

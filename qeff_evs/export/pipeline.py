@@ -43,6 +43,8 @@ from qeff_evs.export.node_precision import node_precision_yaml, router_paths, st
 from qeff_evs.export.vision import export_encoder_graph, export_pruning_graph
 from qeff_evs.manifest import (
     EXPORT_FILES,
+    LANGUAGE_DECODE,
+    LANGUAGE_DECODE_FILE,
     MODEL_CONFIG_DIR,
     PRUNING_ROLE,
     EncoderEntry,
@@ -70,9 +72,11 @@ from qeff_evs.specializations import (
     EncoderTarget,
     PruningTarget,
     Specialization,
+    comp_ctx_lengths,
     default_frame_buckets,
     language_specializations,
     prepare_graph_compile,
+    short_prefill_lens,
     state_precisions,
     vision_specializations,
     write_compile_script,
@@ -143,6 +147,11 @@ class ExportOptions:
     max_frames: int | None = None  # the largest bucket when frames is (); None: DEFAULT_MAX_FRAMES
     max_video_pruning_rate: float = DEFAULT_MAX_PRUNING_RATE  # the largest rate the RoPE tables cover
     video_pruning_methods: tuple[str, ...] = PRUNING_METHODS  # pruning graphs exported; the first is the default
+    # Compute context lengths (--ctx-lengths, DESIGN §15); None: specializations.sets' default ladder up to ctx_len.
+    ctx_lengths: tuple[int, ...] | None = None
+    # Shorter prefill lengths (--short-prefill-lens); None: specializations.sets' default where the family's graph
+    # takes any chunk length (a graph unrolled for its prefill length, Qwen3.5's, gets none).
+    short_prefill_lens: tuple[int, ...] | None = None
 
     @property
     def effective_user_vision_size(self) -> int:
@@ -263,8 +272,10 @@ def save_video_processor_config(checkpoint, family: ModelFamily, folder: Path) -
 def export_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, options: ExportOptions,
                       progress: Progress = lambda message: None) -> Manifest:
     q, max_rate, methods = check_pruning_options(options)
-    lang_specs = language_specializations(options.prefill_seq_len, options.ctx_len, options.user_vision_size,
-                                          full_batch_size=options.full_batch_size)
+    ctx_lengths = comp_ctx_lengths(options.ctx_lengths, options.ctx_len, options.prefill_seq_len)
+    short_lens = short_prefill_lens(options.short_prefill_lens, options.prefill_seq_len)
+    language_specializations(options.prefill_seq_len, options.ctx_len, options.user_vision_size,
+                             full_batch_size=options.full_batch_size)  # refuses bad sizes before the checkpoint loads
     rope_positions = options.rope_positions or rope_table_length(options.ctx_len, max_rate)
     if rope_positions < options.ctx_len:
         raise ValueError(f"--rope-positions {rope_positions} is below --ctx-len {options.ctx_len}; the RoPE tables "
@@ -276,6 +287,15 @@ def export_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, 
     vc = family.normalized_config
     check_frame_sizes(options, vc.patch_size, vc.merge_size, vc.temporal_patch_size)
     buckets = options.frame_buckets(vc.temporal_patch_size)
+    spec = language_spec(checkpoint.model)
+    if spec.layer_states:  # the family's graph unrolls its prefill for one length
+        if options.short_prefill_lens:
+            raise ValueError(f"--short-prefill-lens {list(options.short_prefill_lens)}: {family.name}'s language graph "
+                             "is unrolled for one prefill length (its linear-attention layers); drop the flag")
+        short_lens = ()
+    lang_specs = language_specializations(options.prefill_seq_len, options.ctx_len, options.user_vision_size,
+                                          full_batch_size=options.full_batch_size, comp_ctx_lengths=ctx_lengths,
+                                          short_prefill_lens=short_lens)
 
     encoder_targets, pruning_targets = [], []
     for height, width in options.resolutions:
@@ -302,12 +322,18 @@ def export_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, 
     for method in methods:
         export_pruning_graph(family.pruning_ranking(method), vc.vision_hidden, out / files[pruning_graph(method)],
                              progress=progress)
-    spec = language_spec(checkpoint.model)
     progress("exporting language graph")
     export_language_graph(checkpoint.model, out / files["language"],
                           media_token_ids=family.special_tokens().media_pads,
                           continuous_batching=options.full_batch_size is not None, rope_positions=rope_positions,
-                          prefill_seq_len=options.prefill_seq_len)
+                          prefill_seq_len=options.prefill_seq_len, comp_ctx_lengths=bool(ctx_lengths))
+    if spec.layer_states:  # an unrolled prefill graph: a decode-only twin for ONNX Runtime (manifest.LANGUAGE_DECODE)
+        progress("exporting the decode-only language graph")
+        files[LANGUAGE_DECODE] = LANGUAGE_DECODE_FILE
+        export_language_graph(checkpoint.model, out / LANGUAGE_DECODE_FILE,
+                              media_token_ids=family.special_tokens().media_pads,
+                              continuous_batching=options.full_batch_size is not None, rope_positions=rope_positions,
+                              prefill_seq_len=1, comp_ctx_lengths=bool(ctx_lengths))
 
     progress("checking specializations against the graphs and writing compile inputs")
     node_precision = write_node_precision(out, spec.layer_states)
@@ -337,7 +363,7 @@ def export_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, 
             ctx_len=options.ctx_len, vision_size=options.effective_user_vision_size, extras=dict(spec.extras),
             full_batch_size=options.full_batch_size or 1, vocab=spec.vocab_size,
             continuous_batching=options.full_batch_size is not None, rope_positions=rope_positions,
-            kv_layers=spec.io_kv_layers, layer_states=spec.layer_states),
+            kv_layers=spec.io_kv_layers, layer_states=spec.layer_states, comp_ctx_lengths=ctx_lengths),
         files=files,
         encoder_entries=tuple(
             EncoderEntry(target.height, target.width, target.frames_per_call, grid_hw,
@@ -351,6 +377,7 @@ def export_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, 
         video_pruning_method=methods[0],
         max_video_pruning_rate=max_rate,
         kv_precision=options.kv_precision,
+        short_prefill_lens=short_lens,
     )
     manifest.write(out)
     progress(f"export written to {out}")

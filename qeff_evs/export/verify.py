@@ -42,8 +42,8 @@ from qeff_evs.evs import kept_from_ranking
 from qeff_evs.export.fp16 import convert_to_fp16
 from qeff_evs.export.node_precision import keep_in_fp32, router_paths
 from qeff_evs.export.onnx_graph import legacy_export
-from qeff_evs.manifest import MODEL_CONFIG_DIR, PRUNING_ROLE, graph_role, pruning_graph, read_manifest
-from qeff_evs.models.graph_io import BATCH_INDEX, RETAINED_SUFFIX, LanguageGraphIO, state_shapes
+from qeff_evs.manifest import LANGUAGE_DECODE, MODEL_CONFIG_DIR, PRUNING_ROLE, graph_role, pruning_graph, read_manifest
+from qeff_evs.models.graph_io import BATCH_INDEX, COMP_CTX_LENGTHS, RETAINED_SUFFIX, LanguageGraphIO, state_shapes
 from qeff_evs.models.pruning import BUCKET_TOKENS, PruningRanking, VideoPruning, pad_to_bucket, pruning_host_inputs
 from qeff_evs.specializations import read_specializations_json
 
@@ -73,9 +73,10 @@ def compile_lines(export_dir: Path) -> dict[str, bool]:
 
 
 def graph_files(export_dir: Path) -> dict[str, str]:
-    """``{role: relative path}`` of every ONNX graph the manifest lists."""
+    """``{role: relative path}`` of every ONNX graph the manifest lists for the card (not the host-only decode twin,
+    ``manifest.LANGUAGE_DECODE``, which compile.sh does not compile)."""
     manifest = read_manifest(export_dir)
-    return {role: file for role, file in manifest.files.items() if file.endswith(".onnx")}
+    return {role: file for role, file in manifest.files.items() if file.endswith(".onnx") and role != LANGUAGE_DECODE}
 
 
 def fp16_twin(export_dir: Path, twin_dir: Path) -> dict[str, bool]:
@@ -191,6 +192,9 @@ class _LanguageRun:
                  "image_idx": np.zeros((1, 1), np.int64)}
         if BATCH_INDEX in self.io.input_names:
             feeds[BATCH_INDEX] = np.zeros((input_ids.shape[0], 1), np.int64)
+        length = self.shape.comp_ctx_len(int(positions[0].max()))
+        if length is not None:  # the specialization a card would pick: the smallest holding the last slot
+            feeds[COMP_CTX_LENGTHS] = np.arange(length, dtype=np.int64)
         outputs = dict(zip(self.io.output_names, self.session.run(self.io.output_names, feeds)))
         for name, value in outputs.items():
             if name.endswith(RETAINED_SUFFIX):

@@ -5,7 +5,9 @@ The language graph follows QEfficient's dual-QPC contract (DESIGN §6):
 Inputs, in order: ``input_ids (batch_size, seq_len)``, ``vision_embeds (1, vision_size, hidden)``,
 then each of the family's extra rows (``ExtraRows``) by its name, ``(levels, 1, vision_size, hidden)``,
 ``position_ids (4, batch_size, seq_len)``, ``image_idx (1, 1)``, then ``past_key.{i}``,
-``past_value.{i}`` per layer ``(batch_size, kv_heads, ctx_len, head_dim)``, and with continuous
+``past_value.{i}`` per layer ``(batch_size, kv_heads, ctx_len, head_dim)``, with compute context lengths
+(DESIGN §15) ``comp_ctx_lengths (comp_ctx_len,)`` (int64; only its length counts: attention gathers and masks
+the first ``comp_ctx_len`` slots of the ``ctx_len``-long caches, QEfficient's form), and with continuous
 batching ``batch_index (batch_size, 1)``, the caches then having ``full_batch_size`` rows. Outputs:
 ``logits (batch_size, 1, vocab)``, ``vision_embeds_RetainedState``, each extra's ``_RetainedState``,
 ``image_idx_output (1, 1)``, ``past_key.{i}_RetainedState``, ``past_value.{i}_RetainedState``.
@@ -26,10 +28,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from qeff_evs.manifest import LanguageShape, LayerState
-from qeff_evs.specializations import RETAINED_SUFFIX
+from qeff_evs.specializations import COMP_CTX_SYMBOL, RETAINED_SUFFIX
 
 BATCH, SEQ, VISION, CTX = "batch_size", "seq_len", "vision_size", "ctx_len"
 FULL_BATCH = "full_batch_size"  # KV cache rows under continuous batching (QEfficient's symbol)
+COMP_CTX = COMP_CTX_SYMBOL  # slots a call reads of its KV row (the length of comp_ctx_lengths)
+COMP_CTX_LENGTHS = "comp_ctx_lengths"  # the per-call input whose length is COMP_CTX (QEfficient's name)
 BATCH_INDEX = "batch_index"
 PAD_POSITION = -1  # position (and KV slot) of a padding token: every row of position_ids
 PAD_BATCH_INDEX = -1  # batch_index of an unused decode row (vllm-qaic); its writes are skipped
@@ -70,6 +74,7 @@ class LanguageGraphIO:
     continuous_batching: bool = False
     kv_layers: tuple[int, ...] | None = None  # layers with a KV cache; None: every layer
     layer_states: tuple[LayerState, ...] = ()  # the other layers' retained state
+    comp_ctx_lengths: bool = False  # the graph takes comp_ctx_lengths (an export with a context-length ladder)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "extras", tuple(self.extras))
@@ -81,7 +86,7 @@ class LanguageGraphIO:
     def of_shape(cls, shape: LanguageShape) -> "LanguageGraphIO":
         """The I/O of the graph an export's ``LanguageShape`` describes."""
         return cls(shape.num_layers, tuple(shape.extras), shape.continuous_batching, shape.kv_layers,
-                   shape.layer_states)
+                   shape.layer_states, bool(shape.comp_ctx_lengths))
 
     @property
     def kv_layer_indices(self) -> tuple[int, ...]:
@@ -115,7 +120,8 @@ class LanguageGraphIO:
     def input_names(self) -> list[str]:
         # batch_index follows the caches, as in QEfficient's forward signature.
         cb = [BATCH_INDEX] if self.continuous_batching else []
-        return ["input_ids", *self.vision_inputs, "position_ids", "image_idx", *self._kv(), *cb]
+        ccl = [COMP_CTX_LENGTHS] if self.comp_ctx_lengths else []
+        return ["input_ids", *self.vision_inputs, "position_ids", "image_idx", *self._kv(), *ccl, *cb]
 
     @property
     def output_names(self) -> list[str]:
@@ -137,6 +143,8 @@ class LanguageGraphIO:
             axes[f"{name}{RETAINED_SUFFIX}"] = {2: VISION}
         if self.continuous_batching:
             axes[BATCH_INDEX] = {0: BATCH}
+        if self.comp_ctx_lengths:
+            axes[COMP_CTX_LENGTHS] = {0: COMP_CTX}
         states = set(self.state_inputs)
         for name in self.layer_inputs():
             layer_axes = {0: rows} if name in states else {0: rows, 2: CTX}

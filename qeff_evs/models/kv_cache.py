@@ -13,6 +13,11 @@ card skips and our ONNX bodies and eager code skip too, so a padding write never
 Their queries see no key at all. A row reads only the slots up to its last position; later slots are
 ``SKIP_INDEX`` reads (the card does not fetch them) and come back as zeros, which the mask hides.
 
+Compute context length (DESIGN §15): a call may read only the first ``comp_ctx_len`` slots of the row
+(``key_slots`` of that length, from the shape of the graph's ``comp_ctx_lengths`` input, QEfficient's form): the
+gather, the mask and the attention then cost that many slots while the cache stays ``ctx_len`` long. Every slot
+the call's queries may see lies below its last position + 1 <= ``comp_ctx_len``, so the result is the same.
+
 Continuous batching (QEfficient's ``full_batch_size`` mode): the cache holds ``full_batch_size``
 request rows and a call of ``batch_size`` rows names the cache row of each of its rows in
 ``batch_index``. The chunk's keys/values are scattered only at ``(batch_index[b], head, slot)`` (one
@@ -80,11 +85,12 @@ class SlotKVCache:
     skipped reads zeroed. The written per-layer caches are what the graph returns as ``*_RetainedState``.
     With ``batch_index`` (continuous batching) the caches hold ``full_batch_size`` rows, batch row
     ``b`` writes and reads row ``batch_index[b, 0]`` and every other row passes through unchanged.
-    ``layers`` names the decoder layer of each cache (default: cache ``i`` is layer ``i``).
+    ``layers`` names the decoder layer of each cache (default: cache ``i`` is layer ``i``). ``key_slots``: the
+    slots a read covers, ``arange(comp_ctx_len)`` (default: every slot of the cache).
     """
 
     def __init__(self, past_keys, past_values, position_slots: torch.Tensor, batch_index: torch.Tensor | None = None,
-                 layers=None):
+                 layers=None, key_slots: torch.Tensor | None = None):
         if len(past_keys) != len(past_values):
             raise ValueError(
                 f"got {len(past_keys)} past keys but {len(past_values)} past values; "
@@ -99,10 +105,10 @@ class SlotKVCache:
         self.slot_of_layer = {int(layer): at for at, layer in enumerate(layers)}
         self.batch_index = batch_index
         self.write_slots = scatter_slots(position_slots)
-        key_slots = cache_slots(past_keys[0])
+        key_slots = cache_slots(past_keys[0]) if key_slots is None else key_slots
         self.read_indices, skipped = read_slots(position_slots, key_slots)
         self.ctx_len = key_slots.max() + 1  # QEfficient's comp_ctx_len operand; from the shape, so a symbol
-        # (B, 1, ctx_len, head_dim): as wide as a read's rows, so that the Where zeroing them runs over
+        # (B, 1, comp_ctx_len, head_dim): as wide as a read's rows, so that the Where zeroing them runs over
         # long contiguous spans (ONNX Runtime's Where is ~2.5x slower broadcasting a width-1 last axis).
         self.skipped = skipped[..., None].expand(-1, -1, -1, past_keys[0].shape[3])
 

@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from qeff_evs.manifest import LayerState
-from qeff_evs.models.graph_io import BATCH_INDEX, LanguageGraphIO, check_batch_index
+from qeff_evs.models.graph_io import BATCH_INDEX, COMP_CTX_LENGTHS, LanguageGraphIO, check_batch_index
 from qeff_evs.models.kv_cache import SlotKVCache, cache_slots, slot_attention_mask
 from qeff_evs.models.registry import family_for_config
 from qeff_evs.models.rope import RopeTable
@@ -185,12 +185,15 @@ class LanguageGraph(nn.Module):
         extras: Mapping[str, torch.Tensor] | None = None,
         batch_index: torch.Tensor | None = None,
         states: Mapping[str, torch.Tensor] | None = None,
+        comp_ctx_lengths: torch.Tensor | None = None,
     ) -> LanguageGraphOutput:
         """``extras``: each of the family's extra rows by name, ``(levels, 1, vision_size, hidden)``;
         ``past_keys``/``past_values``: one per KV layer (``spec.kv_layers``); ``states``: the layer states
-        by input name (``{state}.{layer}``, ``(rows, *row_shape)``)."""
+        by input name (``{state}.{layer}``, ``(rows, *row_shape)``); ``comp_ctx_lengths``: a ``(comp_ctx_len,)``
+        tensor whose length is how many slots of the KV rows the step reads (None: all ``ctx_len``)."""
         extras, states = dict(extras or {}), dict(states or {})
         self._check_inputs(position_ids, past_keys, past_values, extras, batch_index, states)
+        self._check_comp_ctx_len(position_ids, past_keys, comp_ctx_lengths)
         text = self.text_model
         # Padding rows may carry id -1 (vllm-qaic); their embedding is never used, it only has to exist.
         hidden = text.embed_tokens(torch.where(input_ids < 0, 0, input_ids))
@@ -206,8 +209,14 @@ class LanguageGraph(nn.Module):
         vision_rows = vision_embeds[0][merge.rows].to(hidden.dtype)  # (B, S, hidden)
         hidden = torch.where(media_mask, vision_rows, hidden)
 
-        cache = SlotKVCache(past_keys, past_values, slots, batch_index, self.spec.kv_layers)
-        attention_mask = slot_attention_mask(slots, cache_slots(past_keys[0]), hidden.dtype) if past_keys else None
+        # A Range over comp_ctx_lengths' shape keeps comp_ctx_len a graph symbol.
+        key_slots = None if comp_ctx_lengths is None else torch.arange(comp_ctx_lengths.shape[0], device=hidden.device)
+        cache = SlotKVCache(past_keys, past_values, slots, batch_index, self.spec.kv_layers, key_slots)
+        if past_keys:
+            read = cache_slots(past_keys[0]) if key_slots is None else key_slots
+            attention_mask = slot_attention_mask(slots, read, hidden.dtype)
+        else:
+            attention_mask = None
         step = LayerStep(attention_mask, slots, cache, self.rope(position_ids[1:], hidden.dtype), batch_index, states)
 
         for layer_idx, layer in enumerate(text.layers):
@@ -249,6 +258,17 @@ class LanguageGraph(nn.Module):
         layer's post-attention norm): transformers' own, unless a family's graph computes it otherwise."""
         return layer.mlp(hidden)
 
+    @staticmethod
+    def _check_comp_ctx_len(position_ids, past_keys, comp_ctx_lengths) -> None:
+        if torch.jit.is_tracing() or comp_ctx_lengths is None or not past_keys:
+            return
+        length, ctx_len, last = comp_ctx_lengths.shape[0], past_keys[0].shape[2], int(position_ids[0].max())
+        if not last < length <= ctx_len:
+            raise ValueError(
+                f"comp_ctx_lengths has length {length} but the step's last KV slot is {last} and ctx_len {ctx_len}: "
+                f"a step reads only that many slots, so pick a length in ({last}, {ctx_len}] (the smallest the "
+                "export has)")
+
     def _check_inputs(self, position_ids, past_keys, past_values, extras, batch_index, states) -> None:
         if torch.jit.is_tracing():
             return
@@ -286,12 +306,12 @@ class LanguageGraph(nn.Module):
 class ExportableLanguageGraph(nn.Module):
     """``LanguageGraph`` with flat tensor inputs/outputs in graph order (what the exporter traces)."""
 
-    def __init__(self, graph: LanguageGraph, continuous_batching: bool = False):
+    def __init__(self, graph: LanguageGraph, continuous_batching: bool = False, comp_ctx_lengths: bool = False):
         super().__init__()
         self.graph = graph
         spec = graph.spec
         self.io = LanguageGraphIO(spec.num_layers, tuple(spec.extras), continuous_batching, spec.io_kv_layers,
-                                  spec.layer_states)
+                                  spec.layer_states, comp_ctx_lengths)
 
     @property
     def spec(self) -> LanguageSpec:
@@ -313,6 +333,7 @@ class ExportableLanguageGraph(nn.Module):
             extras={name: named[name] for name in self.io.extras},
             batch_index=named.get(BATCH_INDEX),
             states={name: named[name] for name in self.io.state_inputs},
+            comp_ctx_lengths=named.get(COMP_CTX_LENGTHS),
         )
         retained = [named[name] for name in self.io.vision_inputs]
         updated = dict(step.states)

@@ -191,6 +191,9 @@ class GatedDeltaNetStep(nn.Module):
             if seq_len == 1:
                 return recurrent_gated_delta_rule(query, key, value, g, beta, state)
             return chunked_gated_delta_rule(query, key, value, g, beta, state, chunk_size_for(seq_len, self.max_chunk))
+        if not torch.jit.is_tracing() and query.shape[2] == 1:
+            # Eager (the torch backend): the path the graph's Where below would pick, without the other one.
+            return recurrent_gated_delta_rule(query, key, value, g, beta, state)
         # One graph, both paths: the chunk padded to prefill_seq_len (padding = tokens that change
         # nothing), and the recurrence over the first token; seq_len (a symbol) chooses.
         total, seq_len = self.prefill_seq_len, query.shape[2]  # seq_len: a symbol under tracing

@@ -176,6 +176,7 @@ class MediaInput:
     fps: float  # sampling rate of the frames the patches were made from
     frame_times: tuple[float, ...] = ()  # seconds of each sampled frame (timestamp layouts need them)
     kind: str = "video"  # "video" (pruned by EVS) or "image" (grid T = 1, never pruned)
+    pruning: Any = None  # a video's own models.pruning.VideoPruning (the request's choice); None: the engine's
 
     def __post_init__(self) -> None:
         if self.kind not in ("video", "image"):
@@ -302,3 +303,8 @@ class ModelFamily(Protocol):
 
     def video_layout(self, video: MediaInput, kept_indices: np.ndarray) -> MediaLayout:
         """The video's real segment once the encoder has chosen the kept tokens."""
+
+    def hf_video_inputs(self, input_ids: torch.Tensor, video: MediaInput) -> dict[str, torch.Tensor]:
+        """transformers' own ``generate`` keyword arguments for ``input_ids (1, N)`` holding ``video``'s unpruned
+        pads (pixels, grid, token types, and what the family's rope index reads): the baseline a user without a
+        card would run on the same checkpoint and clip."""

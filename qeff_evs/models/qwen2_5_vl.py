@@ -246,6 +246,10 @@ class Qwen2_5_VLFamily(QwenVLFamily):
         second_per_grid = self.vision_config.temporal_patch_size / float(fps)
         return float(self.vision_config.tokens_per_second) * second_per_grid
 
+    def hf_video_inputs(self, input_ids: torch.Tensor, video: MediaInput) -> dict[str, torch.Tensor]:
+        second_per_grid = self.vision_config.temporal_patch_size / float(video.fps)
+        return {**super().hf_video_inputs(input_ids, video), "second_per_grid_ts": torch.tensor([second_per_grid])}
+
     def video_placeholder(self, video: MediaInput, kept: int) -> np.ndarray:
         return np.full(kept, self.config.video_token_id, dtype=np.int64)
 

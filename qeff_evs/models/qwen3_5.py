@@ -112,7 +112,9 @@ class Qwen3_5LanguageGraph(LanguageGraph):
 
     ``prefill_seq_len``: the compiled prefill length the chunked rule is unrolled for (a graph for export
     and the torch backend; chunks up to that length and decode). Without it each call picks its path by
-    its own length (eager only).
+    its own length (eager only). ``prefill_seq_len`` 1: a decode-only graph (the one-token recurrence
+    alone, traced at seq_len 1), which ONNX Runtime runs for decode steps instead of the prefill+decode
+    graph that computes both paths there (the card's compiler drops the path a specialization does not take).
     """
 
     def __init__(self, hf_model: nn.Module, media_token_ids: Sequence[int] | None = None,
@@ -120,8 +122,9 @@ class Qwen3_5LanguageGraph(LanguageGraph):
         super().__init__(hf_model, media_token_ids, rope_positions)
         self.trace_seq_len = prefill_seq_len
         types = layer_types(hf_model.config)
+        unrolled = None if prefill_seq_len == 1 else prefill_seq_len  # decode-only: the traced length picks
         self.linear = nn.ModuleDict({
-            str(i): GatedDeltaNetStep(layer.linear_attn, prefill_seq_len=prefill_seq_len)
+            str(i): GatedDeltaNetStep(layer.linear_attn, prefill_seq_len=unrolled)
             for i, (layer, kind) in enumerate(zip(self.text_model.layers, types)) if kind == LINEAR})
 
     def decoder_layer(self, layer_idx: int, layer: nn.Module, hidden: torch.Tensor, step: LayerStep) -> torch.Tensor:

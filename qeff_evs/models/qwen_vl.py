@@ -282,6 +282,12 @@ class QwenVLFamily(abc.ABC):
             return image_layout(self.config.image_token_id, self.merged_grid(media.grid_thw))
         return self.real_video_layout(media, kept_indices)
 
+    def hf_video_inputs(self, input_ids: torch.Tensor, video: MediaInput) -> dict[str, torch.Tensor]:
+        # transformers 5's mm_token_type_ids: 2 on video pads, 0 elsewhere.
+        return {"pixel_values_videos": torch.as_tensor(video.pixel_values),
+                "video_grid_thw": torch.tensor([list(video.grid_thw)]),
+                "mm_token_type_ids": (input_ids == int(self.config.video_token_id)).to(torch.int32) * 2}
+
     def kept_mask(self, video: MediaInput, kept_indices: np.ndarray) -> np.ndarray:
         """Raster-order mask over the video's merged tokens."""
         t, h, w = self.merged_grid(video.grid_thw)

@@ -31,7 +31,7 @@ def engine_config(bundle: ExportBundle, pruning: VideoPruning | None = None, **o
     pruning = video_pruning(bundle) if pruning is None else pruning
     m.check_pruning(pruning.method, pruning.rate)
     return EngineConfig(m.prefill_seq_len, m.ctx_len, m.user_vision_size, pruning.rate,
-                        video_pruning_method=pruning.method, **overrides)
+                        video_pruning_method=pruning.method, short_prefill_lens=m.short_prefill_lens, **overrides)
 
 
 def build_engine(bundle: ExportBundle, backend: str = "ort", max_new_tokens: int = 16,
@@ -71,8 +71,9 @@ def build_serving_engine(bundle: ExportBundle, backend: str = "ort", max_num_seq
     config = engine_config(bundle, pruning)
     seqs = shape.full_batch_size if max_num_seqs is None else max_num_seqs
     budget = m.prefill_seq_len * seqs if max_num_batched_tokens is None else max_num_batched_tokens
-    # As vLLM's compute_encoder_budget: the encoder budget and cache hold at least the largest item.
-    largest_item = largest_item_rows(bundle, config.pruning)
+    # As vLLM's compute_encoder_budget: the encoder budget and cache hold at least the largest item (a request may
+    # choose rate 0: the longest video unpruned).
+    largest_item = largest_item_rows(bundle, VideoPruning(config.pruning.method, 0.0))
     rows = max(budget, largest_item) if encoder_cache_rows is None else encoder_cache_rows
     scheduler = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=seqs,
                                 prefill_seq_len=m.prefill_seq_len, ctx_len=m.ctx_len,

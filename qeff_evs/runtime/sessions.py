@@ -3,7 +3,7 @@ pipeline, the language session, or both."""
 
 from __future__ import annotations
 
-from qeff_evs.manifest import pruning_graph
+from qeff_evs.manifest import LANGUAGE_DECODE, pruning_graph
 from qeff_evs.runtime.backends.ort import OrtEncoderSession, OrtLanguageSession, OrtPruningSession
 from qeff_evs.runtime.backends.torch_reference import TorchEncoderSession, TorchLanguageSession, TorchPruningSession
 from qeff_evs.runtime.backends.vision import VisionPipeline
@@ -20,8 +20,9 @@ def _check_device_ids(backend: str, device_ids) -> None:
 
 def vision_pipeline(bundle: ExportBundle, backend: str, device: str | None = None,
                     checkpoint=None, device_ids=None, method: str | None = None) -> VisionPipeline:
-    """The encoder and ``method``'s pruning sessions of ``backend`` over the export (default method: the
-    export's), at its frames per call and frame buckets.
+    """The encoder and the pruning sessions of ``backend`` over the export, at its frames per call and frame
+    buckets: on ORT and torch every method the export carries (a request may choose its own), on QAIC
+    ``method``'s program (default: the export's method).
 
     ``device_ids`` (qaic only, ``placement.DeviceIdsSpec``): the devices each program opens on."""
     m, root = bundle.manifest, bundle.export_dir
@@ -30,22 +31,33 @@ def vision_pipeline(bundle: ExportBundle, backend: str, device: str | None = Non
     problem = m.method_refusal(method)
     if problem:
         raise ValueError(problem)
+    methods = runnable_methods(bundle, backend, method)
     if backend == "ort":
         encoder = OrtEncoderSession(m.path(root, "encoder"))
-        pruning = OrtPruningSession(m.path(root, pruning_graph(method)))
+        pruning = {name: OrtPruningSession(m.path(root, pruning_graph(name))) for name in methods}
     elif backend == "torch":
         from qeff_evs.models.checkpoint import load_checkpoint
 
         checkpoint = checkpoint or load_checkpoint(m.model_dir)
         encoder = TorchEncoderSession(bundle.family.encoder(checkpoint.model), device)
-        pruning = TorchPruningSession(bundle.family.pruning_ranking(method), device)
+        pruning = {name: TorchPruningSession(bundle.family.pruning_ranking(name), device) for name in methods}
     elif backend == "qaic":
         from qeff_evs.runtime.backends.qaic import qaic_vision_pipeline
 
         return qaic_vision_pipeline(bundle, device_ids, method=method)
     else:
         raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
-    return VisionPipeline(bundle.family, encoder, {method: pruning}, m.frames_per_call, m.temporal_buckets)
+    return VisionPipeline(bundle.family, encoder, pruning, m.frames_per_call, m.temporal_buckets)
+
+
+def runnable_methods(bundle: ExportBundle, backend: str, method: str | None = None) -> tuple[str, ...]:
+    """The pruning methods a deployment of ``backend`` runs, the served ``method`` first: every method the export
+    carries, except on QAIC, where each would be a program placed on a device and only the served one is loaded."""
+    m = bundle.manifest
+    method = m.video_pruning_method if method is None else method
+    if backend == "qaic":
+        return (method,)
+    return (method, *(name for name in m.video_pruning_methods if name != method))
 
 
 def sessions_for(bundle: ExportBundle, backend: str, device: str | None = None, device_ids=None,
@@ -76,7 +88,7 @@ def _torch_language(bundle: ExportBundle, checkpoint, device: str | None) -> Tor
     language = ExportableLanguageGraph(
         bundle.family.language_graph(checkpoint.model, bundle.family.special_tokens().media_pads,
                                      shape.rope_positions, bundle.manifest.prefill_seq_len),
-        continuous_batching=shape.continuous_batching)
+        continuous_batching=shape.continuous_batching, comp_ctx_lengths=bool(shape.comp_ctx_lengths))
     return TorchLanguageSession(language, shape, device)
 
 
@@ -86,7 +98,8 @@ def language_session(bundle: ExportBundle, backend: str, device: str | None = No
     m, root = bundle.manifest, bundle.export_dir
     _check_device_ids(backend, device_ids)
     if backend == "ort":
-        return OrtLanguageSession(m.path(root, "language"), bundle.language_shape)
+        decode = m.path(root, LANGUAGE_DECODE) if LANGUAGE_DECODE in m.files else None
+        return OrtLanguageSession(m.path(root, "language"), bundle.language_shape, decode)
     if backend == "torch":
         from qeff_evs.models.checkpoint import load_checkpoint
 

@@ -16,7 +16,8 @@ reported to make ``qaic-compile`` exit with status 255):
                            {"name": "Decode", "symbols": {...}}]}
 
 The flat layout carries no names; the reader gives its entries QEfficient's default names
-(``seq_len == 1`` -> ``Decode``, other ``seq_len`` -> ``Prefill``, else ``Vision`` /
+(``seq_len == 1`` -> ``Decode``, the longest ``seq_len`` -> ``Prefill``, a shorter one ``Prefill<seq_len>``,
+with ``_<comp_ctx_len>`` where that is bound, else ``Vision`` /
 ``Vision_<i>``), which is exactly what :mod:`.sets` produces, so either layout reads back to
 the same entries. ``serves`` (the vision targets) lives in the manifest, not in this file.
 """
@@ -28,7 +29,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Literal
 
-from .sets import DECODE_NAME, PREFILL_NAME, VISION_NAME, Specialization
+from .sets import COMP_CTX_SYMBOL, DECODE_NAME, VISION_NAME, Specialization, prefill_name
 
 SpecializationStyle = Literal["flat", "named"]
 STYLES: tuple[str, ...] = ("flat", "named")
@@ -63,10 +64,13 @@ def write_specializations_json(
     return path
 
 
-def default_name(symbols: Mapping[str, int], index: int, count: int) -> str:
-    """QEfficient's name for an unnamed entry: Decode / Prefill by ``seq_len``, else Vision[_i]."""
+def default_name(symbols: Mapping[str, int], index: int, count: int, prefill_seq_len: int | None = None) -> str:
+    """QEfficient's name for an unnamed entry: Decode / Prefill by ``seq_len``, else Vision[_i]
+    (``prefill_seq_len``: the entries' longest ``seq_len``; a shorter prefill entry is ``Prefill<seq_len>``)."""
     if "seq_len" in symbols:
-        return DECODE_NAME if int(symbols["seq_len"]) == 1 else PREFILL_NAME
+        seq_len = int(symbols["seq_len"])
+        name = DECODE_NAME if seq_len == 1 else prefill_name(seq_len, prefill_seq_len or seq_len)
+        return f"{name}_{int(symbols[COMP_CTX_SYMBOL])}" if COMP_CTX_SYMBOL in symbols else name
     return VISION_NAME if count == 1 else f"{VISION_NAME}_{index}"
 
 
@@ -85,6 +89,9 @@ def parse_specializations(document: object, source: str = "specializations docum
     if not isinstance(document, Mapping) or not isinstance(document.get("specializations"), list):
         raise ValueError(f"{source}: expected an object with a 'specializations' list, got {document!r:.200}")
     entries = document["specializations"]
+    seq_lens = [int(e.get("symbols", e).get("seq_len", 0)) for e in entries if isinstance(e, Mapping)
+                and isinstance(e.get("symbols", e), Mapping) and str(e.get("symbols", e).get("seq_len", "")).isdigit()]
+    longest = max(seq_lens, default=None)
     specs = []
     for index, entry in enumerate(entries):
         where = f"{source} entry {index}"
@@ -96,7 +103,7 @@ def parse_specializations(document: object, source: str = "specializations docum
             raise ValueError(f"{where}: 'symbols' must be an object, got {raw_symbols!r}")
         symbols = {str(k): _parse_value(v, str(k), where) for k, v in raw_symbols.items()}
         name = entry.get("name") if is_named else None
-        specs.append(Specialization(name or default_name(symbols, index, len(entries)), symbols))
+        specs.append(Specialization(name or default_name(symbols, index, len(entries), longest), symbols))
     return specs
 
 

@@ -9,6 +9,9 @@ Two sets exist per model:
 * language: ``Prefill`` (``seq_len = prefill_seq_len``) and ``Decode`` (``seq_len = 1``),
   both binding ``vision_size = user_vision_size`` -- each prefill chunk is handed only its
   own window of kept vision rows, so the language graph never needs the whole prompt's.
+  With compute context lengths (DESIGN §15) each of them comes once per length, binding
+  ``comp_ctx_len`` too and named ``Prefill_<len>`` / ``Decode_<len>``: a call reads only that many
+  slots of its KV row, and the host picks the smallest length holding the call's last slot.
   With continuous batching both also bind ``full_batch_size`` (the KV cache rows); prefill
   runs ``batch_size = 1`` (one request into its row) and decode ``batch_size = full_batch_size``
   (or a chosen decode batch), QEfficient's CB layout;
@@ -29,6 +32,7 @@ from dataclasses import dataclass, field
 PREFILL_NAME = "Prefill"
 DECODE_NAME = "Decode"
 VISION_NAME = "Vision"
+COMP_CTX_SYMBOL = "comp_ctx_len"  # slots a call reads of its KV row: the length of input comp_ctx_lengths
 
 # Temporal patches per encoder call. Measured on this machine (README "Performance"): Qwen2.5-VL-3B
 # vision widths at 448x448, ONNX Runtime CPU time per temporal patch for F = 1, 2, 4, 8 was 0.82,
@@ -39,6 +43,16 @@ DEFAULT_FRAMES_PER_CALL = 2
 # video pads to the smallest bucket that holds it, so the pruning graph computes at most twice its real
 # rows (README "Performance": the padding's measured cost).
 DEFAULT_MAX_FRAMES = 64
+# The default compute context lengths: ctx_len, ctx_len / 4, ctx_len / 16, ... down to this floor (a 32k
+# export gets 2048, 8192, 32768, as QEfficient's examples). Steps of 4 keep a call within 4x of the slots
+# it needs; below 2k a decode step's weights, not its KV reads, set the time.
+DEFAULT_MIN_COMP_CTX_LEN = 2048
+COMP_CTX_STEP = 4
+# The default shorter prefill lengths (--short-prefill-lens): prefill_seq_len / 2, / 4, ... down to this floor, so
+# a chunk (a prompt's tail, a chunk vLLM's budget cut short) is padded to under twice its tokens (above the floor).
+# A chunk's time is close to linear in its length at Qwen2.5-VL-3B widths (README "Performance", prefill lengths);
+# below 32 the call's fixed cost dominates.
+DEFAULT_SHORT_PREFILL_LEN = 32
 
 
 
@@ -137,6 +151,69 @@ class Specialization:
         object.__setattr__(self, "serves", tuple(self.serves))
 
 
+def comp_ctx_lengths(requested: Sequence[int] | None, ctx_len: int, prefill_seq_len: int) -> tuple[int, ...]:
+    """The export's compute context lengths, ascending and ending at ``ctx_len``; ``()`` when that is the only
+    one (the graph then reads all of ``ctx_len`` and has no ``comp_ctx_lengths`` input).
+
+    ``requested`` (``--ctx-lengths``): lengths in ``[prefill_seq_len, ctx_len]``; ``ctx_len`` is added when
+    missing (every position must have a length). None: ``ctx_len / 4**k`` down to ``DEFAULT_MIN_COMP_CTX_LEN``.
+    Example: ``comp_ctx_lengths(None, 32768, 128) == (2048, 8192, 32768)``.
+    """
+    if requested is None:
+        lengths, length = [], ctx_len
+        while length >= DEFAULT_MIN_COMP_CTX_LEN and length >= prefill_seq_len:
+            lengths.append(length)
+            if length % COMP_CTX_STEP:
+                break
+            length //= COMP_CTX_STEP
+        requested = lengths or [ctx_len]
+    lengths = sorted({_check_dimension("a compute context length", n, "--ctx-lengths") for n in requested})
+    outside = [n for n in lengths if not prefill_seq_len <= n <= ctx_len]
+    if outside:
+        raise ValueError(f"--ctx-lengths {outside} lie outside [prefill_seq_len={prefill_seq_len}, ctx_len={ctx_len}]"
+                         f"; a length must hold one prefill chunk and fit the KV cache: use values in that range")
+    if lengths[-1] != ctx_len:
+        lengths.append(ctx_len)
+    return tuple(lengths) if len(lengths) > 1 else ()
+
+
+def short_prefill_lens(requested: Sequence[int] | None, prefill_seq_len: int) -> tuple[int, ...]:
+    """The shorter prefill lengths besides ``prefill_seq_len``, ascending (``--short-prefill-lens``).
+
+    Each lies in ``[2, prefill_seq_len)`` (length 1 is decode's); ``requested`` None: ``prefill_seq_len`` halved
+    while the half is a whole number of at least ``DEFAULT_SHORT_PREFILL_LEN``. Example:
+    ``short_prefill_lens(None, 128) == (32, 64)``.
+    """
+    if requested is None:
+        lengths, length = [], prefill_seq_len
+        while length % 2 == 0 and length // 2 >= DEFAULT_SHORT_PREFILL_LEN:
+            length //= 2
+            lengths.append(length)
+        return tuple(sorted(lengths))
+    lengths = sorted({_check_dimension("a short prefill length", n, "--short-prefill-lens") for n in requested})
+    outside = [n for n in lengths if not 2 <= n < prefill_seq_len]
+    if outside:
+        raise ValueError(f"--short-prefill-lens {outside} lie outside [2, prefill_seq_len={prefill_seq_len}): a short "
+                         "length is below the full chunk and above decode's 1; use values in that range")
+    return tuple(lengths)
+
+
+def chunk_seq_len(scheduled: int, prefill_seq_len: int, short_lens: Sequence[int] = ()) -> int:
+    """The prefill length a chunk of ``scheduled`` tokens runs in: the shortest of ``short_lens`` and
+    ``prefill_seq_len`` holding it (the chunk is padded to it). Example: ``chunk_seq_len(34, 128, (32,)) == 128``."""
+    if not 1 <= scheduled <= prefill_seq_len:
+        raise ValueError(f"chunk of {scheduled} tokens exceeds the prefill length {prefill_seq_len}"
+                         if scheduled > prefill_seq_len else f"a prefill chunk needs at least one token, got {scheduled}")
+    return min(n for n in (*short_lens, prefill_seq_len) if n >= scheduled)
+
+
+def _per_comp_ctx_len(specs: list[Specialization], lengths: Sequence[int]) -> list[Specialization]:
+    """Each entry once per compute context length (``comp_ctx_len`` bound, ``_<len>`` in its name); as given
+    without lengths."""
+    return [Specialization(f"{spec.name}_{n}", {**spec.symbols, COMP_CTX_SYMBOL: n})
+            for spec in specs for n in lengths] if lengths else specs
+
+
 def language_specializations(
     prefill_seq_len: int,
     ctx_len: int,
@@ -144,6 +221,8 @@ def language_specializations(
     batch_size: int = 1,
     full_batch_size: int | None = None,
     decode_batch_size: int | None = None,
+    comp_ctx_lengths: Sequence[int] = (),
+    short_prefill_lens: Sequence[int] = (),
 ) -> list[Specialization]:
     """``[Prefill, Decode]`` for the language graph, both with ``vision_size = user_vision_size``.
 
@@ -155,6 +234,12 @@ def language_specializations(
     that symbol to both entries, sets the prefill ``batch_size`` to 1 and the decode
     ``batch_size`` to ``decode_batch_size`` (default ``full_batch_size``). Then a one-token
     prefill still needs its own batch-1 entry unless the decode batch is 1 too.
+
+    ``comp_ctx_lengths`` (from :func:`comp_ctx_lengths`; empty: none): every entry once per length, the
+    prefill ones too (a chunk early in a long context then reads only the slots it can see).
+    ``short_prefill_lens`` (from :func:`short_prefill_lens`): a prefill entry ``Prefill<n>`` per shorter length
+    ``n`` after ``Prefill``, the same window (``vision_size = user_vision_size``: a chunk's own rows only, at most
+    ``n``, zero-padded; the retained window keeps one size across entries).
     """
     context = "language_specializations"
     prefill_seq_len = _check_dimension("prefill_seq_len", prefill_seq_len, context)
@@ -182,20 +267,33 @@ def language_specializations(
             "lower user_vision_size or raise --ctx-len"
         )
 
+    if comp_ctx_lengths and tuple(comp_ctx_lengths)[-1] != ctx_len:
+        raise ValueError(f"compute context lengths {list(comp_ctx_lengths)} must end at ctx_len={ctx_len}")
     shared = {"batch_size": batch_size, "ctx_len": ctx_len, "vision_size": user_vision_size}
+    short = [n for n in short_prefill_lens if n != prefill_seq_len]
+    if any(not 2 <= n < prefill_seq_len for n in short):
+        raise ValueError(f"short prefill lengths {list(short)} must lie in [2, prefill_seq_len={prefill_seq_len})")
     if cb is None:
         decode = Specialization(DECODE_NAME, {**shared, "seq_len": 1})
         if prefill_seq_len == 1:
-            return [decode]
-        return [Specialization(PREFILL_NAME, {**shared, "seq_len": prefill_seq_len}), decode]
+            return _per_comp_ctx_len([decode], comp_ctx_lengths)
+        prefill = [Specialization(prefill_name(n, prefill_seq_len), {**shared, "seq_len": n})
+                   for n in (prefill_seq_len, *short)]
+        return _per_comp_ctx_len([*prefill, decode], comp_ctx_lengths)
 
     full, decode_batch = cb
     shared["full_batch_size"] = full
-    prefill = Specialization(PREFILL_NAME, {**shared, "batch_size": 1, "seq_len": prefill_seq_len})
+    prefill = [Specialization(prefill_name(n, prefill_seq_len), {**shared, "batch_size": 1, "seq_len": n})
+               for n in (prefill_seq_len, *short)]
     decode = Specialization(DECODE_NAME, {**shared, "batch_size": decode_batch, "seq_len": 1})
-    if prefill.symbols == decode.symbols:
-        return [decode]
-    return [prefill, decode]
+    if prefill[0].symbols == decode.symbols:
+        return _per_comp_ctx_len([decode], comp_ctx_lengths)
+    return _per_comp_ctx_len([*prefill, decode], comp_ctx_lengths)
+
+
+def prefill_name(seq_len: int, prefill_seq_len: int) -> str:
+    """``Prefill`` for the full chunk length, ``Prefill<seq_len>`` for a shorter one."""
+    return PREFILL_NAME if seq_len == prefill_seq_len else f"{PREFILL_NAME}{seq_len}"
 
 
 def _continuous_batching_sizes(

@@ -65,12 +65,14 @@ def platform_plugin() -> str | None:
 
 
 def register() -> None:
-    """``vllm.general_plugins`` entry point: our model classes and processors and our EC connector, only while
-    active."""
+    """``vllm.general_plugins`` entry point: our model classes and processors, our EC connector and our video
+    loaders, only while active."""
     if active_backend() is None:
         return
     from qeff_evs.vllm.ec_config import register_connector
     from qeff_evs.vllm.model import register_models
+    from qeff_evs.vllm.video_loader import register_video_loaders
 
     register_models()
     register_connector()
+    register_video_loaders()

@@ -38,14 +38,17 @@ from vllm.multimodal.processing import BaseDummyInputsBuilder, BaseMultiModalPro
 from vllm.multimodal.processing.processor import PromptReplacement, PromptUpdateDetails
 
 from qeff_evs.models.protocol import MediaInput, ModelFamily
-from qeff_evs.models.pruning import VideoPruning
-from qeff_evs.runtime.engine.executor import kept_count
+from qeff_evs.models.pruning import PRUNING_METHODS, VideoPruning
+from qeff_evs.runtime.engine.executor import kept_count, media_pruning
+from qeff_evs.runtime.request_pruning import PruningRequest
+from qeff_evs.runtime.sessions import runnable_methods
 from qeff_evs.runtime.engine.request import PromptPiece, plan_prompt
-from qeff_evs.runtime.builders import largest_item_rows
+from qeff_evs.runtime.builders import largest_item_rows, video_pruning
 from qeff_evs.runtime.export_bundle import ExportBundle, open_export
 from qeff_evs.runtime.media import image_from_array, video_from_frames
 from qeff_evs.runtime.inputs.video_io import DEFAULT_ARRAY_FPS
 from qeff_evs.vllm.limits import served_pruning
+from qeff_evs.vllm.plugin import active_backend
 from qeff_evs.vllm.request_checks import media_count, positions_end
 
 # Key of the processed input (vLLM's ``MultiModalInput``) that carries the first M-RoPE position after the
@@ -58,11 +61,14 @@ POSITIONS_END = "qeff_evs_positions_end"
 
 
 def media_from_fields(fields: Mapping[str, Any], modality: str) -> MediaInput:
-    """The ``MediaInput`` one processed item describes (``fields``: its ``MultiModalKwargsItem`` data)."""
+    """The ``MediaInput`` one processed item describes (``fields``: its ``MultiModalKwargsItem`` data), a video with
+    the pruning its request chose."""
     if modality == "video":
+        pruning = VideoPruning(PRUNING_METHODS[int(fields["video_pruning_method"])],
+                               float(fields["video_pruning_rate"]))
         return MediaInput(fields["pixel_values_videos"].to(torch.float32),
                           tuple(int(v) for v in fields["video_grid_thw"].tolist()), float(fields["video_fps"]),
-                          tuple(float(t) for t in fields["video_frame_times"].tolist()))
+                          tuple(float(t) for t in fields["video_frame_times"].tolist()), pruning=pruning)
     if modality == "image":
         return MediaInput(fields["pixel_values"].to(torch.float32),
                           tuple(int(v) for v in fields["image_grid_thw"].tolist()), 1.0, (), kind="image")
@@ -90,9 +96,14 @@ def _image_array(image: Any) -> np.ndarray:
 
 
 def process_media(bundle: ExportBundle, videos: Sequence[Any], images: Sequence[Any],
-                  video_kwargs: Mapping[str, Any] | None = None) -> BatchFeature:
+                  video_kwargs: Mapping[str, Any] | None = None, served: RequestPruningBounds | None = None
+                  ) -> BatchFeature:
     """Videos and images -> the fields our worker reads; a ``ValueError`` naming what the export serves.
-    ``video_kwargs``: the video processor's ``mm_processor_kwargs``."""
+    ``video_kwargs``: the request's ``mm_processor_kwargs`` (the video processor's, and its own pruning:
+    ``request_pruning.PRUNING_KEYS``); ``served``: the server's pruning and the bounds a request's choice keeps
+    within (default: the export's pruning, no context bound)."""
+    served = served or RequestPruningBounds(video_pruning(bundle), None, PRUNING_METHODS)
+    asked, video_kwargs = PruningRequest.split(video_kwargs)
     data: dict[str, torch.Tensor] = {}
     if videos:
         media = []
@@ -103,6 +114,7 @@ def process_media(bundle: ExportBundle, videos: Sequence[Any], images: Sequence[
                     raise ValueError("no frame could be decoded from it; send a video file a decoder can read")
                 video = video_from_frames(frames, metadata, bundle, mm_processor_kwargs=video_kwargs)
                 bundle.manifest.check_video(video.grid_thw)
+                video = dataclasses.replace(video, pruning=served.resolve(asked, bundle, video))
             except ValueError as error:
                 raise ValueError(f"video {number}: {error}") from None
             media.append(video)
@@ -110,12 +122,34 @@ def process_media(bundle: ExportBundle, videos: Sequence[Any], images: Sequence[
                     video_grid_thw=torch.tensor([m.grid_thw for m in media], dtype=torch.int64),
                     video_fps=torch.tensor([m.fps for m in media], dtype=torch.float64),
                     video_frame_times=torch.tensor([t for m in media for t in m.frame_times], dtype=torch.float64),
-                    video_num_frames=torch.tensor([len(m.frame_times) for m in media], dtype=torch.int64))
+                    video_num_frames=torch.tensor([len(m.frame_times) for m in media], dtype=torch.int64),
+                    video_pruning_rate=torch.tensor([m.pruning.rate for m in media], dtype=torch.float64),
+                    video_pruning_method=torch.tensor([PRUNING_METHODS.index(m.pruning.method) for m in media],
+                                                      dtype=torch.int64))
     if images:
         media = [image_from_array(_image_array(image), bundle) for image in images]
         data.update(pixel_values=torch.cat([m.pixel_values for m in media]),
                     image_grid_thw=torch.tensor([m.grid_thw for m in media], dtype=torch.int64))
     return BatchFeature(data)
+
+
+@dataclass(frozen=True)
+class RequestPruningBounds:
+    """The server's pruning (a request's default) and what a request may choose within: ``max_model_len`` (the
+    rates the RoPE tables cover in it) and the ``methods`` the workers run (``sessions.runnable_methods``)."""
+
+    served: VideoPruning
+    max_model_len: int | None
+    methods: tuple[str, ...]
+
+    def resolve(self, asked: PruningRequest, bundle: ExportBundle, video: MediaInput) -> VideoPruning:
+        """The request's pruning of ``video``, a ValueError naming the bound."""
+        pruning = asked.resolve(self.served, bundle.manifest, self.max_model_len,
+                                bundle.family.merged_grid(video.grid_thw))
+        if pruning.method not in self.methods:
+            raise ValueError(f"video_pruning_method {pruning.method!r}: this server runs the {', '.join(self.methods)} "
+                             "pruning graph(s) only (on the qaic backend, the --video-pruning-method it serves)")
+        return pruning
 
 
 def position_span(family: ModelFamily, media: MediaInput, kept: int) -> int:
@@ -162,14 +196,22 @@ class QeffEvsProcessingInfo(BaseProcessingInfo):
         """The served ``--video-pruning-method`` and ``--video-pruning-rate`` (the platform checked them)."""
         return served_pruning(self.ctx.model_config.multimodal_config)
 
+    @cached_property
+    def request_pruning(self) -> RequestPruningBounds:
+        """The served pruning, a request's default, and the bounds of a request's own (``request_pruning.py``)."""
+        return RequestPruningBounds(self.pruning, self.ctx.model_config.max_model_len,
+                                    runnable_methods(self.bundle, active_backend() or "ort", self.pruning.method))
+
     def get_supported_mm_limits(self) -> Mapping[str, int | None]:
         return {"image": None, "video": None}
 
     def get_mm_max_tokens_per_item(self, seq_len: int, mm_counts: Mapping[str, int]) -> Mapping[str, int]:
-        """Encoder rows of the largest item the export serves (vLLM sizes its encoder cache with them)."""
+        """Encoder rows of the largest item the export serves (vLLM sizes its encoder cache with them): a request may
+        choose rate 0, so the longest video unpruned."""
         m, factor = self.bundle.manifest, self.bundle.preprocess.factor
         images = [(h // factor) * (w // factor) for h, w in m.resolutions]
-        return {"video": largest_item_rows(self.bundle, self.pruning), "image": max(images)}
+        unpruned = VideoPruning(self.pruning.method, 0.0)
+        return {"video": largest_item_rows(self.bundle, unpruned), "image": max(images)}
 
 
 class QeffEvsDummyInputs(BaseDummyInputsBuilder[QeffEvsProcessingInfo]):
@@ -227,7 +269,7 @@ class QeffEvsProcessor(BaseMultiModalProcessor[QeffEvsProcessingInfo]):
         # No Hugging Face processor runs: our host preprocessing does, on (frames, metadata) per video.
         videos = [mm_items["video"].get(i) for i in range(mm_items["video"].get_count())] if "video" in mm_items else []
         images = [mm_items["image"].get(i) for i in range(mm_items["image"].get_count())] if "image" in mm_items else []
-        return process_media(self.info.bundle, videos, images, hf_kwargs)
+        return process_media(self.info.bundle, videos, images, hf_kwargs, self.info.request_pruning)
 
     def _get_mm_fields_config(self, hf_inputs: BatchFeature, hf_processor_mm_kwargs: Mapping[str, object]):
         fields: dict[str, MultiModalFieldConfig] = {}
@@ -237,7 +279,9 @@ class QeffEvsProcessor(BaseMultiModalProcessor[QeffEvsProcessingInfo]):
                           video_grid_thw=MultiModalFieldConfig.batched("video"),
                           video_fps=MultiModalFieldConfig.batched("video"),
                           video_frame_times=MultiModalFieldConfig.flat_from_sizes("video", hf_inputs["video_num_frames"]),
-                          video_num_frames=MultiModalFieldConfig.batched("video"))
+                          video_num_frames=MultiModalFieldConfig.batched("video"),
+                          video_pruning_rate=MultiModalFieldConfig.batched("video"),
+                          video_pruning_method=MultiModalFieldConfig.batched("video"))
         if "image_grid_thw" in hf_inputs:
             grids = hf_inputs["image_grid_thw"]
             fields.update(pixel_values=MultiModalFieldConfig.flat_from_sizes("image", grids.prod(-1)),
@@ -252,7 +296,7 @@ class QeffEvsProcessor(BaseMultiModalProcessor[QeffEvsProcessingInfo]):
         def placeholder(modality: str, pad: int):
             def replacement(item_idx: int) -> MediaPlaceholder:
                 media = media_from_fields(out_mm_kwargs[modality][item_idx].get_data(), modality)
-                k = kept_count(family, media, pruning)
+                k = kept_count(family, media, media_pruning(media, pruning))
                 ids = [int(i) for i in family.placeholder_ids(media, k)]
                 return MediaPlaceholder(ids, PromptUpdateDetails.select_token_id(ids, pad).is_embed,
                                         position_span(family, media, k))

@@ -331,11 +331,14 @@ ENGINE_SETTINGS: tuple[Setting, ...] = (
        "the export's vision graphs take pixels; precomputed media embeddings are not an input; remove it", True,
        unused=(None, False)),
     _h("interleave_mm_strings", FRONTEND + " (chat content order)", example=True),
-    _h("media_io_kwargs", FRONTEND + " (vLLM's media loaders; the processor then samples the frames it was given)",
-       example={"video": {"num_frames": 8}}),
+    _h("media_io_kwargs", FRONTEND + "; video_url bytes are decoded by the plugin's video loaders, registered under "
+       "vLLM's names (opencv, qwen2_vl, qwen3_vl): vLLM's frames and metadata where its loader works, a one-frame file "
+       "served, bytes no frame decodes from a 400; the processor then samples the frames it was given",
+       "test_frame_sampling.py::test_plugin_loader_equals_vllm_loader_where_it_works", {"video": {"num_frames": 8}}),
     _h("mm_processor_kwargs", "the family's HF video sampling rule with vLLM's kwargs (fps, num_frames, "
-       "do_sample_frames, min/max frames), at most the export's largest frame bucket; others are a 400 naming the "
-       "ones honoured", "test_frame_sampling.py::test_loaded_frames_equal_vllm_processor_for_processor_kwargs",
+       "do_sample_frames, min/max frames), at most the export's largest frame bucket, and a request's own "
+       "video_pruning_rate, video_pruning_method, max_video_tokens within the export's bounds; others are a 400 "
+       "naming the ones honoured", "test_frame_sampling.py::test_loaded_frames_equal_vllm_processor_for_processor_kwargs",
        {"fps": 1}),
     _h("mm_processor_cache_gb", "vLLM's processor cache in the engine process, unchanged; the API server processes "
        "repeated media again (its copy of the cache would drift when a request is refused after processing, which "
@@ -362,9 +365,11 @@ ENGINE_SETTINGS: tuple[Setting, ...] = (
     _h("skip_mm_profiling", "the worker profiles nothing (its KV rows are the export's); nothing to skip",
        example=True),
     _h("video_pruning_rate", "any rate the export's RoPE tables cover, chosen at start-up (limits.py refuses others, "
-       "naming the largest)", "test_vllm_serve.py::test_rate_and_method_chosen_at_serve_time"),
+       "naming the largest); the default of a request's own mm_processor_kwargs video_pruning_rate / "
+       "max_video_tokens", "test_vllm_serve.py::test_rate_and_method_chosen_at_serve_time"),
     _h("video_pruning_method", "a method the export carries (evs, vidcom2 by default; limits.py refuses others, "
-       "naming them)", "test_vllm_serve.py::test_rate_and_method_chosen_at_serve_time"),
+       "naming them); the default of a request's own mm_processor_kwargs video_pruning_method",
+       "test_vllm_serve.py::test_rate_and_method_chosen_at_serve_time"),
     _v("mm_tensor_ipc", "vLLM: 'torch_shm is known to fail without VLLM_WORKER_MULTIPROC_METHOD set to spawn'",
        "torch_shm"),
     _r("mm_processor_device", _processor_device, "the export's preprocessing runs on the host's CPU (no HF processor "

@@ -8,8 +8,10 @@ other output is one of the family's extra rows (``ExtraRows``) and travels under
 mapping.
 
 A language session owns its retained state (KV cache, last vision window) the way a QAIC
-program does with ``-retained-state``: the engine sends only the per-call inputs, and the session
-feeds each ``*_RetainedState`` output back as the next call's input.
+program does with ``-retained-state``: the engine sends only the per-call inputs, and each
+``*_RetainedState`` output is the next call's input. Where it lives is the backend's: on the card
+(QAIC), in host buffers the graph writes in place (ONNX Runtime, ``ort.OrtLanguageSession``), or in
+host arrays fed in and read back each call (the PyTorch reference, ``HostStateSession``).
 
 Continuous batching: when the language graph was exported with ``batch_index``, the session keeps
 ``full_batch_size`` KV cache rows, one per running request. ``prefill(row, step)`` runs one
@@ -26,6 +28,9 @@ reads past it; the mask hides them too). A family's other per-row state (``Langu
 e.g. a linear-attention layer's recurrent state) is the graph's to restart: the chunk holding a
 request's first token (KV slot 0) replaces the row's state by zeros before it runs, so the host never
 writes it either. ``reset`` stays for callers that want a clean state on purpose.
+With compute context lengths (``LanguageShape.comp_ctx_lengths``) every call also gets ``comp_ctx_lengths``, as
+long as the smallest length holding the call's last KV slot: so every engine (single-request, serving, the vLLM
+worker, the bench), which all call through here, runs each step in the shortest specialization that holds it.
 ``close`` releases what the session holds (a QAIC program on its device); the host backends hold nothing.
 """
 
@@ -39,7 +44,9 @@ from typing import Protocol
 import numpy as np
 
 from qeff_evs.manifest import LanguageShape
-from qeff_evs.models.graph_io import BATCH_INDEX, PAD_POSITION, RETAINED_SUFFIX, check_batch_index, state_shapes
+from qeff_evs.models.graph_io import (
+    BATCH_INDEX, COMP_CTX_LENGTHS, PAD_POSITION, RETAINED_SUFFIX, check_batch_index, state_shapes,
+)
 
 
 @dataclass(frozen=True)
@@ -222,6 +229,9 @@ class RetainedStateSession(abc.ABC):
         inputs = {"input_ids": step.input_ids, "position_ids": step.position_ids, "image_idx": step.image_idx}
         if batch_index is not None:
             inputs[BATCH_INDEX] = batch_index
+        length = self.shape.comp_ctx_len(int(step.position_ids[0].max()))
+        if length is not None:  # only its length counts: the call reads that many slots of each KV row
+            inputs[COMP_CTX_LENGTHS] = np.arange(length, dtype=np.int64)
         if step.vision_embeds is not None:
             inputs["vision_embeds"] = step.vision_embeds
         inputs.update(step.extras)

@@ -1,4 +1,13 @@
-"""ONNX Runtime backend (the embedded default): the export's graphs on the CPU."""
+"""ONNX Runtime backend (the embedded default): the export's graphs on the CPU.
+
+The language session keeps its retained state where a ``-retained-state`` program keeps it: in buffers the
+graph writes itself (DESIGN §15). Each retained input ``X`` (KV caches, layer states, the vision window) is one
+host buffer wrapped as an ``OrtValue`` and bound with ``IOBinding`` both as ``X`` and as ``X_RetainedState``;
+the graph's KV write (the ``ScatterND`` of ``CtxScatter``) then sees its output buffer is its input and skips
+the copy ONNX Runtime's kernel otherwise makes of the whole cache, so a call moves no cache bytes in or out.
+Zeroed once, when the session is made (or on ``reset``), as on the card. Per-call inputs (ids, positions,
+``batch_index``, a prefill chunk's window) are ordinary feeds.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +16,8 @@ from pathlib import Path
 import numpy as np
 
 from qeff_evs.manifest import LanguageShape
-from qeff_evs.runtime.backends.base import HostStateSession, MergedRows, merged_rows, ranking
+from qeff_evs.models.graph_io import RETAINED_SUFFIX, state_shapes
+from qeff_evs.runtime.backends.base import MergedRows, RetainedStateSession, merged_rows, ranking
 
 
 def open_ort_session(path: Path):
@@ -64,15 +74,87 @@ class OrtPruningSession(OrtGraph):
                                  for name, value in feeds.items()}))
 
 
-class OrtLanguageSession(HostStateSession):
-    """The language graph in ONNX Runtime; ``graph`` is its path or an opened ``InferenceSession``."""
+class OrtLanguageSession(RetainedStateSession):
+    """The language graph in ONNX Runtime, its retained state bound in place (module docstring).
 
-    def __init__(self, graph, shape: LanguageShape):
+    ``graph`` is its path or an opened ``InferenceSession``. ``state`` maps each retained input to the numpy
+    array that *is* its bound buffer: what the last call wrote, read without a copy; write into it in place
+    (``state[name][...] = ...``) to change what the next call reads.
+    ``decode_graph``: the export's decode-only twin (``manifest.LANGUAGE_DECODE``, same I/O), run for one-token
+    calls instead of a graph that computes its prefill path there too; it is bound to the same buffers.
+    """
+
+    def __init__(self, graph, shape: LanguageShape, decode_graph=None):
         self.session = _session(graph)
+        self.decode_session = None if decode_graph is None else _session(decode_graph)
+        self._dtypes = {i.name: _numpy_dtype(i.type) for i in self.session.get_inputs()}
+        if self.decode_session is not None:
+            names = ([i.name for i in self.decode_session.get_inputs()],
+                     [o.name for o in self.decode_session.get_outputs()])
+            if names != ([i.name for i in self.session.get_inputs()], [o.name for o in self.session.get_outputs()]):
+                raise ValueError(f"the decode-only language graph's I/O {names} differs from the language graph's; "
+                                 "re-export this folder")
         super().__init__(shape, [i.name for i in self.session.get_inputs()],
                          [o.name for o in self.session.get_outputs()])
+        self._logits_at = self.output_names.index("logits")
 
-    def _execute(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
-        return self.session.run(None, {name: feeds[name] for name in self.input_names})
+    def reset(self) -> None:
+        """Fresh zeroed buffers for every retained input, each bound as the graph's input and its output."""
+        retained = [name for name in self.input_names if name + RETAINED_SUFFIX in self.output_names]
+        dims = state_shapes(self.shape)
+        missing = [name for name in retained if name not in dims]
+        if missing:
+            raise ValueError(f"the language graph retains {missing}, which the export's language shape does not "
+                             "describe; re-export this folder with this qeff-evs")
+        self.state: dict[str, np.ndarray] = {}
+        sessions = [self.session] + ([] if self.decode_session is None else [self.decode_session])
+        self.bindings = [session.io_binding() for session in sessions]
+        for output in self.output_names:  # in graph order, which the bindings' outputs then keep
+            name = output.removesuffix(RETAINED_SUFFIX)
+            if name in retained:
+                self._bind_state(name, np.zeros(dims[name], dtype=self._dtypes[name]))
+            else:
+                for binding in self.bindings:
+                    binding.bind_output(output, "cpu")
+
+    def _bind_state(self, name: str, buffer: np.ndarray) -> None:
+        import onnxruntime as ort
+
+        self.state[name] = buffer
+        value = ort.OrtValue.ortvalue_from_numpy(buffer)  # on the CPU: shares the array's memory
+        for binding in self.bindings:
+            binding.bind_ortvalue_input(name, value)
+            binding.bind_ortvalue_output(name + RETAINED_SUFFIX, value)
+
+    def _call(self, inputs: dict[str, np.ndarray]) -> np.ndarray:
+        missing = [name for name in self.input_names if name not in inputs and name not in self.state]
+        if missing:
+            raise ValueError(f"language graph inputs {missing} were not provided")
+        one_token = self.decode_session is not None and inputs["input_ids"].shape[1] == 1
+        session, binding = (self.decode_session, self.bindings[1]) if one_token else (self.session, self.bindings[0])
+        for name, value in inputs.items():
+            value = np.ascontiguousarray(value, dtype=self._dtypes[name])
+            if name in self.state:
+                # A prefill chunk's window: a per-call input that becomes the retained one (the graph
+                # returns it as it came, into the same buffer).
+                self._bind_state(name, value)
+            else:
+                binding.bind_cpu_input(name, value)
+        # Rebound each call: a bound output keeps the shape of its last call, and logits change shape
+        # between prefill (one row) and decode (decode_batch_size rows).
+        for name in self.output_names:
+            if not name.endswith(RETAINED_SUFFIX):
+                binding.bind_output(name, "cpu")
+        session.run_with_iobinding(binding)
+        return binding.get_outputs()[self._logits_at].numpy()
 
 
+_NUMPY_DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(int64)": np.int64,
+                 "tensor(int32)": np.int32}
+
+
+def _numpy_dtype(onnx_type: str):
+    if onnx_type not in _NUMPY_DTYPES:
+        raise ValueError(f"the language graph has an input of type {onnx_type}, which this runtime does not feed; "
+                         f"it feeds {', '.join(_NUMPY_DTYPES)}")
+    return _NUMPY_DTYPES[onnx_type]

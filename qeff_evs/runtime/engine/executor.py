@@ -26,6 +26,7 @@ from qeff_evs import evs
 from qeff_evs.models.protocol import MediaInput, ModelFamily
 from qeff_evs.models.pruning import DEFAULT_METHOD, VideoPruning
 from qeff_evs.positions import check_rope_range
+from qeff_evs.specializations.sets import chunk_seq_len
 from qeff_evs.runtime.backends.base import DecodeRow, LanguageSession, VisionSession, close_session, decode_batch
 from qeff_evs.runtime.engine.request import EncodedMedia, PromptPiece, PromptPlan, plan_prompt
 from qeff_evs.runtime.engine.steps import prefill_step
@@ -40,6 +41,7 @@ class EngineConfig:
     max_new_tokens: int = 16
     pad_token_id: int = 0
     video_pruning_method: str = DEFAULT_METHOD
+    short_prefill_lens: tuple[int, ...] = ()  # the export's shorter prefill lengths (Manifest.short_prefill_lens)
 
     def __post_init__(self) -> None:
         VideoPruning(self.video_pruning_method, self.video_pruning_rate)  # raises on a bad method or rate
@@ -53,6 +55,10 @@ class EngineConfig:
     @property
     def pruning(self) -> VideoPruning:
         return VideoPruning(self.video_pruning_method, self.video_pruning_rate)
+
+    def chunk_seq_len(self, scheduled: int) -> int:
+        """The prefill length a chunk of ``scheduled`` tokens is padded to: the shortest the export has."""
+        return chunk_seq_len(scheduled, self.prefill_seq_len, self.short_prefill_lens)
 
 
 def kept_count(family: ModelFamily, media: MediaInput, pruning: VideoPruning) -> int:
@@ -69,6 +75,11 @@ def encode_media(family: ModelFamily, vision: VisionSession, media: MediaInput, 
     indices = result.kept_indices.astype(np.int64)
     per_frame = evs.tokens_per_frame_kept(indices, t, h * w)
     return EncodedMedia(result.rows, indices, result.extras, tuple(per_frame))
+
+
+def media_pruning(media: MediaInput, default: VideoPruning) -> VideoPruning:
+    """The pruning of one media item: its own (a request's choice), else the engine's ``default``."""
+    return default if media.pruning is None else media.pruning
 
 
 def media_hash(media: MediaInput, pruning: VideoPruning) -> str:
@@ -123,14 +134,14 @@ class Executor:
 
     # -- requests ---------------------------------------------------------------------------------
     def kept_count(self, media: MediaInput) -> int:
-        return kept_count(self.family, media, self.config.pruning)
+        return kept_count(self.family, media, media_pruning(media, self.config.pruning))
 
     def plan(self, pieces: Sequence[PromptPiece], media: Sequence[MediaInput]) -> PromptPlan:
         """The request's prompt before encoding: provisional placeholders sized by K."""
         return plan_prompt(list(pieces), list(media), [self.kept_count(m) for m in media], self.family)
 
     def media_hashes(self, media: Sequence[MediaInput]) -> tuple[str, ...]:
-        return tuple(media_hash(m, self.config.pruning) for m in media)
+        return tuple(media_hash(m, media_pruning(m, self.config.pruning)) for m in media)
 
     def check_new(self, request_id: str) -> None:
         if request_id in self.requests:
@@ -176,7 +187,8 @@ class Executor:
         if content_hash in self.encoder_outputs or request.plan.encoded[item] is not None:
             return
         media = request.media[item]
-        self.encoder_outputs[content_hash] = encode_media(self.family, self.vision, media, self.config.pruning)
+        self.encoder_outputs[content_hash] = encode_media(self.family, self.vision, media,
+                                                          media_pruning(media, self.config.pruning))
         self.progress(f"encoded {request_id} item {item}: grid {tuple(media.grid_thw)}")
 
     def prefill(self, request_id: str, computed: int, scheduled: int, cache_row: int | None = None) -> int | None:
@@ -196,7 +208,7 @@ class Executor:
         elif request.cache_row is None:
             request.cache_row = self.free_cache_row()
         self._fill(request, computed, scheduled)
-        inputs = prefill_step(request.plan, computed, scheduled, cfg.prefill_seq_len, cfg.user_vision_size,
+        inputs = prefill_step(request.plan, computed, scheduled, cfg.chunk_seq_len(scheduled), cfg.user_vision_size,
                               shape.hidden, shape.extras, cfg.pad_token_id)
         request.vision_rows_per_chunk.append(inputs.vision_rows)
         self.progress(f"prefill {request_id} [{computed}, {computed + scheduled}): {inputs.vision_rows} vision rows")

@@ -16,7 +16,7 @@ import numpy as np
 from qeff_evs.models.protocol import ModelFamily, MediaInput
 from qeff_evs.positions import check_rope_range
 from qeff_evs.runtime.backends.base import LanguageSession, VisionSession, close_session
-from qeff_evs.runtime.engine.executor import EngineConfig, encode_media, kept_count
+from qeff_evs.runtime.engine.executor import EngineConfig, encode_media, kept_count, media_pruning
 from qeff_evs.runtime.engine.request import EncodedMedia, PreparedPrompt, PromptPiece, PromptPlan, plan_prompt
 from qeff_evs.runtime.engine.scheduler import SchedulerConfig, check_fits_context
 from qeff_evs.runtime.engine.serving import ServingEngine
@@ -64,11 +64,11 @@ class Engine:
             close_session(self.language)
 
     def encode(self, video: MediaInput) -> EncodedMedia:
-        return encode_media(self.family, self.vision, video, self.config.pruning)
+        return encode_media(self.family, self.vision, video, media_pruning(video, self.config.pruning))
 
     def prepare(self, pieces: list[PromptPiece], videos: list[MediaInput]) -> PreparedPrompt:
         """Encode every media item of one request and return its final ids and positions."""
-        kept = [kept_count(self.family, v, self.config.pruning) for v in videos]
+        kept = [kept_count(self.family, v, media_pruning(v, self.config.pruning)) for v in videos]
         plan = plan_prompt(pieces, videos, kept, self.family)
         self._check_fits(len(plan.ids))
         # Before the encoder runs; generate() admits the request through Executor.add, which checks it for every engine.

@@ -595,12 +595,28 @@ def video_file_frames(
     loader = LoaderSettings.from_media_io_kwargs(media_io_kwargs, default_loader=rule.vllm_loader)
     loader = loader.limited_to(max_frames)
     processor = ProcessorSettings.from_kwargs(spec, mm_processor_kwargs)
-    source = read_video_source(path, reader=reader)
-    decoded = decode_video_frames(path, source, loader_frame_indices(source, loader), reader=reader)
-    metadata = loader_metadata(source, loader, decoded.source_indices.tolist())
-    clip = sample_clip(metadata, rule, processor, max_frames=max_frames,
-                       vllm_fails=vllm_loader_failure(source, loader))
-    return VideoFrames(np.ascontiguousarray(decoded.frames[list(clip.positions)]), clip, metadata)
+    loaded = load_frames(path, loader, reader=reader)
+    clip = sample_clip(loaded.metadata, rule, processor, max_frames=max_frames, vllm_fails=loaded.vllm_fails)
+    return VideoFrames(np.ascontiguousarray(loaded.frames[list(clip.positions)]), clip, loaded.metadata)
+
+
+@dataclass(frozen=True)
+class LoadedFrames:
+    """What vLLM 0.32's video loader hands the model's processor for a file: the decoded frames and their
+    metadata; ``vllm_fails``: why vLLM's own loader gives no frames here (a one-frame file, ...), or None."""
+
+    frames: np.ndarray
+    metadata: ClipMetadata
+    vllm_fails: str | None
+
+
+def load_frames(video: str | Path | bytes, loader: LoaderSettings, *, reader: str | None = None) -> LoadedFrames:
+    """vLLM's loader step (frame_sampling.py's step 2) on a video file or a video's bytes: the frames it picks,
+    decoded. Frames vLLM's loader would fail on (a clip shorter than a temporal patch) are delivered all."""
+    source = read_video_source(video, reader=reader)
+    decoded = decode_video_frames(video, source, loader_frame_indices(source, loader), reader=reader)
+    return LoadedFrames(decoded.frames, loader_metadata(source, loader, decoded.source_indices.tolist()),
+                        vllm_loader_failure(source, loader))
 
 
 def delivered_video_frames(

@@ -134,11 +134,12 @@ def _open_array(path: Path) -> np.ndarray:
 # containers (PyAV)
 
 
-def _open_container(path: Path):
+def _open_container(path: Path | str, data: bytes | None = None):
+    """PyAV's container for the file ``path``, or for ``data`` (a video's bytes; ``path`` then only names it)."""
     import av  # imported here so .npy input works without FFmpeg libraries
 
     try:
-        container = av.open(str(path))
+        container = av.open(str(path) if data is None else io.BytesIO(data))
     except av.FFmpegError as error:
         raise ValueError(f"cannot decode {path} as a video: {error}") from error
     if not container.streams.video:
@@ -273,7 +274,7 @@ def video_reader(reader: str | None = None) -> str:
     return reader
 
 
-def _opencv_capture(path: Path, buffer: io.BytesIO):
+def _opencv_capture(name: str, buffer: io.BytesIO):
     """An OpenCV capture over ``buffer`` (the file's bytes) through the stream-buffered backend vLLM 0.32
     opens video bytes with (the first one available whose plugin API is 1.2 or newer). The caller keeps
     ``buffer`` alive until it releases the capture: OpenCV reads it without holding a reference."""
@@ -295,15 +296,15 @@ def _opencv_capture(path: Path, buffer: io.BytesIO):
                          "or read with reader='pyav'")
     capture = cv2.VideoCapture(buffer, backend, [])
     if not capture.isOpened():
-        raise ValueError(f"cannot decode {path} as a video (OpenCV could not open it)")
+        raise ValueError(f"cannot decode {name} as a video (OpenCV could not open it)")
     return capture
 
 
-def _opencv_source(path: Path) -> SourceVideo:
+def _opencv_source(name: str, data: bytes) -> SourceVideo:
     import cv2
 
-    buffer = io.BytesIO(path.read_bytes())
-    capture = _opencv_capture(path, buffer)
+    buffer = io.BytesIO(data)
+    capture = _opencv_capture(name, buffer)
     try:
         total = int(capture.get(cv2.CAP_PROP_FRAME_COUNT))
         fps = float(capture.get(cv2.CAP_PROP_FPS))
@@ -318,12 +319,12 @@ def _opencv_source(path: Path) -> SourceVideo:
     return SourceVideo.of(total, fps)
 
 
-def _opencv_frames(path: Path, wanted: set[int]) -> tuple[list[np.ndarray], list[int]]:
+def _opencv_frames(name: str, data: bytes, wanted: set[int]) -> tuple[list[np.ndarray], list[int]]:
     import cv2
 
     # A fresh capture: vLLM reads through the one it probed, which a one-frame file leaves at its end.
-    buffer = io.BytesIO(path.read_bytes())
-    capture = _opencv_capture(path, buffer)
+    buffer = io.BytesIO(data)
+    capture = _opencv_capture(name, buffer)
     frames, decoded = [], []
     try:
         for index in range(max(wanted) + 1):
@@ -339,8 +340,8 @@ def _opencv_frames(path: Path, wanted: set[int]) -> tuple[list[np.ndarray], list
     return frames, decoded
 
 
-def _pyav_source(path: Path) -> SourceVideo:
-    container = _open_container(path)
+def _pyav_source(name: str, data: bytes) -> SourceVideo:
+    container = _open_container(name, data)
     try:
         stream = container.streams.video[0]
         fps = float(stream.average_rate) if stream.average_rate else 0.0  # OpenCV's CAP_PROP_FPS
@@ -359,10 +360,10 @@ def _pyav_source(path: Path) -> SourceVideo:
     return SourceVideo.of(total, fps)
 
 
-def _pyav_frames(path: Path, wanted: set[int]) -> tuple[list[np.ndarray], list[int]]:
+def _pyav_frames(name: str, data: bytes, wanted: set[int]) -> tuple[list[np.ndarray], list[int]]:
     import av
 
-    container = _open_container(path)
+    container = _open_container(name, data)
     frames, decoded, last = [], [], max(wanted)
     try:
         for index, frame in enumerate(container.decode(container.streams.video[0])):
@@ -372,40 +373,51 @@ def _pyav_frames(path: Path, wanted: set[int]) -> tuple[list[np.ndarray], list[i
             if index >= last:
                 break
     except av.FFmpegError as error:
-        raise ValueError(f"cannot decode {path} as a video: {error}") from error
+        raise ValueError(f"cannot decode {name} as a video: {error}") from error
     finally:
         container.close()
     return frames, decoded
 
 
-def read_video_source(path: str | Path, *, reader: str | None = None) -> SourceVideo:
-    """Frame count, rate and duration of a video file as vLLM 0.32's OpenCV loader reads them.
+def _named_bytes(video: str | Path | bytes) -> tuple[str, bytes]:
+    """A video file's (name, bytes), or ``("the video's bytes", video)`` for bytes already read (a
+    ``video_url``'s)."""
+    if isinstance(video, bytes):
+        return f"the video's {len(video)} bytes", video
+    path = _existing_path(video)
+    if path.suffix.lower() == ARRAY_SUFFIX:
+        raise ValueError(f"{path} is an array of frames, not a container; load it with load_video")
+    return str(path), path.read_bytes()
+
+
+def read_video_source(video: str | Path | bytes, *, reader: str | None = None) -> SourceVideo:
+    """Frame count, rate and duration of a video file (or a video's bytes) as vLLM 0.32's OpenCV loader reads
+    them.
 
     ``reader``: ``"opencv"`` or ``"pyav"`` (default: :func:`video_reader`); see the module docstring for
     where the two can differ.
     """
-    path = _existing_path(path)
-    if path.suffix.lower() == ARRAY_SUFFIX:
-        raise ValueError(f"{path} is an array of frames, not a container; load it with load_video")
-    return _opencv_source(path) if video_reader(reader) == "opencv" else _pyav_source(path)
+    name, data = _named_bytes(video)
+    return (_opencv_source if video_reader(reader) == "opencv" else _pyav_source)(name, data)
 
 
 def decode_video_frames(
-    path: str | Path, source: SourceVideo, frame_indices: Sequence[int], *, reader: str | None = None
+    video: str | Path | bytes, source: SourceVideo, frame_indices: Sequence[int], *, reader: str | None = None
 ) -> DecodedVideo:
-    """The frames at ``frame_indices`` (ascending source indices) that decode, as vLLM's loader gets them.
+    """The frames at ``frame_indices`` (ascending source indices) of a video file (or a video's bytes) that
+    decode, as vLLM's loader gets them.
 
     Frames are read in order up to the last index asked for; one that does not decode is left out, as
     vLLM leaves it out (``source_indices`` says which came back). ``source`` gives the rate. Raises
     ``ValueError`` when none decodes.
     """
-    path = _existing_path(path)
+    name, data = _named_bytes(video)
     wanted = set(int(i) for i in frame_indices)
     if not wanted or min(wanted) < 0:
         raise ValueError(f"frame_indices must be non-empty and non-negative, got {list(frame_indices)[:8]}")
     read = _opencv_frames if video_reader(reader) == "opencv" else _pyav_frames
-    frames, decoded = read(path, wanted)
+    frames, decoded = read(name, data, wanted)
     if not frames:
-        raise ValueError(f"{path} decoded none of the {len(wanted)} frames asked for (of {source.total_frames})")
-    return DecodedVideo(frames=validate_frames(np.stack(frames), what=str(path)), fps=source.fps,
+        raise ValueError(f"{name} decoded none of the {len(wanted)} frames asked for (of {source.total_frames})")
+    return DecodedVideo(frames=validate_frames(np.stack(frames), what=name), fps=source.fps,
                         source_indices=np.asarray(decoded, dtype=np.int64))

@@ -1,0 +1,135 @@
+"""Time to first token against transformers' own ``generate`` on the same checkpoint and clip.
+
+The baseline is what a user without a card tries first: the bench's random checkpoint loaded back with
+``from_pretrained`` (fp32) and transformers' ``generate`` (greedy, one new token) on the pruning sweep's clip,
+unpruned: its patches (the ``MediaInput`` the engine takes) and the engine's own prompt ids at q 0, with the
+family's keyword arguments (``hf_video_inputs``). Ours is ``qeff-evs run``'s engine on ONNX Runtime (encoder
+calls, the pruning graph's ranking, chunked prefill with its windows, the first token) over the same sessions
+at each ``--ttft-rates`` rate. Frame preprocessing is outside both clocks.
+
+Order: one untimed pass of each (warm-up; at q 0 the engine's first token must equal transformers', the
+same fp32 weights), then per repetition every run once, in alternating order. Medians; the verdict uses wall
+time (what a user waits for) and shows CPU time beside it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from qeff_evs.bench import plots
+from qeff_evs.bench.config import BenchConfig
+from qeff_evs.bench.phase import Option, Phase, Progress, fmt, measured_in
+from qeff_evs.bench.timing import CLOCKS, WALL, Samples, alternating, median, timed
+from qeff_evs.bench.workload import first_special_id, prompt_pieces, question_ids, synthetic_clip
+
+if TYPE_CHECKING:
+    from qeff_evs.bench.graphs import BenchGraphs
+
+NAME = "ttft"
+TRANSFORMERS = "transformers"
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    return tuple(float(v) for v in text.replace(",", " ").split())
+
+
+def _engines(config: BenchConfig, graphs: BenchGraphs, rates):
+    """``{q: Engine}`` over one set of sessions (the suite's open graphs), one new token each."""
+    from qeff_evs.models.pruning import VideoPruning
+    from qeff_evs.runtime.backends.ort import OrtLanguageSession
+    from qeff_evs.runtime.builders import engine_config
+    from qeff_evs.runtime.engine.single_request import Engine
+    from qeff_evs.runtime.export_bundle import open_export
+
+    bundle = open_export(graphs.export_dir)
+    vision = graphs.vision_pipeline()
+    language = OrtLanguageSession(graphs.language, bundle.language_shape)
+    return {q: Engine(bundle.family, vision, language,
+                      engine_config(bundle, VideoPruning("evs", q), max_new_tokens=1)) for q in rates}
+
+
+def measure(config: BenchConfig, graphs: BenchGraphs, progress: Progress) -> dict:
+    import torch
+
+    rates = tuple(sorted({0.0, *config.option("ttft_rates")}))
+    clip = synthetic_clip(graphs.preprocess, config.frames, config.frame_size, config.seed)
+    question = question_ids(config.question_tokens, first_special_id(graphs.family), config.seed)
+    pieces = prompt_pieces(graphs.family, question)
+    engines = _engines(config, graphs, rates)
+
+    def ours(q: float):
+        engine = engines[q]
+        return engine.generate(engine.prepare(pieces, [clip.video]), eos_ids=())
+
+    progress("ttft: loading the checkpoint into transformers")
+    model = graphs.family.model_class.from_pretrained(graphs.checkpoint_dir, dtype=torch.float32).eval()
+    ids = torch.tensor([ours(0.0).prompt_token_ids])
+    hf_inputs = graphs.family.hf_video_inputs(ids, clip.video)
+
+    def theirs():
+        with torch.no_grad():
+            return model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **hf_inputs, max_new_tokens=1,
+                                  min_new_tokens=1, do_sample=False)[0, ids.shape[1]:].tolist()
+
+    runs = {TRANSFORMERS: theirs, **{f"q={q:g}": (lambda q=q: ours(q).generated_token_ids) for q in rates}}
+    progress("ttft: warm-up pass")
+    first = {name: run() for name, run in runs.items()}
+    samples = {name: Samples() for name in runs}
+    for repetition in range(config.repeats):
+        for name in alternating(list(runs), repetition):
+            progress(f"ttft: repetition {repetition + 1}/{config.repeats}, {name}")
+            timed(runs[name], samples[name])
+    del model
+    return {"rates": list(rates), "prompt_tokens": int(ids.shape[1]), "frames": config.frames,
+            "frame_size": config.frame_size, "text_layers": config.text_layers,
+            "vision_layers": config.vision_layers, "first_tokens": first,
+            "same_first_token_at_q0": first[TRANSFORMERS] == first["q=0"],
+            "samples": {name: asdict(s) for name, s in samples.items()}}
+
+
+def section(raw: dict) -> dict:
+    medians = {name: {clock: median(s[clock]) for clock in CLOCKS} for name, s in raw["samples"].items()}
+    base = medians[TRANSFORMERS]
+    ratios = {name: {clock: m[clock] / base[clock] for clock in CLOCKS} for name, m in medians.items()}
+    return {**raw, "median_s": medians, "vs_transformers": ratios}
+
+
+def load(saved: dict) -> dict:
+    return {k: v for k, v in saved.items() if k not in ("median_s", "vs_transformers")}
+
+
+def markdown(results: dict) -> list[str]:
+    s = results[NAME]
+    lines = ["", f"### Time to first token against transformers' generate: {s['frames']} frames "
+             f"{s['frame_size']}x{s['frame_size']}, {s['text_layers']} text + {s['vision_layers']} vision layers",
+             "", measured_in(results, NAME), "",
+             f"{s['prompt_tokens']} prompt tokens at q 0; first token at q 0 "
+             f"{'equals' if s['same_first_token_at_q0'] else 'DIFFERS from'} transformers'. "
+             f"{len(s['samples'][TRANSFORMERS]['wall'])} timed runs each, medians.", "",
+             "| run | TTFT wall (s) | CPU (s) | wall / transformers | CPU / transformers |", "|---|---|---|---|---|"]
+    for name, m in s["median_s"].items():
+        r = s["vs_transformers"][name]
+        label = "transformers `generate`" if name == TRANSFORMERS else f"qeff-evs ORT, {name}"
+        lines.append(f"| {label} | {fmt(m['wall'], 2)} | {fmt(m['cpu'], 2)} | {r['wall']:.2f} | {r['cpu']:.2f} |")
+    return lines
+
+
+def draw(results: dict, path: Path) -> Path:
+    s = results[NAME]
+    names = list(s["median_s"])
+    figure = plots.figure(5.5, 3.2)
+    axes = figure.add_subplot()
+    values = [s["median_s"][name][WALL] for name in names]
+    bars = axes.bar(range(len(names)), values, color=["#888888"] + ["#3b75af"] * (len(names) - 1))
+    axes.bar_label(bars, labels=[f"{s['vs_transformers'][n][WALL]:.2f}x" for n in names], fontsize=8)
+    axes.set_xticks(range(len(names)), ["transformers\ngenerate", *(f"qeff-evs\n{n}" for n in names[1:])])
+    axes.set_ylabel("time to first token, wall (s)")
+    axes.set_title(f"TTFT, {s['frames']} frames {s['frame_size']}px (ratio to transformers)", fontsize=9)
+    return plots.save(figure, path)
+
+
+PHASE = Phase(NAME, measure, section=section, load=load, markdown=markdown, plots={"ttft.png": draw},
+              options=(Option("ttft_rates", _floats, {"full": (0.0, 0.5, 0.75)},
+                              "pruning rates the engine runs against transformers' generate"),))
