@@ -96,6 +96,7 @@ def table(out: Path, pairs: list[tuple[str, str]]) -> str:
                     f"| {row['peak_rss_mb']:.0f} | {r['export_open_s']:.0f} | {r['export_peak_rss_mb']:.0f} "
                     f"| {gb:.3f}, {gflop:.1f} |")
     text = "\n".join(lines) + "\n"
+    out.mkdir(parents=True, exist_ok=True)
     (out / "moe_whole_model.md").write_text(text)
     return text
 
