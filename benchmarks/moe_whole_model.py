@@ -1,0 +1,126 @@
+"""The whole model at released widths, MoE beside its dense sibling: `qeff-evs bench`'s pruning sweep alone.
+
+One process per family (a released-width MoE checkpoint is gigabytes; run each under ``flock /tmp/qeff-heavy.lock``
+and ``/usr/bin/time -v`` on a shared machine)::
+
+    python benchmarks/moe_whole_model.py run qwen3_vl_moe OUT_DIR [--text-layers 2] [--repeats 1]
+    python benchmarks/moe_whole_model.py table OUT_DIR qwen3_vl_moe:qwen3_vl [qwen3_5_moe:qwen3_5]
+
+``run`` is the bench's own path (``suite``'s random checkpoint, ``qeff-evs export``'s pipeline, the
+``pruning_sweep`` phase on a 16-frame 448x448 clip at q 0, 0.5, 0.75) without the other phases, whose frame buckets
+it does not export; it writes ``OUT_DIR/<family>.json`` with the export time (save + export + open) and the
+phase's section. ``table`` writes ``OUT_DIR/moe_whole_model.md``: per MoE family and its dense sibling at the same
+depth, prefill CPU and wall time per q, the q 0.75 / q 0 ratio, peak RSS, export time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from qeff_evs.bench import phases, pruning
+from qeff_evs.bench.checkpoint import model_config
+from qeff_evs.bench.config import preset, validate
+from qeff_evs.bench.graphs import build_graphs
+from qeff_evs.bench.memory import peak_mb
+from qeff_evs.bench.realistic import realistic_config
+from qeff_evs.bench.report import environment
+from qeff_evs.bench.suite import model_summary
+from qeff_evs.bench.timing import CPU, WALL
+from qeff_evs.models.registry import family_class
+from qeff_evs.models.sparse_moe import HIT
+
+from moe_expert_forms import FP16, MODELS, cost  # this folder's script: the sparse block's computed cost
+
+RATES = (0.0, 0.5, 0.75)
+FRAMES, SIDE = 16, 448
+
+
+def run(family: str, out: Path, text_layers: int, vision_layers: int, repeats: int, widths: str = "realistic") -> dict:
+    # Every phase's frame counts set to the clip's, so the export holds the one bucket the sweep runs.
+    config = preset("full", family).replace(
+        text_layers=text_layers, vision_layers=vision_layers, frames=FRAMES, frame_size=SIDE, vision_frames=FRAMES,
+        vision_frame_size=SIDE, window_frames=(FRAMES,), vision_sweep_frames=(FRAMES,), overhead_frames=FRAMES,
+        pruning_rates=RATES, ctx_len=2048, repeats=repeats, widths=widths)
+    config = phases.with_option_defaults(config)
+    hf_config = model_config(config)
+    vc = family_class(family).config_paths.read(hf_config)
+    validate(config, vc.patch_size, vc.merge_size, vc.temporal_patch_size)
+    workdir = out / f"work_{family}"
+    started = time.perf_counter()
+    graphs = build_graphs(config, workdir, lambda m: print(f"[{time.strftime('%H:%M:%S')}] {m}", flush=True))
+    export_s = time.perf_counter() - started
+    export_peak_mb = peak_mb()
+    sweep = pruning.run_pruning_sweep(config, graphs, lambda m: print(f"[{time.strftime('%H:%M:%S')}] {m}", flush=True))
+    result = {"family": family, "config": config.to_json(), "model": model_summary(hf_config),
+              "environment": environment(), "export_open_s": export_s, "export_peak_rss_mb": export_peak_mb,
+              "export_bytes": sum(f.stat().st_size for f in graphs.export_dir.rglob("*") if f.is_file()),
+              "pruning_sweep": pruning.section(sweep)}
+    (out / f"{family}.json").write_text(json.dumps(result, indent=1) + "\n")
+    return result
+
+
+def mlp_cost(family: str, tokens: int = 128) -> tuple[float, float]:
+    """fp16 GB and GFLOP of one text layer's MLP for a ``tokens``-token chunk: the sparse block in the graphs'
+    ``hit`` form (``moe_expert_forms.cost``: experts, router, shared expert), or the dense sibling's MLP."""
+    text = realistic_config(family, 1, 2).text_config
+    if getattr(text, "num_experts", None):
+        model = MODELS[family]
+        c = cost(HIT, tokens, model)
+        return c["weight_bytes"] / 1e9, c["flops"] / 1e9
+    weights = 3 * text.hidden_size * text.intermediate_size
+    return weights * FP16 / 1e9, 2 * tokens * weights / 1e9
+
+
+def table(out: Path, pairs: list[tuple[str, str]]) -> str:
+    lines = ["| model | q | K | chunks | prefill CPU s | prefill wall s | q / q0 CPU | peak RSS MB (sweep) "
+             "| export + open s | export peak RSS MB | MLP per layer and chunk (fp16 GB, GFLOP) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for pair in pairs:
+        for family in pair:
+            path = out / f"{family}.json"
+            if not path.is_file():
+                lines.append(f"| {family} | not measured | | | | | | | | | |")
+                continue
+            r = json.loads(path.read_text())
+            rows = r["pruning_sweep"]["rows"]
+            q0 = next(row for row in rows if row["q"] == 0.0)
+            gb, gflop = mlp_cost(family)
+            for row in rows:
+                lines.append(
+                    f"| {family} ({r['model']['text_layers']}+{r['model']['vision_layers']} layers) | {row['q']:g} "
+                    f"| {row['kept_tokens']} | {row['prefill_chunks']} | {row[CPU]['prefill_ms'] / 1000:.1f} "
+                    f"| {row[WALL]['prefill_ms'] / 1000:.1f} | {row[CPU]['prefill_ms'] / q0[CPU]['prefill_ms']:.2f} "
+                    f"| {row['peak_rss_mb']:.0f} | {r['export_open_s']:.0f} | {r['export_peak_rss_mb']:.0f} "
+                    f"| {gb:.3f}, {gflop:.1f} |")
+    text = "\n".join(lines) + "\n"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "moe_whole_model.md").write_text(text)
+    return text
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    r = sub.add_parser("run")
+    r.add_argument("family")
+    r.add_argument("out", type=Path)
+    r.add_argument("--text-layers", type=int, default=2)
+    r.add_argument("--vision-layers", type=int, default=2)
+    r.add_argument("--repeats", type=int, default=1)
+    r.add_argument("--widths", choices=("realistic", "tiny"), default="realistic", help="tiny: a check of this script")
+    t = sub.add_parser("table")
+    t.add_argument("out", type=Path)
+    t.add_argument("pairs", nargs="+", help="MOE:DENSE family pairs")
+    args = parser.parse_args()
+    if args.command == "run":
+        args.out.mkdir(parents=True, exist_ok=True)
+        run(args.family, args.out, args.text_layers, args.vision_layers, args.repeats, args.widths)
+    else:
+        print(table(args.out, [tuple(p.split(":")) for p in args.pairs]))
+
+
+if __name__ == "__main__":
+    main()
