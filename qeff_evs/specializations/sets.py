@@ -9,13 +9,13 @@ Two sets exist per model:
 * language: ``Prefill`` (``seq_len = prefill_seq_len``) and ``Decode`` (``seq_len = 1``),
   both binding ``vision_size = user_vision_size`` -- each prefill chunk is handed only its
   own window of kept vision rows, so the language graph never needs the whole prompt's.
-  With compute context lengths (DESIGN §15) each of them comes once per length, binding
+  With compute context lengths (docs/design.md#specializations) each of them comes once per length, binding
   ``comp_ctx_len`` too and named ``Prefill_<len>`` / ``Decode_<len>``: a call reads only that many
   slots of its KV row, and the host picks the smallest length holding the call's last slot.
   With continuous batching both also bind ``full_batch_size`` (the KV cache rows); prefill
   runs ``batch_size = 1`` (one request into its row) and decode ``batch_size = full_batch_size``
   (or a chosen decode batch), QEfficient's CB layout;
-* vision (DESIGN §5): the encoder, one entry per (resolution, frames per call F)
+* vision: the encoder, one entry per (resolution, frames per call F)
   (``EncoderTarget``), whatever the video's length; each pruning graph, one entry per distinct
   symbol binding of (resolution, frame bucket) (``PruningTarget``), whatever the video's length up to
   the bucket and the rate: several targets can share one entry (two resolutions with as many merged
