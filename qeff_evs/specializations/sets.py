@@ -34,14 +34,14 @@ DECODE_NAME = "Decode"
 VISION_NAME = "Vision"
 COMP_CTX_SYMBOL = "comp_ctx_len"  # slots a call reads of its KV row: the length of input comp_ctx_lengths
 
-# Temporal patches per encoder call. Measured on this machine (README "Performance"): Qwen2.5-VL-3B
+# Temporal patches per encoder call. Measured on this machine (docs/performance.md): Qwen2.5-VL-3B
 # vision widths at 448x448, ONNX Runtime CPU time per temporal patch for F = 1, 2, 4, 8 was 0.82,
 # 0.74, 0.82, 0.88 s; a call's memory grows with F and a short last batch pads up to F - 1 zero
 # frames. With 2, every multiple of 4 sampled frames runs unpadded.
 DEFAULT_FRAMES_PER_CALL = 2
 # The frame buckets when --frames is not given: powers of two temporal patches up to this many frames. A
 # video pads to the smallest bucket that holds it, so the pruning graph computes at most twice its real
-# rows (README "Performance": the padding's measured cost).
+# rows (docs/performance.md: the padding's measured cost).
 DEFAULT_MAX_FRAMES = 64
 # The default compute context lengths: ctx_len, ctx_len / 4, ctx_len / 16, ... down to this floor (a 32k
 # export gets 2048, 8192, 32768, as QEfficient's examples). Steps of 4 keep a call within 4x of the slots
@@ -50,7 +50,7 @@ DEFAULT_MIN_COMP_CTX_LEN = 2048
 COMP_CTX_STEP = 4
 # The default shorter prefill lengths (--short-prefill-lens): prefill_seq_len / 2, / 4, ... down to this floor, so
 # a chunk (a prompt's tail, a chunk vLLM's budget cut short) is padded to under twice its tokens (above the floor).
-# A chunk's time is close to linear in its length at Qwen2.5-VL-3B widths (README "Performance", prefill lengths);
+# A chunk's time is close to linear in its length at Qwen2.5-VL-3B widths (docs/performance.md, prefill lengths);
 # below 32 the call's fixed cost dominates.
 DEFAULT_SHORT_PREFILL_LEN = 32
 

@@ -4,7 +4,7 @@ vLLM's own frontend, scheduler, sampler and detokenizer run unchanged around our
 are honoured by vLLM's own code; what configures vLLM's torch model runner (which the export's graphs
 replace) or asks for something the graphs cannot do is refused, one line each: engine arguments at
 start-up (:func:`engine_refusals`, called by the platform), sampling parameters per request
-(:func:`sampling_refusals`, called by ``validate_request``: an HTTP 400). The README's settings table is
+(:func:`sampling_refusals`, called by ``validate_request``: an HTTP 400). docs/settings.md's tables are
 rendered from these rows (:func:`readme_table`), and ``tests/test_vllm_settings.py`` holds every row to
 what it says: each refused row's example is refused with its line, each honoured row is accepted, and the
 behaviour of the honoured sampling parameters is compared with vLLM's documentation on the graph's logits.
@@ -616,7 +616,7 @@ def _tested(setting: Setting, engine: bool) -> str:
 
 
 def readme_table(settings: Iterable[Setting], heading: str) -> str:
-    """The README's rows for ``settings``: name, verdict, how (or the refusal's reason), how it is tested."""
+    """docs/settings.md's rows for ``settings``: name, verdict, how (or the refusal's reason), how it is tested."""
     engine = heading == "engine argument"
     lines = [f"| {heading} | verdict | how / why | tested |", "|---|---|---|---|"]
     for s in settings:
@@ -625,7 +625,7 @@ def readme_table(settings: Iterable[Setting], heading: str) -> str:
     return "\n".join(lines)
 
 
-# The settings issue 15 names: the README shows their rows first, then the rest grouped, then every row.
+# The settings issue 15 names: docs/settings.md shows their rows first, then the rest grouped, then every row.
 NAMED_ENGINE = ("video_pruning_method", "video_pruning_rate", "enable_lora", "enable_prompt_embeds",
                 "logits_processors", "reasoning_parser", "reasoning_config", "num_gpu_blocks_override",
                 "kv_cache_dtype", "speculative_config", "max_logprobs", "additional_config")
@@ -641,8 +641,8 @@ def named(settings: Iterable[Setting], names: Iterable[str]) -> list[Setting]:
 
 
 def readme_groups(settings: Iterable[Setting], min_size: int = 3) -> str:
-    """The README's grouped view: settings sharing a verdict and a reason, one row per group of ``min_size`` or more
-    (largest first); the full table holds every row, these included."""
+    """docs/settings.md's grouped view: settings sharing a verdict and a reason, one row per group of ``min_size`` or
+    more (largest first); the full table holds every row, these included."""
     groups: dict[tuple[str, str], list[Setting]] = {}
     for s in settings:
         groups.setdefault((s.verdict, s.how), []).append(s)
