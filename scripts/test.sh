@@ -5,6 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh --test
 site_dir=$(mktemp -d)
-NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --quiet --site-dir "$site_dir"
+# Not --quiet: it drops the warnings --strict counts, and a broken link would pass.
+NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --site-dir "$site_dir"
 rm -rf "$site_dir"
 exec .venv/bin/python -m pytest tests "$@"
