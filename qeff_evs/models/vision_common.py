@@ -29,6 +29,14 @@ from qeff_evs.specializations.sets import check_frames_per_call
 FRAMES_PER_CALL, GRID_H, GRID_W = "frames_per_call", "grid_h", "grid_w"
 PATCH_ROWS, PATCH_WIDTH, FRAME_PATCHES, MERGED_ROWS = "grid_height", "grid_width", "frame_patches", "merged_rows"
 
+# The inputs every Qwen-VL encoder graph takes first, in this order: the call's patches, its grid, one
+# frame's rotary ids (tiled in the graph); a family appends its own per-frame index inputs.
+CALL_INPUTS = {
+    "pixel_values": {0: PATCH_ROWS, 1: PATCH_WIDTH},
+    "video_grid_thw": {0: FRAMES_PER_CALL, 1: GRID_H, 2: GRID_W},
+    "rotary_position_ids": {0: FRAME_PATCHES},
+}
+
 
 def grid_tensor(grid_thw: Sequence[int] | torch.Tensor) -> torch.Tensor:
     return torch.tensor([[int(v) for v in grid_thw]], dtype=torch.int64)
