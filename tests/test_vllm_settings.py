@@ -96,6 +96,8 @@ def test_settings_page_table_is_the_code_table():
     assert settings.readme_table(settings.named(ENGINE_SETTINGS, settings.NAMED_ENGINE), "engine argument") in text
     assert settings.readme_table(settings.named(SAMPLING_SETTINGS, settings.NAMED_SAMPLING), "sampling parameter") in text
     assert settings.readme_groups(ENGINE_SETTINGS) in text
+    # The counts too: the whole page as scripts/render_settings_page.py renders it.
+    assert settings.settings_page(text) == text, "run .venv/bin/python scripts/render_settings_page.py"
 
 
 def test_refused_sampling_parameters_name_themselves():

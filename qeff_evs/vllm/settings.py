@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import enum
 import json
+import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -651,3 +652,35 @@ def readme_groups(settings: Iterable[Setting], min_size: int = 3) -> str:
         if len(rows) >= min_size:
             lines.append(f"| {verdict} | {how} | {', '.join(f'`{s.flag}`' for s in rows)} |")
     return "\n".join(lines)
+
+
+def _counts(settings: Iterable[Setting]) -> str:
+    verdicts = [s.verdict for s in settings]
+    counts = [f"{verdicts.count(HONOURED)} honoured", f"{verdicts.count(REFUSED)} refused",
+              f"{verdicts.count(VLLM_REFUSES)} refused by vLLM"]
+    return ", ".join(counts + ([f"{verdicts.count(NO_EFFECT)} no effect"] if NO_EFFECT in verdicts else []))
+
+
+def settings_page(page: str) -> str:
+    """``page`` (docs/settings.md's text) with every part made from the rows rendered again from them: the row counts
+    and the five tables, in page order (the named engine arguments, the named sampling parameters, the grouped engine
+    arguments, every engine argument, every sampling parameter). ``scripts/render_settings_page.py`` writes it."""
+    page = re.sub(r"Each of vLLM 0\.32's \d+ engine arguments and \d+ sampling parameters",
+                  f"Each of vLLM 0.32's {len(ENGINE_SETTINGS)} engine arguments and {len(SAMPLING_SETTINGS)} "
+                  "sampling parameters", page)
+    page = re.sub(r"Engine arguments: [^;]*; sampling parameters: [^.]*\.",
+                  f"Engine arguments: {_counts(ENGINE_SETTINGS)}; sampling parameters: {_counts(SAMPLING_SETTINGS)}.",
+                  page)
+    page = re.sub(r"Engine arguments \(\d+ rows\)", f"Engine arguments ({len(ENGINE_SETTINGS)} rows)", page)
+    page = re.sub(r"Sampling parameters \(\d+ rows\)", f"Sampling parameters ({len(SAMPLING_SETTINGS)} rows)", page)
+    tables = [readme_table(named(ENGINE_SETTINGS, NAMED_ENGINE), "engine argument"),
+              readme_table(named(SAMPLING_SETTINGS, NAMED_SAMPLING), "sampling parameter"),
+              readme_groups(ENGINE_SETTINGS), readme_table(ENGINE_SETTINGS, "engine argument"),
+              readme_table(SAMPLING_SETTINGS, "sampling parameter")]
+    blocks = list(re.finditer(r"^\|.*(?:\n\|.*)*", page, flags=re.M))
+    if len(blocks) != len(tables):
+        raise ValueError(f"docs/settings.md has {len(blocks)} tables where {len(tables)} are rendered from the rows; "
+                         "restore the page's tables (git checkout docs/settings.md) and render it again")
+    for block, table in zip(reversed(blocks), reversed(tables)):
+        page = page[:block.start()] + table + page[block.end():]
+    return page
