@@ -91,11 +91,11 @@ def test_every_named_test_exists():
 
 def test_settings_page_table_is_the_code_table():
     text = SETTINGS_PAGE.read_text()
-    assert settings.readme_table(ENGINE_SETTINGS, "engine argument") in text
-    assert settings.readme_table(SAMPLING_SETTINGS, "sampling parameter") in text
-    assert settings.readme_table(settings.named(ENGINE_SETTINGS, settings.NAMED_ENGINE), "engine argument") in text
-    assert settings.readme_table(settings.named(SAMPLING_SETTINGS, settings.NAMED_SAMPLING), "sampling parameter") in text
-    assert settings.readme_groups(ENGINE_SETTINGS) in text
+    assert settings.settings_table(ENGINE_SETTINGS, "engine argument") in text
+    assert settings.settings_table(SAMPLING_SETTINGS, "sampling parameter") in text
+    assert settings.settings_table(settings.named(ENGINE_SETTINGS, settings.NAMED_ENGINE), "engine argument") in text
+    assert settings.settings_table(settings.named(SAMPLING_SETTINGS, settings.NAMED_SAMPLING), "sampling parameter") in text
+    assert settings.settings_groups(ENGINE_SETTINGS) in text
     # The counts too: the whole page as scripts/render_settings_page.py renders it.
     assert settings.settings_page(text) == text, "run .venv/bin/python scripts/render_settings_page.py"
 

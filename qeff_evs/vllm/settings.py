@@ -5,7 +5,7 @@ are honoured by vLLM's own code; what configures vLLM's torch model runner (whic
 replace) or asks for something the graphs cannot do is refused, one line each: engine arguments at
 start-up (:func:`engine_refusals`, called by the platform), sampling parameters per request
 (:func:`sampling_refusals`, called by ``validate_request``: an HTTP 400). docs/settings.md's tables are
-rendered from these rows (:func:`readme_table`), and ``tests/test_vllm_settings.py`` holds every row to
+rendered from these rows (:func:`settings_table`), and ``tests/test_vllm_settings.py`` holds every row to
 what it says: each refused row's example is refused with its line, each honoured row is accepted, and the
 behaviour of the honoured sampling parameters is compared with vLLM's documentation on the graph's logits.
 
@@ -616,7 +616,7 @@ def _tested(setting: Setting, engine: bool) -> str:
     return ""
 
 
-def readme_table(settings: Iterable[Setting], heading: str) -> str:
+def settings_table(settings: Iterable[Setting], heading: str) -> str:
     """docs/settings.md's rows for ``settings``: name, verdict, how (or the refusal's reason), how it is tested."""
     engine = heading == "engine argument"
     lines = [f"| {heading} | verdict | how / why | tested |", "|---|---|---|---|"]
@@ -641,7 +641,7 @@ def named(settings: Iterable[Setting], names: Iterable[str]) -> list[Setting]:
     return [by_name[name] for name in names]
 
 
-def readme_groups(settings: Iterable[Setting], min_size: int = 3) -> str:
+def settings_groups(settings: Iterable[Setting], min_size: int = 3) -> str:
     """docs/settings.md's grouped view: settings sharing a verdict and a reason, one row per group of ``min_size`` or
     more (largest first); the full table holds every row, these included."""
     groups: dict[tuple[str, str], list[Setting]] = {}
@@ -673,10 +673,10 @@ def settings_page(page: str) -> str:
                   page)
     page = re.sub(r"Engine arguments \(\d+ rows\)", f"Engine arguments ({len(ENGINE_SETTINGS)} rows)", page)
     page = re.sub(r"Sampling parameters \(\d+ rows\)", f"Sampling parameters ({len(SAMPLING_SETTINGS)} rows)", page)
-    tables = [readme_table(named(ENGINE_SETTINGS, NAMED_ENGINE), "engine argument"),
-              readme_table(named(SAMPLING_SETTINGS, NAMED_SAMPLING), "sampling parameter"),
-              readme_groups(ENGINE_SETTINGS), readme_table(ENGINE_SETTINGS, "engine argument"),
-              readme_table(SAMPLING_SETTINGS, "sampling parameter")]
+    tables = [settings_table(named(ENGINE_SETTINGS, NAMED_ENGINE), "engine argument"),
+              settings_table(named(SAMPLING_SETTINGS, NAMED_SAMPLING), "sampling parameter"),
+              settings_groups(ENGINE_SETTINGS), settings_table(ENGINE_SETTINGS, "engine argument"),
+              settings_table(SAMPLING_SETTINGS, "sampling parameter")]
     blocks = list(re.finditer(r"^\|.*(?:\n\|.*)*", page, flags=re.M))
     if len(blocks) != len(tables):
         raise ValueError(f"docs/settings.md has {len(blocks)} tables where {len(tables)} are rendered from the rows; "
