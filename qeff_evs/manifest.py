@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from qeff_evs import evs
@@ -176,9 +176,15 @@ class LanguageShape:
     # comp_ctx_len slots of its KV row. Empty: the graph has no comp_ctx_lengths input and every call reads
     # ctx_len (exports without a ladder, and every export written before it; their manifests lack the key).
     comp_ctx_lengths: tuple[int, ...] = ()
+    # The lengths of a prefill call the export has specializations for (``Prefill<n>``, ``Prefill``), ascending, the
+    # last prefill_seq_len; a call of one token is decode's. Filled by the Manifest from its prefill_seq_len and
+    # short_prefill_lens (never written under language_shape). Empty: a shape made by hand, not read from an
+    # export; its sessions run any length the graph file takes.
+    prefill_lens: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "comp_ctx_lengths", tuple(int(n) for n in self.comp_ctx_lengths))
+        object.__setattr__(self, "prefill_lens", tuple(sorted(int(n) for n in self.prefill_lens)))
         if self.comp_ctx_lengths and self.comp_ctx_lengths[-1] != self.ctx_len:
             raise ValueError(f"compute context lengths {list(self.comp_ctx_lengths)} must end at ctx_len "
                              f"{self.ctx_len}; re-export this folder")
@@ -275,6 +281,11 @@ class Manifest:
     # manifests written before them: every chunk runs at prefill_seq_len.
     short_prefill_lens: tuple[int, ...] = ()
     version: int = MANIFEST_VERSION
+
+    def __post_init__(self) -> None:
+        # The language sessions refuse a call of a length the export has no specialization for, as the card does.
+        lengths = (*self.short_prefill_lens, self.prefill_seq_len)
+        object.__setattr__(self, "language_shape", replace(self.language_shape, prefill_lens=lengths))
 
     @property
     def ctx_len(self) -> int:
@@ -399,6 +410,7 @@ class Manifest:
         for field_name, key in _TOP_LEVEL_SHAPE.items():
             raw[key] = shape.pop(field_name)
         shape.pop("decode_batch_size")  # a property of a compiled program, not of the export
+        shape.pop("prefill_lens")  # the manifest's prefill_seq_len and short_prefill_lens
         raw["language_shape"] = shape
         return {"version": raw.pop("version"), **raw}
 

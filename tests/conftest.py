@@ -3,7 +3,9 @@
 Exports cost seconds each, so the end-to-end, CLI and artifact tests all read this one folder;
 tests that need other chunk lengths build engines with their own ``EngineConfig`` over the same
 graphs (``seq_len``, ``vision_size`` and ``ctx_len`` are symbols of the language graph, and ONNX
-Runtime ignores specializations). Tests that modify an export work on a copy.
+Runtime ignores specializations), each with a language session whose shape states the lengths it sends
+(``LanguageShape.prefill_lens``: a session refuses any other, as the card does). Tests that modify an
+export work on a copy.
 
 The export serves two resolutions x two frame counts at q = 0.5, with ``user_vision_size`` (48)
 different from the prefill length (32) so that a test can tell which of the two a file carries.

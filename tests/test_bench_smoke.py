@@ -127,6 +127,7 @@ def test_bench_graphs_are_a_qeff_evs_export(smoke_run):
     assert manifest.video_pruning_rate == SMOKE.window_rate
     shape = manifest.language_shape
     assert (shape.ctx_len, shape.vision_size) == (SMOKE.ctx_len, SMOKE.effective_user_vision_size)
+    assert shape.prefill_lens == (4, 8, 16)  # every chunk length the prefill-lengths phase timed, as the card needs
     assert bundle.family.name == SMOKE.family
 
 

@@ -306,7 +306,8 @@ def chunked_runs(bundle, sessions, video, question):
     q = bundle.manifest.video_pruning_rate
     runs = {}
     for seq_len, vision_size in CHUNKINGS:
-        shape = dataclasses.replace(bundle.language_shape, vision_size=vision_size)
+        # The ORT graph takes any chunk length; this engine sends chunks of seq_len, the one length it states.
+        shape = dataclasses.replace(bundle.language_shape, vision_size=vision_size, prefill_lens=(seq_len,))
         language = RecordingLanguageSession(OrtLanguageSession(bundle.manifest.path(bundle.export_dir, "language"),
                                                                shape))
         config = EngineConfig(seq_len, bundle.manifest.ctx_len, vision_size, q, max_new_tokens=DECODE_STEPS)

@@ -117,15 +117,16 @@ def image(bundle):
 
 def make_engine(bundle, sessions, backend: str, q: float, seq_len: int | None = None,
                 vision_size: int | None = None) -> Engine:
-    """An engine over the module's sessions; another window size gets its own language session
-    over the same graph (``vision_size`` is a symbol of the language graph)."""
+    """An engine over the module's sessions; another window size or chunk length gets its own language session
+    over the same graph (``vision_size`` and ``seq_len`` are symbols of the language graph), whose shape states the
+    one chunk length this engine sends."""
     m = bundle.manifest
     seq_len = seq_len or m.prefill_seq_len
     vision_size = vision_size or max(seq_len, m.user_vision_size)
     config = EngineConfig(seq_len, m.ctx_len, vision_size, q, max_new_tokens=DECODE_STEPS)
     vision, language = sessions[backend]
-    if vision_size != language.shape.vision_size:
-        shape = dataclasses.replace(language.shape, vision_size=vision_size)
+    if vision_size != language.shape.vision_size or seq_len not in language.shape.prefill_lens:
+        shape = dataclasses.replace(language.shape, vision_size=vision_size, prefill_lens=(seq_len,))
         if backend == "ort":
             language = OrtLanguageSession(m.path(bundle.export_dir, "language"), shape)
         else:

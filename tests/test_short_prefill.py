@@ -20,12 +20,13 @@ import pytest
 
 from qeff_evs.export.pipeline import export_checkpoint
 from qeff_evs.manifest import read_manifest
+from qeff_evs.runtime.backends.base import LanguageInputs
 from qeff_evs.runtime.builders import engine_config
 from qeff_evs.runtime.engine.single_request import Engine
 from qeff_evs.runtime.export_bundle import open_export
 from qeff_evs.runtime.inputs.prompt import video_question_pieces
 from qeff_evs.runtime.media import video_from_file
-from qeff_evs.runtime.sessions import sessions_for
+from qeff_evs.runtime.sessions import language_session, sessions_for
 from qeff_evs.specializations import language_specializations, read_specializations_json, short_prefill_lens
 from qeff_evs.specializations.sets import chunk_seq_len
 from test_ctx_lengths import LogitsLog
@@ -133,3 +134,61 @@ def test_the_fake_card_runs_the_tail_in_its_specialization(short_export, video_n
     prefill = [c.dims["input_ids"][1] for c in card.language_calls() if c.dims["input_ids"][1] > 1]
     assert prefill == [chunk_seq_len(n, 32, SHORT) for _, n in cuts(total, 32)]
     assert prefill[-1] in SHORT
+
+
+def text_call(n: int, shape) -> LanguageInputs:
+    """A call of ``n`` text tokens at KV slots 0.. (its window all zeros)."""
+    positions = np.broadcast_to(np.arange(n, dtype=np.int64), (4, 1, n)).copy()
+    window = np.zeros((1, shape.vision_size, shape.hidden), np.float32)
+    extras = {name: np.zeros((levels, 1, shape.vision_size, shape.hidden), np.float32)
+              for name, levels in shape.extras.items()}
+    return LanguageInputs(np.full((1, n), 5, np.int64), positions, window, extras, np.zeros((1, 1), np.int64), 0)
+
+
+CALL_LENGTHS = (1, 5, 8, 12, 24, 25, 32, 33)  # the export takes 8, 24, 32 and decode's 1
+
+
+def accepted_lengths(language) -> tuple[set[int], dict[int, str]]:
+    """The lengths of ``CALL_LENGTHS`` a language session runs, and the refusal of each other one."""
+    runs, refusals = set(), {}
+    for n in CALL_LENGTHS:
+        try:
+            language.run(text_call(n, language.shape))
+            runs.add(n)
+        except ValueError as error:
+            refusals[n] = str(error)
+    return runs, refusals
+
+
+@pytest.mark.parametrize("backend", ["ort", "torch"])
+def test_host_sessions_refuse_a_length_the_export_has_not(short_export, backend):
+    """A custom engine that calls the language session with an unpadded chunk is refused as the card refuses it
+    (the next test), before the graph runs: a length between two prefill lengths, and one past the longest."""
+    language = language_session(open_export(short_export), backend)
+    assert language.shape.prefill_lens == (8, 24, 32)
+    runs, refusals = accepted_lengths(language)
+    assert runs == {1, 8, 24, 32}
+    assert refusals[12] == (
+        "a language-graph call of 12 tokens has no specialization: the export's prefill lengths are 8, 24, 32 "
+        "(decode 1); pad the chunk to 24 tokens (ids past its end any, positions -1), the shortest length holding "
+        "it, as the engines do, or re-export with --short-prefill-lens including 12")
+    assert refusals[5].startswith("a language-graph call of 5 tokens has no specialization") and "pad the chunk to 8 " \
+        in refusals[5]
+    assert refusals[33] == (
+        "a language-graph call of 33 tokens is longer than the export's prefill length 32 (its prefill "
+        "specializations take 8, 24, 32 tokens, decode 1); cut the prompt into chunks of at most 32 tokens, as the "
+        "engines do, or re-export with --prefill-seq-len 33")
+    before = {name: np.array(value) for name, value in language.state.items()}
+    with pytest.raises(ValueError, match="call of 25 tokens"):
+        language.run(text_call(25, language.shape))
+    for name, value in language.state.items():  # refused before the graph ran: no slot written
+        np.testing.assert_array_equal(value, before[name], err_msg=name)
+
+
+def test_the_fake_card_takes_the_same_lengths(short_export, tmp_path, card):
+    """The fake card, whose program matches each call's shapes against the compiled ones, runs the lengths the host
+    sessions run and refuses the others (its own message, listing what was compiled)."""
+    language = language_session(open_export(for_the_card(short_export, tmp_path)), "qaic")
+    runs, refusals = accepted_lengths(language)
+    assert runs == {1, 8, 24, 32}
+    assert all("no compiled specialization" in message for message in refusals.values())

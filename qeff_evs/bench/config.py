@@ -94,6 +94,13 @@ class BenchConfig:
                       "vision_sweep_frames": tuple(data["vision_sweep_frames"])})
 
 
+def prefill_chunk_lengths(config: BenchConfig) -> tuple[int, ...]:
+    """The chunk lengths the prefill-lengths phase times (its ``prefill_lengths`` option), ascending: those a prefill
+    specialization can have, 2 (1 is decode's) to ``prefill_seq_len``; none where the config has no phase options
+    (a script's own config). Here, not in the phase, because the export (``graphs.export_options``) has them too."""
+    return tuple(sorted({n for n in config.options.get("prefill_lengths", ()) if 2 <= n <= config.prefill_seq_len}))
+
+
 PRESETS = {
     "full": BenchConfig(),
     "quick": BenchConfig(

@@ -13,17 +13,19 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
-from qeff_evs.bench.checkpoint import save_checkpoint
-from qeff_evs.bench.config import BenchConfig, Progress
+from qeff_evs.bench.checkpoint import model_config, save_checkpoint
+from qeff_evs.bench.config import BenchConfig, Progress, prefill_chunk_lengths
 from qeff_evs.bench.sessions import open_inference_session
 from qeff_evs.export.pipeline import ExportOptions, export_checkpoint
 from qeff_evs.manifest import LanguageShape
 from qeff_evs.models.protocol import ModelFamily
+from qeff_evs.models.registry import family_for_config
 from qeff_evs.manifest import pruning_graph
 from qeff_evs.runtime.backends.ort import OrtEncoderSession, OrtPruningSession
 from qeff_evs.runtime.backends.vision import VisionPipeline
 from qeff_evs.runtime.inputs.processor import VisionPreprocessSpec
 from qeff_evs.runtime.export_bundle import open_export
+from qeff_evs.specializations import short_prefill_lens
 
 CHECKPOINT_DIR = "checkpoint"
 EXPORT_DIR = "export"
@@ -62,15 +64,21 @@ class BenchGraphs:
 def export_options(config: BenchConfig) -> ExportOptions:
     """The export of every clip the phases run: each frame count at each frame size, the config's prefill
     chunks and window, default rate ``window_rate``; every frame count is a bucket (no clip is padded) and the
-    EVS pruning graph the one method (the phases prune with EVS)."""
+    EVS pruning graph the one method (the phases prune with EVS). The short prefill lengths are the default ones and
+    every chunk length the prefill-lengths phase times (the language session runs only the export's lengths), except
+    for a family whose language graph is unrolled for one prefill length (Qwen3.5: its export has none)."""
     frames = {config.frames, config.vision_frames, config.overhead_frames, *config.window_frames,
               *config.vision_sweep_frames}
     sides = {config.frame_size, config.vision_frame_size}
+    short = None
+    if not family_for_config(model_config(config)).layer_states():
+        short = tuple(sorted({*short_prefill_lens(None, config.prefill_seq_len),
+                              *(n for n in prefill_chunk_lengths(config) if n < config.prefill_seq_len)}))
     return ExportOptions(video_pruning_rate=config.window_rate, frames=tuple(sorted(frames)),
                          resolutions=tuple((side, side) for side in sorted(sides)),
                          prefill_seq_len=config.prefill_seq_len, ctx_len=config.ctx_len,
                          user_vision_size=config.user_vision_size, frames_per_call=config.frames_per_call,
-                         video_pruning_methods=("evs",))
+                         video_pruning_methods=("evs",), short_prefill_lens=short)
 
 
 def build_graphs(config: BenchConfig, workdir: Path, progress: Progress, language: bool = True) -> BenchGraphs:

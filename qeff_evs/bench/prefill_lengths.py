@@ -2,7 +2,10 @@
 (docs/design.md#specializations).
 
 One prefill chunk of each length of ``--prefill-lengths`` (text tokens, KV slots from ``--prefill-lengths-at``),
-through the bench export's language graph and the runtime's ORT session, alternating lengths per repetition. A
+through the bench export's language graph and the runtime's ORT session, alternating lengths per repetition. The
+session runs only lengths the export has (as the card does), so the bench exports each of them as a short prefill
+length (``graphs.export_options``); a length past ``--prefill-seq-len`` (or any but it, for a family whose graph is
+unrolled for one length) is skipped, and the progress line says so. A
 chunk of ``n`` tokens padded to a length ``L`` costs the ``L`` row; the default short length
 (``specializations.sets.DEFAULT_SHORT_PREFILL_LEN``) is read off this table: the shortest length whose chunk still
 costs clearly less than the full one, at the prompt tails the pruning sweep produces.
@@ -15,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from qeff_evs.bench.config import BenchConfig
+from qeff_evs.bench.config import BenchConfig, prefill_chunk_lengths
 from qeff_evs.bench.phase import MS, Option, Phase, Progress, fmt, measured_in
 from qeff_evs.bench.timing import CLOCKS, CPU, WALL, Samples, alternating, median, timed
 from qeff_evs.models.graph_io import PAD_POSITION
@@ -51,7 +54,15 @@ def chunk(length: int, first_slot: int, vision_size: int, hidden: int, extras: d
 
 def run_prefill_lengths(config: BenchConfig, graphs: BenchGraphs, progress: Progress) -> PrefillLengths:
     shape = graphs.language_shape
-    lengths = tuple(sorted(n for n in config.option("prefill_lengths") if n <= shape.vision_size))
+    lengths = tuple(n for n in prefill_chunk_lengths(config) if n in shape.prefill_lens)
+    skipped = sorted(set(config.option("prefill_lengths")) - set(lengths))
+    if skipped:
+        progress(f"prefill lengths: skipping {skipped}, which the export has no prefill specialization for (its "
+                 f"lengths: {', '.join(map(str, shape.prefill_lens))})")
+    if not lengths:
+        raise ValueError(f"--prefill-lengths {list(config.option('prefill_lengths'))}: none is a prefill length of "
+                         f"the export ({', '.join(map(str, shape.prefill_lens))}); pass lengths from 2 to "
+                         f"--prefill-seq-len {config.prefill_seq_len}")
     first = config.option("prefill_lengths_at")
     session = OrtLanguageSession(graphs.language, shape)
     steps = {n: chunk(n, first, shape.vision_size, shape.hidden, dict(shape.extras)) for n in lengths}
@@ -93,6 +104,6 @@ def markdown(results: dict) -> list[str]:
 PHASE = Phase(NAME, run_prefill_lengths, section=section, load=load, markdown=markdown,
               options=(
                   Option("prefill_lengths", _ints, {"full": (8, 16, 32, 64, 128), "smoke": (4, 8, 16)},
-                         "prefill chunk lengths to time (at most the window)"),
+                         "prefill chunk lengths to time (2 to --prefill-seq-len; each is exported)"),
                   Option("prefill_lengths_at", int, {"full": 256, "smoke": 16}, "KV slot of each chunk's first token"),
               ))

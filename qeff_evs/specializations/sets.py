@@ -207,6 +207,29 @@ def chunk_seq_len(scheduled: int, prefill_seq_len: int, short_lens: Sequence[int
     return min(n for n in (*short_lens, prefill_seq_len) if n >= scheduled)
 
 
+def call_len_refusal(seq_len: int, prefill_lens: Sequence[int]) -> str | None:
+    """Why a language-graph call of ``seq_len`` tokens has no specialization (one line), or None.
+
+    ``prefill_lens``: the export's prefill lengths, ascending (``LanguageShape.prefill_lens``; empty: not known, no
+    refusal); one token is decode's. The card runs a call only in a specialization of exactly its shape, so a
+    shorter chunk is padded to the shortest length holding it (:func:`chunk_seq_len`) before it is sent: a host
+    session refuses the unpadded call as the card would, rather than run a graph the card has not got.
+    Example: ``call_len_refusal(50, (32, 128))`` names 128, the length to pad to.
+    """
+    if not prefill_lens or seq_len == 1 or seq_len in prefill_lens:
+        return None
+    lengths = ", ".join(str(n) for n in prefill_lens)
+    longest = prefill_lens[-1]
+    if seq_len > longest:
+        return (f"a language-graph call of {seq_len} tokens is longer than the export's prefill length {longest} "
+                f"(its prefill specializations take {lengths} tokens, decode 1); cut the prompt into chunks of at "
+                f"most {longest} tokens, as the engines do, or re-export with --prefill-seq-len {seq_len}")
+    return (f"a language-graph call of {seq_len} tokens has no specialization: the export's prefill lengths are "
+            f"{lengths} (decode 1); pad the chunk to {chunk_seq_len(seq_len, longest, prefill_lens[:-1])} tokens "
+            "(ids past its end any, positions -1), the shortest length holding it, as the engines do, or "
+            f"re-export with --short-prefill-lens including {seq_len}")
+
+
 def _per_comp_ctx_len(specs: list[Specialization], lengths: Sequence[int]) -> list[Specialization]:
     """Each entry once per compute context length (``comp_ctx_len`` bound, ``_<len>`` in its name); as given
     without lengths."""

@@ -31,6 +31,11 @@ writes it either. ``reset`` stays for callers that want a clean state on purpose
 With compute context lengths (``LanguageShape.comp_ctx_lengths``) every call also gets ``comp_ctx_lengths``, as
 long as the smallest length holding the call's last KV slot: so every engine (single-request, serving, the vLLM
 worker, the bench), which all call through here, runs each step in the shortest specialization that holds it.
+A call runs only at a length the export has a specialization for (``LanguageShape.prefill_lens``, or one token):
+the card runs a call only in a specialization of exactly its shape, so the host sessions (ONNX Runtime, PyTorch),
+whose graphs would run any length, refuse another one as the card does, in one message naming the export's lengths
+and the one to pad to. Padding is the engines' (``EngineConfig.chunk_seq_len``: the shortest length holding the
+chunk); a session never pads or cuts a call itself.
 ``close`` releases what the session holds (a QAIC program on its device); the host backends hold nothing.
 """
 
@@ -47,6 +52,7 @@ from qeff_evs.manifest import LanguageShape
 from qeff_evs.models.graph_io import (
     BATCH_INDEX, COMP_CTX_LENGTHS, PAD_POSITION, RETAINED_SUFFIX, check_batch_index, state_shapes,
 )
+from qeff_evs.specializations.sets import call_len_refusal
 
 
 @dataclass(frozen=True)
@@ -153,6 +159,10 @@ class RetainedStateSession(abc.ABC):
     lives (``reset``) and how one call runs (``_call``).
     """
 
+    # A call's length is checked against the export's (``call_len_refusal``) where the graph itself would run any:
+    # on the host. A compiled program refuses it itself, listing the shapes it was compiled for.
+    host_checks_call_len = True
+
     def __init__(self, shape: LanguageShape, input_names: list[str], output_names: list[str]) -> None:
         self.shape = shape
         self.input_names = input_names
@@ -226,6 +236,9 @@ class RetainedStateSession(abc.ABC):
             raise ValueError(
                 f"a call of {rows} sequences on a language graph exported for {self.cache_rows} (no "
                 "--full-batch-size); re-export with --full-batch-size N to serve N sequences together")
+        refusal = self.host_checks_call_len and call_len_refusal(step.input_ids.shape[1], self.shape.prefill_lens)
+        if refusal:
+            raise ValueError(refusal)
         inputs = {"input_ids": step.input_ids, "position_ids": step.position_ids, "image_idx": step.image_idx}
         if batch_index is not None:
             inputs[BATCH_INDEX] = batch_index

@@ -335,6 +335,8 @@ class QaicLanguageSession(RetainedStateSession):
     always skipped, retained inputs are sent only when they change (see the module docstring).
     """
 
+    host_checks_call_len = False  # QaicProgram.match refuses a shape the QPC was not compiled for
+
     def __init__(self, program: QaicProgram, shape: LanguageShape):
         self.program = program
         self.retained = retained_inputs(program)
