@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+from qeff_evs.models.registry import shipped_family_names
 from qeff_evs.specializations import DEFAULT_FRAMES_PER_CALL, DEFAULT_MAX_FRAMES, FLOAT16, MXINT8
 
 
@@ -260,7 +261,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("export", help="export encoder, pruning and language ONNX graphs, specializations, compile.sh")
-    p.add_argument("model_dir", help="a local Qwen2.5-VL / Qwen3-VL checkpoint folder")
+    p.add_argument("model_dir", help="a local transformers checkpoint folder of a family qeff-evs ships (its "
+                   f"config.json's model_type one of {', '.join(shipped_family_names())})")
     p.add_argument("-o", "--output", required=True, type=Path, help="export folder")
     p.add_argument("--video-pruning-rate", type=float, default=0.5,
                    help="the default pruning rate q in [0, 1) (run, encode and vllm serve may pass another)")

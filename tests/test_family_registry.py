@@ -141,3 +141,18 @@ def test_vllm_gets_an_interface_class_per_family(synthetic_family):
     assert cls.__name__ == "QeffEvsSyntheticVLForConditionalGeneration" and cls.family is SyntheticVLFamily
     assert cls.get_placeholder_str("video", 0) == "<|vision_start|><|video_pad|><|vision_end|>"
     assert interface_class(Qwen2_5_VLFamily) is not cls
+
+
+def test_export_help_names_every_shipped_family(capsys):
+    """``qeff-evs export --help`` names each family qeff-evs ships by the model_type a checkpoint's config.json holds,
+    read off the registry's table of modules (no family module imported for it) and equal to what they register."""
+    from qeff_evs.cli import build_parser
+    from qeff_evs.models.registry import SHIPPED_MODULES, family_classes, shipped_family_names
+
+    registered = tuple(family.model_type for family in family_classes() if family.__module__ in SHIPPED_MODULES)
+    assert shipped_family_names() == registered and len(registered) == len(SHIPPED_MODULES)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["export", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert f"model_type one of {', '.join(registered)})" in help_text
+    assert "Qwen2.5-VL / Qwen3-VL" not in help_text

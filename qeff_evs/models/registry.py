@@ -32,6 +32,13 @@ _DECLARATIONS = ("model_type", "hf_architectures", "serving_architecture", "hf_p
 F = TypeVar("F", bound=type)
 
 
+def shipped_family_names() -> tuple[str, ...]:
+    """The ``model_type`` of every family qeff-evs ships, in listing order, without importing their modules (each is
+    named after its family's ``model_type``; tests/test_family_registry.py holds them to the registered names): for
+    text that must not pay for the imports, such as the command line's help."""
+    return tuple(name.rsplit(".", 1)[1] for name in SHIPPED_MODULES)
+
+
 def _shipped_modules() -> tuple[ModuleType, ...]:
     """The family modules qeff-evs ships, in listing order: importing a family's module registers it."""
     return tuple(importlib.import_module(name) for name in SHIPPED_MODULES)
