@@ -229,7 +229,7 @@ BAD_REQUESTS = {
                           "video_url: no video frame can be decoded from the video's 200 bytes"),
     # vLLM 0.32's own loader: "upper bound and lower bound inconsistent with step sign" (HTTP 500)
     "an image sent as video_url": (lambda m: media_message([("video_url", m["image"], "video/mp4")]), {},
-                                   "they hold a PNG image: send it as image_url"),
+                                   "they hold a PNG image, not a video; send it as image_url"),
     "an unsupported media type": (lambda m: media_message([("input_audio", m["image"], "")]), {},
                                   "At most 0 audio(s) may be provided in one prompt"),
     "not an image": (lambda m: media_message([("image_url", m["corrupt"], "image/png")]), {},

@@ -43,11 +43,15 @@ def _image_format(data: bytes) -> str | None:
 
 
 def undecodable(data: bytes, reason: str) -> str:
-    """The 400's line for a ``video_url`` no frame decodes from."""
+    """The 400's line for a ``video_url`` no frame decodes from: what the bytes are where they are an image (the
+    decoder's own account of an image, such as OpenCV's frame count of -2**63, says nothing to the sender), else
+    why the decoder gave no frame."""
     image = _image_format(data)
-    fix = (f"they hold a {image} image: send it as image_url" if image else
-           "send a video file a decoder reads (mp4, mkv, webm, ...), complete")
-    return f"video_url: no video frame can be decoded from the video's {len(data)} bytes ({reason}); {fix}"
+    if image:
+        return (f"video_url: no video frame can be decoded from the video's {len(data)} bytes: they hold a {image} "
+                "image, not a video; send it as image_url")
+    return (f"video_url: no video frame can be decoded from the video's {len(data)} bytes ({reason}); send a video "
+            "file a decoder reads (mp4, mkv, webm, ...), complete")
 
 
 class _ExportVideoLoader(VideoLoader):
@@ -68,7 +72,8 @@ class _ExportVideoLoader(VideoLoader):
         try:
             loaded = load_frames(data, settings)
         except Exception as error:  # noqa: BLE001 - whatever the decoder makes of these bytes, they are the request's
-            raise VLLMValidationError(undecodable(data, f"{type(error).__name__}: {error}"),
+            reason = str(error) if isinstance(error, ValueError) else f"{type(error).__name__}: {error}"
+            raise VLLMValidationError(undecodable(data, reason),
                                       parameter="messages") from None
         metadata = loaded.metadata
         return loaded.frames, {"total_num_frames": metadata.total_num_frames, "fps": metadata.fps,

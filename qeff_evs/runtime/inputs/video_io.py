@@ -307,10 +307,12 @@ def _opencv_source(name: str, data: bytes) -> SourceVideo:
     capture = _opencv_capture(name, buffer)
     try:
         total = int(capture.get(cv2.CAP_PROP_FRAME_COUNT))
+        if total < 1:  # -2**63 (a count it cannot tell) where the bytes are no video stream, an image's included
+            raise ValueError(f"cannot decode {name} as a video (OpenCV opens it but finds no video frame in it)")
         fps = float(capture.get(cv2.CAP_PROP_FPS))
         # An edit list can hide decoded frames the header counts; the position after seeking to the end is
         # the presentable count, trusted when the stream really ends there and it is 2+ lower.
-        if total > 0 and capture.set(cv2.CAP_PROP_POS_AVI_RATIO, 1.0):
+        if capture.set(cv2.CAP_PROP_POS_AVI_RATIO, 1.0):
             visible = int(capture.get(cv2.CAP_PROP_POS_FRAMES))
             if not capture.grab() and 0 < visible < total - 1:
                 total = visible
