@@ -1,4 +1,4 @@
-"""What a MoE family adds to the dense Qwen-VL family it extends (``reference/moe.md``).
+"""What a MoE family adds to the dense Qwen-VL family it extends (docs/models.md).
 
 A MoE family is ``class Family(SparseMlpFamily, DenseFamily)``: everything but the decoder's MLP is the dense
 family's, its language step is its ``language_graph_class`` (a ``moe_language.SparseMlpGraph``), its tiny test
