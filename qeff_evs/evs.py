@@ -11,7 +11,7 @@ Two selection paths share the dissimilarity: the eager reference (stable argsort
 definition) and the exportable one (TopK, whose ONNX tie rule is the same "lower index
 first"; eager ``torch.topk`` breaks ties the other way, so it is only used under export).
 
-A pruning graph serves every video length up to its frame bucket and every rate (DESIGN §2.5):
+A pruning graph serves every video length up to its frame bucket and every rate (docs/design.md#pruning-semantics):
 ``rank_candidates`` orders all ``B*h*w`` rows of a video padded to ``B`` temporal patches, given
 the real count ``T`` as a tensor, and the host keeps the first ``K(q, T)`` of that ranking
 (``kept_from_ranking``). q never reaches the graph; padding rows rank after every real row.

@@ -1,5 +1,5 @@
-"""Imports inside qeff_evs run one way, down DESIGN §1's list, and no two files import each other; this
-test keeps it so.
+"""Imports inside qeff_evs run one way, down the list in docs/design.md#layout-and-import-order, and no two
+files import each other; this test keeps it so.
 
 Every ``import`` of a ``qeff_evs`` module, at module level or inside a function (lazy imports count
 too), is checked against the layer table below. A module may always import its own layer's modules;
@@ -148,7 +148,8 @@ def import_circles(root: Path = PACKAGE) -> list[list[str]]:
 
 def test_every_module_has_a_layer():
     unknown = sorted({layer_of(module_name(p)) for p in PACKAGE.rglob("*.py")} - set(ALLOWED) - {"package"})
-    assert not unknown, f"modules outside the layer table: {unknown}; add them to ALLOWED (DESIGN §1)"
+    assert not unknown, (f"modules outside the layer table: {unknown}; add them to ALLOWED "
+                         "(docs/design.md#layout-and-import-order)")
 
 
 def test_imports_run_one_way():

@@ -6,7 +6,7 @@ one frame's host-side index tensors and the specialization symbols; ``reference_
 independent reference (stock transformers forward over the whole video, then the EVS mask). The pruning
 graphs are the family-agnostic ``pruning.PruningRanking``.
 
-Encoder graph interface (DESIGN §5, §7 symbol names):
+Encoder graph interface (docs/design.md#the-three-graphs):
 
 =====================  ======  ==============================  ===============================
 name                   dtype   shape                           meaning
@@ -182,7 +182,7 @@ def reference_vision_evs(
 
 
 # ---------------------------------------------------------------------------------------------
-# Family adapter: prompt layout and positions (DESIGN §3-§4)
+# Family adapter: prompt layout and positions (docs/design.md#positions, #prompt-layouts)
 # ---------------------------------------------------------------------------------------------
 
 

@@ -12,7 +12,7 @@ position embeddings resampled bilinearly to the grid (the taps and weights are h
 ``levels`` deepstack mergers whose outputs are pruned with the same kept indices as the main rows.
 EVS scores ``[merger | deepstack 0 | deepstack 1 | ...]`` along features, as vLLM does.
 
-Encoder graph interface (DESIGN §5, §7 symbol names):
+Encoder graph interface (docs/design.md#the-three-graphs):
 
 =====================  ======  ==================================  ===============================
 name                   dtype   shape                               meaning
@@ -232,7 +232,7 @@ def reference_vision_evs(
 
 
 # ---------------------------------------------------------------------------------------------
-# Family adapter: timestamps, the lumped placeholder and the real per-frame layout (DESIGN §4)
+# Family adapter: timestamps, the lumped placeholder and the real per-frame layout (docs/design.md#prompt-layouts)
 # ---------------------------------------------------------------------------------------------
 
 

@@ -1,4 +1,4 @@
-"""What the Qwen-VL encoder graphs share (DESIGN §5).
+"""What the Qwen-VL encoder graphs share (docs/design.md#the-three-graphs).
 
 The vision side is two graphs: the **encoder** here (one per family) and the family-agnostic pruning graphs
 (``models.pruning``). The encoder takes ``F`` temporal patches of one resolution and returns their merged rows
@@ -24,7 +24,8 @@ from qeff_evs.models.attention import EqualSegments, register_segment_attention
 from qeff_evs.models.graph_io import VisionGraphSpec
 from qeff_evs.specializations.sets import check_frames_per_call
 
-# Symbol names of the encoder graph (DESIGN §7): F, the patch grid of one frame, the rows of a call.
+# Symbol names of the encoder graph (docs/design.md#specializations): F, the patch grid of one frame, the rows of
+# a call.
 FRAMES_PER_CALL, GRID_H, GRID_W = "frames_per_call", "grid_h", "grid_w"
 PATCH_ROWS, PATCH_WIDTH, FRAME_PATCHES, MERGED_ROWS = "grid_height", "grid_width", "frame_patches", "merged_rows"
 
