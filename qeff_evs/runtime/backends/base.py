@@ -21,6 +21,12 @@ are all -1: the graph skips their KV writes (QEfficient's INT32_MAX index), so t
 row, whatever ``batch_index`` they carry (-1, vllm-qaic's convention, included), and their logits are
 dropped. ``run(step)`` is the single-request case (cache row 0).
 
+A call runs only at a length the export has a specialization for (``LanguageShape.prefill_lens``, or one token):
+the card runs a call only in a specialization of exactly its shape, so the host sessions (ONNX Runtime, PyTorch),
+whose graphs would run any length, refuse another one as the card does, in one message naming the export's lengths
+and the one to pad to. Padding is the engines' (``EngineConfig.chunk_seq_len``: the shortest length holding the
+chunk); a session never pads or cuts a call itself.
+
 The KV cache is zeroed once, when a session (its program) is made, never per request: a new request in
 a used row finds the earlier requests' keys and values in its slots, finite, and never reads them (a
 step reads only the slots up to its own last position, all written by its own request, and zeroes the
@@ -31,11 +37,6 @@ writes it either. ``reset`` stays for callers that want a clean state on purpose
 With compute context lengths (``LanguageShape.comp_ctx_lengths``) every call also gets ``comp_ctx_lengths``, as
 long as the smallest length holding the call's last KV slot: so every engine (single-request, serving, the vLLM
 worker, the bench), which all call through here, runs each step in the shortest specialization that holds it.
-A call runs only at a length the export has a specialization for (``LanguageShape.prefill_lens``, or one token):
-the card runs a call only in a specialization of exactly its shape, so the host sessions (ONNX Runtime, PyTorch),
-whose graphs would run any length, refuse another one as the card does, in one message naming the export's lengths
-and the one to pad to. Padding is the engines' (``EngineConfig.chunk_seq_len``: the shortest length holding the
-chunk); a session never pads or cuts a call itself.
 ``close`` releases what the session holds (a QAIC program on its device); the host backends hold nothing.
 """
 
@@ -159,10 +160,6 @@ class RetainedStateSession(abc.ABC):
     lives (``reset``) and how one call runs (``_call``).
     """
 
-    # A call's length is checked against the export's (``call_len_refusal``) where the graph itself would run any:
-    # on the host. A compiled program refuses it itself, listing the shapes it was compiled for.
-    host_checks_call_len = True
-
     def __init__(self, shape: LanguageShape, input_names: list[str], output_names: list[str]) -> None:
         self.shape = shape
         self.input_names = input_names
@@ -179,6 +176,10 @@ class RetainedStateSession(abc.ABC):
     @property
     def cache_rows(self) -> int:
         return self.shape.full_batch_size
+
+    # A call's length is checked against the export's (``call_len_refusal``) where the graph itself would run any:
+    # on the host. A compiled program refuses it itself, listing the shapes it was compiled for.
+    host_checks_call_len = True
 
     @abc.abstractmethod
     def reset(self) -> None:

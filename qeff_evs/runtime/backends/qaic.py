@@ -335,8 +335,6 @@ class QaicLanguageSession(RetainedStateSession):
     always skipped, retained inputs are sent only when they change (see the module docstring).
     """
 
-    host_checks_call_len = False  # QaicProgram.match refuses a shape the QPC was not compiled for
-
     def __init__(self, program: QaicProgram, shape: LanguageShape):
         self.program = program
         self.retained = retained_inputs(program)
@@ -356,6 +354,8 @@ class QaicLanguageSession(RetainedStateSession):
                     raise ValueError(
                         f"{self.program.qpc_dir} was compiled for {name} of shape {allowed[name]}, but the export's "
                         f"manifest says {expected[name]}; compile this export again (qeff-evs compile)")
+
+    host_checks_call_len = False  # QaicProgram.match refuses a shape the QPC was not compiled for
 
     def reset(self) -> None:
         """The next call uploads zeros for every retained input (at construction: once per program load)."""
