@@ -172,24 +172,24 @@ class LanguageShape:
     # Decoder layers with a KV cache (``past_key.{i}``/``past_value.{i}``); None: every layer.
     kv_layers: tuple[int, ...] | None = None
     layer_states: tuple[LayerState, ...] = ()  # per-row state of the other layers (e.g. linear attention)
-    # Compute context lengths (docs/design.md#specializations), ascending, the last ctx_len: a call reads only the first
-    # comp_ctx_len slots of its KV row. Empty: the graph has no comp_ctx_lengths input and every call reads
-    # ctx_len (exports without a ladder, and every export written before it; their manifests lack the key).
-    comp_ctx_lengths: tuple[int, ...] = ()
     # The lengths of a prefill call the export has specializations for (``Prefill<n>``, ``Prefill``), ascending, the
     # last prefill_seq_len; a call of one token is decode's. Filled by the Manifest from its prefill_seq_len and
     # short_prefill_lens (never written under language_shape). Empty: a shape made by hand, not read from an
     # export; its sessions run any length the graph file takes.
     prefill_lens: tuple[int, ...] = ()
+    # Compute context lengths (docs/design.md#specializations), ascending, the last ctx_len: a call reads only the first
+    # comp_ctx_len slots of its KV row. Empty: the graph has no comp_ctx_lengths input and every call reads
+    # ctx_len (exports without a ladder, and every export written before it; their manifests lack the key).
+    comp_ctx_lengths: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "comp_ctx_lengths", tuple(int(n) for n in self.comp_ctx_lengths))
-        object.__setattr__(self, "prefill_lens", tuple(sorted(int(n) for n in self.prefill_lens)))
         if self.comp_ctx_lengths and self.comp_ctx_lengths[-1] != self.ctx_len:
             raise ValueError(f"compute context lengths {list(self.comp_ctx_lengths)} must end at ctx_len "
                              f"{self.ctx_len}; re-export this folder")
         if self.kv_layers is not None:
             object.__setattr__(self, "kv_layers", tuple(int(i) for i in self.kv_layers))
+        object.__setattr__(self, "prefill_lens", tuple(sorted(int(n) for n in self.prefill_lens)))
         object.__setattr__(self, "layer_states", tuple(
             s if isinstance(s, LayerState) else LayerState.from_json(s) for s in self.layer_states))
         if self.full_batch_size < 1:
