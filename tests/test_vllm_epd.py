@@ -143,6 +143,46 @@ def test_a_consumer_waits_for_kept_rows_then_fails_the_request(tmp_path):
     assert producer.ensure_cache_available(request("e", "h9", 5), 0)  # an encoding instance never waits
 
 
+def test_each_payload_records_what_chose_its_own_rows(tmp_path):
+    """Requests prune their videos their own way: each file's header says what its rows are (K, the item's kind, a
+    video's method and rate), not the server's default rate; the consumer loads the rows exactly as written and names
+    the shipped item's pruning when a placeholder expects another K."""
+    pytest.importorskip("vllm.distributed.ec_transfer")
+    from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
+
+    from qeff_evs.models.pruning import VideoPruning
+    from qeff_evs.vllm.ec_connector import QeffEvsECConnector, payload_path, read_header, read_payload
+
+    producer = QeffEvsECConnector(vllm_config("ec_producer", storage=str(tmp_path)), ECConnectorRole.WORKER)
+    items = {"q75": (encoded(5), "video", VideoPruning("evs", 0.75)),
+             "q0": (encoded(12), "video", VideoPruning("evs", 0.0)),
+             "vc": (encoded(3), "video", VideoPruning("vidcom2", 0.9)),
+             "img": (encoded(4, frames=1), "image", None)}
+    cache = {mm_hash: item for mm_hash, (item, _, _) in items.items()}
+    for mm_hash, (_, kind, pruning) in items.items():
+        producer.save_caches(cache, mm_hash, kind=kind, pruning=pruning)
+    headers = {mm_hash: read_header(payload_path(tmp_path, mm_hash)) for mm_hash in items}
+    assert headers["q75"] == {"format": "qeff-evs kept rows 1", "rows": "5", "kind": "video",
+                              "video_pruning_method": "evs", "video_pruning_rate": "0.75"}
+    assert (headers["q0"]["rows"], headers["q0"]["video_pruning_rate"]) == ("12", "0.0")  # not the server's 0.5
+    assert (headers["vc"]["video_pruning_method"], headers["vc"]["video_pruning_rate"]) == ("vidcom2", "0.9")
+    assert headers["img"] == {"format": "qeff-evs kept rows 1", "rows": "4", "kind": "image"}
+    for mm_hash, (item, _, _) in items.items():  # the consumer's rows are the producer's, bit for bit
+        back = kept_rows.from_arrays(read_payload(payload_path(tmp_path, mm_hash)))
+        np.testing.assert_array_equal(back.rows, item.rows)
+        np.testing.assert_array_equal(back.kept_indices, item.kept_indices)
+        assert back.kept_per_frame == item.kept_per_frame
+
+    consumer = QeffEvsECConnector(vllm_config("ec_consumer", storage=str(tmp_path)), ECConnectorRole.SCHEDULER)
+    assert consumer.ensure_cache_available(request("a", "q75", 5), 0)
+    assert not consumer.ensure_cache_available(request("b", "q75", 7), 0)
+    assert consumer.take_unavailable_requests() == {"b"}
+    assert consumer._mismatch("q75", 7).startswith(
+        "the encoder instance shipped 5 kept rows for q75 (a video pruned by evs at rate 0.75) but the request's "
+        "placeholder here holds 7")
+    assert "(an image, every row)" in consumer._mismatch("img", 9)
+
+
 # --------------------------------------------------------------------------------------------------
 # the real servers
 

@@ -7,8 +7,9 @@ shared-storage connector (``ECExampleConnector``) writes one tensor per item. Ou
 (an item is available once its file exists in ``shared_storage_path``) and writes what qeff-evs's encoder
 and pruning graphs return instead (``runtime.engine.kept_rows``): the K kept rows, their kept indices, the
 per-frame kept counts and the family's extra per-row tensors, as one safetensors file per item, written
-under a temporary name and renamed, so a reader never sees half a file. Its header records K and the pruning
-rate.
+under a temporary name and renamed, so a reader never sees half a file. Its header records what the item's rows
+are: K, the kind of item, and for a video the pruning method and rate that chose them (the request's own, or the
+server's when the request chose none: ``item_header``).
 
 A consumer-only instance never encodes (it loads no vision graph). Where vLLM's consumer falls back to
 encoding an item it cannot find, ours keeps the request waiting (``ensure_cache_available``) until the item's
@@ -30,6 +31,7 @@ from typing import TYPE_CHECKING
 
 from vllm.distributed.ec_transfer.ec_connector.example_connector import ECExampleConnector
 
+from qeff_evs.models.pruning import VideoPruning
 from qeff_evs.runtime.engine import kept_rows
 from qeff_evs.vllm.ec_config import CONNECTOR_NAME
 from qeff_evs.vllm.activation import logger
@@ -47,6 +49,25 @@ FORMAT = "qeff-evs kept rows 1"
 def payload_path(storage: str | os.PathLike, mm_hash: str) -> str:
     """Where the kept rows of the item with content hash ``mm_hash`` are written."""
     return os.path.join(storage, mm_hash, FILE_NAME)
+
+
+def item_header(rows: int, kind: str | None = None, pruning: VideoPruning | None = None) -> dict[str, str]:
+    """A payload's header: its K ``rows``, and what chose them where the caller says: the item's ``kind``
+    (``video``, ``image``) and a video's ``pruning`` (its own: a request may choose one per video)."""
+    header = {"format": FORMAT, "rows": str(rows)}
+    if kind is not None:
+        header["kind"] = kind
+    if pruning is not None:
+        header.update(video_pruning_method=pruning.method, video_pruning_rate=str(pruning.rate))
+    return header
+
+
+def shipped_as(header: dict[str, str]) -> str:
+    """What a header says chose its rows, for a message: ``a video pruned by evs at rate 0.75``."""
+    if "video_pruning_method" in header:
+        return (f"a {header.get('kind', 'video')} pruned by {header['video_pruning_method']} at rate "
+                f"{header['video_pruning_rate']}")
+    return f"an {header['kind']}, every row" if header.get("kind") == "image" else "its pruning not recorded"
 
 
 def write_payload(path: str, arrays: dict, metadata: dict[str, str]) -> int:
@@ -79,28 +100,28 @@ class QeffEvsECConnector(ECExampleConnector):
         super().__init__(vllm_config=vllm_config, role=role)
         config = vllm_config.ec_transfer_config
         self._wait_s = float(config.get_from_extra_config(WAIT_KEY, DEFAULT_WAIT_S))
-        mm = vllm_config.model_config.multimodal_config
-        self._rate = str(float(mm.video_pruning_rate or 0.0)) if mm is not None else "0.0"
         self._waiting_since: dict[str, float] = {}  # request id -> when an item of it was first missing
         self._unavailable: set[str] = set()
-        # mm_hash -> (K, pruning rate) its file's header records (a file never changes once written)
-        self._shipped: dict[str, tuple[int, str | None]] = {}
+        # mm_hash -> (K, what chose its rows) as its file's header records them (a file never changes once written)
+        self._shipped: dict[str, tuple[int, str]] = {}
 
     def _path(self, mm_hash: str) -> str:
         return payload_path(self._storage_path, mm_hash)
 
     # -- worker side --------------------------------------------------------------------------------
-    def save_caches(self, encoder_cache, mm_hash, **kwargs) -> None:
-        """Write the kept rows of ``encoder_cache[mm_hash]`` (an ``EncodedMedia``) for the consumers."""
+    def save_caches(self, encoder_cache, mm_hash, kind: str | None = None, pruning: VideoPruning | None = None,
+                    **kwargs) -> None:
+        """Write the kept rows of ``encoder_cache[mm_hash]`` (an ``EncodedMedia``) for the consumers; ``kind`` and
+        ``pruning``: what the item is and, for a video, the pruning that chose its rows (``item_header``)."""
         if not self.is_producer:
             return
         encoded = encoder_cache[mm_hash]
         arrays = kept_rows.to_arrays(encoded)
         k, frames = len(encoded.kept_indices), len(encoded.kept_per_frame)
-        size = write_payload(self._path(mm_hash), arrays,
-                             {"format": FORMAT, "rows": str(k), "video_pruning_rate": self._rate})
-        logger.info("qeff-evs EC: shipped %s: %d kept rows over %d temporal patches, %d bytes (arrays %d B)",
-                    mm_hash, k, frames, size, kept_rows.nbytes(arrays))
+        header = item_header(k, kind, pruning)
+        size = write_payload(self._path(mm_hash), arrays, header)
+        logger.info("qeff-evs EC: shipped %s: %d kept rows over %d temporal patches (%s), %d bytes (arrays %d B)",
+                    mm_hash, k, frames, shipped_as(header), size, kept_rows.nbytes(arrays))
 
     def start_load_caches(self, encoder_cache, **kwargs) -> None:
         """Load the items the scheduler found in storage into ``encoder_cache`` (``EncodedMedia`` by mm_hash)."""
@@ -158,12 +179,13 @@ class QeffEvsECConnector(ECExampleConnector):
             if header.get("format") != FORMAT:
                 return (f"{self._path(mm_hash)} is not a qeff-evs kept-rows file ({header.get('format')!r}); the "
                         f"encoder instance must use ec_connector {CONNECTOR_NAME} too")
-            self._shipped[mm_hash] = int(header["rows"]), header.get("video_pruning_rate")
-        rows, rate = self._shipped[mm_hash]
+            self._shipped[mm_hash] = int(header["rows"]), shipped_as(header)
+        rows, chosen_by = self._shipped[mm_hash]
         if rows != expected_rows:
-            return (f"the encoder instance shipped {rows} kept rows for {mm_hash} (pruning rate {rate}) but this "
-                    f"instance's placeholder holds {expected_rows} (rate {self._rate}); serve the same export at the "
-                    "same --video-pruning-rate on both")
+            return (f"the encoder instance shipped {rows} kept rows for {mm_hash} ({chosen_by}) but the request's "
+                    f"placeholder here holds {expected_rows}; serve the same export with the same "
+                    "--video-pruning-rate and --video-pruning-method on both instances (a request's own pruning is "
+                    "part of mm_hash, the servers' defaults are not)")
         return None
 
     def _fail(self, request_id: str, reason: str) -> None:

@@ -23,11 +23,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from vllm.distributed.ec_transfer import ensure_ec_transfer_initialized, ensure_ec_transfer_shutdown
+from vllm.distributed.ec_transfer import ensure_ec_transfer_initialized, ensure_ec_transfer_shutdown, get_ec_transfer
 from vllm.v1.outputs import ModelRunnerOutput, make_empty_encoder_model_runner_output
 from vllm.v1.worker.ec_connector_model_runner_mixin import ECConnectorModelRunnerMixin
 
 from qeff_evs.manifest import LanguageShape
+from qeff_evs.runtime.engine.executor import media_pruning
 from qeff_evs.runtime.sessions import language_session, vision_pipeline
 from qeff_evs.vllm.data_parallel import configured_device_ids
 from qeff_evs.vllm.activation import active_backend, logger
@@ -150,8 +151,12 @@ class QeffEvsECWorker(QeffEvsWorker):
         for request_id, items in scheduler_output.scheduled_encoder_inputs.items():
             for item in items:
                 executor.encode(request_id, item)
-                mm_hash = executor.requests[request_id].hashes[item]
-                ECConnectorModelRunnerMixin.maybe_save_ec_to_connector(executor.encoder_outputs, mm_hash)
+                request = executor.requests[request_id]
+                media = request.media[item]
+                # What chose the item's rows goes in its header: each request may prune its videos its own way.
+                pruning = media_pruning(media, executor.config.pruning) if media.kind == "video" else None
+                get_ec_transfer().save_caches(encoder_cache=executor.encoder_outputs, mm_hash=request.hashes[item],
+                                              kind=media.kind, pruning=pruning)
         return make_empty_encoder_model_runner_output(scheduler_output)
 
     def shutdown(self) -> None:
