@@ -11,7 +11,8 @@ A language session owns its retained state (KV cache, last vision window) the wa
 program does with ``-retained-state``: the engine sends only the per-call inputs, and each
 ``*_RetainedState`` output is the next call's input. Where it lives is the backend's: on the card
 (QAIC), in host buffers the graph writes in place (ONNX Runtime, ``ort.OrtLanguageSession``), or in
-host arrays fed in and read back each call (the PyTorch reference, ``HostStateSession``).
+tensors on the PyTorch reference's device, replaced by each call's outputs there
+(``torch_reference.TorchLanguageSession``).
 
 Continuous batching: when the language graph was exported with ``batch_index``, the session keeps
 ``full_batch_size`` KV cache rows, one per running request. ``prefill(row, step)`` runs one
@@ -51,7 +52,7 @@ import numpy as np
 
 from qeff_evs.manifest import LanguageShape
 from qeff_evs.models.graph_io import (
-    BATCH_INDEX, COMP_CTX_LENGTHS, PAD_POSITION, RETAINED_SUFFIX, check_batch_index, state_shapes,
+    BATCH_INDEX, COMP_CTX_LENGTHS, PAD_POSITION, check_batch_index,
 )
 from qeff_evs.specializations.sets import call_len_refusal
 
@@ -250,28 +251,6 @@ class RetainedStateSession(abc.ABC):
             inputs["vision_embeds"] = step.vision_embeds
         inputs.update(step.extras)
         return self._call(inputs)
-
-
-class HostStateSession(RetainedStateSession):
-    """Retained state kept in host memory (ONNX Runtime, PyTorch): fed in whole, read back every call."""
-
-    def reset(self) -> None:
-        self.state = {name: np.zeros(dims, dtype=np.float32) for name, dims in state_shapes(self.shape).items()}
-
-    def _call(self, inputs: dict[str, np.ndarray]) -> np.ndarray:
-        feeds = {**self.state, **inputs}
-        for name in ("vision_embeds", *self.shape.extras):
-            if name in inputs:
-                feeds[name] = np.asarray(inputs[name], dtype=np.float32)
-        outputs = dict(zip(self.output_names, self._execute(feeds)))
-        for name, value in outputs.items():
-            if name.endswith(RETAINED_SUFFIX):
-                self.state[name[: -len(RETAINED_SUFFIX)]] = value
-        return outputs["logits"]
-
-    @abc.abstractmethod
-    def _execute(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
-        """Run the graph once on ``feeds`` (every input name); outputs in ``output_names`` order."""
 
 
 def decode_batch(rows: Sequence[DecodeRow], width: int, cache_rows: int,

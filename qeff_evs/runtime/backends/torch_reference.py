@@ -1,11 +1,13 @@
-"""The PyTorch reference backend: the same modules the graphs are exported from, run eagerly (CUDA when present)."""
+"""The PyTorch reference backend: the same modules the graphs are exported from, run eagerly (CUDA when present);
+the language session keeps its retained state on that device between calls."""
 
 from __future__ import annotations
 
 import numpy as np
 
 from qeff_evs.manifest import LanguageShape
-from qeff_evs.runtime.backends.base import HostStateSession, MergedRows, merged_rows, ranking
+from qeff_evs.models.graph_io import RETAINED_SUFFIX, state_shapes
+from qeff_evs.runtime.backends.base import MergedRows, RetainedStateSession, merged_rows, ranking
 
 
 def torch_device(prefer: str | None = None):
@@ -50,17 +52,42 @@ class TorchPruningSession:
         return ranking({spec.output_names[0]: order.cpu().numpy()})
 
 
-class TorchLanguageSession(HostStateSession):
-    """The language step module run eagerly in PyTorch, with the same retained-state handling."""
+class TorchLanguageSession(RetainedStateSession):
+    """The language step module run eagerly in PyTorch, its retained state kept on the session's device.
+
+    The retained inputs (KV caches, layer states, the vision window) are float32 tensors on ``device``, zeroed once,
+    as a ``-retained-state`` program keeps them on the card: each call's ``*_RetainedState`` outputs replace them
+    there, so on CUDA a call moves only its per-call inputs to the GPU and its logits back, never the cache.
+    ``state`` reads them as numpy arrays: on the CPU the tensors' own memory (write into it in place to change what
+    the next call reads, as on ONNX Runtime), on CUDA a copy.
+    """
 
     def __init__(self, module, shape: LanguageShape, device=None):
         self.device = torch_device(device)
         self.module = module.to(self.device).eval()
         super().__init__(shape, list(module.io.input_names), list(module.io.output_names))
 
-    def _execute(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+    def reset(self) -> None:
         import torch
 
+        self.tensors = {name: torch.zeros(dims, dtype=torch.float32, device=self.device)
+                        for name, dims in state_shapes(self.shape).items()}
+
+    @property
+    def state(self) -> dict[str, np.ndarray]:
+        return {name: tensor.numpy() if tensor.device.type == "cpu" else tensor.cpu().numpy()
+                for name, tensor in self.tensors.items()}
+
+    def _call(self, inputs: dict[str, np.ndarray]) -> np.ndarray:
+        import torch
+
+        feeds = dict(self.tensors)
+        for name, value in inputs.items():
+            # A prefill chunk's window is a per-call input that becomes the retained one: float32, as the state.
+            tensor = torch.as_tensor(value, dtype=torch.float32 if name in self.tensors else None)
+            feeds[name] = tensor.to(self.device)
         with torch.no_grad():
-            outputs = self.module.run({name: torch.as_tensor(feeds[name]).to(self.device) for name in self.input_names})
-        return [outputs[name].cpu().numpy() for name in self.output_names]
+            outputs = self.module.run(feeds)
+        for name in self.tensors:
+            self.tensors[name] = outputs[name + RETAINED_SUFFIX]
+        return outputs["logits"].cpu().numpy()
