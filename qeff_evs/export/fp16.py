@@ -21,6 +21,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper, shape_inference
 
 FP16_MAX = float(np.finfo(np.float16).max)
+SKELETON_ELEMENTS = 1 << 16  # initializers up to this many elements keep their values for shape inference
 
 
 def round_to_fp16(values: np.ndarray) -> np.ndarray:
@@ -36,22 +37,48 @@ def _round_tensor(tensor: onnx.TensorProto) -> onnx.TensorProto:
     return numpy_helper.from_array(round_to_fp16(numpy_helper.to_array(tensor)), tensor.name)
 
 
+def _typed_skeleton(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``model`` without its large initializers' values: each becomes a graph input of its type and shape.
+
+    Type inference needs no weights, and a released-width graph is past protobuf's 2 GB, which
+    ``infer_shapes`` cannot take; small initializers (shapes, axes) keep their values for shape inference."""
+    skeleton = onnx.ModelProto(ir_version=model.ir_version)
+    skeleton.opset_import.extend(model.opset_import)
+    skeleton.functions.extend(model.functions)
+    graph = skeleton.graph
+    graph.name = model.graph.name
+    graph.node.extend(model.graph.node)
+    graph.input.extend(model.graph.input)
+    graph.output.extend(model.graph.output)
+    inputs = {value.name for value in model.graph.input}
+    for tensor in model.graph.initializer:
+        if int(np.prod(tensor.dims)) <= SKELETON_ELEMENTS and tensor.data_location != TensorProto.EXTERNAL:
+            graph.initializer.append(tensor)
+        elif tensor.name not in inputs:
+            graph.input.append(helper.make_tensor_value_info(tensor.name, tensor.data_type, list(tensor.dims)))
+    return skeleton
+
+
 def _float_names(model: onnx.ModelProto) -> set[str]:
-    inferred = shape_inference.infer_shapes(model)
+    inferred = shape_inference.infer_shapes(_typed_skeleton(model))
     graph = inferred.graph
     return {value.name for value in [*graph.value_info, *graph.input, *graph.output]
             if value.type.tensor_type.elem_type == TensorProto.FLOAT}
 
 
-def convert_to_fp16(model: onnx.ModelProto) -> onnx.ModelProto:
-    """A copy of ``model`` whose every float tensor is rounded through fp16 (see the module docstring)."""
+def convert_to_fp16(model: onnx.ModelProto, in_place: bool = False) -> onnx.ModelProto:
+    """A copy of ``model`` whose every float tensor is rounded through fp16 (see the module docstring);
+    ``in_place``: ``model`` itself, converted (a released-width graph is gigabytes: no second copy)."""
     floats = _float_names(model)
-    copy = onnx.ModelProto()
-    copy.CopyFrom(model)
+    if in_place:
+        copy = model
+    else:
+        copy = onnx.ModelProto()
+        copy.CopyFrom(model)
     graph = copy.graph
-    initializers = [_round_tensor(tensor) for tensor in graph.initializer]
-    del graph.initializer[:]
-    graph.initializer.extend(initializers)
+    for tensor in graph.initializer:  # one tensor at a time, so only one extra tensor is ever held
+        if tensor.data_type == TensorProto.FLOAT:
+            tensor.CopyFrom(_round_tensor(tensor))
 
     def rounded(source: str, target: str) -> list[onnx.NodeProto]:
         return [helper.make_node("Cast", [source], [f"{target}__half"], to=TensorProto.FLOAT16),
