@@ -30,7 +30,7 @@ from qeff_evs.bench.report import environment
 from qeff_evs.bench.suite import model_summary
 from qeff_evs.bench.timing import CPU, WALL
 from qeff_evs.models.registry import family_class
-from qeff_evs.models.sparse_moe import HIT
+from qeff_evs.models.sparse_moe import EXPERT_FORMS, HIT
 
 from moe_expert_forms import FP16, MODELS, cost  # this folder's script: the sparse block's computed cost
 
@@ -62,16 +62,46 @@ def run(family: str, out: Path, text_layers: int, vision_layers: int, repeats: i
     return result
 
 
-def mlp_cost(family: str, tokens: int = 128) -> tuple[float, float]:
-    """fp16 GB and GFLOP of one text layer's MLP for a ``tokens``-token chunk: the sparse block in the graphs'
-    ``hit`` form (``moe_expert_forms.cost``: experts, router, shared expert), or the dense sibling's MLP."""
+def mlp_cost(family: str, tokens: int = 128, form: str = HIT) -> tuple[float, float]:
+    """fp16 GB and GFLOP of one text layer's MLP for a ``tokens``-token chunk: the sparse block in expert form
+    ``form`` (``moe_expert_forms.cost``: experts, router, shared expert), or the dense sibling's MLP."""
     text = realistic_config(family, 1, 2).text_config
     if getattr(text, "num_experts", None):
-        model = MODELS[family]
-        c = cost(HIT, tokens, model)
+        c = cost(form, tokens, MODELS[family])
         return c["weight_bytes"] / 1e9, c["flops"] / 1e9
     weights = 3 * text.hidden_size * text.intermediate_size
     return weights * FP16 / 1e9, 2 * tokens * weights / 1e9
+
+
+def ratios(out: Path, pairs: list[tuple[str, str]]) -> list[str]:
+    """Per pair, each q's prefill CPU time over q 0's, MoE beside dense, and the chunk counts' ratio."""
+    lines = ["| q | chunks / q 0's | " + " | ".join(f"{moe} / q 0 | {dense} / q 0" for moe, dense in pairs)
+             + " | " + " | ".join(f"{moe} / {dense}" for moe, dense in pairs) + " |",
+             "|---|---|" + "---|---|" * len(pairs) + "---|" * len(pairs)]
+    runs = {family: json.loads((out / f"{family}.json").read_text())["pruning_sweep"]["rows"]
+            for pair in pairs for family in pair if (out / f"{family}.json").is_file()}
+    if not all(family in runs for pair in pairs for family in pair):
+        return []
+    first = runs[pairs[0][0]]
+    for i, row in enumerate(first):
+        cells = [f"{row['q']:g}", f"{row['prefill_chunks'] / first[0]['prefill_chunks']:.2f}"]
+        for moe, dense in pairs:
+            cells += [f"{runs[f][i][CPU]['prefill_ms'] / runs[f][0][CPU]['prefill_ms']:.2f}" for f in (moe, dense)]
+        cells += [f"{runs[moe][i][CPU]['prefill_ms'] / runs[dense][i][CPU]['prefill_ms']:.1f}x" for moe, dense in pairs]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def forms(families: list[str]) -> list[str]:
+    """Each expert form's computed MLP cost per text layer and 128-token chunk (fp16 weights, as the card stores
+    them): the graphs run ``hit``, which for a 128-token chunk reads and computes what ``dense`` does."""
+    lines = ["| model | " + " | ".join(f"`{form}`: fp16 GB, GFLOP" for form in EXPERT_FORMS) + " |",
+             "|---|" + "---|" * len(EXPERT_FORMS)]
+    for family in families:
+        if family in MODELS:
+            lines.append(f"| {MODELS[family]['label']} | " + " | ".join(
+                "{:.3f}, {:.1f}".format(*mlp_cost(family, form=form)) for form in EXPERT_FORMS) + " |")
+    return lines
 
 
 def table(out: Path, pairs: list[tuple[str, str]]) -> str:
@@ -95,6 +125,12 @@ def table(out: Path, pairs: list[tuple[str, str]]) -> str:
                     f"| {row[WALL]['prefill_ms'] / 1000:.1f} | {row[CPU]['prefill_ms'] / q0[CPU]['prefill_ms']:.2f} "
                     f"| {row['peak_rss_mb']:.0f} | {r['export_open_s']:.0f} | {r['export_peak_rss_mb']:.0f} "
                     f"| {gb:.3f}, {gflop:.1f} |")
+    pairs_ratios = ratios(out, pairs)
+    if pairs_ratios:
+        lines += ["", "Prefill CPU time at each q over q 0's, MoE beside its dense sibling, and MoE over dense:", "",
+                  *pairs_ratios]
+    lines += ["", "The sparse MLP per text layer and 128-token chunk in each expert form (computed):", "",
+              *forms([moe for moe, _ in pairs])]
     text = "\n".join(lines) + "\n"
     out.mkdir(parents=True, exist_ok=True)
     (out / "moe_whole_model.md").write_text(text)
