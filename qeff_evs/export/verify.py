@@ -165,22 +165,32 @@ class VerifyReport:
 # Runs (plain ONNX Runtime sessions: the export side never imports the runtime)
 
 
-def _session(path: Path):
+EXTERNAL_DATA_FOLDER = "session.model_external_initializers_file_folder_path"  # ORT's key for a graph from bytes
+
+
+def _session(graph: Path | bytes, weights: Path | None = None):
+    """An ORT session of a graph file, or of a serialized graph whose external data lies in ``weights``."""
     import onnxruntime as ort
 
-    return ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    options = ort.SessionOptions()
+    if weights is not None:
+        options.add_session_config_entry(EXTERNAL_DATA_FOLDER, str(weights))
+    return ort.InferenceSession(graph if isinstance(graph, bytes) else str(graph), options,
+                                providers=["CPUExecutionProvider"])
 
 
 class _LanguageRun:
     """One language graph with its retained state fed back, as a ``-retained-state`` program keeps it.
 
-    ``graph``: the file to run (default the export's language graph), e.g. a probe of it with ``extra_outputs``."""
+    ``graph``: what to run (default the export's language graph file), e.g. a serialized probe of it with
+    ``extra_outputs`` whose weights lie in ``weights``."""
 
-    def __init__(self, export_dir: Path, graph: Path | None = None, extra_outputs: tuple[str, ...] = ()):
+    def __init__(self, export_dir: Path, graph: Path | bytes | None = None, extra_outputs: tuple[str, ...] = (),
+                 weights: Path | None = None):
         manifest = read_manifest(export_dir)
         self.shape = manifest.language_shape
         self.tokens = manifest.special_tokens
-        self.session = _session(graph or manifest.path(export_dir, "language"))
+        self.session = _session(manifest.path(export_dir, "language") if graph is None else graph, weights)
         self.prefill_seq_len = manifest.prefill_seq_len
         self.io = LanguageGraphIO.of_shape(self.shape)
         self.output_names = [*self.io.output_names, *extra_outputs]
@@ -369,21 +379,12 @@ def video_like_router_chunks(export_dir: Path, chunks: int = ROUTER_CHUNKS) -> l
     return workload
 
 
-def _linked(folder: Path, source: Path) -> Path:
-    """``folder`` holding links to every file beside ``source`` (its external data), so a graph saved there
-    without its weights reads the export's."""
-    folder.mkdir(parents=True, exist_ok=True)
-    for path in source.parent.iterdir():
-        if path.is_file() and path != source:
-            (folder / path.name).symlink_to(path.resolve())
-    return folder
-
-
-def _router_run(export_dir: Path, graph: Path, workload: list[RouterChunk], names: list[str]
-                ) -> list[list[np.ndarray]]:
-    """Per chunk, ``names``' values (each router's probabilities, then its chosen experts) for the real tokens;
-    the session closed when done (a released-width graph is gigabytes: one variant open at a time)."""
-    run = _LanguageRun(export_dir, graph, tuple(names))
+def _router_run(export_dir: Path, probe: onnx.ModelProto, weights: Path, workload: list[RouterChunk],
+                names: list[str]) -> list[list[np.ndarray]]:
+    """Per chunk, ``names``' values (each router's probabilities, then its chosen experts) for the real tokens of
+    ``probe`` (a graph without its weights, which lie in ``weights``); the session closed when done (a
+    released-width graph is gigabytes: one variant open at a time)."""
+    run = _LanguageRun(export_dir, probe.SerializeToString(), tuple(names), weights)
     values = []
     for chunk in workload:
         outputs = run.call(chunk.input_ids, chunk.position_ids, **chunk.vision)
@@ -421,20 +422,17 @@ def router_comparison(export_dir: Path, chunks: int = ROUTER_CHUNKS,
     probs, chosen = _router_outputs(model, paths)
     names = [*probs, *chosen]
     outputs = {}
+    # The fp32 probe reads the export's own weights (loaded without them, the graph is small).
+    outputs["fp32"] = _router_run(export_dir, _router_probe(model, probs, chosen), language.parent, workload, names)
+    del model
     with tempfile.TemporaryDirectory() as scratch:
-        fp32_dir = _linked(Path(scratch) / "fp32", language)
-        onnx.save(_router_probe(model, probs, chosen), str(fp32_dir / language.name))
-        outputs["fp32"] = _router_run(export_dir, fp32_dir / language.name, workload, names)
-        del model
-        fp16_dir = Path(scratch) / "fp16"
-        fp16_dir.mkdir()
         converted = convert_to_fp16(onnx.load(str(language)), in_place=True)
-        # The weights go to one file, leaving the graph without them: each variant below only edits nodes.
-        onnx.save(converted, str(fp16_dir / "converted.onnx"), save_as_external_data=True, location="converted.data")
+        # The rounded weights go to one file, leaving the graph without them: each variant only edits nodes.
+        onnx.save(converted, str(Path(scratch) / "converted.onnx"), save_as_external_data=True,
+                  location="converted.data")
         for label, kept in (("router_fp16", others), ("router_fp32", others + sorted(router_nodes))):
-            path = fp16_dir / f"{label}.onnx"
-            onnx.save(_router_probe(keep_in_fp32(converted, kept, fp32_inputs), probs, chosen), str(path))
-            outputs[label] = _router_run(export_dir, path, workload, names)
+            probe = _router_probe(keep_in_fp32(converted, kept, fp32_inputs), probs, chosen)
+            outputs[label] = _router_run(export_dir, probe, Path(scratch), workload, names)
     routers = len(paths)
     top_k = outputs["fp32"][0][routers].shape[-1]
     ranked = [-np.sort(-p, axis=-1) for values in outputs["fp32"] for p in values[:routers]]  # descending
