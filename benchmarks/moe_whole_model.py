@@ -10,7 +10,8 @@ and ``/usr/bin/time -v`` on a shared machine)::
 ``pruning_sweep`` phase on a 16-frame 448x448 clip at q 0, 0.5, 0.75) without the other phases, whose frame buckets
 it does not export; it writes ``OUT_DIR/<family>.json`` with the export time (save + export + open) and the
 phase's section. ``table`` writes ``OUT_DIR/moe_whole_model.md``: per MoE family and its dense sibling at the same
-depth, prefill CPU and wall time per q, the q 0.75 / q 0 ratio, peak RSS, export time.
+depth, prefill CPU and wall time per q, the q 0.75 / q 0 ratio, peak RSS, export time, and each expert form's
+computed MLP bytes and FLOPs per chunk; and ``OUT_DIR/moe_whole_model.png``, the prefill times and their ratios.
 """
 
 from __future__ import annotations
@@ -104,6 +105,40 @@ def forms(families: list[str]) -> list[str]:
     return lines
 
 
+def plot(out: Path, pairs: list[tuple[str, str]]) -> Path | None:
+    """``OUT/moe_whole_model.png``: prefill CPU time per q of each measured family, and over q 0's beside the
+    chunk count's ratio."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = {family: json.loads((out / f"{family}.json").read_text())["pruning_sweep"]["rows"]
+            for pair in pairs for family in pair if (out / f"{family}.json").is_file()}
+    if not runs:
+        return None
+    fig, (seconds, ratio) = plt.subplots(1, 2, figsize=(10, 4))
+    for family, rows in runs.items():
+        qs, cpu = [r["q"] for r in rows], [r[CPU]["prefill_ms"] / 1000 for r in rows]
+        label = MODELS[family]["label"] + " widths (hit)" if family in MODELS else f"dense {family} widths"
+        seconds.plot(qs, cpu, "o-", label=label)
+        ratio.plot(qs, [c / cpu[0] for c in cpu], "o-", label=label)
+    rows = next(iter(runs.values()))
+    ratio.plot([r["q"] for r in rows], [r["prefill_chunks"] / rows[0]["prefill_chunks"] for r in rows], "k--",
+               label="chunks / q 0's")
+    seconds.set(xlabel="pruning rate q", ylabel=f"prefill CPU s ({FRAMES} frames {SIDE}x{SIDE})", yscale="log",
+                title="prefill")
+    ratio.set(xlabel="pruning rate q", ylabel="prefill CPU time / q 0's", title="what pruning buys, MoE beside dense")
+    for axes in (seconds, ratio):
+        axes.legend()
+        axes.grid(alpha=0.3)
+    fig.tight_layout()
+    path = out / "moe_whole_model.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def table(out: Path, pairs: list[tuple[str, str]]) -> str:
     lines = ["| model | q | K | chunks | prefill CPU s | prefill wall s | q / q0 CPU | peak RSS MB (sweep) "
              "| export + open s | export peak RSS MB | MLP per layer and chunk (fp16 GB, GFLOP) |",
@@ -134,6 +169,7 @@ def table(out: Path, pairs: list[tuple[str, str]]) -> str:
     text = "\n".join(lines) + "\n"
     out.mkdir(parents=True, exist_ok=True)
     (out / "moe_whole_model.md").write_text(text)
+    plot(out, pairs)
     return text
 
 
