@@ -52,7 +52,7 @@ def video_chunks(export_dir: Path, frames: int, size: int, q: float) -> tuple[li
     vision = VisionPipeline(family, OrtEncoderSession(open_inference_session(manifest.path(export_dir, "encoder"))),
                             {"evs": OrtPruningSession(open_inference_session(
                                 manifest.path(export_dir, pruning_graph("evs"))))},
-                            manifest.frames_per_call, manifest.temporal_buckets)
+                            manifest.frames_per_call, manifest.temporal_patch_buckets)
     clip = synthetic_clip(bundle.preprocess, frames, size, SEED)
     log(f"encoding the {frames}-frame {size}x{size} clip (grid {clip.grid_thw}) at q {q:g}")
     result = vision.encode(clip.video, VideoPruning("evs", q))
