@@ -16,9 +16,11 @@ exactly this overflow); the Ctx* bodies only move data.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import onnx
-from onnx import TensorProto, helper, numpy_helper, shape_inference
+from onnx import TensorProto, external_data_helper, helper, numpy_helper, shape_inference
 
 FP16_MAX = float(np.finfo(np.float16).max)
 SKELETON_ELEMENTS = 1 << 16  # initializers up to this many elements keep their values for shape inference
@@ -66,9 +68,34 @@ def _float_names(model: onnx.ModelProto) -> set[str]:
             if value.type.tensor_type.elem_type == TensorProto.FLOAT}
 
 
+def round_external_weights(model: onnx.ModelProto, source: Path, target: Path, location: str) -> None:
+    """Write the initializers ``model`` (loaded without its external data) keeps in files under ``source`` to
+    ``target / location``, float ones rounded through fp16, one tensor at a time, and point ``model`` at them.
+
+    A released-width graph's weights never enter the proto: a cleared protobuf field does not give its memory
+    back, so loading, rounding and dropping them would hold the graph twice."""
+    with open(target / location, "wb") as out:
+        for tensor in model.graph.initializer:
+            if tensor.data_location != TensorProto.EXTERNAL:
+                continue
+            info = external_data_helper.ExternalDataInfo(tensor)
+            with open(source / info.location, "rb") as f:
+                f.seek(info.offset or 0)
+                data = f.read(info.length) if info.length else f.read()
+            if tensor.data_type == TensorProto.FLOAT:
+                data = round_to_fp16(np.frombuffer(data, dtype="<f4")).astype("<f4").tobytes()
+            offset = out.tell()
+            out.write(data)
+            del tensor.external_data[:]
+            for key, value in (("location", location), ("offset", str(offset)), ("length", str(len(data)))):
+                entry = tensor.external_data.add()
+                entry.key, entry.value = key, value
+
+
 def convert_to_fp16(model: onnx.ModelProto, in_place: bool = False) -> onnx.ModelProto:
     """A copy of ``model`` whose every float tensor is rounded through fp16 (see the module docstring);
-    ``in_place``: ``model`` itself, converted (a released-width graph is gigabytes: no second copy)."""
+    ``in_place``: ``model`` itself, converted (a released-width graph is gigabytes: no second copy). Initializers
+    in external data (a model loaded without it) are left to ``round_external_weights``."""
     floats = _float_names(model)
     if in_place:
         copy = model
@@ -77,7 +104,7 @@ def convert_to_fp16(model: onnx.ModelProto, in_place: bool = False) -> onnx.Mode
         copy.CopyFrom(model)
     graph = copy.graph
     for tensor in graph.initializer:  # one tensor at a time, so only one extra tensor is ever held
-        if tensor.data_type == TensorProto.FLOAT:
+        if tensor.data_type == TensorProto.FLOAT and tensor.data_location != TensorProto.EXTERNAL:
             tensor.CopyFrom(_round_tensor(tensor))
 
     def rounded(source: str, target: str) -> list[onnx.NodeProto]:

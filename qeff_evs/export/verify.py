@@ -39,7 +39,7 @@ import yaml
 
 from qeff_evs import evs
 from qeff_evs.evs import kept_from_ranking
-from qeff_evs.export.fp16 import convert_to_fp16
+from qeff_evs.export.fp16 import convert_to_fp16, round_external_weights
 from qeff_evs.export.node_precision import keep_in_fp32, router_paths
 from qeff_evs.export.onnx_graph import legacy_export
 from qeff_evs.manifest import LANGUAGE_DECODE, MODEL_CONFIG_DIR, PRUNING_ROLE, graph_role, pruning_graph, read_manifest
@@ -426,10 +426,10 @@ def router_comparison(export_dir: Path, chunks: int = ROUTER_CHUNKS,
     outputs["fp32"] = _router_run(export_dir, _router_probe(model, probs, chosen), language.parent, workload, names)
     del model
     with tempfile.TemporaryDirectory() as scratch:
-        converted = convert_to_fp16(onnx.load(str(language)), in_place=True)
-        # The rounded weights go to one file, leaving the graph without them: each variant only edits nodes.
-        onnx.save(converted, str(Path(scratch) / "converted.onnx"), save_as_external_data=True,
-                  location="converted.data")
+        # The graph without its weights, converted; the weights rounded file to file into one of scratch's, so
+        # they never enter the proto. Each variant below only edits nodes.
+        converted = convert_to_fp16(onnx.load(str(language), load_external_data=False), in_place=True)
+        round_external_weights(converted, language.parent, Path(scratch), "converted.data")
         for label, kept in (("router_fp16", others), ("router_fp32", others + sorted(router_nodes))):
             probe = _router_probe(keep_in_fp32(converted, kept, fp32_inputs), probs, chosen)
             outputs[label] = _router_run(export_dir, probe, Path(scratch), workload, names)
