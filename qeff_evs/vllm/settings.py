@@ -275,7 +275,7 @@ ENGINE_SETTINGS: tuple[Setting, ...] = (
     _h("prefix_caching_hash_algo", "row reuse compares token ids and media identifiers themselves, so it is exact "
        "whatever the algorithm; vLLM's block hashes (one block per KV row) find no hit", example="xxhash"),
     _h("prefix_cache_retention_interval", "applies to vLLM's sliding-window and Mamba cache groups, which an "
-       "export's KV rows are not (as vLLM on a model without them)", example=5),
+       "export's KV rows are not", example=5),
     _r("disable_sliding_window", "model_config.disable_sliding_window", FEATURE, True, unused=(False,)),
     _n("disable_cascade_attn", "vLLM resolves it before qeff-evs sees it; cascade attention is a kernel of vLLM's "
        "torch runner"),
@@ -488,7 +488,9 @@ ENGINE_SETTINGS: tuple[Setting, ...] = (
     _r("kv_cache_dtype_skip_layers", "cache_config.kv_cache_dtype_skip_layers", KV, ["0"], unused=([],)),
     _r("mamba_cache_dtype", "cache_config.mamba_cache_dtype", FEATURE, "float32", unused=(None, "auto")),
     _r("mamba_ssm_cache_dtype", "cache_config.mamba_ssm_cache_dtype", FEATURE, "float32", unused=(None, "auto")),
-    _v("mamba_block_size", "vLLM: '--mamba-block-size can only be set with --enable-prefix-caching' (refused)", 16),
+    _h("mamba_block_size", "applies to vLLM's Mamba cache groups, which an export's KV rows are not (Qwen3.5's "
+       "linear-attention state lives in its KV row, reused only whole); with --no-enable-prefix-caching vLLM refuses "
+       "it ('--mamba-block-size can only be set with --enable-prefix-caching')", example=16),
     _r("prefix_match_unit", "cache_config.prefix_match_unit", FEATURE, 16),
     _r("mamba_cache_mode", "cache_config.mamba_cache_mode", FEATURE, "align", unused=("none",)),
     _r("enable_mamba_shared_prefix_checkpoint", "cache_config.enable_mamba_shared_prefix_checkpoint", FEATURE, True,
