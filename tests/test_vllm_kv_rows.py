@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from qeff_evs.vllm.kv_rows import RowBook
+from qeff_evs.vllm.kv_rows import RowBook, media_spans
 
 V = 9  # a media pad id: equal for any two videos of the same size
 
@@ -81,7 +81,25 @@ def test_a_row_that_cannot_rewind_is_reused_only_whole():
     assert book.claim(request("part", TURN_1[:7] + (0, 7), "a")).prefix == 0
 
 
-def test_two_claims_in_one_step_take_two_rows():
+def test_claims_in_one_step_take_other_rows_and_a_passed_over_claim_lapses():
+    """vLLM places waiting requests one at a time and appends each one it schedules to its running list: a claim of
+    a request not in it by the next claim was passed over (budget, encoder cache) and holds no row."""
     book = RowBook(2, rewindable=True, reuse=True)
-    rows = {book.claim(request(r, (1, 2, 3))).row for r in ("x", "y")}
-    assert rows == {0, 1}
+    assert book.claim(request("x", (1, 2, 3))).row == 0
+    assert book.claim(request("y", (1, 2, 3)), scheduled={"x"}).row == 1
+    assert book.claim(request("z", (1, 2, 3)), scheduled={"x", "y"}) is None  # no free row: vLLM has no block either
+    assert book.claim(request("w", (1, 2, 3)), scheduled={"x"}).row == 1  # y was passed over
+    assert book.confirm(["x", "w"]) == {"x": 0, "w": 1}
+
+
+def test_a_scheduled_request_without_a_claim_gets_a_free_row():
+    book = RowBook(2, rewindable=True, reuse=True)
+    book.claim(request("x", (1, 2, 3)))
+    assert book.confirm(["x", "unclaimed"]) == {"x": 0, "unclaimed": 1}
+
+
+def test_media_spans_are_in_prompt_order():
+    features = [SimpleNamespace(identifier=i, mm_position=SimpleNamespace(offset=o, length=2)) for i, o in
+                (("late", 9), ("early", 3))]
+    spans = media_spans(SimpleNamespace(mm_features=features))
+    assert [s.content_hash for s in spans] == ["early", "late"]

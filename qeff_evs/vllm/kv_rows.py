@@ -17,6 +17,7 @@ every row to a request that skips the prefix cache (vLLM's ``skip_reading_prefix
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 
 from qeff_evs.runtime.engine.row_history import MediaSpan, RowChoice, RowHistory, choose_row
@@ -26,8 +27,9 @@ NO_TOKEN = -1  # no vocabulary has it: a history whose first token is this lends
 
 def media_spans(request) -> tuple[MediaSpan, ...]:
     """A vLLM ``Request`` 's media items, in prompt order, by vLLM's identifier."""
-    return tuple(sorted(MediaSpan(int(f.mm_position.offset), int(f.mm_position.length), str(f.identifier))
-                        for f in request.mm_features or ()))
+    spans = (MediaSpan(int(f.mm_position.offset), int(f.mm_position.length), str(f.identifier))
+             for f in request.mm_features or ())
+    return tuple(sorted(spans, key=lambda span: span.offset))
 
 
 @dataclass(frozen=True)
@@ -56,26 +58,35 @@ class RowBook:
     claimed: dict[str, RowChoice] = field(default_factory=dict)  # this step's choices, until vLLM schedules them
     clock: int = 0
 
-    def claim(self, request, read_history: bool = True) -> RowChoice:
-        """Choose a row for a vLLM ``Request`` about to be scheduled for the first time (it may still not be)."""
-        self.claimed.pop(request.request_id, None)
-        taken = set(self.held.values()) | {c.row for c in self.claimed.values()}
+    def claim(self, request, scheduled: Collection[str] = (), read_history: bool = True) -> RowChoice | None:
+        """Choose a row for a vLLM ``Request`` about to be scheduled for the first time (it may still not be); None
+        when no row is free (vLLM then has no block for it either). ``scheduled``: the requests vLLM has scheduled
+        so far (its running list): vLLM places waiting requests one at a time, so an earlier claim of a request not
+        among them was passed over and lapses."""
+        self.claimed = {r: c for r, c in self.claimed.items() if r in scheduled and r != request.request_id}
         salt = request.cache_salt
         free = {row: self.histories[row].offered_to(salt, read_history) if row in self.histories else None
-                for row in range(self.num_rows) if row not in taken}
+                for row in self._free_rows()}
+        if not free:
+            return None
         choice = choose_row(free, tuple(request.all_token_ids), media_spans(request))
         self.claimed[request.request_id] = choice
         return choice
 
-    def confirm(self, scheduled) -> dict[str, int]:
+    def confirm(self, scheduled: Iterable[str]) -> dict[str, int]:
         """The rows of the requests vLLM scheduled for the first time this step; other claims lapse."""
         rows = {}
         for request_id in scheduled:
-            choice = self.claimed.pop(request_id)
-            self.held[request_id] = rows[request_id] = choice.row
-            self.histories.pop(choice.row, None)  # overwritten from here on; known again when the request ends
+            choice = self.claimed.pop(request_id, None)
+            row = choice.row if choice is not None else min(self._free_rows())  # unclaimed: vLLM reported no hit
+            self.held[request_id] = rows[request_id] = row
+            self.histories.pop(row, None)  # overwritten from here on; known again when the request ends
         self.claimed.clear()
         return rows
+
+    def _free_rows(self) -> list[int]:
+        taken = set(self.held.values()) | {c.row for c in self.claimed.values()}
+        return [row for row in range(self.num_rows) if row not in taken]
 
     def release(self, request, computed_known: bool = True) -> None:
         """vLLM freed ``request``: its row is free and holds the tokens it computed (nothing when ``computed_known``

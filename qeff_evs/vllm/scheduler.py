@@ -65,9 +65,11 @@ class QeffEvsScheduler(Scheduler):
 
     def _get_local_prefix_cache_hit(self, request):
         # vLLM asks this for every request it is about to schedule for the first time: the row is chosen here, its
-        # reusable prefix is the hit. No vLLM block is shared (a row is the request's own block).
-        choice = self.kv_rows.claim(request, read_history=not request.skip_reading_prefix_cache)
-        return self.kv_cache_manager.empty_kv_cache_blocks, choice.prefix, 0, False
+        # reusable prefix is the hit. No vLLM block is shared (a row is the request's own block). Nothing here may
+        # raise: an exception in the scheduler stops vLLM's engine.
+        choice = self.kv_rows.claim(request, {r.request_id for r in self.running},
+                                    read_history=not request.skip_reading_prefix_cache)
+        return self.kv_cache_manager.empty_kv_cache_blocks, 0 if choice is None else choice.prefix, 0, False
 
     def schedule(self, *args, **kwargs) -> RowsSchedulerOutput:
         output = super().schedule(*args, **kwargs)
