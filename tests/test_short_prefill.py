@@ -1,5 +1,6 @@
-"""Shorter prefill lengths (DESIGN §15): a chunk that holds fewer tokens (a prompt's tail) runs in the shortest
-prefill specialization holding it, with the window of its own vision rows, and gives what today's export gives.
+"""Shorter prefill lengths (docs/design.md#specializations): a chunk that holds fewer tokens (a prompt's tail) runs in
+the shortest prefill specialization holding it, with the window of its own vision rows, and gives what today's export
+gives.
 
 The reference is the session's export (``tiny_export``: one prefill length, 32, window 48), cut every 32 tokens.
 The same checkpoint is exported again with ``--short-prefill-lens 8,24``; several chunkings of the same request
@@ -121,7 +122,7 @@ def test_a_graph_unrolled_for_one_length_refuses_short_lengths(served_export, tm
 def _served_options(m):
     from qeff_evs.export.pipeline import ExportOptions
 
-    return ExportOptions(m.video_pruning_rate, m.frame_buckets, m.resolutions, m.prefill_seq_len, m.ctx_len,
+    return ExportOptions(m.video_pruning_rate, m.sampled_frame_buckets, m.resolutions, m.prefill_seq_len, m.ctx_len,
                          full_batch_size=m.language_shape.full_batch_size)
 
 

@@ -1,7 +1,7 @@
 """Specialization sets, specializations.json, custom_io.yaml, qaic-compile commands, symbol checks.
 
-Expected values are written out literally from DESIGN §6-7 and QEfficient's file formats
-(reference/qeff.md §3), never computed with the code under test.
+Expected values are written out literally from docs/design.md#specializations and QEfficient's file
+formats, never computed with the code under test.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from qeff_evs.specializations import (
     CompileCommand,
     Specialization,
     PruningTarget,
-    default_frame_buckets,
+    default_sampled_frame_buckets,
     check_specializations,
     graph_symbols,
     language_custom_io,
@@ -284,13 +284,13 @@ def test_pruning_target_rejects_bad_frames():
     (2, 2, (2,)),
     (6, 2, (2, 4, 6)),
 ])
-def test_default_frame_buckets(max_frames, temporal_patch, expected):
-    assert default_frame_buckets(max_frames, temporal_patch) == expected
+def test_default_sampled_frame_buckets(max_frames, temporal_patch, expected):
+    assert default_sampled_frame_buckets(max_frames, temporal_patch) == expected
 
 
-def test_default_frame_buckets_refuse_a_maximum_off_the_temporal_patch():
+def test_default_sampled_frame_buckets_refuse_a_maximum_off_the_temporal_patch():
     with pytest.raises(ValueError, match="multiple of temporal_patch_size"):
-        default_frame_buckets(7, 2)
+        default_sampled_frame_buckets(7, 2)
 
 
 # ------------------------------------------------------------- specializations.json
@@ -422,7 +422,8 @@ def test_vision_command_never_uses_mxfp6():
 
 
 def test_pruning_command_keeps_fp32_compute():
-    """DESIGN §11: the EVS cosine overflows in fp16, so the pruning graphs compile without -convert-to-fp16."""
+    """docs/design.md#numerics-on-the-card: the EVS cosine overflows in fp16, so the pruning graphs compile without
+    -convert-to-fp16."""
     command = qaic_compile_command("pruning_evs.onnx", "v/s.json", "v/c.yaml", "v/pruning_evs_qpc", graph="pruning",
                                    mxfp6_matmul=True)
     assert "-convert-to-fp16" not in command.arguments

@@ -14,8 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from qeff_evs.bench.checkpoint import save_checkpoint
-from qeff_evs.bench.config import BenchConfig
-from qeff_evs.bench.phase import Progress
+from qeff_evs.bench.config import BenchConfig, Progress
 from qeff_evs.bench.sessions import open_inference_session
 from qeff_evs.export.pipeline import ExportOptions, export_checkpoint
 from qeff_evs.manifest import LanguageShape
@@ -98,7 +97,7 @@ def build_graphs(config: BenchConfig, workdir: Path, progress: Progress, languag
         language=open_inference_session(files["language"]) if language else None,
         files=files,
         frames_per_call=manifest.frames_per_call,
-        buckets=manifest.temporal_buckets,
+        buckets=manifest.temporal_patch_buckets,
         checkpoint_dir=checkpoint_dir,
         export_dir=export_dir,
     )

@@ -1,4 +1,4 @@
-"""Specialization sets and the compile artifacts built from them (DESIGN §7).
+"""Specialization sets and the compile artifacts built from them (docs/design.md#specializations).
 
 * :mod:`.sets` -- :class:`Specialization`, :class:`PruningTarget`, the language/vision builders;
 * :mod:`.files` -- ``specializations.json`` in QEfficient's flat and named layouts;
@@ -41,7 +41,7 @@ from .sets import (
     DEFAULT_MAX_FRAMES,
     PruningTarget,
     comp_ctx_lengths,
-    default_frame_buckets,
+    default_sampled_frame_buckets,
     language_specializations,
     manifest_entries,
     short_prefill_lens,
@@ -69,7 +69,7 @@ __all__ = [
     "DEFAULT_MAX_FRAMES",
     "PruningTarget",
     "comp_ctx_lengths",
-    "default_frame_buckets",
+    "default_sampled_frame_buckets",
     "check_specializations",
     "compile_file_name",
     "custom_io_precisions",

@@ -1,4 +1,4 @@
-"""Which KV row a request vLLM schedules runs in, and how much of it the row already holds (row reuse, DESIGN §16).
+"""Which KV row a request vLLM schedules runs in, and how much of it the row already holds (row reuse).
 
 An export's KV rows are not vLLM's blocks: vLLM's block pool only counts them (one block per row, see
 ``platform.py``), so the row is chosen here, in the scheduler's process, when vLLM asks for a new request's
