@@ -98,6 +98,12 @@ def test_a_scheduled_request_without_a_claim_gets_a_free_row():
     assert book.confirm(["x", "unclaimed"]) == {"x": 0, "unclaimed": 1}
 
 
+def test_an_instance_without_rows_places_nothing():
+    book = RowBook(0, rewindable=True, reuse=False)  # an encoder-only instance: vLLM gives it no KV blocks
+    assert book.claim(request("x", (1, 2, 3))) is None
+    assert book.confirm(["x"]) == {}
+
+
 def test_media_spans_are_in_prompt_order():
     features = [SimpleNamespace(identifier=i, mm_position=SimpleNamespace(offset=o, length=2)) for i, o in
                 (("late", 9), ("early", 3))]

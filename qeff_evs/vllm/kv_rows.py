@@ -78,7 +78,10 @@ class RowBook:
         rows = {}
         for request_id in scheduled:
             choice = self.claimed.pop(request_id, None)
-            row = choice.row if choice is not None else min(self._free_rows())  # unclaimed: vLLM reported no hit
+            free = self._free_rows()
+            row = choice.row if choice is not None else free[0] if free else None  # unclaimed: vLLM reported no hit
+            if row is None:  # an instance without KV rows (an encoder-only one) places nothing
+                continue
             self.held[request_id] = rows[request_id] = row
             self.histories.pop(row, None)  # overwritten from here on; known again when the request ends
         self.claimed.clear()

@@ -56,11 +56,13 @@ def row_reuse_on(vllm_config) -> bool:
 
 
 class QeffEvsScheduler(Scheduler):
-    def __init__(self, vllm_config, *args, **kwargs):
-        super().__init__(vllm_config, *args, **kwargs)
-        shape = read_manifest(Path(vllm_config.model_config.model)).language_shape
+    def __init__(self, vllm_config, kv_cache_config, *args, **kwargs):
+        super().__init__(vllm_config, kv_cache_config, *args, **kwargs)
+        reuse = row_reuse_on(vllm_config)
+        # The worker declares one block per KV row plus vLLM's null block (QeffEvsWorker.determine_available_memory).
         # Linear-attention state (Qwen3.5's layer_states) cannot be rewound: such rows are reused only whole.
-        self.kv_rows = RowBook(shape.full_batch_size, rewindable=not shape.layer_states, reuse=row_reuse_on(vllm_config))
+        rewindable = not reuse or not read_manifest(Path(vllm_config.model_config.model)).language_shape.layer_states
+        self.kv_rows = RowBook(max(kv_cache_config.num_blocks - 1, 0), rewindable=rewindable, reuse=reuse)
         self._rows_unknown: set[str] = set()  # requests the worker failed: what their rows hold is unknown
 
     def _get_local_prefix_cache_hit(self, request):
