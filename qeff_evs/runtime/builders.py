@@ -57,8 +57,9 @@ def answer(bundle: ExportBundle, engine: Engine, video: MediaInput, question: st
 def build_serving_engine(bundle: ExportBundle, backend: str = "ort", max_num_seqs: int | None = None,
                          max_num_batched_tokens: int | None = None, encoder_cache_rows: int | None = None,
                          progress: Progress | None = None, device: str | None = None, device_ids=None,
-                         pruning: VideoPruning | None = None):
-    """A continuous-batching serving engine over an export made with ``--full-batch-size``."""
+                         pruning: VideoPruning | None = None, row_reuse: bool = True):
+    """A continuous-batching serving engine over an export made with ``--full-batch-size`` (``row_reuse``: a
+    request reuses what a free KV row holds of its prompt, DESIGN §16)."""
     from qeff_evs.runtime.engine.scheduler import SchedulerConfig
     from qeff_evs.runtime.engine.serving import ServingEngine
 
@@ -77,7 +78,7 @@ def build_serving_engine(bundle: ExportBundle, backend: str = "ort", max_num_seq
     rows = max(budget, largest_item) if encoder_cache_rows is None else encoder_cache_rows
     scheduler = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=seqs,
                                 prefill_seq_len=m.prefill_seq_len, ctx_len=m.ctx_len,
-                                encoder_compute_budget=rows, encoder_cache_size=rows)
+                                encoder_compute_budget=rows, encoder_cache_size=rows, row_reuse=row_reuse)
     vision, language = sessions_for(bundle, backend, device, device_ids, method=config.video_pruning_method)
     try:
         return ServingEngine(bundle.family, vision, language, config, scheduler, stop_ids(bundle), progress)
