@@ -309,7 +309,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "max rate), rounded up to 64: pruning keeps the unpruned positions)")
     p.add_argument("--frames-per-call", type=int, default=DEFAULT_FRAMES_PER_CALL,
                    help="temporal patches per encoder call (one encoder specialization per resolution serves "
-                        f"every video length; default {DEFAULT_FRAMES_PER_CALL}, see README Performance)")
+                        f"every video length; default {DEFAULT_FRAMES_PER_CALL}, see docs/performance.md)")
     p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("compile", help="run qaic-compile where the SDK is installed, else print the commands")

@@ -1,5 +1,5 @@
-"""Compute context lengths (DESIGN §15): an export with a ladder of lengths reads only the KV slots a call needs and
-gives what the single-length export gives.
+"""Compute context lengths (docs/design.md#specializations): an export with a ladder of lengths reads only the KV
+slots a call needs and gives what the single-length export gives.
 
 The reference is the session's serving export (``served_export("qwen2_5_vl")``: one length, ``ctx_len`` 256, no
 ``comp_ctx_lengths`` input, the graph as it was before the ladder existed). The same checkpoint is exported again

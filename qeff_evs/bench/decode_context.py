@@ -1,4 +1,5 @@
-"""Decode time against position: an export with compute context lengths against one without (DESIGN §15).
+"""Decode time against position: an export with compute context lengths against one without
+(docs/design.md#specializations).
 
 The bench's checkpoint's language graph is exported twice at ``--decode-ctx-len`` (default 32k): once with the
 default ladder of compute context lengths (``specializations.comp_ctx_lengths``: ctx_len / 4^k down to 2048), once

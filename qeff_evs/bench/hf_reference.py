@@ -5,7 +5,8 @@
   positions alike.
 * The video (our prompt, q = 0): transformers' stock vision tower on the video's pixel values, its merged rows
   (and Qwen3-VL's deepstack rows) at the prompt's video pads, its text model run by hand at the prompt's M-RoPE
-  positions: vLLM's, which transformers >= 5 does not give for the text after a Qwen2.5-VL video (DESIGN §3).
+  positions: vLLM's, which transformers >= 5 does not give for the text after a Qwen2.5-VL video
+  (docs/design.md#positions).
   Those positions come from ``qeff_evs.positions`` (held to vLLM's own functions in tests/test_positions.py);
   greedy decoding continues at their maximum + 1, as the end-to-end tests' references do.
 """

@@ -1,4 +1,4 @@
-"""EVS overhead: the EVS graph's cost against the encoder's, on one clip (DESIGN §5).
+"""EVS overhead: the EVS graph's cost against the encoder's, on one clip (docs/design.md#the-three-graphs).
 
 The vision side is two graphs, so the selection's cost is measured directly rather than as the
 difference of two near-equal graphs:

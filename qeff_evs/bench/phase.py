@@ -31,12 +31,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from qeff_evs.bench.config import Progress
+
 if TYPE_CHECKING:
     from qeff_evs.bench.config import BenchConfig
     from qeff_evs.bench.graphs import BenchGraphs
     from qeff_evs.models.protocol import NormalizedConfig
 
-Progress = Callable[[str], None]
 PRESET_NAMES = ("full", "quick", "smoke")
 
 

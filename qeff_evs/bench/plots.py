@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-DPI = 80  # small files for the README
+DPI = 80  # small files for the docs pages
 
 
 def figure(width: float, height: float):

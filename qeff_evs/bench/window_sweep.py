@@ -2,7 +2,7 @@
 
 Both ways run the same language ONNX (``vision_size`` is a graph symbol) on the same prompts:
 
-* ``user_vision_size`` (this project, DESIGN §6): each chunk gets only its window's rows,
+* ``user_vision_size`` (this project, docs/design.md#specializations): each chunk gets only its window's rows,
   zero-padded to U, with ``image_idx = 0``;
 * ``qefficient``: ``vision_size`` = the prompt's whole kept row count K, all K rows go with
   every chunk, and ``image_idx`` advances by the media tokens of the chunks before.

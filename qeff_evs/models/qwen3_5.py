@@ -193,9 +193,8 @@ class Qwen3_5Family(Qwen3_VLFamily):
 
     @classmethod
     def realistic_widths(cls, text_layers: int, vision_layers: int) -> tuple[dict[str, Any], dict[str, Any]]:
-        """Qwen3.5-0.8B widths (the smallest released; config.json as quoted by third parties, see
-        ``shared/reference/qwen3_5.md`` §1.3): full attention every 4th layer and in the last
-        (``released_layer_types``)."""
+        """Qwen3.5-0.8B widths (the smallest released; its config.json as quoted by third parties): full attention
+        every 4th layer and in the last (``released_layer_types``; docs/models.md, Qwen3.5)."""
         text = dict(
             vocab_size=248320, hidden_size=1024, intermediate_size=3584, num_hidden_layers=text_layers,
             layer_types=released_layer_types(text_layers),

@@ -1,4 +1,4 @@
-"""Qwen3.5-MoE family: Qwen3.5 with a sparse MLP and a gated shared expert in every decoder layer (``reference/moe.md``).
+"""Qwen3.5-MoE family: Qwen3.5 with a sparse MLP and a gated shared expert in every decoder layer (docs/models.md).
 
 Everything but the decoder's MLP is Qwen3.5's and is taken from ``Qwen3_5Family`` as it is: Qwen3-VL's tower without
 deepstack, its preprocessing, prompt layout, positions and pruning, and the hybrid language graph whose Gated
@@ -49,7 +49,7 @@ class Qwen3_5MoeFamily(Qwen3_5Family):
 
     @classmethod
     def realistic_widths(cls, text_layers: int, vision_layers: int) -> tuple[dict[str, Any], dict[str, Any]]:
-        """Qwen3.5-35B-A3B widths (transformers' default ``Qwen3_5MoeConfig``; ``reference/moe.md`` §1): 256
+        """Qwen3.5-35B-A3B widths (transformers' default ``Qwen3_5MoeConfig``): 256
         experts, 8 per token, a shared expert of 512, full attention every 4th layer (``released_layer_types``)."""
         text = dict(
             vocab_size=248320, hidden_size=2048, num_hidden_layers=text_layers,

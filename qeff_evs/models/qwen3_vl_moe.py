@@ -1,4 +1,4 @@
-"""Qwen3-VL-MoE family: Qwen3-VL with sparse decoder MLPs (``reference/moe.md``).
+"""Qwen3-VL-MoE family: Qwen3-VL with sparse decoder MLPs (docs/models.md).
 
 Everything but the decoder's MLP is Qwen3-VL's and is taken from ``Qwen3_VLFamily`` as it is: the vision tower
 with deepstack, preprocessing, the timestamped prompt layout, positions, EVS and VidCom2 over
@@ -52,7 +52,7 @@ class Qwen3_VLMoeFamily(Qwen3_VLFamily):
 
     @classmethod
     def realistic_widths(cls, text_layers: int, vision_layers: int) -> tuple[dict[str, Any], dict[str, Any]]:
-        """Qwen3-VL-30B-A3B widths (its config.json; ``reference/moe.md`` §1): 128 experts, 8 per token, every
+        """Qwen3-VL-30B-A3B widths (its config.json): 128 experts, 8 per token, every
         layer sparse."""
         text = dict(
             vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=text_layers,
