@@ -1,4 +1,6 @@
-"""Row reuse in the serving engine (DESIGN §16): a request placed in a KV row that holds its first tokens starts there.
+"""Row reuse in the serving engine: a request placed in a KV row that holds its first tokens starts there.
+
+(docs/serving.md#conversations-row-reuse.)
 
 The reference for every request is the same request on an engine with row reuse off (which computes every prompt
 from slot 0; ``test_kv_zero_once.py`` shows a used row then equals a fresh one): tokens exactly equal, the logits
@@ -250,7 +252,8 @@ def test_follow_up_computes_only_what_its_row_lacks(families, name):
     assert served.cached["turn-1"] == 0 and served.encodes["turn-1"] == 1
     assert len(answer) == NEW_TOKENS
     before, video = first.pieces[0], first.pieces[1]
-    video_end = next(ph.offset + ph.length for ph in served.engine.executor.plan(first.pieces, first.media).placeholders)
+    placeholder = served.engine.executor.plan(first.pieces, first.media).placeholders[0]
+    video_end = placeholder.offset + placeholder.length
     tail = list(bundle.tokenizer.encode(" and why?", add_special_tokens=False))
 
     def after_video(rid: str, ids) -> ServeRequest:
@@ -301,7 +304,8 @@ def test_prefix_ending_inside_the_video_computes_the_video_tail(families, name):
     if name == "qwen3_vl":
         assert provisional.is_embed is not None and not provisional.is_embed[cut - provisional.offset:].any()
 
-    served.engine.add_planned(request.request_id, plan, request.media, served.engine.executor.media_hashes(request.media),
+    hashes = served.engine.executor.media_hashes(request.media)
+    served.engine.add_planned(request.request_id, plan, request.media, hashes,
                               NEW_TOKENS, chunk_ends=(cut,), request=request)
     while served.engine.scheduler.num_computed_tokens("aborted") < cut:
         served.engine.step()
@@ -455,7 +459,7 @@ def test_cli_follow_ups_reuse_their_row_and_the_switch_turns_it_off(families, tm
         {rid: e["generated_token_ids"] for rid, e in computed.items()}
     assert all(e["num_cached_tokens"] == 0 for e in computed.values())
     assert reused["a"]["num_cached_tokens"] == 0
-    assert reused["a2"]["num_cached_tokens"] > 0 and reused["a3"]["num_cached_tokens"] > reused["a2"]["num_cached_tokens"]
+    assert 0 < reused["a2"]["num_cached_tokens"] < reused["a3"]["num_cached_tokens"]
 
 
 def test_a_follow_up_line_is_checked(families, tmp_path):

@@ -59,7 +59,7 @@ def build_serving_engine(bundle: ExportBundle, backend: str = "ort", max_num_seq
                          progress: Progress | None = None, device: str | None = None, device_ids=None,
                          pruning: VideoPruning | None = None, row_reuse: bool = True):
     """A continuous-batching serving engine over an export made with ``--full-batch-size`` (``row_reuse``: a
-    request reuses what a free KV row holds of its prompt, DESIGN §16)."""
+    request reuses what a free KV row holds of its prompt, ``engine/row_history.py``)."""
     from qeff_evs.runtime.engine.scheduler import SchedulerConfig
     from qeff_evs.runtime.engine.serving import ServingEngine
 

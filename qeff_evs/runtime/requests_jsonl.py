@@ -3,7 +3,8 @@
 A line with ``"after": "<id>"`` asks a follow-up in request ``<id>``'s conversation, as a chat client does: it is
 queued once ``<id>`` has finished, and its prompt is the chat so far (every earlier turn of the conversation, each
 answer as the assistant's turn, decoded as vLLM returns it) then ``prompt`` as the next user turn, about the
-conversation's video. Its KV row then holds most of that prompt already (row reuse, DESIGN §16).
+conversation's video. Its KV row then holds most of that prompt already (row reuse:
+docs/serving.md#conversations-row-reuse).
 """
 
 from __future__ import annotations

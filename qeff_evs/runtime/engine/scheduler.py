@@ -21,11 +21,11 @@ the next output.
 Numbers of computed tokens advance when a step is scheduled; ``update_from_output`` then records
 the sampled tokens and finishes requests on an EOS id, a stop id or ``max_new_tokens``.
 
-Row reuse (DESIGN §16, ``row_history``): with ``row_reuse`` on, a row keeps what its request fed (a
-``RowHistory``) after the request ends, and a waiting request is placed by ``choose_row``: it starts at
-``num_computed = prefix`` (the tokens the row holds of it), so chunks inside the prefix are never scheduled and
-media wholly inside it are never encoded. A row whose layers cannot be rewound (``rewindable_rows`` False) is
-reused only whole. Off: the lowest free row, from token 0, as before.
+Row reuse (docs/serving.md#conversations-row-reuse, ``row_history``): with ``row_reuse`` on, a row keeps
+what its request fed (a ``RowHistory``) after the request ends, and a waiting request is placed by
+``choose_row``: it starts at ``num_computed = prefix`` (the tokens the row holds of it), so chunks inside the
+prefix are never scheduled and media wholly inside it are never encoded. A row whose layers cannot be rewound
+(``rewindable_rows`` False) is reused only whole. Off: the lowest free row, from token 0, as before.
 
 Media items are declared by content hash and ``Placeholder``. Beyond the placeholder's extent,
 only the position of its first embedding row and its row count matter here, so a Qwen3-VL request
@@ -64,7 +64,7 @@ class SchedulerConfig:
     ctx_len: int  # KV slots per request
     encoder_compute_budget: int | None = None  # embedding rows encoded per step; None = max_num_batched_tokens
     encoder_cache_size: int | None = None  # embedding rows kept; None = max_num_batched_tokens
-    row_reuse: bool = True  # a finished request's KV row serves the next request's common prefix (DESIGN §16)
+    row_reuse: bool = True  # a finished request's KV row serves the next request's common prefix (row_history)
 
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs", "prefill_seq_len", "ctx_len"):

@@ -6,9 +6,10 @@ are cached by content hash and dropped when every holder has passed them; each p
 only its own window of kept rows. All running requests decode together in one call
 (continuous batching). Greedy sampling. Our ``Scheduler`` decides; the shared ``Executor`` runs.
 
-Row reuse (DESIGN §16, on unless ``SchedulerConfig.row_reuse`` is off): a request placed in a row that holds its
-first ``p`` tokens starts its prefill at ``p``; the row's keys and values (and, for a graph whose rows cannot be
-rewound, its layer state) are left as the earlier request wrote them, since no backend clears a row per request.
+Row reuse (docs/serving.md#conversations-row-reuse; on unless ``SchedulerConfig.row_reuse`` is off): a
+request placed in a row that holds its first ``p`` tokens starts its prefill at ``p``; the row's keys and values
+(and, for a graph whose rows cannot be rewound, its layer state) are left as the earlier request wrote them, since
+no backend clears a row per request.
 """
 
 from __future__ import annotations
