@@ -193,8 +193,11 @@ def cmd_encode(args: argparse.Namespace) -> int:
 
 
 def _serve_requests(args: argparse.Namespace, bundle, pruning) -> int:
-    """Many requests at once through the continuous-batching engine; one JSON line per finished request. A
-    follow-up (``after``) is queued when the request it continues has finished."""
+    """Many requests at once through the continuous-batching engine; one JSON line per finished request (with its
+    time to first token, from when it was queued). A follow-up (``after``) is queued when the request it continues
+    has finished."""
+    import time
+
     from qeff_evs.runtime.builders import build_serving_engine
     from qeff_evs.runtime.requests_jsonl import Conversations, requests_from_jsonl
 
@@ -204,22 +207,36 @@ def _serve_requests(args: argparse.Namespace, bundle, pruning) -> int:
                                   pruning=pruning, row_reuse=args.row_reuse)
     chats = Conversations(bundle)
     follow_ups: dict[str, list] = {}
+    queued: dict[str, float] = {}
+    first_token: dict[str, float] = {}
+    prompt_tokens: dict[str, int] = {}
+
+    def add(request) -> None:
+        engine.add_request(request)
+        queued[request.request_id] = time.perf_counter()
+        prompt_tokens[request.request_id] = engine.live[request.request_id].num_prompt_tokens
+
     try:
         for line in lines:
             if line.after is None:
-                engine.add_request(chats.first_turn(line))
+                add(chats.first_turn(line))
             else:
                 follow_ups.setdefault(line.after, []).append(line)
         tokens: dict[str, list[int]] = {}
         while engine.has_unfinished():
             for event in engine.step():
-                tokens.setdefault(event.request_id, []).append(event.token_id)
+                rid = event.request_id
+                first_token.setdefault(rid, time.perf_counter())
+                tokens.setdefault(rid, []).append(event.token_id)
                 if event.finish_reason is not None:
-                    print(json.dumps({"id": event.request_id, "generated_token_ids": tokens[event.request_id],
+                    print(json.dumps({"id": rid, "generated_token_ids": tokens[rid],
                                       "finish_reason": event.finish_reason.value,
-                                      "num_cached_tokens": event.num_cached_tokens}), flush=True)
-                    for line in follow_ups.pop(event.request_id, ()):
-                        engine.add_request(chats.follow_up(line, tokens[event.request_id]))
+                                      "prompt_tokens": prompt_tokens[rid],
+                                      "num_cached_tokens": event.num_cached_tokens,
+                                      "time_to_first_token_s": round(first_token[rid] - queued[rid], 4)}),
+                          flush=True)
+                    for line in follow_ups.pop(rid, ()):
+                        add(chats.follow_up(line, tokens[rid]))
     finally:
         engine.close()
     return 0

@@ -460,6 +460,7 @@ def test_cli_follow_ups_reuse_their_row_and_the_switch_turns_it_off(families, tm
     assert all(e["num_cached_tokens"] == 0 for e in computed.values())
     assert reused["a"]["num_cached_tokens"] == 0
     assert 0 < reused["a2"]["num_cached_tokens"] < reused["a3"]["num_cached_tokens"]
+    assert all(e["time_to_first_token_s"] > 0 for e in (*reused.values(), *computed.values()))
 
 
 def test_a_follow_up_line_is_checked(families, tmp_path):
