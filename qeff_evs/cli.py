@@ -98,7 +98,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     manifest = export_checkpoint(args.model_dir, args.output, options, progress=_progress)
     print(json.dumps({"export_dir": str(args.output), "family": manifest.family,
                       "encoder_specializations": len(manifest.encoder_entries),
-                      "frame_buckets": list(manifest.frame_buckets),
+                      "sampled_frame_buckets": list(manifest.sampled_frame_buckets),
+                      "temporal_patch_buckets": list(manifest.temporal_patch_buckets),
                       "video_pruning_methods": list(manifest.video_pruning_methods),
                       "pruning_specializations": len(manifest.pruning_entries)}))
     return 0
@@ -198,7 +199,7 @@ def _serve_requests(args: argparse.Namespace, bundle, pruning) -> int:
     has finished."""
     import time
 
-    from qeff_evs.runtime.builders import build_serving_engine
+    from qeff_evs.runtime.builders import build_serving_engine, generate_all
     from qeff_evs.runtime.requests_jsonl import Conversations, requests_from_jsonl
 
     lines = requests_from_jsonl(args.requests, bundle, pruning)
@@ -207,36 +208,31 @@ def _serve_requests(args: argparse.Namespace, bundle, pruning) -> int:
                                   pruning=pruning, row_reuse=args.row_reuse)
     chats = Conversations(bundle)
     follow_ups: dict[str, list] = {}
+    for line in lines:
+        if line.after is not None:
+            follow_ups.setdefault(line.after, []).append(line)
     queued: dict[str, float] = {}
     first_token: dict[str, float] = {}
-    prompt_tokens: dict[str, int] = {}
 
-    def add(request) -> None:
-        engine.add_request(request)
-        queued[request.request_id] = time.perf_counter()
-        prompt_tokens[request.request_id] = engine.live[request.request_id].num_prompt_tokens
+    def queue(requests: list) -> list:
+        now = time.perf_counter()
+        queued.update({request.request_id: now for request in requests})
+        return requests
+
+    def on_token(event) -> None:
+        first_token.setdefault(event.request_id, time.perf_counter())
+
+    def print_finished(request_id: str, token_ids: list[int], event) -> list:
+        print(json.dumps({"id": request_id, "generated_token_ids": token_ids,
+                          "finish_reason": event.finish_reason.value, "prompt_tokens": event.num_prompt_tokens,
+                          "num_cached_tokens": event.num_cached_tokens,
+                          "time_to_first_token_s": round(first_token[request_id] - queued[request_id], 4)}),
+              flush=True)
+        return queue([chats.follow_up(line, token_ids) for line in follow_ups.pop(request_id, ())])
 
     try:
-        for line in lines:
-            if line.after is None:
-                add(chats.first_turn(line))
-            else:
-                follow_ups.setdefault(line.after, []).append(line)
-        tokens: dict[str, list[int]] = {}
-        while engine.has_unfinished():
-            for event in engine.step():
-                rid = event.request_id
-                first_token.setdefault(rid, time.perf_counter())
-                tokens.setdefault(rid, []).append(event.token_id)
-                if event.finish_reason is not None:
-                    print(json.dumps({"id": rid, "generated_token_ids": tokens[rid],
-                                      "finish_reason": event.finish_reason.value,
-                                      "prompt_tokens": prompt_tokens[rid],
-                                      "num_cached_tokens": event.num_cached_tokens,
-                                      "time_to_first_token_s": round(first_token[rid] - queued[rid], 4)}),
-                          flush=True)
-                    for line in follow_ups.pop(rid, ()):
-                        add(chats.follow_up(line, tokens[rid]))
+        generate_all(engine, queue([chats.first_turn(line) for line in lines if line.after is None]),
+                     print_finished, on_token)
     finally:
         engine.close()
     return 0

@@ -22,7 +22,7 @@ import torch
 from qeff_evs.export.pipeline import ExportOptions, export_checkpoint
 from qeff_evs.manifest import MANIFEST_NAME, read_manifest
 from qeff_evs.models.language import LanguageGraph
-from qeff_evs.runtime.builders import engine_config
+from qeff_evs.runtime.builders import engine_config, generate_all
 from qeff_evs.runtime.engine.scheduler import SchedulerConfig
 from qeff_evs.runtime.engine.serving import ServeRequest, ServingEngine
 from qeff_evs.runtime.engine.single_request import Engine
@@ -50,7 +50,7 @@ def exports_of(served_export, tmp_path_factory):
         if family not in made:
             checkpoint, single = served_export(family)
             m = read_manifest(single)
-            options = ExportOptions(m.video_pruning_rate, m.frame_buckets, m.resolutions, m.prefill_seq_len,
+            options = ExportOptions(m.video_pruning_rate, m.sampled_frame_buckets, m.resolutions, m.prefill_seq_len,
                                     m.ctx_len, full_batch_size=m.language_shape.full_batch_size, ctx_lengths=LADDER)
             folder = tmp_path_factory.mktemp(f"ctx_lengths_{family}")
             with warnings.catch_warnings():
@@ -115,12 +115,7 @@ def _serve(export: Path, backend: str, folder: Path, language=None
                                 encoder_compute_budget=200, encoder_cache_size=200)
     engine = ServingEngine(bundle.family, vision, log, engine_config(bundle), scheduler)
     requests = _requests(bundle, folder)
-    for request in requests:
-        engine.add_request(request)
-    tokens: dict[str, list[int]] = {}
-    while engine.has_unfinished():
-        for event in engine.step():
-            tokens.setdefault(event.request_id, []).append(event.token_id)
+    tokens = generate_all(engine, requests)
     prompts = {r.request_id: len(engine.executor.plan(r.pieces, r.media).ids) for r in requests}
     engine.close()
     return tokens, log.logits, prompts

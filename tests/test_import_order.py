@@ -17,6 +17,7 @@ exactly the package's family modules.
 from __future__ import annotations
 
 import ast
+import shutil
 from pathlib import Path
 
 import pytest
@@ -155,6 +156,15 @@ def test_imports_run_one_way():
     assert violations() == []
 
 
+def package_with(tmp_path: Path, source: str, import_line: str) -> Path:
+    """A copy of the package under ``tmp_path`` with ``import_line`` appended to ``source`` (made if new)."""
+    copy = tmp_path / "qeff_evs"
+    shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    target = copy / source
+    target.write_text((target.read_text() if target.exists() else "") + "\n" + import_line + "\n")
+    return copy
+
+
 def test_no_import_circles():
     assert import_circles() == []
 
@@ -172,14 +182,9 @@ def test_the_registry_table_names_every_family_module():
     ("vllm/activation.py", "from . import plugin\n"),
 ])
 def test_an_import_circle_fails(tmp_path, source, import_line):
-    import shutil
-
-    copy = tmp_path / "qeff_evs"
-    shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__"))
-    target = copy / source
-    target.write_text(target.read_text() + "\n" + import_line)
+    copy = package_with(tmp_path, source, import_line)
     found = import_circles(copy)
-    assert len(found) == 1 and module_name(target, copy) in found[0], found
+    assert len(found) == 1 and module_name(copy / source, copy) in found[0], found
 
 
 @pytest.mark.parametrize("source, import_line", [
@@ -192,11 +197,5 @@ def test_an_import_circle_fails(tmp_path, source, import_line):
 ])
 def test_an_import_against_the_order_fails(tmp_path, source, import_line):
     # A copy of the package with one offending import added: the checker must name it.
-    import shutil
-
-    copy = tmp_path / "qeff_evs"
-    shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__"))
-    target = copy / source
-    target.write_text((target.read_text() if target.exists() else "") + "\n" + import_line + "\n")
-    found = violations(copy)
+    found = violations(package_with(tmp_path, source, import_line))
     assert len(found) == 1 and found[0].startswith(f"qeff_evs/{source}:"), found

@@ -122,6 +122,16 @@ def fmt_seconds(ms: float) -> str:
     return f"{ms / MS:.2f}"
 
 
+def section_head(results: dict, name: str, title: str, note: str = "") -> list[str]:
+    """A section's first lines: its ``###`` ``title``, then when it was measured (and ``note`` after that)."""
+    return ["", f"### {title}", "", measured_in(results, name) + note, ""]
+
+
+def table_head(header: str) -> list[str]:
+    """A results.md table's header row (``"| a | b |"``) and the separator under it."""
+    return [header, "|" + "---|" * (header.count("|") - 1)]
+
+
 def measured_in(results: dict, name: str) -> str:
     """The line under a section's title: when its phase was measured and how loaded the machine was."""
     run = results["phase_runs"][name]

@@ -155,6 +155,7 @@ class Qwen3_5Family(Qwen3_VLFamily):
     model_class = Qwen3_5ForConditionalGeneration
     extra_rows = ()
     wrapper = Qwen3_5Tower
+    language_graph_class = Qwen3_5LanguageGraph
 
     # ---- tiny test checkpoints and realistic bench configs ----------------------------------------
 
@@ -214,7 +215,7 @@ class Qwen3_5Family(Qwen3_VLFamily):
 
     def language_graph(self, model: nn.Module, media_token_ids: Sequence[int] | None = None,
                        rope_positions: int | None = None, prefill_seq_len: int | None = None) -> Qwen3_5LanguageGraph:
-        return Qwen3_5LanguageGraph(model, media_token_ids, rope_positions, prefill_seq_len)
+        return self.language_graph_class(model, media_token_ids, rope_positions, prefill_seq_len)
 
     def kv_layers(self) -> tuple[int, ...]:
         layers = tuple(i for i, kind in enumerate(layer_types(self.config)) if kind == FULL)

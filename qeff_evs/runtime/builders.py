@@ -1,7 +1,9 @@
 """Engines over an opened export: the pruning a run serves, the engine settings, the single-request and serving
-engines, and one question answered about one video."""
+engines, one question answered about one video, and many requests served to the end."""
 
 from __future__ import annotations
+
+from collections.abc import Callable, Iterable
 
 from qeff_evs.models.protocol import MediaInput
 from qeff_evs.models.pruning import VideoPruning
@@ -88,9 +90,30 @@ def build_serving_engine(bundle: ExportBundle, backend: str = "ort", max_num_seq
         raise
 
 
+def generate_all(engine, requests: Iterable,
+                 on_finished: Callable[[str, list[int], object], Iterable | None] | None = None,
+                 on_token: Callable[[object], None] | None = None) -> dict[str, list[int]]:
+    """Every request (``ServeRequest``) through a serving engine until all have finished: each one's generated token
+    ids by request id. ``on_token(event)`` sees every ``TokenEvent``; ``on_finished(request_id, token_ids, event)``
+    runs as each request finishes (``event``: its last, with ``finish_reason`` and ``num_cached_tokens``), and the
+    requests it returns (a conversation's follow-ups) are queued then."""
+    for request in requests:
+        engine.add_request(request)
+    tokens: dict[str, list[int]] = {}
+    while engine.has_unfinished():
+        for event in engine.step():
+            tokens.setdefault(event.request_id, []).append(event.token_id)
+            if on_token is not None:
+                on_token(event)
+            if event.finish_reason is not None and on_finished is not None:
+                for request in on_finished(event.request_id, tokens[event.request_id], event) or ():
+                    engine.add_request(request)
+    return tokens
+
+
 def largest_item_rows(bundle: ExportBundle, pruning: VideoPruning) -> int:
     """Encoder rows of the largest item the export serves under ``pruning``: the longest video (its largest
     bucket) at the resolution with the most tokens, or the largest image."""
     m, factor = bundle.manifest, bundle.preprocess.factor
     tokens = max((h // factor) * (w // factor) for h, w in m.resolutions)
-    return max(tokens, pruning.kept_token_count(tokens, max(m.temporal_buckets)))
+    return max(tokens, pruning.kept_token_count(tokens, max(m.temporal_patch_buckets)))

@@ -47,6 +47,7 @@ class TokenEvent:
     token_id: int
     finish_reason: FinishReason | None = None
     num_cached_tokens: int = 0  # prompt tokens the request's KV row held already (row reuse; vLLM's name)
+    num_prompt_tokens: int = 0  # the request's prompt length
 
 
 class ServingEngine:
@@ -130,11 +131,12 @@ class ServingEngine:
         finished = {f.request_id: f for f in self.scheduler.update_from_output(out, sampled)}
         cached = {rid: f.num_cached_tokens for rid, f in finished.items()}
         cached.update({rid: self.scheduler.num_cached_tokens(rid) for rid in sampled if rid not in finished})
+        prompt_lengths = {rid: self.executor.requests[rid].num_prompt_tokens for rid in sampled}
         for request_id in finished:
             self.executor.drop(request_id)
         self._free_when_idle()
-        return [TokenEvent(rid, token, finished[rid].reason if rid in finished else None, cached[rid])
-                for rid, token in sampled.items()]
+        return [TokenEvent(rid, token, finished[rid].reason if rid in finished else None, cached[rid],
+                           prompt_lengths[rid]) for rid, token in sampled.items()]
 
     def _free_when_idle(self) -> None:
         # Released encoder outputs are freed by the next step's schedule(); with no request left
