@@ -83,10 +83,13 @@ def media_pruning(media: MediaInput, default: VideoPruning) -> VideoPruning:
 
 
 def media_hash(media: MediaInput, pruning: VideoPruning) -> str:
-    """Content hash of one media item as the encoder sees it (pixels, grid, kind, pruning method and rate)."""
+    """Content hash of one media item: what the encoder sees (pixels, grid, kind, pruning method and rate) and
+    what its placeholder's ids and positions follow from besides (frame rate and times), so that one hash means
+    one encoder output and one prompt segment (row reuse compares media by it, ``row_history``)."""
     digest = hashlib.sha256()
     digest.update(np.ascontiguousarray(media.pixel_values.numpy()).tobytes())
-    digest.update(repr((tuple(int(v) for v in media.grid_thw), media.kind, pruning.method, pruning.rate)).encode())
+    digest.update(repr((tuple(int(v) for v in media.grid_thw), media.kind, pruning.method, pruning.rate,
+                        float(media.fps), tuple(float(t) for t in media.frame_times))).encode())
     return digest.hexdigest()
 
 

@@ -1,5 +1,7 @@
 """Row reuse: what a KV row holds after its request, and how much of a new request it holds already.
 
+(docs/serving.md#conversations-row-reuse says it for users.)
+
 When a request leaves its KV row, the row keeps the keys and values of every token it fed the graph: the prompt
 and the generated tokens but the last (sampled, never fed). A ``RowHistory`` describes them. A new request whose
 first ``p`` tokens are the same tokens at the same slots, with the same media at the same places pruned the same
