@@ -52,7 +52,7 @@ from qeff_evs.models.linear_attention import (
 )
 from qeff_evs.specializations import RETAINED_SUFFIX
 
-# Qwen3.5-0.8B (shared/reference/qwen3_5.md §1.3): 24 layers = 18 Gated DeltaNet + 6 full attention.
+# Qwen3.5-0.8B (docs/models.md, Qwen3.5): 24 layers = 18 Gated DeltaNet + 6 full attention.
 WIDTHS_0_8B = dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=8, num_key_value_heads=2,
                    head_dim=256, linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128,
                    linear_num_key_heads=16, linear_num_value_heads=16, intermediate_size=3584, vocab_size=1024)

@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """Issues 6 and 10's targets, judged on a saved ``qeff-evs bench`` results.json (the verdicts published in
-``benchmarks/README.md`` and the README's Performance section).
+``benchmarks/README.md`` and docs/performance.md).
 
 The bench measures; this script holds the numbers the issues asked for and says which a run met::
 

@@ -1,7 +1,7 @@
 """What the frame buckets cost: each pruning graph per bucket against the encoder, and the padding a bucket adds.
 
-A pruning specialization serves every video up to its frame bucket (DESIGN §5, §13): the host pads the video's
-merged rows to the smallest bucket holding it. This measures, with ONNX Runtime on the CPU, at Qwen2.5-VL-3B
+A pruning specialization serves every video up to its frame bucket (docs/design.md#specializations): the host pads the
+video's merged rows to the smallest bucket holding it. This measures, with ONNX Runtime on the CPU, at Qwen2.5-VL-3B
 widths (448x448 frames: 256 merged tokens per temporal patch, 2048-wide rows; the bench's random-weight vision
 tower, ``--vision-layers`` blocks, and ``--full-depth`` to scale its time to the checkpoint's 32):
 

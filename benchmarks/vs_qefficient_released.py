@@ -14,7 +14,7 @@ QEfficient's export at these widths takes minutes and GBs: run it alone,
         --qefficient-python /path/to/qefficient-venv/bin/python --workdir /tmp/vs_qefficient \\
         -o benchmarks/results/vs_qefficient
 
-(``/work/shared/tools/install_qefficient_cpu.sh VENV QEFFICIENT_CHECKOUT`` makes such a Python.)
+(docs/performance.md, "Compared with QEfficient", says what such a Python needs.)
 """
 
 from __future__ import annotations

@@ -194,23 +194,20 @@ def cmd_encode(args: argparse.Namespace) -> int:
 
 def _serve_requests(args: argparse.Namespace, bundle, pruning) -> int:
     """Many requests at once through the continuous-batching engine; one JSON line per finished request."""
-    from qeff_evs.runtime.builders import build_serving_engine
+    from qeff_evs.runtime.builders import build_serving_engine, generate_all
     from qeff_evs.runtime.requests_jsonl import requests_from_jsonl
 
     requests = requests_from_jsonl(args.requests, bundle, pruning)
     engine = build_serving_engine(bundle, args.backend, args.max_num_seqs, args.max_num_batched_tokens,
                                   args.encoder_cache_rows, progress=_progress, device_ids=_device_ids(args),
                                   pruning=pruning)
+
+    def print_finished(request_id: str, token_ids: list[int], finish_reason) -> None:
+        print(json.dumps({"id": request_id, "generated_token_ids": token_ids, "finish_reason": finish_reason.value}),
+              flush=True)
+
     try:
-        for request in requests:
-            engine.add_request(request)
-        tokens: dict[str, list[int]] = {}
-        while engine.has_unfinished():
-            for event in engine.step():
-                tokens.setdefault(event.request_id, []).append(event.token_id)
-                if event.finish_reason is not None:
-                    print(json.dumps({"id": event.request_id, "generated_token_ids": tokens[event.request_id],
-                                      "finish_reason": event.finish_reason.value}), flush=True)
+        generate_all(engine, requests, print_finished)
     finally:
         engine.close()
     return 0
@@ -300,7 +297,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "max rate), rounded up to 64: pruning keeps the unpruned positions)")
     p.add_argument("--frames-per-call", type=int, default=DEFAULT_FRAMES_PER_CALL,
                    help="temporal patches per encoder call (one encoder specialization per resolution serves "
-                        f"every video length; default {DEFAULT_FRAMES_PER_CALL}, see README Performance)")
+                        f"every video length; default {DEFAULT_FRAMES_PER_CALL}, see docs/performance.md)")
     p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("compile", help="run qaic-compile where the SDK is installed, else print the commands")

@@ -11,7 +11,7 @@ Two selection paths share the dissimilarity: the eager reference (stable argsort
 definition) and the exportable one (TopK, whose ONNX tie rule is the same "lower index
 first"; eager ``torch.topk`` breaks ties the other way, so it is only used under export).
 
-A pruning graph serves every video length up to its frame bucket and every rate (DESIGN §2.5):
+A pruning graph serves every video length up to its frame bucket and every rate (docs/design.md#pruning-semantics):
 ``rank_candidates`` orders all ``B*h*w`` rows of a video padded to ``B`` temporal patches, given
 the real count ``T`` as a tensor, and the host keeps the first ``K(q, T)`` of that ranking
 (``kept_from_ranking``). q never reaches the graph; padding rows rank after every real row.
@@ -102,15 +102,27 @@ def frame_dissimilarity(frames: torch.Tensor) -> torch.Tensor:
     return torch.cat([sentinel, 1 - similarity], dim=0)
 
 
+def checked_video(embeds: torch.Tensor, grid_thw: Sequence[int] | torch.Tensor, spatial_merge_size: int,
+                  q: float) -> tuple[float, tuple[int, int, int]]:
+    """What every reference retention mask checks first: ``q`` validated, and the merged grid ``(t, h, w)``
+    whose ``t*h*w`` rows ``embeds`` must be."""
+    q = validate_pruning_rate(q)
+    t, h, w = merged_grid(grid_thw, spatial_merge_size)
+    _check_embeds(embeds, t, h, w)
+    return q, (t, h, w)
+
+
 def _check_embeds(embeds: torch.Tensor, t: int, h: int, w: int) -> None:
+    rows = t * h * w
     if embeds.dim() != 2:
         raise ValueError(
-            f"embeds must be 2-D (T*h*w, D), got shape {tuple(embeds.shape)}; flatten the video's merged tokens"
+            f"embeds must be 2-D (T*h*w, D) = ({rows}, D), got shape {tuple(embeds.shape)}; "
+            "flatten the video's merged tokens"
         )
-    if embeds.shape[0] != t * h * w:
+    if embeds.shape[0] != rows:
         raise ValueError(
-            f"embeds has {embeds.shape[0]} rows but the merged grid {t}x{h}x{w} needs {t * h * w}; "
-            "pass the merger output of exactly this video"
+            f"embeds has {embeds.shape[0]} rows but the merged grid {t}x{h}x{w} needs {rows} "
+            f"((T*h*w, D) = ({rows}, D)); pass the merger output of exactly this video"
         )
 
 
@@ -120,16 +132,10 @@ def reference_keep_order(dissimilarity: torch.Tensor, k: int) -> torch.Tensor:
     return torch.sort(order[:k]).values
 
 
-def retention_mask(
-    embeds: torch.Tensor,
-    grid_thw: Sequence[int] | torch.Tensor,
-    spatial_merge_size: int,
-    q: float,
-) -> torch.BoolTensor:
+def retention_mask(embeds: torch.Tensor, grid_thw: Sequence[int] | torch.Tensor, spatial_merge_size: int,
+                   q: float) -> torch.BoolTensor:
     """Boolean mask over the ``T*h*w`` merged tokens (raster order) of the tokens EVS keeps."""
-    q = validate_pruning_rate(q)
-    t, h, w = merged_grid(grid_thw, spatial_merge_size)
-    _check_embeds(embeds, t, h, w)
+    q, (t, h, w) = checked_video(embeds, grid_thw, spatial_merge_size, q)
     dissimilarity = frame_dissimilarity(embeds.reshape(t, h * w, embeds.shape[-1]))
     keep = reference_keep_order(dissimilarity, kept_token_count(h * w, t, q))
     mask = torch.zeros(t * h * w, dtype=torch.bool, device=embeds.device)

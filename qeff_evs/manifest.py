@@ -172,7 +172,7 @@ class LanguageShape:
     # Decoder layers with a KV cache (``past_key.{i}``/``past_value.{i}``); None: every layer.
     kv_layers: tuple[int, ...] | None = None
     layer_states: tuple[LayerState, ...] = ()  # per-row state of the other layers (e.g. linear attention)
-    # Compute context lengths (DESIGN §15), ascending, the last ctx_len: a call reads only the first
+    # Compute context lengths (docs/design.md#specializations), ascending, the last ctx_len: a call reads only the first
     # comp_ctx_len slots of its KV row. Empty: the graph has no comp_ctx_lengths input and every call reads
     # ctx_len (exports without a ladder, and every export written before it; their manifests lack the key).
     comp_ctx_lengths: tuple[int, ...] = ()

@@ -43,9 +43,9 @@ import torch.nn.functional as F
 from qeff_evs.evs import (
     ascending_order,
     check_bucket_inputs,
+    checked_video,
     descending_order,
     exporting,
-    merged_grid,
     real_frames,
     validate_pruning_rate,
 )
@@ -150,18 +150,10 @@ def _similarity_and_budgets(embeds: torch.Tensor, frames: int, ratio: float) -> 
     return video_kernel + frame_kernel, frame_budgets(video_kernel, ratio)
 
 
-def retention_mask(
-    embeds: torch.Tensor,
-    grid_thw: Sequence[int] | torch.Tensor,
-    spatial_merge_size: int,
-    q: float,
-) -> torch.BoolTensor:
+def retention_mask(embeds: torch.Tensor, grid_thw: Sequence[int] | torch.Tensor, spatial_merge_size: int,
+                   q: float) -> torch.BoolTensor:
     """Boolean mask over the ``T*h*w`` merged tokens (raster order) of the tokens VidCom2 keeps (the reference)."""
-    q = validate_pruning_rate(q)
-    t, h, w = merged_grid(grid_thw, spatial_merge_size)
-    if embeds.dim() != 2 or embeds.shape[0] != t * h * w:
-        raise ValueError(
-            f"embeds must be (T*h*w, D) = ({t * h * w}, D) for merged grid {(t, h, w)}, got {tuple(embeds.shape)}")
+    q, (t, h, w) = checked_video(embeds, grid_thw, spatial_merge_size, q)
     # A Python double, as in vLLM: torch rounds it to the tensor's (or, for bf16/fp16, the op's) precision.
     similarity, budgets = _similarity_and_budgets(embeds, t, 1.0 - q)
     keep = torch.zeros(t, h * w, dtype=torch.bool, device=embeds.device)

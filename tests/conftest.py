@@ -11,15 +11,15 @@ different from the prefill length (32) so that a test can tell which of the two 
 
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from qeff_evs.export.pipeline import ExportOptions, export_checkpoint
+from qeff_evs.export.pipeline import ExportOptions
 from qeff_evs.models.tiny import save_tiny_checkpoint
 from qeff_evs.runtime.inputs.synthetic import moving_square_video
+from helpers.exports import export_quietly
 
 FAMILY = "qwen2_5_vl"
 CHECKPOINT_SEED = 0
@@ -61,11 +61,7 @@ def tiny_checkpoint(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_export(tiny_checkpoint, tmp_path_factory) -> Path:
     """The session's one export folder. Read it; copy it before changing anything in it."""
-    out = tmp_path_factory.mktemp("export")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        export_checkpoint(tiny_checkpoint, out, EXPORT_OPTIONS)
-    return out
+    return export_quietly(tiny_checkpoint, tmp_path_factory.mktemp("export"), EXPORT_OPTIONS)
 
 
 @pytest.fixture(scope="session")
@@ -94,9 +90,6 @@ def served_export(tmp_path_factory):
             checkpoint = save_tiny_checkpoint(family, folder / "checkpoint", seed=1)
             options = ExportOptions(0.5, (2, 4, 8), SERVED_RESOLUTIONS[family], SERVED_PREFILL, SERVED_CTX_LEN,
                                     full_batch_size=SERVED_FULL_BATCH)
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", DeprecationWarning)
-                export_checkpoint(checkpoint, folder / "export", options)
-            made[family] = (checkpoint, folder / "export")
+            made[family] = (checkpoint, export_quietly(checkpoint, folder / "export", options))
         return made[family]
     return get

@@ -1,5 +1,5 @@
-"""The export folder's real files (DESIGN §7): manifest, specializations (both layouts), custom IO,
-compile script, and the "every symbol bound" check run on the exported graphs themselves.
+"""The export folder's real files (docs/design.md#the-three-graphs): manifest, specializations (both layouts), custom
+IO, compile script, and the "every symbol bound" check run on the exported graphs themselves.
 
 Expected values are derived here from the export options, the tokenizer and transformers'
 own helpers; the files are read with json / yaml / onnx / shlex, not with the package's readers
@@ -307,7 +307,8 @@ def test_compile_script_has_one_qaic_compile_line_per_graph(tiny_export):
         # The default split: all three programs active on one 16-core device together.
         pruning = graph.startswith("pruning_")
         assert options["-aic-num-cores"] == ("1" if pruning else {"encoder": "6", "language": "9"}[graph])
-        # The EVS cosine would overflow in fp16 (DESIGN §11): the pruning graphs alone keep fp32 compute.
+        # The EVS cosine would overflow in fp16 (docs/design.md#numerics-on-the-card): the pruning graphs alone
+        # keep fp32 compute.
         assert ("-convert-to-fp16" in options) == (not pruning)
         assert options["-aic-binary-dir"] == str(Path(onnx_file).parent / ("qpc" if graph == "language" else f"{graph}_qpc"))
         assert ("-retained-state" in options) == (graph == "language")

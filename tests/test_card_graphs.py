@@ -1,4 +1,5 @@
-"""The exported graphs in the form the AIC compiler expects (DESIGN §11), and what that form computes.
+"""The exported graphs in the form the AIC compiler expects (docs/design.md#numerics-on-the-card), and what that form
+computes.
 
 * Every graph of an export passes ``onnx.checker`` (with its local functions) and runs in ONNX Runtime.
 * RMSNorms are ``CustomRMSNorm`` nodes; KV writes/reads are CtxScatter/CtxGather (no ScatterElements);

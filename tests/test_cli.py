@@ -128,16 +128,9 @@ def test_pixel_values_videos_path_gives_the_same_answer(run_json, tiny_export, v
 def test_video_file_gives_the_same_answer_as_its_frames(run_json, tiny_export, video_npy, question, tmp_path, capsys):
     """A real container (lossless ffv1 in Matroska, at the .npy default of 2 fps) decodes to the same frames,
     so ``--video clip.mkv`` must answer exactly as ``--video clip.npy``."""
-    import av
+    from qeff_evs.bench.serving import write_video
 
-    frames = np.load(video_npy)
-    path = tmp_path / "clip.mkv"
-    with av.open(str(path), mode="w") as container:
-        stream = container.add_stream("ffv1", rate=2)
-        stream.width, stream.height, stream.pix_fmt = frames.shape[2], frames.shape[1], "bgr0"
-        for frame in frames:
-            container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
-        container.mux(stream.encode())
+    path = write_video(tmp_path / "clip.mkv", np.load(video_npy), fps=2)
     code, out, err = cli(run_argv(tiny_export, "--video", path, question=question), capsys)
     assert code == 0, err
     assert_same_result(json.loads(out), run_json)

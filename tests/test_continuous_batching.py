@@ -37,7 +37,7 @@ TEXT_IDS = (20, 400)  # ordinary BPE ids, far from the special tokens
 
 
 # --------------------------------------------------------------------------------------------------
-# Requests laid out by hand: text, <vs> video pads <ve>, text; M-RoPE positions as in DESIGN §3
+# Requests laid out by hand: text, <vs> video pads <ve>, text; M-RoPE positions as in docs/design.md#positions
 
 
 @dataclass(frozen=True)

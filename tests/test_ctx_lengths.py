@@ -1,5 +1,5 @@
-"""Compute context lengths (DESIGN §15): an export with a ladder of lengths reads only the KV slots a call needs and
-gives what the single-length export gives.
+"""Compute context lengths (docs/design.md#specializations): an export with a ladder of lengths reads only the KV
+slots a call needs and gives what the single-length export gives.
 
 The reference is the session's serving export (``served_export("qwen2_5_vl")``: one length, ``ctx_len`` 256, no
 ``comp_ctx_lengths`` input, the graph as it was before the ladder existed). The same checkpoint is exported again
@@ -22,7 +22,7 @@ import torch
 from qeff_evs.export.pipeline import ExportOptions, export_checkpoint
 from qeff_evs.manifest import MANIFEST_NAME, read_manifest
 from qeff_evs.models.language import LanguageGraph
-from qeff_evs.runtime.builders import engine_config
+from qeff_evs.runtime.builders import engine_config, generate_all
 from qeff_evs.runtime.engine.scheduler import SchedulerConfig
 from qeff_evs.runtime.engine.serving import ServeRequest, ServingEngine
 from qeff_evs.runtime.engine.single_request import Engine
@@ -115,12 +115,7 @@ def _serve(export: Path, backend: str, folder: Path, language=None
                                 encoder_compute_budget=200, encoder_cache_size=200)
     engine = ServingEngine(bundle.family, vision, log, engine_config(bundle), scheduler)
     requests = _requests(bundle, folder)
-    for request in requests:
-        engine.add_request(request)
-    tokens: dict[str, list[int]] = {}
-    while engine.has_unfinished():
-        for event in engine.step():
-            tokens.setdefault(event.request_id, []).append(event.token_id)
+    tokens = generate_all(engine, requests)
     prompts = {r.request_id: len(engine.executor.plan(r.pieces, r.media).ids) for r in requests}
     engine.close()
     return tokens, log.logits, prompts

@@ -13,28 +13,24 @@
   the single-chunk tokens (and the reference's).
 * ONNX Runtime and the PyTorch reference backend agree.
 
-The reference prompt ids are built here from the tokenizer, transformers' ``replace_video_token``
-and the HF frame sampler's indices, not by the package.
+The reference prompt ids are built here (and by ``helpers.qwen3_reference``) from the tokenizer,
+transformers' ``replace_video_token`` and the HF frame sampler's indices, not by the package.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-import types
-import warnings
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import DynamicCache, Qwen3VLForConditionalGeneration
-from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
-from transformers.video_utils import VideoMetadata
+from transformers import Qwen3VLForConditionalGeneration
 
 from qeff_evs import evs
-from qeff_evs.export.pipeline import ExportOptions, export_checkpoint
+from qeff_evs.bench.hf_reference import greedy_by_hand
+from qeff_evs.export.pipeline import ExportOptions
 from qeff_evs.models.tiny import save_tiny_checkpoint
 from qeff_evs.runtime.engine.single_request import Engine, EngineConfig
 from qeff_evs.runtime.inputs.prompt import video_question_pieces
@@ -45,6 +41,8 @@ from qeff_evs.runtime.media import image_from_array
 from qeff_evs.runtime.sessions import sessions_for
 from qeff_evs.runtime.backends.ort import OrtLanguageSession
 from qeff_evs.runtime.backends.torch_reference import TorchLanguageSession
+from helpers.exports import export_quietly
+from helpers.qwen3_reference import hf_video_ids
 from helpers.sampled_clips import Clip, sampled_clips
 from helpers.top_logits import assert_top_logits_match
 
@@ -76,11 +74,7 @@ def checkpoint(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def export_dir(checkpoint, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("q3_export")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        export_checkpoint(checkpoint, out, EXPORT_OPTIONS)
-    return out
+    return export_quietly(checkpoint, tmp_path_factory.mktemp("q3_export"), EXPORT_OPTIONS)
 
 
 @pytest.fixture(scope="module")
@@ -137,17 +131,6 @@ def make_engine(bundle, sessions, backend: str, q: float, seq_len: int | None = 
 # the reference prompt, as transformers builds it
 
 
-def hf_video_text(grid_thw, frame_indices: list[int], fps: float, merge: int, temporal_patch_size: int) -> str:
-    """``Qwen3VLProcessor.replace_video_token`` on a stand-in (its video processor needs torchvision)."""
-    stand_in = types.SimpleNamespace(
-        video_processor=types.SimpleNamespace(merge_size=merge, temporal_patch_size=temporal_patch_size),
-        vision_start_token="<|vision_start|>", vision_end_token="<|vision_end|>", video_token="<|video_pad|>")
-    stand_in._calculate_timestamps = functools.partial(Qwen3VLProcessor._calculate_timestamps, stand_in)
-    metadata = VideoMetadata(total_num_frames=max(frame_indices) + 1, fps=fps, frames_indices=list(frame_indices))
-    inputs = {"video_grid_thw": torch.tensor([list(grid_thw)]), "video_metadata": [metadata]}
-    return Qwen3VLProcessor.replace_video_token(stand_in, inputs, 0)
-
-
 @dataclasses.dataclass
 class HFMedia:
     kind: str  # "video" | "image"
@@ -163,9 +146,7 @@ def hf_media_ids(media: HFMedia, tokenizer, config) -> list[int]:
     if media.kind == "image":
         t, h, w = media.grid_thw
         return [config.image_token_id] * (t * h * w // merge**2)
-    text = hf_video_text(media.grid_thw, media.frame_indices, media.fps, merge,
-                         config.vision_config.temporal_patch_size)
-    return tokenizer.encode(text, add_special_tokens=False)
+    return hf_video_ids(tokenizer, config, media.grid_thw, media.frame_indices, media.fps)
 
 
 def split_template(tokenizer, content: list[dict]) -> list[list[int] | int]:
@@ -247,24 +228,13 @@ def hf_reference(model, tokenizer, template, media: list[HFMedia], q: float, ste
     ids = ids_t[:, keep_t]
     positions = unpruned_positions[:, :, keep_t]
 
-    text_model = model.model.language_model
     is_media = torch.isin(ids, torch.tensor(pads))
     with torch.no_grad():
-        embeds = text_model.embed_tokens(ids).clone()
+        embeds = model.model.language_model.embed_tokens(ids).clone()
         embeds[is_media] = torch.cat(rows)  # media rows in prompt order
         deepstack = list(torch.cat(deep_rows, dim=1))  # per level: (num media tokens, hidden)
-        cache = DynamicCache(config=config)
-        out = text_model(inputs_embeds=embeds, position_ids=positions, past_key_values=cache, use_cache=True,
-                         visual_pos_masks=is_media, deepstack_visual_embeds=deepstack)
-        first_logits = model.lm_head(out.last_hidden_state[0, -1])
-        tokens = [int(first_logits.argmax())]
-        decode_start = int(unpruned_positions.max()) + 1
-        for j in range(1, steps):
-            step_embeds = text_model.embed_tokens(torch.tensor([[tokens[-1]]]))
-            step_positions = torch.full((3, 1, 1), decode_start + j - 1, dtype=torch.int64)
-            out = text_model(inputs_embeds=step_embeds, position_ids=step_positions, past_key_values=cache,
-                             use_cache=True)
-            tokens.append(int(model.lm_head(out.last_hidden_state[0, -1]).argmax()))
+    first_logits, tokens = greedy_by_hand(model, embeds, positions, int(unpruned_positions.max()) + 1, steps,
+                                          visual_pos_masks=is_media, deepstack_visual_embeds=deepstack)
     return Reference(ids[0].tolist(), positions[:, 0].numpy(), kept, tokens, first_logits)
 
 

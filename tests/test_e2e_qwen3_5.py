@@ -22,7 +22,6 @@ The reference prompt ids and model runs are ``helpers.qwen3_reference``'s: from 
 
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 
 import numpy as np
@@ -32,7 +31,7 @@ import torch
 import yaml
 from transformers import Qwen3_5ForConditionalGeneration
 
-from qeff_evs.export.pipeline import ExportOptions, export_checkpoint
+from qeff_evs.export.pipeline import ExportOptions
 from qeff_evs.export.verify import verify_export
 from qeff_evs.models.tiny import save_tiny_checkpoint
 from qeff_evs.runtime.engine.scheduler import SchedulerConfig
@@ -45,6 +44,7 @@ from qeff_evs.runtime.export_bundle import open_export
 from qeff_evs.runtime.sessions import sessions_for
 from helpers.qwen3_reference import (add_cb_requests, assert_chunked_run_equals, hf_generate, hf_reference,
                                      our_pieces, qeff_evs_run, split_template, until_stop)
+from helpers.exports import export_quietly
 from helpers.sampled_clips import Clip, sampled_clips
 from helpers.top_logits import assert_top_logits_match
 
@@ -82,14 +82,8 @@ def checkpoint(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def bundles(checkpoint, tmp_path_factory) -> dict:
-    out = {}
-    for seq_len, options in EXPORTS.items():
-        folder = tmp_path_factory.mktemp(f"q35_export_{seq_len}")
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", DeprecationWarning)
-            export_checkpoint(checkpoint, folder, options)
-        out[seq_len] = open_export(folder)
-    return out
+    return {seq_len: open_export(export_quietly(checkpoint, tmp_path_factory.mktemp(f"q35_export_{seq_len}"), options))
+            for seq_len, options in EXPORTS.items()}
 
 
 @pytest.fixture(scope="module")

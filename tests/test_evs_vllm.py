@@ -211,7 +211,7 @@ def test_kept_count_equals_vllm():
     ],
 )
 def test_kept_count_pinned_values(tokens_per_frame, frames, q, expected):
-    """Hand-checked values of the double-precision rule (reference/vllm_evs.md §3.1), also vLLM's."""
+    """Hand-checked values of the double-precision rule (docs/design.md#pruning-semantics), also vLLM's."""
     assert kept_token_count(tokens_per_frame, frames, q) == expected
     assert vllm_count(tokens_per_frame, frames, q) == expected
 

@@ -13,14 +13,12 @@ logits and greedy tokens must be identical, while every family name the export r
 from __future__ import annotations
 
 import json
-import warnings
 
 import numpy as np
 import pytest
 import torch
 from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
-from qeff_evs.export.pipeline import export_checkpoint
 from qeff_evs.models.checkpoint import detect_family, load_checkpoint
 from qeff_evs.models.qwen2_5_vl import Qwen2_5_VLFamily
 from qeff_evs.models.registry import family_class, family_names, register_family, unregister_family
@@ -30,6 +28,7 @@ from qeff_evs.runtime.export_bundle import open_export
 from qeff_evs.runtime.media import video_from_file
 
 from conftest import CHECKPOINT_SEED
+from helpers.exports import export_quietly
 
 
 class SyntheticVLConfig(Qwen2_5_VLConfig):
@@ -65,11 +64,7 @@ def synthetic_checkpoint(synthetic_family, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def synthetic_export(synthetic_checkpoint, export_options, tmp_path_factory):
-    out = tmp_path_factory.mktemp("synthetic_export")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        export_checkpoint(synthetic_checkpoint, out, export_options)
-    return out
+    return export_quietly(synthetic_checkpoint, tmp_path_factory.mktemp("synthetic_export"), export_options)
 
 
 def test_registration_is_the_only_step(synthetic_family):

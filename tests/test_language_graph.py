@@ -1,4 +1,4 @@
-"""The language-model ONNX graph (DESIGN §6) against transformers' own text model.
+"""The language-model ONNX graph (docs/design.md#the-three-graphs) against transformers' own text model.
 
 One tiny random Qwen2.5-VL is exported once; every test runs that one file in ONNX Runtime (and the
 same module eagerly) and compares with the transformers language model fed the merged

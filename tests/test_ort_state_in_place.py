@@ -1,4 +1,4 @@
-"""ONNX Runtime's language session keeps its retained state in place (DESIGN §15).
+"""ONNX Runtime's language session keeps its retained state in place (docs/design.md#the-runtime).
 
 Each KV cache and layer state is one host buffer, bound as the graph's input ``X`` and as its output
 ``X_RetainedState``, so the graph writes into it and nothing is copied in or out per call. Checked here:

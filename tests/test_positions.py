@@ -1,4 +1,4 @@
-"""M-RoPE positions of pruned prompts (DESIGN §3-§4).
+"""M-RoPE positions of pruned prompts (docs/design.md#positions, #prompt-layouts).
 
 Independent references: a token-by-token walk written here, transformers' ``get_rope_index``
 (Qwen3-VL all media, Qwen2.5-VL images), vLLM's ``compute_mrope_for_media`` and numpy float64

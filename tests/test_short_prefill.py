@@ -1,5 +1,6 @@
-"""Shorter prefill lengths (DESIGN §15): a chunk that holds fewer tokens (a prompt's tail) runs in the shortest
-prefill specialization holding it, with the window of its own vision rows, and gives what today's export gives.
+"""Shorter prefill lengths (docs/design.md#specializations): a chunk that holds fewer tokens (a prompt's tail) runs in
+the shortest prefill specialization holding it, with the window of its own vision rows, and gives what today's export
+gives.
 
 The reference is the session's export (``tiny_export``: one prefill length, 32, window 48), cut every 32 tokens.
 The same checkpoint is exported again with ``--short-prefill-lens 8,24``; several chunkings of the same request

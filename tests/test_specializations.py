@@ -1,7 +1,7 @@
 """Specialization sets, specializations.json, custom_io.yaml, qaic-compile commands, symbol checks.
 
-Expected values are written out literally from DESIGN §6-7 and QEfficient's file formats
-(reference/qeff.md §3), never computed with the code under test.
+Expected values are written out literally from docs/design.md#specializations and QEfficient's file
+formats, never computed with the code under test.
 """
 
 from __future__ import annotations
@@ -422,7 +422,8 @@ def test_vision_command_never_uses_mxfp6():
 
 
 def test_pruning_command_keeps_fp32_compute():
-    """DESIGN §11: the EVS cosine overflows in fp16, so the pruning graphs compile without -convert-to-fp16."""
+    """docs/design.md#numerics-on-the-card: the EVS cosine overflows in fp16, so the pruning graphs compile without
+    -convert-to-fp16."""
     command = qaic_compile_command("pruning_evs.onnx", "v/s.json", "v/c.yaml", "v/pruning_evs_qpc", graph="pruning",
                                    mxfp6_matmul=True)
     assert "-convert-to-fp16" not in command.arguments

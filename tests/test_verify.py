@@ -1,5 +1,5 @@
 """``qeff-evs verify``: the fp16 emulation is faithful (overflow and rounding happen where fp16 has them)
-and, on the session export, the card-ready graphs meet DESIGN §11's targets in it."""
+and, on the session export, the card-ready graphs meet the targets of docs/design.md#numerics-on-the-card in it."""
 
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ def test_round_to_fp16_saturates_finite_values_and_keeps_infinities():
 
 
 def test_compile_lines_follow_compile_sh(tiny_export):
-    # The pruning graphs alone keep fp32 arithmetic (DESIGN §11).
+    # The pruning graphs alone keep fp32 arithmetic (docs/design.md#numerics-on-the-card).
     assert compile_lines(tiny_export) == {"vision/encoder.onnx": True, "vision/pruning_evs.onnx": False,
                                           "vision/pruning_vidcom2.onnx": False, "language/language.onnx": True}
 

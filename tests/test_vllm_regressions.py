@@ -1,4 +1,5 @@
-"""One named test per vLLM / QEfficient defect that DESIGN §9 says not to reproduce.
+"""One named test per vLLM / QEfficient defect not reproduced
+(docs/design.md#differences-from-vllm-and-qefficient-on-purpose).
 
 Each test shows our result equal to an independent reference (transformers' ``get_rope_index``,
 or hand-worked numbers where transformers 5.x itself disagrees with vLLM's rule) and, where vLLM

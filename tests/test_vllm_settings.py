@@ -3,7 +3,7 @@
 ``qeff_evs.vllm.settings`` holds one row per ``EngineArgs`` field and per ``SamplingParams`` field; these
 tests hold every row to what it says:
 
-* the rows are exactly vLLM 0.32's arguments and parameters, and the README's table is rendered from them;
+* the rows are exactly vLLM 0.32's arguments and parameters, and docs/settings.md's tables are rendered from them;
 * start-up: for every row with an example value, vLLM builds its config over the export with it (a child
   process with the plugin active): a refused row fails with its own line, a row vLLM refuses fails in vLLM,
   an honoured one starts;
@@ -48,7 +48,7 @@ from qeff_evs.vllm import settings  # noqa: E402
 from qeff_evs.vllm.settings import ENGINE_SETTINGS, HONOURED, NO_EFFECT, REFUSED, SAMPLING_SETTINGS, VLLM_REFUSES  # noqa: E402
 
 TESTS = Path(__file__).parent
-README = TESTS.parent / "README.md"
+SETTINGS_PAGE = TESTS.parent / "docs" / "settings.md"
 NEW_TOKENS = 6
 # Thinking markers that are one token each in the tiny vocabulary (vLLM 0.32's budget counts the extra tokens of a
 # multi-token start marker as thinking; "<think>" is 6 tokens here, 1 in Qwen's vocabulary).
@@ -89,13 +89,15 @@ def test_every_named_test_exists():
         assert not name or re.search(rf"^def {name}\(", source, flags=re.M), f"{s.name}: {s.test} does not exist"
 
 
-def test_readme_table_is_the_code_table():
-    text = README.read_text()
-    assert settings.readme_table(ENGINE_SETTINGS, "engine argument") in text
-    assert settings.readme_table(SAMPLING_SETTINGS, "sampling parameter") in text
-    assert settings.readme_table(settings.named(ENGINE_SETTINGS, settings.NAMED_ENGINE), "engine argument") in text
-    assert settings.readme_table(settings.named(SAMPLING_SETTINGS, settings.NAMED_SAMPLING), "sampling parameter") in text
-    assert settings.readme_groups(ENGINE_SETTINGS) in text
+def test_settings_page_table_is_the_code_table():
+    text = SETTINGS_PAGE.read_text()
+    assert settings.settings_table(ENGINE_SETTINGS, "engine argument") in text
+    assert settings.settings_table(SAMPLING_SETTINGS, "sampling parameter") in text
+    assert settings.settings_table(settings.named(ENGINE_SETTINGS, settings.NAMED_ENGINE), "engine argument") in text
+    assert settings.settings_table(settings.named(SAMPLING_SETTINGS, settings.NAMED_SAMPLING), "sampling parameter") in text
+    assert settings.settings_groups(ENGINE_SETTINGS) in text
+    # The counts too: the whole page as scripts/render_settings_page.py renders it.
+    assert settings.settings_page(text) == text, "run .venv/bin/python scripts/render_settings_page.py"
 
 
 def test_refused_sampling_parameters_name_themselves():

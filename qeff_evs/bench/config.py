@@ -8,13 +8,17 @@ widths; the test suite's run). Any field can be overridden from the command line
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from qeff_evs import evs
 from qeff_evs.models.registry import DEFAULT_FAMILY, family_names, preprocess_defaults
 from qeff_evs.specializations import DEFAULT_FRAMES_PER_CALL
+
+# How a run reports what it is doing (one line at a time; the command prints them).
+Progress = Callable[[str], None]
+
 WIDTHS = ("realistic", "tiny")  # realistic: released-checkpoint widths; tiny: the test checkpoints' widths
 
 # Prompt ids around the video besides the question: the plain layout's marker before and after it.

@@ -1,4 +1,5 @@
-"""Decode time against position: an export with compute context lengths against one without (DESIGN §15).
+"""Decode time against position: an export with compute context lengths against one without
+(docs/design.md#specializations).
 
 The bench's checkpoint's language graph is exported twice at ``--decode-ctx-len`` (default 32k): once with the
 default ladder of compute context lengths (``specializations.comp_ctx_lengths``: ctx_len / 4^k down to 2048), once
@@ -21,7 +22,7 @@ from typing import TYPE_CHECKING
 
 from qeff_evs.bench import plots
 from qeff_evs.bench.config import BenchConfig
-from qeff_evs.bench.phase import MS, Option, Phase, Progress, fmt, measured_in
+from qeff_evs.bench.phase import MS, Option, Phase, Progress, fmt, section_head, table_head
 from qeff_evs.bench.sessions import open_inference_session
 from qeff_evs.bench.timing import CLOCKS, CPU, WALL, Samples, alternating, median, timed
 from qeff_evs.runtime.backends.base import DecodeRow, decode_batch
@@ -121,18 +122,13 @@ def load(saved: dict) -> DecodeContext:
 def markdown(results: dict) -> list[str]:
     dc = results[NAME]
     lines = [
-        "",
-        f"### Decode step against position: ctx_len {dc['ctx_len']}, compute context lengths "
-        f"{', '.join(str(n) for n in dc['lengths'])} vs one length",
-        "",
-        measured_in(results, NAME),
-        "",
+        *section_head(results, NAME, f"Decode step against position: ctx_len {dc['ctx_len']}, compute context "
+                      f"lengths {', '.join(str(n) for n in dc['lengths'])} vs one length"),
         "Median of alternating decode steps at each KV slot, ORT with the KV rows fed in and read back every call "
         "(both columns).",
         "",
-        "| position | comp_ctx_len | ladder CPU ms | one length CPU ms | one length / ladder (CPU) "
-        "| ladder wall ms | one length wall ms |",
-        "|---|---|---|---|---|---|---|",
+        *table_head("| position | comp_ctx_len | ladder CPU ms | one length CPU ms | one length / ladder (CPU) "
+                    "| ladder wall ms | one length wall ms |"),
     ]
     for r in dc["rows"]:
         lines.append(f"| {r['position']} | {r['comp_ctx_len']} | {fmt(r['ladder_ms'][CPU], 1)} | "
@@ -150,12 +146,8 @@ def plot_decode_context(results: dict, path: Path) -> Path:
               label=f"compute context lengths {', '.join(str(n) for n in dc['lengths'])}")
     axes.plot(positions, [r["single_ms"][CPU] for r in dc["rows"]], "s-", label=f"one length ({dc['ctx_len']})")
     axes.set_xscale("log")
-    axes.set_title(f"Decode step vs position (ctx_len {dc['ctx_len']})", fontsize=10)
-    axes.set_xlabel("KV slot of the decoded token")
-    axes.set_ylabel("ms per step, CPU time (median)")
-    axes.set_ylim(bottom=0)
-    axes.grid(alpha=0.3)
-    axes.legend(fontsize=8)
+    plots.finish(axes, "KV slot of the decoded token", "ms per step, CPU time (median)",
+                 f"Decode step vs position (ctx_len {dc['ctx_len']})")
     return plots.save(figure, path)
 
 

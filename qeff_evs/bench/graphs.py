@@ -14,8 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from qeff_evs.bench.checkpoint import save_checkpoint
-from qeff_evs.bench.config import BenchConfig
-from qeff_evs.bench.phase import Progress
+from qeff_evs.bench.config import BenchConfig, Progress
 from qeff_evs.bench.sessions import open_inference_session
 from qeff_evs.export.pipeline import ExportOptions, export_checkpoint
 from qeff_evs.manifest import LanguageShape

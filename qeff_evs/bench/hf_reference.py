@@ -5,7 +5,8 @@
   positions alike.
 * The video (our prompt, q = 0): transformers' stock vision tower on the video's pixel values, its merged rows
   (and Qwen3-VL's deepstack rows) at the prompt's video pads, its text model run by hand at the prompt's M-RoPE
-  positions: vLLM's, which transformers >= 5 does not give for the text after a Qwen2.5-VL video (DESIGN §3).
+  positions: vLLM's, which transformers >= 5 does not give for the text after a Qwen2.5-VL video
+  (docs/design.md#positions).
   Those positions come from ``qeff_evs.positions`` (held to vLLM's own functions in tests/test_positions.py);
   greedy decoding continues at their maximum + 1, as the end-to-end tests' references do.
 """
@@ -56,24 +57,37 @@ def video_reference(model, input_ids: np.ndarray, positions: np.ndarray, pixel_v
     is_video = ids == config.video_token_id
     if int(is_video.sum()) != rows.shape[0]:
         raise ValueError(f"the prompt holds {int(is_video.sum())} video pads but the tower gave {rows.shape[0]} rows")
-    text_model = model.model.language_model
-    embeds = text_model.embed_tokens(ids).clone()
+    embeds = model.model.language_model.embed_tokens(ids).clone()
     embeds[is_video] = rows
     extra = {"visual_pos_masks": is_video, "deepstack_visual_embeds": list(levels)} if levels else {}
+    position_ids = torch.from_numpy(np.asarray(positions, dtype=np.int64))[:, None]
+    first, tokens = greedy_by_hand(model, embeds, position_ids, int(position_ids.max()) + 1, steps, **extra)
+    return Reference(first.float().numpy().copy(), tokens)
+
+
+@torch.no_grad()
+def greedy_by_hand(model, embeds: torch.Tensor, position_ids: torch.Tensor, decode_start: int, steps: int,
+                   **prompt_kwargs) -> tuple[torch.Tensor, list[int]]:
+    """transformers' text model run by hand, greedy: the prompt's ``embeds`` ``(1, N, D)`` at ``position_ids``
+    ``(3, 1, N)`` in one call (``prompt_kwargs``: e.g. its deepstack rows), then ``steps - 1`` tokens one at a
+    time at ``decode_start``, ``decode_start + 1``, ..., over a ``DynamicCache``.
+
+    Returns the prompt's last logits ``(vocab,)`` and the ``steps`` greedy tokens.
+    """
     from transformers import DynamicCache
 
-    cache = DynamicCache(config=config.text_config)
-    position_ids = torch.from_numpy(np.asarray(positions, dtype=np.int64))[:, None]
-    out = text_model(inputs_embeds=embeds, position_ids=position_ids, past_key_values=cache, use_cache=True, **extra)
+    text_model = model.model.language_model
+    cache = DynamicCache(config=model.config.text_config)
+    out = text_model(inputs_embeds=embeds, position_ids=position_ids, past_key_values=cache, use_cache=True,
+                     **prompt_kwargs)
     first = model.lm_head(out.last_hidden_state[0, -1])
     tokens = [int(first.argmax())]
-    start = int(position_ids.max()) + 1
     for j in range(1, steps):
-        step_positions = torch.full((3, 1, 1), start + j - 1, dtype=torch.int64)
+        step_positions = torch.full((3, 1, 1), decode_start + j - 1, dtype=torch.int64)
         out = text_model(inputs_embeds=text_model.embed_tokens(torch.tensor([[tokens[-1]]])),
                          position_ids=step_positions, past_key_values=cache, use_cache=True)
         tokens.append(int(model.lm_head(out.last_hidden_state[0, -1]).argmax()))
-    return Reference(first.float().numpy().copy(), tokens)
+    return first, tokens
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""EVS overhead: the EVS graph's cost against the encoder's, on one clip (DESIGN §5).
+"""EVS overhead: the EVS graph's cost against the encoder's, on one clip (docs/design.md#the-three-graphs).
 
 The vision side is two graphs, so the selection's cost is measured directly rather than as the
 difference of two near-equal graphs:
@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from qeff_evs import evs
 from qeff_evs.bench.config import BenchConfig
-from qeff_evs.bench.phase import MS, Phase, Progress, fmt, fmt_percent, measured_in
+from qeff_evs.bench.phase import MS, Phase, Progress, fmt, fmt_percent, section_head, table_head
 from qeff_evs.bench.sessions import open_inference_session
 from qeff_evs.bench.timing import CLOCKS, CPU, WALL, Samples, median, timed
 from qeff_evs.bench.workload import synthetic_clip
@@ -129,14 +129,9 @@ def markdown(results: dict) -> list[str]:
     ov = results[NAME]
     samples = len(ov["samples"][WITH_EVS]["wall"])
     return [
-        "",
-        f"### EVS overhead: {ov['frames']} frames {ov['frame_size']}x{ov['frame_size']}, "
-        f"q={ov['q']:g} (K={ov['kept_tokens']} of {ov['video_tokens']}), {samples} runs",
-        "",
-        measured_in(results, NAME),
-        "",
-        "| vision side | CPU ms | wall ms |",
-        "|---|---|---|",
+        *section_head(results, NAME, f"EVS overhead: {ov['frames']} frames {ov['frame_size']}x{ov['frame_size']}, "
+                      f"q={ov['q']:g} (K={ov['kept_tokens']} of {ov['video_tokens']}), {samples} runs"),
+        *table_head("| vision side | CPU ms | wall ms |"),
         f"| encoder calls + EVS graph | {fmt(ov['with_evs_ms'][CPU])} | {fmt(ov['with_evs_ms'][WALL])} |",
         f"| encoder calls alone | {fmt(ov['without_evs_ms'][CPU])} | {fmt(ov['without_evs_ms'][WALL])} |",
         f"| EVS graph / encoder (medians) | {fmt_percent(ov['overhead_fraction'][CPU], 2)} | "

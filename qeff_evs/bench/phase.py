@@ -31,12 +31,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from qeff_evs.bench.config import Progress
+
 if TYPE_CHECKING:
     from qeff_evs.bench.config import BenchConfig
     from qeff_evs.bench.graphs import BenchGraphs
     from qeff_evs.models.protocol import NormalizedConfig
 
-Progress = Callable[[str], None]
 PRESET_NAMES = ("full", "quick", "smoke")
 
 
@@ -119,6 +120,16 @@ def fmt_percent(fraction: float | None, digits: int = 3) -> str:
 
 def fmt_seconds(ms: float) -> str:
     return f"{ms / MS:.2f}"
+
+
+def section_head(results: dict, name: str, title: str, note: str = "") -> list[str]:
+    """A section's first lines: its ``###`` ``title``, then when it was measured (and ``note`` after that)."""
+    return ["", f"### {title}", "", measured_in(results, name) + note, ""]
+
+
+def table_head(header: str) -> list[str]:
+    """A results.md table's header row (``"| a | b |"``) and the separator under it."""
+    return [header, "|" + "---|" * (header.count("|") - 1)]
 
 
 def measured_in(results: dict, name: str) -> str:

@@ -1,4 +1,5 @@
-"""Prefill chunk time against the chunk's length: what a short prefill specialization saves (DESIGN §15).
+"""Prefill chunk time against the chunk's length: what a short prefill specialization saves
+(docs/design.md#specializations).
 
 One prefill chunk of each length of ``--prefill-lengths`` (text tokens, KV slots from ``--prefill-lengths-at``),
 through the bench export's language graph and the runtime's ORT session, alternating lengths per repetition. A

@@ -23,7 +23,7 @@ import numpy as np
 from qeff_evs import evs
 from qeff_evs.bench import kept_tokens, memory, plots
 from qeff_evs.bench.config import BenchConfig
-from qeff_evs.bench.phase import MS, Phase, Progress, fmt, fmt_seconds, measured_in
+from qeff_evs.bench.phase import MS, Phase, Progress, fmt, fmt_seconds, section_head, table_head
 from qeff_evs.bench.timing import CLOCKS, CPU, WALL, ChunkedRun, Samples, alternating, median, run_interleaved, timed
 from qeff_evs.bench.workload import Clip, first_special_id, language_prompt, question_ids, synthetic_clip
 from qeff_evs.models.protocol import MediaInput
@@ -221,20 +221,15 @@ def markdown(results: dict) -> list[str]:
     lf, ls = ps["language_clip"]
     vf, vs = ps["vision_clip"]
     lines = [
-        "",
-        f"### Pruning sweep: {lf} frames {ls}x{ls} + {cfg['question_tokens']}-token question, "
-        f"prefill chunks of {cfg['prefill_seq_len']}, ctx_len {cfg['ctx_len']}",
-        "",
-        measured_in(results, NAME),
-        "",
+        *section_head(results, NAME, f"Pruning sweep: {lf} frames {ls}x{ls} + {cfg['question_tokens']}-token "
+                      f"question, prefill chunks of {cfg['prefill_seq_len']}, ctx_len {cfg['ctx_len']}"),
         f"proportional = q=0 prefill x (K+text)/(V+text); chunk limit = q=0 prefill x chunks/chunks(q=0). "
         f"Vision side (encoder calls of {cfg['frames_per_call']} temporal patches, then the EVS graph) timed on "
         f"{vf} frames {vs}x{vs}; TTFT = that vision time + prefill. Peak RSS: the q's vision run and prefill alone.",
         "",
-        "| q | K | prompt tokens | chunks | prefill CPU s | proportional CPU s | chunk limit CPU s "
-        "| CPU / proportional | speedup CPU | prefill wall s | speedup wall | vision wall s (K) | TTFT wall s "
-        "| peak RSS MB | peak above start MB |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        *table_head("| q | K | prompt tokens | chunks | prefill CPU s | proportional CPU s | chunk limit CPU s "
+                    "| CPU / proportional | speedup CPU | prefill wall s | speedup wall | vision wall s (K) "
+                    "| TTFT wall s | peak RSS MB | peak above start MB |"),
     ]
     for r in ps["rows"]:
         c, w = r[CPU], r[WALL]
@@ -260,12 +255,8 @@ def plot_latency_vs_q(results: dict, path: Path) -> Path:
     axes.plot(q, [r[WALL]["prefill_ms"] / MS for r in rows], "o-", alpha=0.35, label="language prefill, wall time")
     axes.plot(q, [r[WALL]["vision_ms"] / MS for r in rows], "s-", label="vision graph, wall (smaller clip)")
     frames, size = results[NAME]["language_clip"]
-    axes.set_title(f"Prefill vs EVS pruning rate ({frames} frames {size}x{size})", fontsize=10)
-    axes.set_xlabel("video pruning rate q")
-    axes.set_ylabel("seconds (median)")
-    axes.set_ylim(bottom=0)
-    axes.grid(alpha=0.3)
-    axes.legend(fontsize=8)
+    plots.finish(axes, "video pruning rate q", "seconds (median)",
+                 f"Prefill vs EVS pruning rate ({frames} frames {size}x{size})")
     return plots.save(figure, path)
 
 

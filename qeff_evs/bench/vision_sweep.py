@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from qeff_evs import evs
 from qeff_evs.bench import memory, plots
 from qeff_evs.bench.config import BenchConfig
-from qeff_evs.bench.phase import Phase, Progress, fmt, measured_in
+from qeff_evs.bench.phase import Phase, Progress, fmt, section_head, table_head
 from qeff_evs.bench.timing import CLOCKS, Samples, alternating, median, timed
 from qeff_evs.bench.workload import synthetic_clip
 from qeff_evs.models.pruning import VideoPruning
@@ -111,16 +111,12 @@ def load(saved: dict) -> VisionSweep:
 def markdown(results: dict) -> list[str]:
     vsw = results[NAME]
     lines = [
-        "",
-        f"### Vision sweep: {vsw['frame_size']}x{vsw['frame_size']}, q={vsw['q']:g}, encoder calls of "
-        f"{vsw['frames_per_call']} temporal patches + the EVS graph",
-        "",
-        measured_in(results, NAME) + f" One encoder call of {vsw['frames_per_call']} temporal patches "
-        f"peaks at {fmt(vsw.get('call_peak_mb'))} MB above the loaded graphs.",
-        "",
-        "| frames | temporal patches | K | encoder+EVS CPU s / patch | wall s / patch | peak above loaded MB "
-        "| accumulated rows MB |",
-        "|---|---|---|---|---|---|---|",
+        *section_head(results, NAME, f"Vision sweep: {vsw['frame_size']}x{vsw['frame_size']}, q={vsw['q']:g}, "
+                      f"encoder calls of {vsw['frames_per_call']} temporal patches + the EVS graph",
+                      f" One encoder call of {vsw['frames_per_call']} temporal patches peaks at "
+                      f"{fmt(vsw.get('call_peak_mb'))} MB above the loaded graphs."),
+        *table_head("| frames | temporal patches | K | encoder+EVS CPU s / patch | wall s / patch "
+                    "| peak above loaded MB | accumulated rows MB |"),
     ]
     for r in vsw["rows"]:
         ours = r[ENCODER]
@@ -135,8 +131,7 @@ def plot_vision_sweep(results: dict, path: Path) -> Path:
     vs = results[NAME]
     rows = vs["rows"]
     frames = [r["frames"] for r in rows]
-    figure = plots.figure(8.0, 3.4)
-    left, right = figure.add_subplot(1, 2, 1), figure.add_subplot(1, 2, 2)
+    figure, left, right = plots.side_by_side()
     label = f"encoder ({vs['frames_per_call']} patches/call) + EVS"
     line, = left.plot(frames, [r[ENCODER]["cpu_s_per_patch"] for r in rows], "o-", label=f"{label}, CPU")
     left.plot(frames, [r[ENCODER]["wall_s_per_patch"] for r in rows], "o-", color=line.get_color(), alpha=0.3,
@@ -146,15 +141,9 @@ def plot_vision_sweep(results: dict, path: Path) -> Path:
     if vs.get("call_peak_mb") is not None:
         right.plot(frames, [vs["call_peak_mb"] + r["accumulated_mb"] for r in rows], "-.",
                    color="grey", label="one encoder call + rows")
-    for axes in (left, right):
-        axes.set_xscale("log", base=2)
-        axes.set_xticks(frames, [str(f) for f in frames])
-        axes.set_xlabel("frames")
-        axes.set_ylim(bottom=0)
-        axes.grid(alpha=0.3)
-        axes.legend(fontsize=6)
-    left.set_ylabel("vision s per temporal patch")
-    right.set_ylabel("peak memory above loaded graphs (MB)")
+    for axes, ylabel in ((left, "vision s per temporal patch"), (right, "peak memory above loaded graphs (MB)")):
+        plots.frames_axis(axes, frames)
+        plots.finish(axes, ylabel=ylabel, legend_size=6)
     figure.suptitle(f"Vision side, {vs['frame_size']}x{vs['frame_size']}, q={vs['q']:g}", fontsize=10)
     return plots.save(figure, path)
 

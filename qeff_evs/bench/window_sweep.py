@@ -2,7 +2,7 @@
 
 Both ways run the same language ONNX (``vision_size`` is a graph symbol) on the same prompts:
 
-* ``user_vision_size`` (this project, DESIGN §6): each chunk gets only its window's rows,
+* ``user_vision_size`` (this project, docs/design.md#specializations): each chunk gets only its window's rows,
   zero-padded to U, with ``image_idx = 0``;
 * ``qefficient``: ``vision_size`` = the prompt's whole kept row count K, all K rows go with
   every chunk, and ``image_idx`` advances by the media tokens of the chunks before.
@@ -25,7 +25,7 @@ import numpy as np
 from qeff_evs import evs
 from qeff_evs.bench import plots
 from qeff_evs.bench.config import BenchConfig
-from qeff_evs.bench.phase import MIB, MS, Phase, Progress, fmt, fmt_bytes, measured_in
+from qeff_evs.bench.phase import MIB, MS, Phase, Progress, fmt, fmt_bytes, section_head, table_head
 from qeff_evs.bench.pruning import prefill_steps
 from qeff_evs.bench.timing import CLOCKS, CPU, WALL, ChunkedRun, Samples, alternating, median, run_interleaved
 from qeff_evs.bench.workload import first_special_id, language_prompt, question_ids, synthetic_clip
@@ -183,19 +183,14 @@ def markdown(results: dict) -> list[str]:
     cfg, ws = results["config"], results[NAME]
     u = cfg["user_vision_size"] or cfg["prefill_seq_len"]
     lines = [
-        "",
-        f"### Window sweep: q={ws['q']:g}, {ws['frame_size']}x{ws['frame_size']}, prefill chunks of "
-        f"{ws['prefill_seq_len']}",
-        "",
-        measured_in(results, NAME),
-        "",
+        *section_head(results, NAME, f"Window sweep: q={ws['q']:g}, {ws['frame_size']}x{ws['frame_size']}, "
+                      f"prefill chunks of {ws['prefill_seq_len']}"),
         f"Bytes: the vision inputs sent with each chunk (fp32 here; fp16 custom IO on AI 100 halves both). "
         f"user_vision_size (U): {u} window rows, image_idx=0. QEfficient (QEff): vision_size=K, all rows every "
         "chunk, image_idx advancing. Times are medians over every chunk of every repetition.",
         "",
-        "| frames | V | K | prompt tokens | chunks | bytes/chunk U | CPU ms/chunk U | wall ms/chunk U "
-        "| bytes/chunk QEff | CPU ms/chunk QEff | wall ms/chunk QEff | logits max abs diff |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        *table_head("| frames | V | K | prompt tokens | chunks | bytes/chunk U | CPU ms/chunk U | wall ms/chunk U "
+                    "| bytes/chunk QEff | CPU ms/chunk QEff | wall ms/chunk QEff | logits max abs diff |"),
     ]
     for r in ws["rows"]:
         ours, theirs = r[USER_VISION_SIZE], r[QEFFICIENT]
@@ -213,24 +208,17 @@ def plot_window_sweep(results: dict, path: Path) -> Path:
     ws = results[NAME]
     rows = ws["rows"]
     frames = [r["frames"] for r in rows]
-    figure = plots.figure(8.0, 3.4)
-    left, right = figure.add_subplot(1, 2, 1), figure.add_subplot(1, 2, 2)
+    figure, left, right = plots.side_by_side()
     labels = {USER_VISION_SIZE: "user_vision_size (window rows)", QEFFICIENT: "QEfficient (all rows)"}
     for way, marker in ((USER_VISION_SIZE, "o-"), (QEFFICIENT, "s--")):
         left.plot(frames, [r[way]["bytes_per_chunk"] / MIB for r in rows], marker, label=labels[way])
         line, = right.plot(frames, [r[way]["ms_per_chunk"][CPU] for r in rows], marker, label=f"{labels[way]}, CPU")
         right.plot(frames, [r[way]["ms_per_chunk"][WALL] for r in rows], marker, color=line.get_color(), alpha=0.3,
                    label=f"{labels[way]}, wall")
-    for axes in (left, right):
-        axes.set_xscale("log", base=2)
-        axes.set_xticks(frames, [str(f) for f in frames])
-        axes.set_xlabel("frames")
-        axes.grid(alpha=0.3)
-    left.set_ylabel("vision input per chunk (MiB)")
-    right.set_ylabel("language time per chunk (ms)")
-    right.set_ylim(bottom=0)
-    left.legend(fontsize=7)
-    right.legend(fontsize=6)
+    plots.frames_axis(left, frames)
+    plots.finish(left, ylabel="vision input per chunk (MiB)", legend_size=7, from_zero=False)
+    plots.frames_axis(right, frames)
+    plots.finish(right, ylabel="language time per chunk (ms)", legend_size=6)
     figure.suptitle(f"Prefill chunks of {ws['prefill_seq_len']}, q={ws['q']:g}, {ws['frame_size']}x{ws['frame_size']}",
                     fontsize=10)
     return plots.save(figure, path)

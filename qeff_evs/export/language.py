@@ -104,8 +104,8 @@ def export_language_graph(
     length of the RoPE cos/sin tables (default: the config's ``max_position_embeddings``).
     ``prefill_seq_len``: the compiled prefill length; a family graph that unrolls its prefill per length
     (``LanguageGraph.trace_seq_len``) is built for it and traced at it. ``comp_ctx_lengths``: the graph takes
-    the ``comp_ctx_lengths`` input (an export with compute context lengths, DESIGN §15). ``logits_rows``: the graph
-    takes the ``logits_rows`` input (a call may compute no logits).
+    the ``comp_ctx_lengths`` input (an export with compute context lengths, docs/design.md#specializations).
+    ``logits_rows``: the graph takes the ``logits_rows`` input (a call may compute no logits).
     """
     family = family_for_config(hf_model.config)
     graph = family.language_graph(hf_model, media_token_ids, rope_positions, prefill_seq_len)

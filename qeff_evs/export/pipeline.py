@@ -147,7 +147,8 @@ class ExportOptions:
     max_frames: int | None = None  # the largest bucket when frames is (); None: DEFAULT_MAX_FRAMES
     max_video_pruning_rate: float = DEFAULT_MAX_PRUNING_RATE  # the largest rate the RoPE tables cover
     video_pruning_methods: tuple[str, ...] = PRUNING_METHODS  # pruning graphs exported; the first is the default
-    # Compute context lengths (--ctx-lengths, DESIGN §15); None: specializations.sets' default ladder up to ctx_len.
+    # Compute context lengths (--ctx-lengths, docs/design.md#specializations); None: specializations.sets' default
+    # ladder up to ctx_len.
     ctx_lengths: tuple[int, ...] | None = None
     # Shorter prefill lengths (--short-prefill-lens); None: specializations.sets' default where the family's graph
     # takes any chunk length (a graph unrolled for its prefill length, Qwen3.5's, gets none).

@@ -1,4 +1,5 @@
-"""Export the vision side: the encoder graph (F temporal patches per call) and the pruning graphs (DESIGN §5).
+"""Export the vision side: the encoder graph (F temporal patches per call) and the pruning graphs
+(docs/design.md#the-three-graphs).
 
 Each module declares its graph interface (input/output names in ``forward`` order and the named
 symbol of each dynamic axis) as a ``VisionGraphSpec`` and builds example inputs. Every dynamic

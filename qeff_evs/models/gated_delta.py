@@ -24,8 +24,8 @@ only with all ``log2 C`` factors and its terms grow like binomials when keys are
 stable as a triangular solve: ``T <- T - T O T`` where ``T`` inverts the diagonal blocks of size
 ``b`` and ``O`` holds the off-diagonal blocks that join pairs of them into blocks of size ``2b``.
 
-For ``qaic-compile -convert-to-fp16`` (DESIGN §11) nothing here overflows: only non-positive log-decay
-differences are exponentiated (positive ones are clamped to 0 before ``exp`` and masked after it --
+For ``qaic-compile -convert-to-fp16`` (docs/design.md#numerics-on-the-card) nothing here overflows: only non-positive
+log-decay differences are exponentiated (positive ones are clamped to 0 before ``exp`` and masked after it --
 no ``-inf``, whose product with a zero mask would be NaN); the L2 norm divides by the vector's largest
 entry before squaring; softplus is written as ``relu(x) + log1p(exp(-|x|))`` with a ``log1p`` that
 keeps small arguments (a slow head's decay) in fp16.

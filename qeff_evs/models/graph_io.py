@@ -1,19 +1,18 @@
 """Names, order and dynamic axes of every graph's inputs and outputs, and the constants hosts share.
 
-The language graph follows QEfficient's dual-QPC contract (DESIGN §6):
+The language graph follows QEfficient's dual-QPC contract (docs/design.md#the-three-graphs):
 
-Inputs, in order: ``input_ids (batch_size, seq_len)``, ``vision_embeds (1, vision_size, hidden)``,
-then each of the family's extra rows (``ExtraRows``) by its name, ``(levels, 1, vision_size, hidden)``,
-``position_ids (4, batch_size, seq_len)``, ``image_idx (1, 1)``, then ``past_key.{i}``,
-``past_value.{i}`` per layer ``(batch_size, kv_heads, ctx_len, head_dim)``, with compute context lengths
-(DESIGN §15) ``comp_ctx_lengths (comp_ctx_len,)`` (int64; only its length counts: attention gathers and masks
-the first ``comp_ctx_len`` slots of the ``ctx_len``-long caches, QEfficient's form), with logits rows
-``logits_rows (num_logits,)`` (int64; only its length counts: 1, the logits of each row's last valid token, or 0,
-none: a prefill chunk before the prompt's last, whose logits nobody reads, then skips the LM head and reads none
-of its weights), and with continuous batching ``batch_index (batch_size, 1)``, the caches then having
-``full_batch_size`` rows. Outputs: ``logits (batch_size, num_logits, vocab)`` (``num_logits`` 1 without
-``logits_rows``), ``vision_embeds_RetainedState``, each extra's ``_RetainedState``,
-``image_idx_output (1, 1)``, ``past_key.{i}_RetainedState``, ``past_value.{i}_RetainedState``.
+Inputs, in order: ``input_ids (batch_size, seq_len)``, ``vision_embeds (1, vision_size, hidden)``, then each of the
+family's extra rows (``ExtraRows``) by its name, ``(levels, 1, vision_size, hidden)``, ``position_ids (4, batch_size,
+seq_len)``, ``image_idx (1, 1)``, then ``past_key.{i}``, ``past_value.{i}`` per layer ``(batch_size, kv_heads,
+ctx_len, head_dim)``, with compute context lengths (docs/design.md#specializations) ``comp_ctx_lengths
+(comp_ctx_len,)`` (int64; only its length counts: attention gathers and masks the first ``comp_ctx_len`` slots of the
+``ctx_len``-long caches, QEfficient's form), with logits rows ``logits_rows (num_logits,)`` (int64; only its length
+counts: 1, the logits of each row's last valid token, or 0, none: a prefill chunk before the prompt's last, whose
+logits nobody reads, then skips the LM head and reads none of its weights), and with continuous batching
+``batch_index (batch_size, 1)``, the caches then having ``full_batch_size`` rows. Outputs: ``logits (batch_size,
+num_logits, vocab)`` (``num_logits`` 1 without ``logits_rows``), ``vision_embeds_RetainedState``, each extra's
+``_RetainedState``, ``image_idx_output (1, 1)``, ``past_key.{i}_RetainedState``, ``past_value.{i}_RetainedState``.
 
 A hybrid model (``LanguageShape.kv_layers``, ``layer_states``) keeps a KV cache only in some layers and
 other retained state in the rest: layer ``i`` then has ``past_key.{i}``/``past_value.{i}`` or, for each

@@ -13,8 +13,8 @@ card skips and our ONNX bodies and eager code skip too, so a padding write never
 Their queries see no key at all. A row reads only the slots up to its last position; later slots are
 ``SKIP_INDEX`` reads (the card does not fetch them) and come back as zeros, which the mask hides.
 
-Compute context length (DESIGN §15): a call may read only the first ``comp_ctx_len`` slots of the row
-(``key_slots`` of that length, from the shape of the graph's ``comp_ctx_lengths`` input, QEfficient's form): the
+Compute context length (docs/design.md#specializations): a call may read only the first ``comp_ctx_len`` slots of the
+row (``key_slots`` of that length, from the shape of the graph's ``comp_ctx_lengths`` input, QEfficient's form): the
 gather, the mask and the attention then cost that many slots while the cache stays ``ctx_len`` long. Every slot
 the call's queries may see lies below its last position + 1 <= ``comp_ctx_len``, so the result is the same.
 

@@ -1,4 +1,5 @@
-"""The pruning graphs (DESIGN §2.5, §5, §13): a video's merged rows padded to a frame bucket in, a ranking out.
+"""The pruning graphs (docs/design.md#the-three-graphs): a video's merged rows padded to a frame bucket in, a ranking
+out.
 
 ``PruningRanking(method, score_levels)`` is family-agnostic; the methods are data (``METHODS``):
 
@@ -14,8 +15,9 @@ Output: ``ranking (bucket_tokens,)`` int64. The host keeps ``evs.kept_from_ranki
 method's count rule for its ``T`` and ``q`` and gathers the rows (and the extra rows) itself.
 
 The symbols are ``frame_bucket`` and ``bucket_tokens`` only: one specialization per (resolution, bucket) serves
-every ``T`` up to the bucket and every rate. The arithmetic runs in float32 whatever the I/O dtype (DESIGN §11:
-the graph is compiled without fp16 conversion; with fp16 custom I/O only its inputs arrive rounded).
+every ``T`` up to the bucket and every rate. The arithmetic runs in float32 whatever the I/O dtype
+(docs/design.md#numerics-on-the-card: the graph is compiled without fp16 conversion; with fp16 custom I/O only its
+inputs arrive rounded).
 """
 
 from __future__ import annotations

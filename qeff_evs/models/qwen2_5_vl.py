@@ -6,7 +6,7 @@ one frame's host-side index tensors and the specialization symbols; ``reference_
 independent reference (stock transformers forward over the whole video, then the EVS mask). The pruning
 graphs are the family-agnostic ``pruning.PruningRanking``.
 
-Encoder graph interface (DESIGN §5, §7 symbol names):
+Encoder graph interface (docs/design.md#the-three-graphs):
 
 =====================  ======  ==============================  ===============================
 name                   dtype   shape                           meaning
@@ -46,13 +46,9 @@ from qeff_evs.models.protocol import MediaInput, MediaLayout, VideoPreprocessing
 from qeff_evs.models.qwen_vl import QwenVLFamily
 from qeff_evs.models.registry import register_family
 from qeff_evs.models.vision_common import (
+    CALL_INPUTS,
     FRAME_PATCHES,
-    FRAMES_PER_CALL,
-    GRID_H,
-    GRID_W,
     MERGED_ROWS,
-    PATCH_ROWS,
-    PATCH_WIDTH,
     EncoderWrapper,
     encoder_symbols as shared_encoder_symbols,
     equal_frames_call,
@@ -79,9 +75,7 @@ FRAME_TOKENS, WINDOWS, WINDOW_LEN = "frame_tokens", "windows", "window_len"
 
 ENCODER_GRAPH_SPEC = VisionGraphSpec(
     inputs={
-        "pixel_values": {0: PATCH_ROWS, 1: PATCH_WIDTH},
-        "video_grid_thw": {0: FRAMES_PER_CALL, 1: GRID_H, 2: GRID_W},
-        "rotary_position_ids": {0: FRAME_PATCHES},
+        **CALL_INPUTS,
         "window_index": {0: FRAME_TOKENS},
         "window_gather": {0: WINDOWS, 1: WINDOW_LEN},
         "window_key_mask": {0: WINDOWS, 1: WINDOW_LEN},
@@ -188,7 +182,7 @@ def reference_vision_evs(
 
 
 # ---------------------------------------------------------------------------------------------
-# Family adapter: prompt layout and positions (DESIGN §3-§4)
+# Family adapter: prompt layout and positions (docs/design.md#positions, #prompt-layouts)
 # ---------------------------------------------------------------------------------------------
 
 

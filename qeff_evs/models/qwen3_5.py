@@ -155,6 +155,7 @@ class Qwen3_5Family(Qwen3_VLFamily):
     model_class = Qwen3_5ForConditionalGeneration
     extra_rows = ()
     wrapper = Qwen3_5Tower
+    language_graph_class = Qwen3_5LanguageGraph
 
     # ---- tiny test checkpoints and realistic bench configs ----------------------------------------
 
@@ -193,9 +194,8 @@ class Qwen3_5Family(Qwen3_VLFamily):
 
     @classmethod
     def realistic_widths(cls, text_layers: int, vision_layers: int) -> tuple[dict[str, Any], dict[str, Any]]:
-        """Qwen3.5-0.8B widths (the smallest released; config.json as quoted by third parties, see
-        ``shared/reference/qwen3_5.md`` §1.3): full attention every 4th layer and in the last
-        (``released_layer_types``)."""
+        """Qwen3.5-0.8B widths (the smallest released; its config.json as quoted by third parties): full attention
+        every 4th layer and in the last (``released_layer_types``; docs/models.md, Qwen3.5)."""
         text = dict(
             vocab_size=248320, hidden_size=1024, intermediate_size=3584, num_hidden_layers=text_layers,
             layer_types=released_layer_types(text_layers),
@@ -215,7 +215,7 @@ class Qwen3_5Family(Qwen3_VLFamily):
 
     def language_graph(self, model: nn.Module, media_token_ids: Sequence[int] | None = None,
                        rope_positions: int | None = None, prefill_seq_len: int | None = None) -> Qwen3_5LanguageGraph:
-        return Qwen3_5LanguageGraph(model, media_token_ids, rope_positions, prefill_seq_len)
+        return self.language_graph_class(model, media_token_ids, rope_positions, prefill_seq_len)
 
     def kv_layers(self) -> tuple[int, ...]:
         layers = tuple(i for i, kind in enumerate(layer_types(self.config)) if kind == FULL)

@@ -1,4 +1,4 @@
-"""Qwen3.5-MoE family: Qwen3.5 with a sparse MLP and a gated shared expert in every decoder layer (``reference/moe.md``).
+"""Qwen3.5-MoE family: Qwen3.5 with a sparse MLP and a gated shared expert in every decoder layer (docs/models.md).
 
 Everything but the decoder's MLP is Qwen3.5's and is taken from ``Qwen3_5Family`` as it is: Qwen3-VL's tower without
 deepstack, its preprocessing, prompt layout, positions and pruning, and the hybrid language graph whose Gated
@@ -9,12 +9,11 @@ sigmoid gate) in both kinds of layer (``moe_language.SparseMlpGraph``).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
-from torch import nn
 from transformers import Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration
 
+from qeff_evs.models.moe_family import SparseMlpFamily
 from qeff_evs.models.moe_language import SparseMlpGraph
 from qeff_evs.models.qwen3_5 import Qwen3_5Family, Qwen3_5LanguageGraph, released_layer_types
 from qeff_evs.models.registry import register_family
@@ -28,7 +27,7 @@ class Qwen3_5MoeLanguageGraph(SparseMlpGraph, Qwen3_5LanguageGraph):
 
 
 @register_family
-class Qwen3_5MoeFamily(Qwen3_5Family):
+class Qwen3_5MoeFamily(SparseMlpFamily, Qwen3_5Family):
     """Qwen3.5-MoE (``qwen3_5_moe``): Qwen3.5's vision, layout, pruning and layer states; sparse decoder MLPs."""
 
     model_type = "qwen3_5_moe"
@@ -36,20 +35,12 @@ class Qwen3_5MoeFamily(Qwen3_5Family):
     serving_architecture = "QeffEvsQwen3_5MoeForConditionalGeneration"
     config_class = Qwen3_5MoeConfig
     model_class = Qwen3_5MoeForConditionalGeneration
-
-    @classmethod
-    def tiny_widths(cls, text: dict[str, Any], vision: dict[str, Any], vision_layers: int) -> None:
-        super().tiny_widths(text, vision, vision_layers)
-        text.update(TINY_EXPERTS)
-
-    @classmethod
-    def realistic_config_kwargs(cls, text_layers: int = 24, vision_layers: int = 12) -> dict[str, Any]:
-        # Qwen3.5-35B-A3B does not tie its embeddings.
-        return {**super().realistic_config_kwargs(text_layers, vision_layers), "tie_word_embeddings": False}
+    language_graph_class = Qwen3_5MoeLanguageGraph
+    tiny_experts = TINY_EXPERTS
 
     @classmethod
     def realistic_widths(cls, text_layers: int, vision_layers: int) -> tuple[dict[str, Any], dict[str, Any]]:
-        """Qwen3.5-35B-A3B widths (transformers' default ``Qwen3_5MoeConfig``; ``reference/moe.md`` §1): 256
+        """Qwen3.5-35B-A3B widths (transformers' default ``Qwen3_5MoeConfig``): 256
         experts, 8 per token, a shared expert of 512, full attention every 4th layer (``released_layer_types``)."""
         text = dict(
             vocab_size=248320, hidden_size=2048, num_hidden_layers=text_layers,
@@ -66,7 +57,3 @@ class Qwen3_5MoeFamily(Qwen3_5Family):
             patch_size=16, temporal_patch_size=2, spatial_merge_size=2, num_position_embeddings=2304, in_channels=3,
         )
         return text, vision
-
-    def language_graph(self, model: nn.Module, media_token_ids: Sequence[int] | None = None,
-                       rope_positions: int | None = None, prefill_seq_len: int | None = None) -> Qwen3_5MoeLanguageGraph:
-        return Qwen3_5MoeLanguageGraph(model, media_token_ids, rope_positions, prefill_seq_len)

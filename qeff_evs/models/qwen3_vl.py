@@ -12,7 +12,7 @@ position embeddings resampled bilinearly to the grid (the taps and weights are h
 ``levels`` deepstack mergers whose outputs are pruned with the same kept indices as the main rows.
 EVS scores ``[merger | deepstack 0 | deepstack 1 | ...]`` along features, as vLLM does.
 
-Encoder graph interface (DESIGN §5, §7 symbol names):
+Encoder graph interface (docs/design.md#the-three-graphs):
 
 =====================  ======  ==================================  ===============================
 name                   dtype   shape                               meaning
@@ -47,13 +47,9 @@ from qeff_evs.models.protocol import SAMPLING_FPS, ExtraRows, MediaInput, MediaL
 from qeff_evs.models.qwen_vl import QwenVLFamily
 from qeff_evs.models.registry import register_family
 from qeff_evs.models.vision_common import (
+    CALL_INPUTS,
     FRAME_PATCHES,
-    FRAMES_PER_CALL,
-    GRID_H,
-    GRID_W,
     MERGED_ROWS,
-    PATCH_ROWS,
-    PATCH_WIDTH,
     EncoderWrapper,
     encoder_symbols,
     equal_frames_call,
@@ -81,9 +77,7 @@ INTERPOLATION_MODE = "bilinear"
 INTERPOLATION_ALIGN_CORNERS = True
 
 TOWER_INPUTS = {
-    "pixel_values": {0: PATCH_ROWS, 1: PATCH_WIDTH},
-    "video_grid_thw": {0: FRAMES_PER_CALL, 1: GRID_H, 2: GRID_W},
-    "rotary_position_ids": {0: FRAME_PATCHES},
+    **CALL_INPUTS,
     "interp_indices": {0: FRAME_PATCHES},
     "interp_weights": {0: FRAME_PATCHES},
 }
@@ -238,7 +232,7 @@ def reference_vision_evs(
 
 
 # ---------------------------------------------------------------------------------------------
-# Family adapter: timestamps, the lumped placeholder and the real per-frame layout (DESIGN §4)
+# Family adapter: timestamps, the lumped placeholder and the real per-frame layout (docs/design.md#prompt-layouts)
 # ---------------------------------------------------------------------------------------------
 
 

@@ -1,4 +1,4 @@
-"""Qwen3-VL-MoE family: Qwen3-VL with sparse decoder MLPs (``reference/moe.md``).
+"""Qwen3-VL-MoE family: Qwen3-VL with sparse decoder MLPs (docs/models.md).
 
 Everything but the decoder's MLP is Qwen3-VL's and is taken from ``Qwen3_VLFamily`` as it is: the vision tower
 with deepstack, preprocessing, the timestamped prompt layout, positions, EVS and VidCom2 over
@@ -9,13 +9,12 @@ with deepstack, preprocessing, the timestamped prompt layout, positions, EVS and
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
-from torch import nn
 from transformers import Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
 
 from qeff_evs.models.language import LanguageGraph
+from qeff_evs.models.moe_family import SparseMlpFamily
 from qeff_evs.models.moe_language import SparseMlpGraph
 from qeff_evs.models.qwen3_vl import Qwen3_VLFamily
 from qeff_evs.models.registry import register_family
@@ -30,7 +29,7 @@ class Qwen3_VLMoeLanguageGraph(SparseMlpGraph, LanguageGraph):
 
 
 @register_family
-class Qwen3_VLMoeFamily(Qwen3_VLFamily):
+class Qwen3_VLMoeFamily(SparseMlpFamily, Qwen3_VLFamily):
     """Qwen3-VL-MoE (``qwen3_vl_moe``): Qwen3-VL's vision, layout and pruning; sparse decoder MLPs."""
 
     model_type = "qwen3_vl_moe"
@@ -38,21 +37,18 @@ class Qwen3_VLMoeFamily(Qwen3_VLFamily):
     serving_architecture = "QeffEvsQwen3_VLMoeForConditionalGeneration"
     config_class = Qwen3VLMoeConfig
     model_class = Qwen3VLMoeForConditionalGeneration
+    language_graph_class = Qwen3_VLMoeLanguageGraph
+    tiny_experts = TINY_EXPERTS
 
     @classmethod
     def tiny_widths(cls, text: dict[str, Any], vision: dict[str, Any], vision_layers: int) -> None:
         super().tiny_widths(text, vision, vision_layers)
         layers = text["num_hidden_layers"]
-        text.update(TINY_EXPERTS, mlp_only_layers=[layers - 1] if layers > 1 else [])
-
-    @classmethod
-    def realistic_config_kwargs(cls, text_layers: int = 2, vision_layers: int = 2) -> dict[str, Any]:
-        # Qwen3-VL-30B-A3B does not tie its embeddings.
-        return {**super().realistic_config_kwargs(text_layers, vision_layers), "tie_word_embeddings": False}
+        text["mlp_only_layers"] = [layers - 1] if layers > 1 else []
 
     @classmethod
     def realistic_widths(cls, text_layers: int, vision_layers: int) -> tuple[dict[str, Any], dict[str, Any]]:
-        """Qwen3-VL-30B-A3B widths (its config.json; ``reference/moe.md`` §1): 128 experts, 8 per token, every
+        """Qwen3-VL-30B-A3B widths (its config.json): 128 experts, 8 per token, every
         layer sparse."""
         text = dict(
             vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=text_layers,
@@ -69,7 +65,3 @@ class Qwen3_VLMoeFamily(Qwen3_VLFamily):
             deepstack_visual_indexes=levels or [vision_layers - 1], in_channels=3,
         )
         return text, vision
-
-    def language_graph(self, model: nn.Module, media_token_ids: Sequence[int] | None = None,
-                       rope_positions: int | None = None, prefill_seq_len: int | None = None) -> LanguageGraph:
-        return Qwen3_VLMoeLanguageGraph(model, media_token_ids, rope_positions)

@@ -130,6 +130,7 @@ class QwenVLFamily(abc.ABC):
     config_paths: ClassVar[ConfigPaths] = QWEN_VL_CONFIG_PATHS
     extra_rows: ClassVar[tuple[ExtraRows, ...]] = ()
     wrapper: ClassVar[type[EncoderWrapper]] = EncoderWrapper
+    language_graph_class: ClassVar[type[LanguageGraph]] = LanguageGraph  # the step ``language_graph`` builds
 
     def __init__(self, config, tokenizer=None) -> None:
         self.config = config
@@ -254,7 +255,7 @@ class QwenVLFamily(abc.ABC):
 
     def language_graph(self, model: nn.Module, media_token_ids: Sequence[int] | None = None,
                        rope_positions: int | None = None, prefill_seq_len: int | None = None) -> LanguageGraph:
-        return LanguageGraph(model, media_token_ids, rope_positions)
+        return self.language_graph_class(model, media_token_ids, rope_positions)
 
     def kv_layers(self) -> tuple[int, ...]:
         return tuple(range(self.normalized_config.num_layers))

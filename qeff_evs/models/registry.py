@@ -1,13 +1,16 @@
 """The model families qeff-evs serves: each family module registers its class here, by ``model_type``.
 
 A family is one module (``ModelFamily``, ``protocol.py``) whose class is decorated with
-``@register_family``. The modules qeff-evs ships are imported on the first lookup (``_shipped_modules``,
-one import line): they pull in transformers' vision code, which most importers of this module
-(the manifest readers, the vLLM plugin's entry points) do not need at import time.
+``@register_family``. The modules qeff-evs ships are named in ``SHIPPED_MODULES`` (a table of module
+paths, as vLLM's model registry names its models) and imported on the first lookup: they pull in
+transformers' vision code, which most importers of this module (the manifest readers, the vLLM
+plugin's entry points) do not need at import time, and they import this module to register, so this
+one never imports them by name (no import circle).
 """
 
 from __future__ import annotations
 
+import importlib
 from types import ModuleType
 from typing import TypeVar
 
@@ -15,6 +18,10 @@ from qeff_evs.models.protocol import ModelFamily, VideoPreprocessing
 
 # The family a bare ``qeff-evs bench``, the demo and ``tiny.build_tokenizer()`` use.
 DEFAULT_FAMILY = "qwen2_5_vl"
+
+# The family modules qeff-evs ships, in listing order; importing one registers its family.
+SHIPPED_MODULES = tuple(f"qeff_evs.models.{name}" for name in
+                        ("qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_vl_moe", "qwen3_5_moe"))
 
 _REGISTERED: dict[str, type[ModelFamily]] = {}
 
@@ -26,10 +33,8 @@ F = TypeVar("F", bound=type)
 
 
 def _shipped_modules() -> tuple[ModuleType, ...]:
-    """The families qeff-evs ships, in listing order: importing a family's module registers it."""
-    from qeff_evs.models import qwen2_5_vl, qwen3_5, qwen3_5_moe, qwen3_vl, qwen3_vl_moe
-
-    return (qwen2_5_vl, qwen3_vl, qwen3_5, qwen3_vl_moe, qwen3_5_moe)
+    """The family modules qeff-evs ships, in listing order: importing a family's module registers it."""
+    return tuple(importlib.import_module(name) for name in SHIPPED_MODULES)
 
 
 def _registered() -> list[type[ModelFamily]]:

@@ -23,7 +23,7 @@ on the data, which a graph compiled per specialization cannot have. Here every f
 
 All three give transformers' sum up to fp32 rounding (only the order of the additions differs). The language graphs
 use ``DEFAULT_EXPERT_FORM``, ``hit``: on the card every call is bound by the expert bytes it reads, and ``hit`` reads
-the fewest in every specialization (README, "MoE checkpoints"; ``benchmarks/moe_expert_forms.py``).
+the fewest in every specialization (docs/models.md, "MoE checkpoints"; ``benchmarks/moe_expert_forms.py``).
 """
 
 from __future__ import annotations

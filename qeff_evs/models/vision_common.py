@@ -1,4 +1,4 @@
-"""What the Qwen-VL encoder graphs share (DESIGN §5).
+"""What the Qwen-VL encoder graphs share (docs/design.md#the-three-graphs).
 
 The vision side is two graphs: the **encoder** here (one per family) and the family-agnostic pruning graphs
 (``models.pruning``). The encoder takes ``F`` temporal patches of one resolution and returns their merged rows
@@ -24,9 +24,18 @@ from qeff_evs.models.attention import EqualSegments, register_segment_attention
 from qeff_evs.models.graph_io import VisionGraphSpec
 from qeff_evs.specializations.sets import check_frames_per_call
 
-# Symbol names of the encoder graph (DESIGN §7): F, the patch grid of one frame, the rows of a call.
+# Symbol names of the encoder graph (docs/design.md#specializations): F, the patch grid of one frame, the rows of
+# a call.
 FRAMES_PER_CALL, GRID_H, GRID_W = "frames_per_call", "grid_h", "grid_w"
 PATCH_ROWS, PATCH_WIDTH, FRAME_PATCHES, MERGED_ROWS = "grid_height", "grid_width", "frame_patches", "merged_rows"
+
+# The inputs every Qwen-VL encoder graph takes first, in this order: the call's patches, its grid, one
+# frame's rotary ids (tiled in the graph); a family appends its own per-frame index inputs.
+CALL_INPUTS = {
+    "pixel_values": {0: PATCH_ROWS, 1: PATCH_WIDTH},
+    "video_grid_thw": {0: FRAMES_PER_CALL, 1: GRID_H, 2: GRID_W},
+    "rotary_position_ids": {0: FRAME_PATCHES},
+}
 
 
 def grid_tensor(grid_thw: Sequence[int] | torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,9 @@
 """Engines over an opened export: the pruning a run serves, the engine settings, the single-request and serving
-engines, and one question answered about one video."""
+engines, one question answered about one video, and many requests served to the end."""
 
 from __future__ import annotations
+
+from collections.abc import Callable, Iterable
 
 from qeff_evs.models.protocol import MediaInput
 from qeff_evs.models.pruning import VideoPruning
@@ -85,6 +87,21 @@ def build_serving_engine(bundle: ExportBundle, backend: str = "ort", max_num_seq
         close_session(vision)
         close_session(language)
         raise
+
+
+def generate_all(engine, requests: Iterable, on_finished: Callable[[str, list[int], object], None] | None = None
+                 ) -> dict[str, list[int]]:
+    """Every request (``ServeRequest``) through a serving engine until all have finished: each one's generated token
+    ids by request id. ``on_finished(request_id, token_ids, finish_reason)`` runs as each request finishes."""
+    for request in requests:
+        engine.add_request(request)
+    tokens: dict[str, list[int]] = {}
+    while engine.has_unfinished():
+        for event in engine.step():
+            tokens.setdefault(event.request_id, []).append(event.token_id)
+            if event.finish_reason is not None and on_finished is not None:
+                on_finished(event.request_id, tokens[event.request_id], event.finish_reason)
+    return tokens
 
 
 def largest_item_rows(bundle: ExportBundle, pruning: VideoPruning) -> int:

@@ -1,4 +1,5 @@
-"""A request's own video pruning (DESIGN §16): ``video_pruning_rate``, ``video_pruning_method``, ``max_video_tokens``.
+"""A request's own video pruning (docs/serving.md#per-request-pruning): ``video_pruning_rate``,
+``video_pruning_method``, ``max_video_tokens``.
 
 vLLM takes the pruning rate and method per server (``--video-pruning-rate``, ``--video-pruning-method``); the
 export's graphs take both at run time, so a request may choose its own, within what the export serves. The server's

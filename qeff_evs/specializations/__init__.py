@@ -1,4 +1,4 @@
-"""Specialization sets and the compile artifacts built from them (DESIGN §7).
+"""Specialization sets and the compile artifacts built from them (docs/design.md#specializations).
 
 * :mod:`.sets` -- :class:`Specialization`, :class:`PruningTarget`, the language/vision builders;
 * :mod:`.files` -- ``specializations.json`` in QEfficient's flat and named layouts;

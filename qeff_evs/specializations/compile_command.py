@@ -15,8 +15,8 @@ Choices made here:
   (QEfficient pins the vision QPC to ``mxfp6_matmul=False``).
 * ``-convert-to-fp16`` for the encoder and the language graph, never for the pruning graphs: EVS's
   cosine dissimilarity overflows in fp16 and VidCom2's Gaussian kernels and budgets lose their ranking
-  there (DESIGN §11), so they compute in fp32 and only their row inputs are fp16 (custom IO; the
-  compiler converts at the graph's edge).
+  there (docs/design.md#numerics-on-the-card), so they compute in fp32 and only their row inputs are fp16 (custom IO;
+  the compiler converts at the graph's edge).
 * ``-compile-only`` is not passed: QEfficient 1.21 did, later versions dropped it as
   deprecated. ``-aic-perf-metrics`` is not passed either (QEfficient never does). Anything
   else (``-mos=1``, ``-aic-enable-depth-first``, ...) goes through ``extra_flags``.

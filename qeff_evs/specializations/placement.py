@@ -31,7 +31,7 @@ from qeff_evs.manifest import EXPORT_FILES, GRAPHS
 # NSP cores of one Cloud AI 100 device (an SoC: "up to 16 NSPs"; an AI 100 Ultra card shows 4 such
 # devices). The Standard SKU has 14: compile with fewer cores there.
 DEVICE_CORES = 16
-# Defaults that keep all three programs active on one 16-core device; README "Deploying on cards" gives
+# Defaults that keep all three programs active on one 16-core device; docs/deploying.md#one-card gives
 # the reasoning (the language graph runs every step, the encoder once per video, pruning is tiny).
 DEFAULT_GRAPH_CORES: Mapping[str, int] = {"encoder": 6, "pruning": 1, "language": 9}
 DEFAULT_GRAPH_DEVICES: Mapping[str, int] = dict.fromkeys(GRAPHS, 1)

@@ -9,13 +9,13 @@ Two sets exist per model:
 * language: ``Prefill`` (``seq_len = prefill_seq_len``) and ``Decode`` (``seq_len = 1``),
   both binding ``vision_size = user_vision_size`` -- each prefill chunk is handed only its
   own window of kept vision rows, so the language graph never needs the whole prompt's.
-  With compute context lengths (DESIGN §15) each of them comes once per length, binding
+  With compute context lengths (docs/design.md#specializations) each of them comes once per length, binding
   ``comp_ctx_len`` too and named ``Prefill_<len>`` / ``Decode_<len>``: a call reads only that many
   slots of its KV row, and the host picks the smallest length holding the call's last slot.
   With continuous batching both also bind ``full_batch_size`` (the KV cache rows); prefill
   runs ``batch_size = 1`` (one request into its row) and decode ``batch_size = full_batch_size``
   (or a chosen decode batch), QEfficient's CB layout;
-* vision (DESIGN §5): the encoder, one entry per (resolution, frames per call F)
+* vision: the encoder, one entry per (resolution, frames per call F)
   (``EncoderTarget``), whatever the video's length; each pruning graph, one entry per distinct
   symbol binding of (resolution, frame bucket) (``PruningTarget``), whatever the video's length up to
   the bucket and the rate: several targets can share one entry (two resolutions with as many merged
@@ -37,14 +37,14 @@ COMP_CTX_SYMBOL = "comp_ctx_len"  # slots a call reads of its KV row: the length
 # host backends run a call with 0 (a prefill chunk before the prompt's last, whose logits nobody reads).
 NUM_LOGITS_SYMBOL = "num_logits"
 
-# Temporal patches per encoder call. Measured on this machine (README "Performance"): Qwen2.5-VL-3B
+# Temporal patches per encoder call. Measured on this machine (docs/performance.md): Qwen2.5-VL-3B
 # vision widths at 448x448, ONNX Runtime CPU time per temporal patch for F = 1, 2, 4, 8 was 0.82,
 # 0.74, 0.82, 0.88 s; a call's memory grows with F and a short last batch pads up to F - 1 zero
 # frames. With 2, every multiple of 4 sampled frames runs unpadded.
 DEFAULT_FRAMES_PER_CALL = 2
 # The frame buckets when --frames is not given: powers of two temporal patches up to this many frames. A
 # video pads to the smallest bucket that holds it, so the pruning graph computes at most twice its real
-# rows (README "Performance": the padding's measured cost).
+# rows (docs/performance.md: the padding's measured cost).
 DEFAULT_MAX_FRAMES = 64
 # The default compute context lengths: ctx_len, ctx_len / 4, ctx_len / 16, ... down to this floor (a 32k
 # export gets 2048, 8192, 32768, as QEfficient's examples). Steps of 4 keep a call within 4x of the slots
@@ -53,7 +53,7 @@ DEFAULT_MIN_COMP_CTX_LEN = 2048
 COMP_CTX_STEP = 4
 # The default shorter prefill lengths (--short-prefill-lens): prefill_seq_len / 2, / 4, ... down to this floor, so
 # a chunk (a prompt's tail, a chunk vLLM's budget cut short) is padded to under twice its tokens (above the floor).
-# A chunk's time is close to linear in its length at Qwen2.5-VL-3B widths (README "Performance", prefill lengths);
+# A chunk's time is close to linear in its length at Qwen2.5-VL-3B widths (docs/performance.md, prefill lengths);
 # below 32 the call's fixed cost dominates.
 DEFAULT_SHORT_PREFILL_LEN = 32
 

@@ -6,7 +6,7 @@ this module gives:
 
 * the window of a prefill chunk: which rows of which cached encoder output it consumes, and the
   ``(1, user_vision_size, hidden)`` zero-padded window with ``image_idx = 0`` the language graph
-  takes (DESIGN §6, §8);
+  takes (docs/design.md#the-runtime);
 * the placeholder a vLLM processor must reserve for an EVS video before the encoder runs: the
   family's own provisional layout (Qwen2.5-VL: K pads; Qwen3-VL: the lumped layout,
   ``L = sum_f(len(ts_f) + 2) + K``);

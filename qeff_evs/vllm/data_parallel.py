@@ -34,7 +34,8 @@ from qeff_evs.specializations.placement import (
     place_programs,
     read_placement_record,
 )
-from qeff_evs.vllm.plugin import DEVICE_IDS_ENV, DEVICE_IDS_KEY, RANKS_KEY, active_backend, logger
+from qeff_evs.vllm.activation import active_backend, logger
+from qeff_evs.vllm.plugin import DEVICE_IDS_ENV, DEVICE_IDS_KEY, RANKS_KEY
 
 RANK_SEPARATOR = ";"  # between the device groups of data-parallel ranks: "0;1"
 

@@ -30,7 +30,7 @@ from vllm.v1.worker.ec_connector_model_runner_mixin import ECConnectorModelRunne
 from qeff_evs.manifest import LanguageShape
 from qeff_evs.runtime.sessions import language_session, vision_pipeline
 from qeff_evs.vllm.data_parallel import configured_device_ids
-from qeff_evs.vllm.plugin import active_backend, logger
+from qeff_evs.vllm.activation import active_backend, logger
 from qeff_evs.vllm.worker import QeffEvsWorker
 
 

@@ -25,7 +25,7 @@ from qeff_evs.manifest import read_manifest
 from qeff_evs.vllm.data_parallel import data_parallel_problems, record_local_ranks
 from qeff_evs.vllm.ec_config import ec_refusals, ec_worker_class
 from qeff_evs.vllm.limits import ServingSettings, refusals, served_pruning
-from qeff_evs.vllm.plugin import BACKEND_ENV, active_backend, logger
+from qeff_evs.vllm.activation import BACKEND_ENV, active_backend, logger
 from qeff_evs.vllm.request_checks import RequestLimits, positions_problem, stray_media_pads
 from qeff_evs.vllm.settings import engine_refusals, sampling_refusals
 

@@ -9,11 +9,10 @@ beside another, one log line names both before vLLM stops.
 
 from __future__ import annotations
 
-import logging
-import os
 from importlib.metadata import entry_points
 
-BACKEND_ENV = "QEFF_EVS_BACKEND"
+from qeff_evs.vllm.activation import BACKEND_ENV, active_backend, logger
+
 # The devices each graph's program opens on (qaic): "0", "encoder=1,evs=1,language=0+2" (placement.py), or
 # the same under "device_ids" in --additional-config (a string, a list of ids, or a mapping of graph to ids).
 DEVICE_IDS_ENV = "QEFF_EVS_DEVICE_IDS"
@@ -21,23 +20,8 @@ DEVICE_IDS_KEY = "device_ids"
 RANKS_KEY = "qeff_evs_local_ranks"  # additional_config: the data-parallel ranks on this host (data_parallel.py)
 # Every key of --additional-config the qeff-evs platform reads; settings.py refuses any other (add new keys here).
 ADDITIONAL_CONFIG_KEYS = (DEVICE_IDS_KEY, RANKS_KEY)
-BACKENDS = ("ort", "qaic", "torch")
 PLATFORM_PLUGIN_NAME = "qeff_evs"
 PLATFORM_CLASS = "qeff_evs.vllm.platform.QeffEvsPlatform"
-
-# A child of vLLM's logger, so lines come out with vLLM's own format and level.
-logger = logging.getLogger("vllm.qeff_evs")
-
-
-def active_backend() -> str | None:
-    """The backend ``QEFF_EVS_BACKEND`` names, or None when qeff-evs is switched off."""
-    value = os.environ.get(BACKEND_ENV, "").strip().lower()
-    if not value:
-        return None
-    if value not in BACKENDS:
-        raise ValueError(f"{BACKEND_ENV}={value!r} is not a qeff-evs backend; use one of {', '.join(BACKENDS)} "
-                         f"(or unset it to leave vLLM alone)")
-    return value
 
 
 def other_platform_plugins() -> list[str]:

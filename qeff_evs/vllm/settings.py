@@ -4,8 +4,8 @@ vLLM's own frontend, scheduler, sampler and detokenizer run unchanged around our
 are honoured by vLLM's own code; what configures vLLM's torch model runner (which the export's graphs
 replace) or asks for something the graphs cannot do is refused, one line each: engine arguments at
 start-up (:func:`engine_refusals`, called by the platform), sampling parameters per request
-(:func:`sampling_refusals`, called by ``validate_request``: an HTTP 400). The README's settings table is
-rendered from these rows (:func:`readme_table`), and ``tests/test_vllm_settings.py`` holds every row to
+(:func:`sampling_refusals`, called by ``validate_request``: an HTTP 400). docs/settings.md's tables are
+rendered from these rows (:func:`settings_table`), and ``tests/test_vllm_settings.py`` holds every row to
 what it says: each refused row's example is refused with its line, each honoured row is accepted, and the
 behaviour of the honoured sampling parameters is compared with vLLM's documentation on the graph's logits.
 
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import enum
 import json
+import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -615,8 +616,8 @@ def _tested(setting: Setting, engine: bool) -> str:
     return ""
 
 
-def readme_table(settings: Iterable[Setting], heading: str) -> str:
-    """The README's rows for ``settings``: name, verdict, how (or the refusal's reason), how it is tested."""
+def settings_table(settings: Iterable[Setting], heading: str) -> str:
+    """docs/settings.md's rows for ``settings``: name, verdict, how (or the refusal's reason), how it is tested."""
     engine = heading == "engine argument"
     lines = [f"| {heading} | verdict | how / why | tested |", "|---|---|---|---|"]
     for s in settings:
@@ -625,7 +626,7 @@ def readme_table(settings: Iterable[Setting], heading: str) -> str:
     return "\n".join(lines)
 
 
-# The settings issue 15 names: the README shows their rows first, then the rest grouped, then every row.
+# The settings issue 15 names: docs/settings.md shows their rows first, then the rest grouped, then every row.
 NAMED_ENGINE = ("video_pruning_method", "video_pruning_rate", "enable_lora", "enable_prompt_embeds",
                 "logits_processors", "reasoning_parser", "reasoning_config", "num_gpu_blocks_override",
                 "kv_cache_dtype", "speculative_config", "max_logprobs", "additional_config")
@@ -640,9 +641,9 @@ def named(settings: Iterable[Setting], names: Iterable[str]) -> list[Setting]:
     return [by_name[name] for name in names]
 
 
-def readme_groups(settings: Iterable[Setting], min_size: int = 3) -> str:
-    """The README's grouped view: settings sharing a verdict and a reason, one row per group of ``min_size`` or more
-    (largest first); the full table holds every row, these included."""
+def settings_groups(settings: Iterable[Setting], min_size: int = 3) -> str:
+    """docs/settings.md's grouped view: settings sharing a verdict and a reason, one row per group of ``min_size`` or
+    more (largest first); the full table holds every row, these included."""
     groups: dict[tuple[str, str], list[Setting]] = {}
     for s in settings:
         groups.setdefault((s.verdict, s.how), []).append(s)
@@ -651,3 +652,35 @@ def readme_groups(settings: Iterable[Setting], min_size: int = 3) -> str:
         if len(rows) >= min_size:
             lines.append(f"| {verdict} | {how} | {', '.join(f'`{s.flag}`' for s in rows)} |")
     return "\n".join(lines)
+
+
+def _counts(settings: Iterable[Setting]) -> str:
+    verdicts = [s.verdict for s in settings]
+    counts = [f"{verdicts.count(HONOURED)} honoured", f"{verdicts.count(REFUSED)} refused",
+              f"{verdicts.count(VLLM_REFUSES)} refused by vLLM"]
+    return ", ".join(counts + ([f"{verdicts.count(NO_EFFECT)} no effect"] if NO_EFFECT in verdicts else []))
+
+
+def settings_page(page: str) -> str:
+    """``page`` (docs/settings.md's text) with every part made from the rows rendered again from them: the row counts
+    and the five tables, in page order (the named engine arguments, the named sampling parameters, the grouped engine
+    arguments, every engine argument, every sampling parameter). ``scripts/render_settings_page.py`` writes it."""
+    page = re.sub(r"Each of vLLM 0\.32's \d+ engine arguments and \d+ sampling parameters",
+                  f"Each of vLLM 0.32's {len(ENGINE_SETTINGS)} engine arguments and {len(SAMPLING_SETTINGS)} "
+                  "sampling parameters", page)
+    page = re.sub(r"Engine arguments: [^;]*; sampling parameters: [^.]*\.",
+                  f"Engine arguments: {_counts(ENGINE_SETTINGS)}; sampling parameters: {_counts(SAMPLING_SETTINGS)}.",
+                  page)
+    page = re.sub(r"Engine arguments \(\d+ rows\)", f"Engine arguments ({len(ENGINE_SETTINGS)} rows)", page)
+    page = re.sub(r"Sampling parameters \(\d+ rows\)", f"Sampling parameters ({len(SAMPLING_SETTINGS)} rows)", page)
+    tables = [settings_table(named(ENGINE_SETTINGS, NAMED_ENGINE), "engine argument"),
+              settings_table(named(SAMPLING_SETTINGS, NAMED_SAMPLING), "sampling parameter"),
+              settings_groups(ENGINE_SETTINGS), settings_table(ENGINE_SETTINGS, "engine argument"),
+              settings_table(SAMPLING_SETTINGS, "sampling parameter")]
+    blocks = list(re.finditer(r"^\|.*(?:\n\|.*)*", page, flags=re.M))
+    if len(blocks) != len(tables):
+        raise ValueError(f"docs/settings.md has {len(blocks)} tables where {len(tables)} are rendered from the rows; "
+                         "restore the page's tables (git checkout docs/settings.md) and render it again")
+    for block, table in zip(reversed(blocks), reversed(tables)):
+        page = page[:block.start()] + table + page[block.end():]
+    return page

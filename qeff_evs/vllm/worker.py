@@ -33,7 +33,7 @@ from qeff_evs.runtime.sessions import sessions_for
 from qeff_evs.vllm.data_parallel import configured_device_ids, log_rank
 from qeff_evs.vllm.driver import VllmDriver
 from qeff_evs.vllm.limits import served_pruning
-from qeff_evs.vllm.plugin import active_backend, logger
+from qeff_evs.vllm.activation import active_backend, logger
 from qeff_evs.vllm.processing import media_from_fields
 from qeff_evs.vllm.sampling import VllmSampling
 from qeff_evs.vllm.scheduler import RunnerOutput

@@ -20,11 +20,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from transformers import DynamicCache
 from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
 from transformers.video_utils import VideoMetadata
 
 from qeff_evs import cli, evs
+from qeff_evs.bench.hf_reference import greedy_by_hand
 from qeff_evs.runtime.engine.request import PromptPiece
 from qeff_evs.runtime.engine.serving import ServeRequest
 from qeff_evs.runtime.inputs.synthetic import moving_square_video
@@ -96,22 +96,13 @@ def hf_reference(model, tokenizer, question: str, video, indices, fps, q: float,
                                                        video_grid_thw=torch.tensor([list(grid)]))
     ids, positions = unpruned[:, keep_t], unpruned_positions[:, :, keep_t]
 
-    text_model = model.model.language_model
     is_video = ids == config.video_token_id
-    embeds = text_model.embed_tokens(ids).clone()
+    embeds = model.model.language_model.embed_tokens(ids).clone()
     embeds[is_video] = merged[mask]
     deepstack = dict(visual_pos_masks=is_video, deepstack_visual_embeds=[level[mask] for level in levels]) \
         if levels else {}
-    cache = DynamicCache(config=config.text_config)
-    out = text_model(inputs_embeds=embeds, position_ids=positions, past_key_values=cache, use_cache=True, **deepstack)
-    first_logits = model.lm_head(out.last_hidden_state[0, -1])
-    tokens = [int(first_logits.argmax())]
-    decode_start = int(unpruned_positions.max()) + 1
-    for j in range(1, steps):
-        step_positions = torch.full((3, 1, 1), decode_start + j - 1, dtype=torch.int64)
-        out = text_model(inputs_embeds=text_model.embed_tokens(torch.tensor([[tokens[-1]]])),
-                         position_ids=step_positions, past_key_values=cache, use_cache=True)
-        tokens.append(int(model.lm_head(out.last_hidden_state[0, -1]).argmax()))
+    first_logits, tokens = greedy_by_hand(model, embeds, positions, int(unpruned_positions.max()) + 1, steps,
+                                          **deepstack)
     return Reference(ids[0].tolist(), positions[:, 0].numpy(), torch.nonzero(mask).reshape(-1).numpy(), tokens,
                      first_logits)
 

@@ -1,6 +1,6 @@
 """Backends behind one interface: ONNX Runtime (default), the PyTorch reference, and QAIC.
 
-The vision side is two sessions (DESIGN §5): an encoder session runs one call of F temporal
+The vision side is two sessions (docs/design.md#the-runtime): an encoder session runs one call of F temporal
 patches, a pruning session ranks a video's merged rows padded to a frame bucket; ``vision.VisionPipeline``
 drives both for a media item (and keeps the first K of the ranking) and is what the engines call
 (``VisionSession``). Encoder sessions read graph outputs by name: ``vision_embeds`` are the rows, every

@@ -1,12 +1,12 @@
 """ONNX Runtime backend (the embedded default): the export's graphs on the CPU.
 
-The language session keeps its retained state where a ``-retained-state`` program keeps it: in buffers the
-graph writes itself (DESIGN §15). Each retained input ``X`` (KV caches, layer states, the vision window) is one
-host buffer wrapped as an ``OrtValue`` and bound with ``IOBinding`` both as ``X`` and as ``X_RetainedState``;
-the graph's KV write (the ``ScatterND`` of ``CtxScatter``) then sees its output buffer is its input and skips
-the copy ONNX Runtime's kernel otherwise makes of the whole cache, so a call moves no cache bytes in or out.
-Zeroed once, when the session is made (or on ``reset``), as on the card. Per-call inputs (ids, positions,
-``batch_index``, a prefill chunk's window) are ordinary feeds.
+The language session keeps its retained state where a ``-retained-state`` program keeps it: in buffers the graph
+writes itself (docs/design.md#the-runtime). Each retained input ``X`` (KV caches, layer states, the vision window) is
+one host buffer wrapped as an ``OrtValue`` and bound with ``IOBinding`` both as ``X`` and as ``X_RetainedState``; the
+graph's KV write (the ``ScatterND`` of ``CtxScatter``) then sees its output buffer is its input and skips the copy
+ONNX Runtime's kernel otherwise makes of the whole cache, so a call moves no cache bytes in or out. Zeroed once, when
+the session is made (or on ``reset``), as on the card. Per-call inputs (ids, positions, ``batch_index``, a prefill
+chunk's window) are ordinary feeds.
 """
 
 from __future__ import annotations

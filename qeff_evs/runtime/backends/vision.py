@@ -1,10 +1,11 @@
-"""The vision side of one media item: frame batches through the encoder, then a pruning graph once (DESIGN §5).
+"""The vision side of one media item: frame batches through the encoder, then a pruning graph once
+(docs/design.md#the-runtime).
 
 Memory: one call's activations plus the item's accumulated merged rows. A last batch shorter than F is filled
 with zero frames whose rows are dropped here, so encoder padding never reaches pruning.
 
-Pruning (DESIGN §2.5, §13): the video's merged rows (and its extra rows, as ``score_extras``) are zero-padded
-to the smallest frame bucket holding its ``T`` temporal patches; the method's graph ranks every row of the
+Pruning (docs/design.md#pruning-semantics): the video's merged rows (and its extra rows, as ``score_extras``) are
+zero-padded to the smallest frame bucket holding its ``T`` temporal patches; the method's graph ranks every row of the
 bucket and the host keeps the first ``K(method, q, T)`` (``VideoPruning.kept_tokens``), gathering the rows and
 the extra rows itself. Images, and videos that keep every token (q = 0; EVS at T = 1), skip the graph: it
 would keep every row in order.

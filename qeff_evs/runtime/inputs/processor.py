@@ -1,7 +1,7 @@
 """Video -> vision-encoder patches, the way Hugging Face's Qwen-VL processors do it (without torchvision).
 
-Pipeline per request (DESIGN §7): pick frames (:func:`sample_frame_indices`, whose frame count must be
-one the vision graph was exported for), pick the exported frame size closest in aspect ratio
+Pipeline per request (docs/design.md#specializations): pick frames (:func:`sample_frame_indices`, whose frame count
+must be one the vision graph was exported for), pick the exported frame size closest in aspect ratio
 (:func:`choose_resolution`), then :func:`preprocess_video`: resize every frame with PIL, rescale by
 1/255, normalise, repeat the last frame up to a multiple of ``temporal_patch_size`` and cut the clip
 into patches in HF's order.
