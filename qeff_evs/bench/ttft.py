@@ -45,7 +45,7 @@ VISION, LANGUAGE, REST, TOTAL = "vision", "language", "rest", "total"
 
 
 class _Clocked:
-    """A session whose ``method`` calls add their time to ``samples[part]`` (delegation, no class swapping);
+    """A session whose ``method`` calls are clocked into ``pending`` (delegation, no class swapping);
     one sample per request: ``take`` sums the calls since the last one."""
 
     def __init__(self, inner, method: str):
