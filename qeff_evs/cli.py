@@ -98,7 +98,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     manifest = export_checkpoint(args.model_dir, args.output, options, progress=_progress)
     print(json.dumps({"export_dir": str(args.output), "family": manifest.family,
                       "encoder_specializations": len(manifest.encoder_entries),
-                      "frame_buckets": list(manifest.frame_buckets),
+                      "sampled_frame_buckets": list(manifest.sampled_frame_buckets),
+                      "temporal_patch_buckets": list(manifest.temporal_patch_buckets),
                       "video_pruning_methods": list(manifest.video_pruning_methods),
                       "pruning_specializations": len(manifest.pruning_entries)}))
     return 0

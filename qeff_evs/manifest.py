@@ -263,7 +263,9 @@ class Manifest:
     model_dir: str  # the checkpoint the graphs came from (the PyTorch backend loads it)
     video_pruning_rate: float  # the default rate q (run, encode and vllm serve take another)
     prefill_seq_len: int
-    frame_buckets: tuple[int, ...]  # sampled frames each pruning specialization pads a video to; the largest
+    # The frame buckets counted in sampled frames (``--frames``; the largest is the most a video may have). The pruning
+    # graph counts the same buckets in temporal patches (``temporal_patch_buckets``, its ``frame_bucket`` symbol).
+    sampled_frame_buckets: tuple[int, ...]
     resolutions: tuple[tuple[int, int], ...]  # (height, width) frame sizes the encoder sees
     special_tokens: SpecialTokens
     language_shape: LanguageShape
@@ -290,7 +292,7 @@ class Manifest:
     @property
     def max_frames(self) -> int:
         """The most sampled frames a video may have: the largest frame bucket (vLLM's ``max_frames``)."""
-        return max(self.frame_buckets)
+        return max(self.sampled_frame_buckets)
 
     @property
     def graphs(self) -> tuple[str, ...]:
@@ -298,8 +300,9 @@ class Manifest:
         return ("encoder", *(pruning_graph(m) for m in self.video_pruning_methods), "language")
 
     @property
-    def temporal_buckets(self) -> tuple[int, ...]:
-        """The frame buckets in temporal patches, ascending (what the host pads a video's rows to)."""
+    def temporal_patch_buckets(self) -> tuple[int, ...]:
+        """The frame buckets in temporal patches, ascending: what the host pads a video's rows to, and the values of
+        the pruning graph's ``frame_bucket`` symbol its specializations bind."""
         return tuple(sorted({e.temporal_patches for e in self.pruning_entries}))
 
     def path(self, export_dir: Path, role: str) -> Path:
@@ -325,7 +328,7 @@ class Manifest:
             self.encoder_entry(grid[1:])
         except ValueError as error:
             raise ValueError(f"no vision specialization for video grid {grid}: {error}") from None
-        largest = max(self.temporal_buckets)
+        largest = max(self.temporal_patch_buckets)
         if grid[0] > largest:
             raise ValueError(
                 f"video grid {grid} has {grid[0]} temporal patches but the export's largest frame bucket holds "
@@ -403,6 +406,7 @@ class Manifest:
             raw[key] = shape.pop(field_name)
         shape.pop("decode_batch_size")  # a property of a compiled program, not of the export
         raw["language_shape"] = shape
+        raw["temporal_patch_buckets"] = list(self.temporal_patch_buckets)  # what a client pads rows to
         return {"version": raw.pop("version"), **raw}
 
     def write(self, export_dir: Path) -> Path:
@@ -431,9 +435,24 @@ def read_manifest(export_dir: Path) -> Manifest:
         shape[field_name] = raw.pop(key)
     tokens = dict(raw.pop("special_tokens"))
     tokens["eos"] = tuple(tokens.get("eos", ()))
-    raw["frame_buckets"] = tuple(raw["frame_buckets"])
+    raw["sampled_frame_buckets"] = tuple(_sampled_frame_buckets(raw, path))
+    written = raw.pop("temporal_patch_buckets", None)
     raw["video_pruning_methods"] = tuple(raw["video_pruning_methods"])
     raw["short_prefill_lens"] = tuple(raw.get("short_prefill_lens", ()))
     raw["resolutions"] = tuple(tuple(r) for r in raw["resolutions"])
-    return Manifest(**raw, special_tokens=SpecialTokens(**tokens), language_shape=LanguageShape(**shape),
-                    encoder_entries=encoder, pruning_entries=pruning)
+    manifest = Manifest(**raw, special_tokens=SpecialTokens(**tokens), language_shape=LanguageShape(**shape),
+                        encoder_entries=encoder, pruning_entries=pruning)
+    if written is not None and tuple(written) != manifest.temporal_patch_buckets:
+        raise ValueError(f"{path} lists temporal_patch_buckets {list(written)} but its pruning entries serve "
+                         f"{list(manifest.temporal_patch_buckets)}; the file was edited: re-run `qeff-evs export`")
+    return manifest
+
+
+def _sampled_frame_buckets(raw: dict, path: Path) -> list[int]:
+    """The buckets in sampled frames; manifests written before the buckets were named by their unit call them
+    ``frame_buckets`` (the same values)."""
+    old = raw.pop("frame_buckets", None)
+    buckets = raw.pop("sampled_frame_buckets", old)
+    if buckets is None:
+        raise ValueError(f"{path} lists no sampled_frame_buckets; re-run `qeff-evs export`")
+    return buckets

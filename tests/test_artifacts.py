@@ -19,7 +19,7 @@ import yaml
 from transformers import AutoTokenizer, GenerationConfig
 from transformers.vision_utils import get_vision_window_index
 
-from qeff_evs.manifest import read_manifest
+from qeff_evs.manifest import MANIFEST_NAME, read_manifest
 from qeff_evs.specializations import check_specializations, read_specializations_json
 
 # What the tiny checkpoint is built with (qeff_evs/models/tiny.py); stated here so a change shows.
@@ -103,7 +103,8 @@ def test_manifest_records_family_and_export_options(manifest_json, export_option
     assert m["ctx_len"] == export_options.ctx_len
     assert m["user_vision_size"] == export_options.user_vision_size
     assert m["version"] == 2
-    assert m["frame_buckets"] == list(export_options.frames)  # --frames are the buckets
+    assert m["sampled_frame_buckets"] == list(export_options.frames)  # --frames are the buckets
+    assert m["temporal_patch_buckets"] == [f // TEMPORAL_PATCH for f in export_options.frames]
     assert m["video_pruning_methods"] == list(METHODS) and m["video_pruning_method"] == "evs"
     assert m["max_video_pruning_rate"] == 0.9
     assert [tuple(r) for r in m["resolutions"]] == list(export_options.resolutions)
@@ -128,7 +129,7 @@ def test_manifest_reads_back(tiny_export, manifest_json):
     assert manifest.user_vision_size == manifest_json["user_vision_size"]
     buckets = [(e["method"], e["height"], e["width"], e["temporal_patches"]) for e in manifest_json["pruning_entries"]]
     assert [(e.method, e.height, e.width, e.temporal_patches) for e in manifest.pruning_entries] == buckets
-    assert manifest.temporal_buckets == tuple(f // TEMPORAL_PATCH for f in manifest_json["frame_buckets"])
+    assert manifest.temporal_patch_buckets == tuple(f // TEMPORAL_PATCH for f in manifest_json["sampled_frame_buckets"])
     assert [e.grid_hw for e in manifest.encoder_entries] == [tuple(e["grid_hw"]) for e in manifest_json["encoder_entries"]]
     assert manifest.frames_per_call == FRAMES_PER_CALL
 
@@ -219,6 +220,41 @@ def test_pruning_specializations_one_per_resolution_and_frame_bucket(tiny_export
     served = [(e["height"], e["width"], e["frames"], e["temporal_patches"]) for e in manifest_json["pruning_entries"]
               if e["method"] == method]
     assert served == [(h, w, f, f // TEMPORAL_PATCH) for h, w, f in targets]
+
+
+def test_bucket_units_agree_end_to_end(tiny_export, manifest_json):
+    """Each bucket unit under its own name: the manifest's sampled-frame buckets, converted to temporal patches, are
+    its temporal_patch_buckets and exactly the ``frame_bucket`` values each pruning graph's specializations file binds
+    (at every resolution); a video of any length up to the largest picks the smallest of them holding it."""
+    sampled = manifest_json["sampled_frame_buckets"]
+    assert all(f % TEMPORAL_PATCH == 0 for f in sampled)
+    converted = [f // TEMPORAL_PATCH for f in sampled]
+    assert manifest_json["temporal_patch_buckets"] == converted
+    manifest = read_manifest(tiny_export)
+    for method in manifest.video_pruning_methods:
+        path = tiny_export / "vision" / f"pruning_{method}_specializations.json"
+        bound = [{k: int(v) for k, v in e["symbols"].items()} for e in load_json(path)["specializations"]]
+        served = {(b["frame_bucket"], b["bucket_tokens"] // b["frame_bucket"]) for b in bound}
+        tokens_per_frame = [(h // (PATCH * MERGE)) * (w // (PATCH * MERGE)) for h, w in manifest.resolutions]
+        assert served == {(b, n) for b in converted for n in tokens_per_frame}
+        for (height, width), t in ((r, t) for r in manifest.resolutions for t in range(1, max(converted) + 1)):
+            entry = manifest.pruning_entry(method, (t, height // PATCH, width // PATCH), PATCH)
+            assert int(entry.symbols["frame_bucket"]) == entry.temporal_patches == min(b for b in converted if b >= t)
+            assert entry.frames == entry.temporal_patches * TEMPORAL_PATCH in sampled
+
+
+def test_a_manifest_with_the_old_bucket_key_reads_the_same(tiny_export, tmp_path):
+    """Manifests written before the buckets were named by their unit call the sampled-frame buckets
+    ``frame_buckets`` and carry no temporal_patch_buckets: read, they give the same manifest."""
+    raw = load_json(tiny_export / MANIFEST_NAME)
+    raw["frame_buckets"] = raw.pop("sampled_frame_buckets")
+    del raw["temporal_patch_buckets"]
+    (tmp_path / MANIFEST_NAME).write_text(json.dumps(raw))
+    assert read_manifest(tmp_path) == read_manifest(tiny_export)
+    raw["temporal_patch_buckets"] = [3]  # a hand edit that disagrees with the pruning entries
+    (tmp_path / MANIFEST_NAME).write_text(json.dumps(raw))
+    with pytest.raises(ValueError, match=r"temporal_patch_buckets \[3\] but its pruning entries serve \[2, 4\]"):
+        read_manifest(tmp_path)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -122,7 +122,7 @@ def test_bench_graphs_are_a_qeff_evs_export(smoke_run):
     assert (work / "checkpoint" / "config.json").is_file() and (work / "export" / "compile.sh").is_file()
     frames = {SMOKE.frames, SMOKE.vision_frames, SMOKE.overhead_frames, *SMOKE.window_frames,
               *SMOKE.vision_sweep_frames}
-    assert set(manifest.frame_buckets) == frames  # every clip its own bucket: nothing padded
+    assert set(manifest.sampled_frame_buckets) == frames  # every clip its own bucket: nothing padded
     assert {(SMOKE.frame_size,) * 2, (SMOKE.vision_frame_size,) * 2} == set(manifest.resolutions)
     assert manifest.video_pruning_rate == SMOKE.window_rate
     shape = manifest.language_shape

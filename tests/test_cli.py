@@ -242,7 +242,7 @@ def test_export_then_run(tiny_checkpoint, video_npy, question, tokenizer, tmp_pa
                           "--ctx-len", 128, "--kv-precision", "mxint8", "--mxfp6", "--num-cores", 4], capsys)
     assert code == 0, err
     assert json.loads(out) == {"export_dir": str(out_dir), "family": "qwen2_5_vl", "encoder_specializations": 1,
-                               "frame_buckets": [4, 8], "video_pruning_methods": ["evs", "vidcom2"],
+                               "sampled_frame_buckets": [4, 8], "temporal_patch_buckets": [2, 4], "video_pruning_methods": ["evs", "vidcom2"],
                                "pruning_specializations": 4}
     manifest = json.loads((out_dir / "manifest.json").read_text())
     assert manifest["user_vision_size"] == 16  # defaults to the prefill length

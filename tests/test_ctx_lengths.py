@@ -50,7 +50,7 @@ def exports_of(served_export, tmp_path_factory):
         if family not in made:
             checkpoint, single = served_export(family)
             m = read_manifest(single)
-            options = ExportOptions(m.video_pruning_rate, m.frame_buckets, m.resolutions, m.prefill_seq_len,
+            options = ExportOptions(m.video_pruning_rate, m.sampled_frame_buckets, m.resolutions, m.prefill_seq_len,
                                     m.ctx_len, full_batch_size=m.language_shape.full_batch_size, ctx_lengths=LADDER)
             folder = tmp_path_factory.mktemp(f"ctx_lengths_{family}")
             with warnings.catch_warnings():

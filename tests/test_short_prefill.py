@@ -122,7 +122,7 @@ def test_a_graph_unrolled_for_one_length_refuses_short_lengths(served_export, tm
 def _served_options(m):
     from qeff_evs.export.pipeline import ExportOptions
 
-    return ExportOptions(m.video_pruning_rate, m.frame_buckets, m.resolutions, m.prefill_seq_len, m.ctx_len,
+    return ExportOptions(m.video_pruning_rate, m.sampled_frame_buckets, m.resolutions, m.prefill_seq_len, m.ctx_len,
                          full_batch_size=m.language_shape.full_batch_size)
 
 

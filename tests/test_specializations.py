@@ -24,7 +24,7 @@ from qeff_evs.specializations import (
     CompileCommand,
     Specialization,
     PruningTarget,
-    default_frame_buckets,
+    default_sampled_frame_buckets,
     check_specializations,
     graph_symbols,
     language_custom_io,
@@ -284,13 +284,13 @@ def test_pruning_target_rejects_bad_frames():
     (2, 2, (2,)),
     (6, 2, (2, 4, 6)),
 ])
-def test_default_frame_buckets(max_frames, temporal_patch, expected):
-    assert default_frame_buckets(max_frames, temporal_patch) == expected
+def test_default_sampled_frame_buckets(max_frames, temporal_patch, expected):
+    assert default_sampled_frame_buckets(max_frames, temporal_patch) == expected
 
 
-def test_default_frame_buckets_refuse_a_maximum_off_the_temporal_patch():
+def test_default_sampled_frame_buckets_refuse_a_maximum_off_the_temporal_patch():
     with pytest.raises(ValueError, match="multiple of temporal_patch_size"):
-        default_frame_buckets(7, 2)
+        default_sampled_frame_buckets(7, 2)
 
 
 # ------------------------------------------------------------- specializations.json

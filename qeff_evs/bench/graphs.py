@@ -98,7 +98,7 @@ def build_graphs(config: BenchConfig, workdir: Path, progress: Progress, languag
         language=open_inference_session(files["language"]) if language else None,
         files=files,
         frames_per_call=manifest.frames_per_call,
-        buckets=manifest.temporal_buckets,
+        buckets=manifest.temporal_patch_buckets,
         checkpoint_dir=checkpoint_dir,
         export_dir=export_dir,
         short_prefill_lens=manifest.short_prefill_lens,

@@ -73,7 +73,7 @@ from qeff_evs.specializations import (
     PruningTarget,
     Specialization,
     comp_ctx_lengths,
-    default_frame_buckets,
+    default_sampled_frame_buckets,
     language_specializations,
     prepare_graph_compile,
     short_prefill_lens,
@@ -158,10 +158,10 @@ class ExportOptions:
     def effective_user_vision_size(self) -> int:
         return self.user_vision_size if self.user_vision_size is not None else self.prefill_seq_len
 
-    def frame_buckets(self, temporal_patch_size: int) -> tuple[int, ...]:
+    def sampled_frame_buckets(self, temporal_patch_size: int) -> tuple[int, ...]:
         """The buckets in sampled frames, ascending: ``frames``, else powers of two up to ``max_frames``."""
         if not self.frames:
-            return default_frame_buckets(self.max_frames or DEFAULT_MAX_FRAMES, temporal_patch_size)
+            return default_sampled_frame_buckets(self.max_frames or DEFAULT_MAX_FRAMES, temporal_patch_size)
         buckets = tuple(sorted(set(int(f) for f in self.frames)))
         if self.max_frames is not None and self.max_frames != buckets[-1]:
             raise ValueError(f"--max-frames {self.max_frames} is not the largest of --frames {list(buckets)} (the "
@@ -287,7 +287,7 @@ def export_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, 
     family = family_for_config(checkpoint.config, checkpoint.tokenizer)
     vc = family.normalized_config
     check_frame_sizes(options, vc.patch_size, vc.merge_size, vc.temporal_patch_size)
-    buckets = options.frame_buckets(vc.temporal_patch_size)
+    buckets = options.sampled_frame_buckets(vc.temporal_patch_size)
     spec = language_spec(checkpoint.model)
     if spec.layer_states:  # the family's graph unrolls its prefill for one length
         if options.short_prefill_lens:
@@ -357,7 +357,7 @@ def export_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, 
         model_dir=str(Path(model_dir).resolve()),
         video_pruning_rate=q,
         prefill_seq_len=options.prefill_seq_len,
-        frame_buckets=buckets,
+        sampled_frame_buckets=buckets,
         resolutions=tuple(tuple(r) for r in options.resolutions),
         special_tokens=dataclasses.replace(specials, eos=tuple(stop_token_ids(checkpoint, specials.eos))),
         language_shape=LanguageShape(

@@ -115,11 +115,11 @@ class VideoPruning:
         return self.kept_token_count(h * w, t)
 
 
-def frame_bucket(frame_count: int, buckets: Sequence[int]) -> int:
-    """The smallest of ``buckets`` (temporal patches) holding ``frame_count``; ValueError naming the largest."""
-    fitting = [int(b) for b in buckets if int(b) >= frame_count]
+def temporal_patch_bucket(temporal_patches: int, buckets: Sequence[int]) -> int:
+    """The smallest of ``buckets`` (temporal patches) holding ``temporal_patches``; ValueError naming the largest."""
+    fitting = [int(b) for b in buckets if int(b) >= temporal_patches]
     if not fitting:
-        raise ValueError(f"a video of {frame_count} temporal patches is longer than the largest frame bucket "
+        raise ValueError(f"a video of {temporal_patches} temporal patches is longer than the largest frame bucket "
                          f"({max(buckets, default=0)} temporal patches); sample fewer frames or export a larger "
                          "bucket")
     return min(fitting)

@@ -109,4 +109,4 @@ def largest_item_rows(bundle: ExportBundle, pruning: VideoPruning) -> int:
     bucket) at the resolution with the most tokens, or the largest image."""
     m, factor = bundle.manifest, bundle.preprocess.factor
     tokens = max((h // factor) * (w // factor) for h, w in m.resolutions)
-    return max(tokens, pruning.kept_token_count(tokens, max(m.temporal_buckets)))
+    return max(tokens, pruning.kept_token_count(tokens, max(m.temporal_patch_buckets)))

@@ -47,7 +47,7 @@ def vision_pipeline(bundle: ExportBundle, backend: str, device: str | None = Non
         return qaic_vision_pipeline(bundle, device_ids, method=method)
     else:
         raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
-    return VisionPipeline(bundle.family, encoder, pruning, m.frames_per_call, m.temporal_buckets)
+    return VisionPipeline(bundle.family, encoder, pruning, m.frames_per_call, m.temporal_patch_buckets)
 
 
 def runnable_methods(bundle: ExportBundle, backend: str, method: str | None = None) -> tuple[str, ...]:

@@ -395,12 +395,12 @@ def manifest_entries(specs: Sequence[Specialization]) -> list[dict]:
     ]
 
 
-def default_frame_buckets(max_frames: int, temporal_patch_size: int) -> tuple[int, ...]:
-    """Frame buckets (sampled frames) up to ``max_frames``: 1, 2, 4, ... temporal patches, then ``max_frames``.
+def default_sampled_frame_buckets(max_frames: int, temporal_patch_size: int) -> tuple[int, ...]:
+    """Frame buckets in sampled frames up to ``max_frames``: 1, 2, 4, ... temporal patches, then ``max_frames``.
 
     Example: ``max_frames=48``, temporal patch 2 -> ``(2, 4, 8, 16, 32, 48)``.
     """
-    _check_dimension("max_frames", max_frames, "default_frame_buckets")
+    _check_dimension("max_frames", max_frames, "default_sampled_frame_buckets")
     if max_frames % temporal_patch_size:
         raise ValueError(f"--max-frames {max_frames} must be a multiple of temporal_patch_size {temporal_patch_size}")
     patches = max_frames // temporal_patch_size

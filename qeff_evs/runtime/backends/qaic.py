@@ -437,7 +437,7 @@ def _vision_pipeline(bundle, programs: dict[str, QaicProgram]) -> VisionPipeline
     pruning = {graph[len("pruning_"):]: QaicPruningSession(program) for graph, program in programs.items()
                if graph_role(graph) == "pruning"}
     return VisionPipeline(bundle.family, QaicEncoderSession(programs["encoder"]), pruning,
-                          bundle.manifest.frames_per_call, bundle.manifest.temporal_buckets)
+                          bundle.manifest.frames_per_call, bundle.manifest.temporal_patch_buckets)
 
 
 def qaic_vision_pipeline(bundle, device_ids: DeviceIdsSpec | None = None, sdk_root: str | Path = DEFAULT_SDK_ROOT,

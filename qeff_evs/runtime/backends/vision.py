@@ -20,7 +20,7 @@ import numpy as np
 
 from qeff_evs import evs
 from qeff_evs.models.protocol import MediaInput, ModelFamily
-from qeff_evs.models.pruning import VideoPruning, frame_bucket, pad_to_bucket, pruning_host_inputs
+from qeff_evs.models.pruning import VideoPruning, temporal_patch_bucket, pad_to_bucket, pruning_host_inputs
 from qeff_evs.runtime.backends.base import EncoderSession, MergedRows, PruningSession, VisionResult, close_session
 from qeff_evs.specializations.sets import check_frames_per_call
 
@@ -31,7 +31,7 @@ Progress = Callable[[str], None]
 class VisionPipeline:
     """An encoder session run ``frames_per_call`` temporal patches at a time, and pruning sessions by method.
 
-    ``buckets``: the export's frame buckets in temporal patches (``Manifest.temporal_buckets``); a video is
+    ``buckets``: the export's frame buckets in temporal patches (``Manifest.temporal_patch_buckets``); a video is
     padded to the smallest that holds it (a compiled program runs only those shapes).
     """
 
@@ -85,7 +85,7 @@ class VisionPipeline:
                       ) -> dict[str, np.ndarray]:
         """The pruning graph's inputs for a video's merged rows: padded to its bucket, by input name."""
         t, h, w = merged_grid
-        bucket_rows = frame_bucket(t, self.buckets) * h * w
+        bucket_rows = temporal_patch_bucket(t, self.buckets) * h * w
         feeds = {"merged_embeds": pad_to_bucket(merged.rows, bucket_rows)}
         # Every extra's levels, in the family's order, after the rows (vLLM scores the concatenation).
         scored = [merged.extras[rows.name] for rows in self.family.extra_rows if rows.name in merged.extras]
