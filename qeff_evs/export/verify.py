@@ -42,8 +42,12 @@ from qeff_evs.evs import kept_from_ranking
 from qeff_evs.export.fp16 import convert_to_fp16, round_external_weights
 from qeff_evs.export.node_precision import keep_in_fp32, router_paths
 from qeff_evs.export.onnx_graph import legacy_export
-from qeff_evs.manifest import LANGUAGE_DECODE, MODEL_CONFIG_DIR, PRUNING_ROLE, graph_role, pruning_graph, read_manifest
-from qeff_evs.models.graph_io import BATCH_INDEX, COMP_CTX_LENGTHS, RETAINED_SUFFIX, LanguageGraphIO, state_shapes
+from qeff_evs.manifest import (
+    LANGUAGE_DECODE, MODEL_CONFIG_DIR, PRUNING_ROLE, LanguageShape, graph_role, pruning_graph, read_manifest,
+)
+from qeff_evs.models.graph_io import (
+    BATCH_INDEX, COMP_CTX_LENGTHS, LOGITS_ROWS, RETAINED_SUFFIX, LanguageGraphIO, state_shapes,
+)
 from qeff_evs.models.pruning import BUCKET_TOKENS, PruningRanking, VideoPruning, pad_to_bucket, pruning_host_inputs
 from qeff_evs.specializations import read_specializations_json
 
@@ -209,9 +213,7 @@ class _LanguageRun:
                  "image_idx": np.zeros((1, 1), np.int64)}
         if BATCH_INDEX in self.io.input_names:
             feeds[BATCH_INDEX] = np.zeros((input_ids.shape[0], 1), np.int64)
-        length = self.shape.comp_ctx_len(int(positions[0].max()))
-        if length is not None:  # the specialization a card would pick: the smallest holding the last slot
-            feeds[COMP_CTX_LENGTHS] = np.arange(length, dtype=np.int64)
+        feeds.update(shape_feeds(self.shape, positions))
         outputs = dict(zip(self.output_names, self.session.run(self.output_names, feeds)))
         for name, value in outputs.items():
             if name.endswith(RETAINED_SUFFIX):
@@ -448,6 +450,18 @@ def router_comparison(export_dir: Path, chunks: int = ROUTER_CHUNKS,
         detail[f"flipped_margin_max_{label}"] = float(margins[flipped].max()) if flipped.any() else 0.0
     compiled = set(router_nodes) <= set(listed)
     return Comparison("router", detail={**detail, "compiled_router_precision": "float32" if compiled else "float16"})
+
+
+def shape_feeds(shape: LanguageShape, positions: np.ndarray) -> dict[str, np.ndarray]:
+    """The inputs a call takes by the export's shape: ``comp_ctx_lengths`` as long as the smallest compute context
+    length holding the call's last slot (the specialization a card picks), one ``logits_rows`` row."""
+    feeds = {}
+    length = shape.comp_ctx_len(int(positions[0].max()))
+    if length is not None:
+        feeds[COMP_CTX_LENGTHS] = np.arange(length, dtype=np.int64)
+    if shape.logits_rows:
+        feeds[LOGITS_ROWS] = np.zeros(1, dtype=np.int64)
+    return feeds
 
 
 def _vision_feeds(export_dir: Path, role: str, session, seed: int) -> dict[str, np.ndarray]:
