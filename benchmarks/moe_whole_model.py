@@ -10,7 +10,8 @@ and ``/usr/bin/time -v`` on a shared machine)::
 ``pruning_sweep`` phase on a 16-frame 448x448 clip at q 0, 0.5, 0.75) without the other phases, whose frame buckets
 it does not export; it writes ``OUT_DIR/<family>.json`` with the export time (save + export + open) and the
 phase's section. ``table`` writes ``OUT_DIR/moe_whole_model.md``: per MoE family and its dense sibling at the same
-depth, prefill CPU and wall time per q, the q 0.75 / q 0 ratio, peak RSS, export time.
+depth, prefill CPU and wall time per q, the q 0.75 / q 0 ratio, peak RSS, export time, and each expert form's
+computed MLP bytes and FLOPs per chunk; and ``OUT_DIR/moe_whole_model.png``, the prefill times and their ratios.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from qeff_evs.bench.report import environment
 from qeff_evs.bench.suite import model_summary
 from qeff_evs.bench.timing import CPU, WALL
 from qeff_evs.models.registry import family_class
-from qeff_evs.models.sparse_moe import HIT
+from qeff_evs.models.sparse_moe import EXPERT_FORMS, HIT
 
 from moe_expert_forms import FP16, MODELS, cost  # this folder's script: the sparse block's computed cost
 
@@ -62,16 +63,80 @@ def run(family: str, out: Path, text_layers: int, vision_layers: int, repeats: i
     return result
 
 
-def mlp_cost(family: str, tokens: int = 128) -> tuple[float, float]:
-    """fp16 GB and GFLOP of one text layer's MLP for a ``tokens``-token chunk: the sparse block in the graphs'
-    ``hit`` form (``moe_expert_forms.cost``: experts, router, shared expert), or the dense sibling's MLP."""
+def mlp_cost(family: str, tokens: int = 128, form: str = HIT) -> tuple[float, float]:
+    """fp16 GB and GFLOP of one text layer's MLP for a ``tokens``-token chunk: the sparse block in expert form
+    ``form`` (``moe_expert_forms.cost``: experts, router, shared expert), or the dense sibling's MLP."""
     text = realistic_config(family, 1, 2).text_config
     if getattr(text, "num_experts", None):
-        model = MODELS[family]
-        c = cost(HIT, tokens, model)
+        c = cost(form, tokens, MODELS[family])
         return c["weight_bytes"] / 1e9, c["flops"] / 1e9
     weights = 3 * text.hidden_size * text.intermediate_size
     return weights * FP16 / 1e9, 2 * tokens * weights / 1e9
+
+
+def ratios(out: Path, pairs: list[tuple[str, str]]) -> list[str]:
+    """Per pair, each q's prefill CPU time over q 0's, MoE beside dense, and the chunk counts' ratio."""
+    lines = ["| q | chunks / q 0's | " + " | ".join(f"{moe} / q 0 | {dense} / q 0" for moe, dense in pairs)
+             + " | " + " | ".join(f"{moe} / {dense}" for moe, dense in pairs) + " |",
+             "|---|---|" + "---|---|" * len(pairs) + "---|" * len(pairs)]
+    runs = {family: json.loads((out / f"{family}.json").read_text())["pruning_sweep"]["rows"]
+            for pair in pairs for family in pair if (out / f"{family}.json").is_file()}
+    if not all(family in runs for pair in pairs for family in pair):
+        return []
+    first = runs[pairs[0][0]]
+    for i, row in enumerate(first):
+        cells = [f"{row['q']:g}", f"{row['prefill_chunks'] / first[0]['prefill_chunks']:.2f}"]
+        for moe, dense in pairs:
+            cells += [f"{runs[f][i][CPU]['prefill_ms'] / runs[f][0][CPU]['prefill_ms']:.2f}" for f in (moe, dense)]
+        cells += [f"{runs[moe][i][CPU]['prefill_ms'] / runs[dense][i][CPU]['prefill_ms']:.1f}x" for moe, dense in pairs]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def forms(families: list[str]) -> list[str]:
+    """Each expert form's computed MLP cost per text layer and 128-token chunk (fp16 weights, as the card stores
+    them): the graphs run ``hit``, which for a 128-token chunk reads and computes what ``dense`` does."""
+    lines = ["| model | " + " | ".join(f"`{form}`: fp16 GB, GFLOP" for form in EXPERT_FORMS) + " |",
+             "|---|" + "---|" * len(EXPERT_FORMS)]
+    for family in families:
+        if family in MODELS:
+            lines.append(f"| {MODELS[family]['label']} | " + " | ".join(
+                "{:.3f}, {:.1f}".format(*mlp_cost(family, form=form)) for form in EXPERT_FORMS) + " |")
+    return lines
+
+
+def plot(out: Path, pairs: list[tuple[str, str]]) -> Path | None:
+    """``OUT/moe_whole_model.png``: prefill CPU time per q of each measured family, and over q 0's beside the
+    chunk count's ratio."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = {family: json.loads((out / f"{family}.json").read_text())["pruning_sweep"]["rows"]
+            for pair in pairs for family in pair if (out / f"{family}.json").is_file()}
+    if not runs:
+        return None
+    fig, (seconds, ratio) = plt.subplots(1, 2, figsize=(10, 4))
+    for family, rows in runs.items():
+        qs, cpu = [r["q"] for r in rows], [r[CPU]["prefill_ms"] / 1000 for r in rows]
+        label = MODELS[family]["label"] + " widths (hit)" if family in MODELS else f"dense {family} widths"
+        seconds.plot(qs, cpu, "o-", label=label)
+        ratio.plot(qs, [c / cpu[0] for c in cpu], "o-", label=label)
+    rows = next(iter(runs.values()))
+    ratio.plot([r["q"] for r in rows], [r["prefill_chunks"] / rows[0]["prefill_chunks"] for r in rows], "k--",
+               label="chunks / q 0's")
+    seconds.set(xlabel="pruning rate q", ylabel=f"prefill CPU s ({FRAMES} frames {SIDE}x{SIDE})", yscale="log",
+                title="prefill")
+    ratio.set(xlabel="pruning rate q", ylabel="prefill CPU time / q 0's", title="what pruning buys, MoE beside dense")
+    for axes in (seconds, ratio):
+        axes.legend()
+        axes.grid(alpha=0.3)
+    fig.tight_layout()
+    path = out / "moe_whole_model.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def table(out: Path, pairs: list[tuple[str, str]]) -> str:
@@ -95,9 +160,16 @@ def table(out: Path, pairs: list[tuple[str, str]]) -> str:
                     f"| {row[WALL]['prefill_ms'] / 1000:.1f} | {row[CPU]['prefill_ms'] / q0[CPU]['prefill_ms']:.2f} "
                     f"| {row['peak_rss_mb']:.0f} | {r['export_open_s']:.0f} | {r['export_peak_rss_mb']:.0f} "
                     f"| {gb:.3f}, {gflop:.1f} |")
+    pairs_ratios = ratios(out, pairs)
+    if pairs_ratios:
+        lines += ["", "Prefill CPU time at each q over q 0's, MoE beside its dense sibling, and MoE over dense:", "",
+                  *pairs_ratios]
+    lines += ["", "The sparse MLP per text layer and 128-token chunk in each expert form (computed):", "",
+              *forms([moe for moe, _ in pairs])]
     text = "\n".join(lines) + "\n"
     out.mkdir(parents=True, exist_ok=True)
     (out / "moe_whole_model.md").write_text(text)
+    plot(out, pairs)
     return text
 
 

@@ -195,21 +195,45 @@ def cmd_encode(args: argparse.Namespace) -> int:
 
 
 def _serve_requests(args: argparse.Namespace, bundle, pruning) -> int:
-    """Many requests at once through the continuous-batching engine; one JSON line per finished request."""
-    from qeff_evs.runtime.builders import build_serving_engine, generate_all
-    from qeff_evs.runtime.requests_jsonl import requests_from_jsonl
+    """Many requests at once through the continuous-batching engine; one JSON line per finished request (with its
+    time to first token, from when it was queued). A follow-up (``after``) is queued when the request it continues
+    has finished."""
+    import time
 
-    requests = requests_from_jsonl(args.requests, bundle, pruning)
+    from qeff_evs.runtime.builders import build_serving_engine, generate_all
+    from qeff_evs.runtime.requests_jsonl import Conversations, requests_from_jsonl
+
+    lines = requests_from_jsonl(args.requests, bundle, pruning)
     engine = build_serving_engine(bundle, args.backend, args.max_num_seqs, args.max_num_batched_tokens,
                                   args.encoder_cache_rows, progress=_progress, device_ids=_device_ids(args),
-                                  pruning=pruning)
+                                  pruning=pruning, row_reuse=args.row_reuse)
+    chats = Conversations(bundle)
+    follow_ups: dict[str, list] = {}
+    for line in lines:
+        if line.after is not None:
+            follow_ups.setdefault(line.after, []).append(line)
+    queued: dict[str, float] = {}
+    first_token: dict[str, float] = {}
 
-    def print_finished(request_id: str, token_ids: list[int], finish_reason) -> None:
-        print(json.dumps({"id": request_id, "generated_token_ids": token_ids, "finish_reason": finish_reason.value}),
+    def queue(requests: list) -> list:
+        now = time.perf_counter()
+        queued.update({request.request_id: now for request in requests})
+        return requests
+
+    def on_token(event) -> None:
+        first_token.setdefault(event.request_id, time.perf_counter())
+
+    def print_finished(request_id: str, token_ids: list[int], event) -> list:
+        print(json.dumps({"id": request_id, "generated_token_ids": token_ids,
+                          "finish_reason": event.finish_reason.value, "prompt_tokens": event.num_prompt_tokens,
+                          "num_cached_tokens": event.num_cached_tokens,
+                          "time_to_first_token_s": round(first_token[request_id] - queued[request_id], 4)}),
               flush=True)
+        return queue([chats.follow_up(line, token_ids) for line in follow_ups.pop(request_id, ())])
 
     try:
-        generate_all(engine, requests, print_finished)
+        generate_all(engine, queue([chats.first_turn(line) for line in lines if line.after is None]),
+                     print_finished, on_token)
     finally:
         engine.close()
     return 0
@@ -332,13 +356,17 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("run", help="answer a question about a video with the exported graphs")
     p.add_argument("export_dir", type=Path)
     source = p.add_mutually_exclusive_group(required=True)
-    source.add_argument("--requests", type=Path, help="JSONL of requests (id, prompt, video, max_new_tokens) "
-                        "served together with continuous batching (export with --full-batch-size)")
+    source.add_argument("--requests", type=Path, help="JSONL of requests (id, prompt, video, max_new_tokens; or "
+                        "id, after, prompt: a follow-up in the conversation of request 'after', queued when that "
+                        "one has finished) served together with continuous batching (export with --full-batch-size)")
     _add_video_arguments(p, source)
     p.add_argument("--prompt", help="the question (not with --requests)")
     p.add_argument("--max-num-seqs", type=int, default=None, help="--requests: running requests (<= full batch)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="--requests: token budget per step")
     p.add_argument("--encoder-cache-rows", type=int, default=None, help="--requests: encoder cache size in rows")
+    p.add_argument("--no-row-reuse", dest="row_reuse", action="store_false",
+                   help="--requests: every request computes its whole prompt, even where a free KV row holds its "
+                        "first tokens from an earlier request (row reuse is on by default and exact)")
     p.add_argument("--max-new-tokens", type=int, default=16)
     p.add_argument("--backend", choices=("ort", "torch", "qaic"), default="ort")
     _add_device_ids_argument(p)

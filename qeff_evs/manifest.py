@@ -181,6 +181,9 @@ class LanguageShape:
     # comp_ctx_len slots of its KV row. Empty: the graph has no comp_ctx_lengths input and every call reads
     # ctx_len (exports without a ladder, and every export written before it; their manifests lack the key).
     comp_ctx_lengths: tuple[int, ...] = ()
+    # The graph takes logits_rows: a call whose logits nobody reads (a prefill chunk before the prompt's last) may
+    # compute none. False: exports written before it (their manifests lack the key); every call computes one row.
+    logits_rows: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "comp_ctx_lengths", tuple(int(n) for n in self.comp_ctx_lengths))

@@ -27,7 +27,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 
-from qeff_evs.models.graph_io import RETAINED_SUFFIX
+from qeff_evs.models.graph_io import LOGITS_ROWS, RETAINED_SUFFIX
 from qeff_evs.runtime.backends.base import DecodeRow, LanguageInputs, decode_batch
 from qeff_evs.runtime.backends.ort import OrtLanguageSession
 from qeff_evs.runtime.export_bundle import open_export
@@ -70,6 +70,8 @@ class PlainRun:
                  "image_idx": step.image_idx}
         if batch_index is not None:
             feeds["batch_index"] = np.asarray(batch_index, np.int64).reshape(-1, 1)
+        if LOGITS_ROWS in {i.name for i in self.session.get_inputs()}:  # one row: the logits the test compares
+            feeds[LOGITS_ROWS] = np.zeros(1, np.int64)
         if step.vision_embeds is not None:
             feeds["vision_embeds"] = step.vision_embeds
         feeds.update(step.extras)

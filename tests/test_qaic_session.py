@@ -453,11 +453,14 @@ def test_tokens_equal_onnx_runtime_backend(compiled, device, video_npy, kind):
 
 def language_call_bytes(shape, seq_len: int, rows: int, continuous_batching: bool) -> tuple[dict, dict]:
     """``(host->device, device->host)`` bytes per binding of one language call of ``rows`` x ``seq_len`` tokens:
-    the per-call inputs (int64), a prefill's window of vision rows (fp16), the logits (fp32) and image_idx_output.
+    the per-call inputs (int64; logits_rows where the graph takes it), a prefill's window of vision rows (fp16),
+    the logits (fp32) and image_idx_output.
     No term depends on ``ctx_len``: a KV buffer crossing the link would break the equality."""
     up = {"input_ids": 8 * rows * seq_len, "position_ids": 8 * 4 * rows * seq_len, "image_idx": 8}
     if continuous_batching:
         up["batch_index"] = 8 * rows
+    if shape.logits_rows:  # one row on the card: its specializations all compute one
+        up["logits_rows"] = 8
     if seq_len > 1:  # prefill: its own window of U rows (decode keeps the device's copy)
         up["vision_embeds"] = 2 * shape.vision_size * shape.hidden
         for name, levels in shape.extras.items():  # the family's extra rows, windowed alike

@@ -19,7 +19,7 @@ from qeff_evs.runtime.builders import answer, build_engine, build_serving_engine
 from qeff_evs.runtime.export_bundle import open_export
 from qeff_evs.runtime.media import video_from_file
 from qeff_evs.runtime.request_pruning import PruningRequest, rate_for_at_most
-from qeff_evs.runtime.requests_jsonl import requests_from_jsonl
+from qeff_evs.runtime.requests_jsonl import Conversations, requests_from_jsonl
 
 vllm_evs = pytest.importorskip("vllm.multimodal.video_prune.evs")
 vllm_vidcom2 = pytest.importorskip("vllm.multimodal.video_prune.vidcom2")
@@ -100,10 +100,11 @@ def test_requests_jsonl_pruning_fields_equal_runs_at_those_settings(served, tmp_
     path = tmp_path / "requests.jsonl"
     path.write_text("\n".join(json.dumps({**line, "max_new_tokens": 6}) for line in lines))
     default = video_pruning(bundle)
-    requests = requests_from_jsonl(path, bundle, default)
+    parsed = requests_from_jsonl(path, bundle, default)
     engine = build_serving_engine(bundle, "ort", 4, 16, None, pruning=default)
-    for request in requests:
-        engine.add_request(request)
+    chats = Conversations(bundle)
+    for line in parsed:
+        engine.add_request(chats.first_turn(line))
     served_tokens = engine.run_to_completion()
     video = video_from_file(clip, bundle)
     t, h, w = bundle.family.merged_grid(video.grid_thw)

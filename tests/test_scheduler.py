@@ -191,6 +191,84 @@ def test_chunk_ends_are_never_crossed_and_other_cuts_still_apply():
         [("B", 0, 3, False)], [("B", 3, 1, False)], [("B", 4, 3, False)], [("B", 7, 3, True)]]
 
 
+# --- row reuse ---------------------------------------------------------------------------------
+
+
+def ids(n: int, start: int = 100) -> tuple[int, ...]:
+    return tuple(range(start, start + n))
+
+
+def test_a_follow_up_starts_where_its_row_ends_and_skips_the_video_inside():
+    s = Scheduler(cfg(max_num_batched_tokens=8, max_num_seqs=2, prefill_seq_len=4))
+    prompt = ids(10)
+    s.add_request(RequestSpec("A", 10, (video("vA", 2, 5),), max_new_tokens=3, token_ids=prompt))
+    s.add_request(RequestSpec("B", 3, max_new_tokens=1, token_ids=ids(3, 500)))
+    while s.has_unfinished_requests():
+        step(s, token=7)
+    assert s.row_history(0).token_ids == prompt + (7, 7)  # the third 7 was sampled, never fed
+    assert s.row_history(1).token_ids == ids(3, 500)  # B: its 3 prompt tokens; its one token was never fed
+    s.add_request(RequestSpec("A2", 16, (video("vA", 2, 5),), max_new_tokens=1, token_ids=prompt + (7, 7, 7, 1, 2, 3)))
+    out, _ = step(s)
+    assert chunks(out) == [("A2", 12, 4, True)] and out.encoder_inputs == ()  # vA lies inside the 12 tokens
+    assert out.prefills[0].cache_row == 0
+    assert s.row_history(0).token_ids == prompt + (7, 7, 7, 1, 2, 3)  # A2 finished: the row holds its prompt now
+
+
+def test_reuse_off_and_unknown_rows_start_from_token_0():
+    for config, abort_mid_step in ((cfg(row_reuse=False), False), (cfg(), True)):
+        s = Scheduler(config)
+        s.add_request(RequestSpec("A", 6, max_new_tokens=2, token_ids=ids(6)))
+        step(s)
+        out = s.schedule()
+        if abort_mid_step:
+            s.abort_request("A")  # the runner may or may not run the scheduled chunk: trust nothing of row 0
+        s.update_from_output(out, {} if abort_mid_step else {"A": 7})
+        while s.has_unfinished_requests():
+            step(s)
+        assert s.row_history(0) is None
+        s.add_request(RequestSpec("again", 6, max_new_tokens=1, token_ids=ids(6)))
+        out, _ = step(s)
+        assert chunks(out) == [("again", 0, 4, False)]
+
+
+def test_a_prefix_inside_a_video_holds_the_item_for_the_tail():
+    s = Scheduler(cfg(max_num_seqs=1))
+    prompt = ids(10)
+    spec = RequestSpec("A", 10, (video("vA", 2, 5),), max_new_tokens=1, token_ids=prompt)
+    s.add_request(spec)
+    step(s)  # [0, 4): inside the video
+    s.abort_request("A")
+    s.add_request(RequestSpec("B", 10, (video("vA", 2, 5),), max_new_tokens=1, token_ids=prompt))
+    out, _ = step(s)
+    assert chunks(out) == [("B", 4, 4, False)]
+    assert out.encoder_inputs == () and "vA" in s.cache  # A's released entry, taken up again (B has passed it now)
+    s = Scheduler(cfg(max_num_seqs=1))
+    s.add_request(spec)
+    step(s)
+    s.abort_request("A")
+    step(s)  # nothing runs; the released entry is drained
+    s.add_request(RequestSpec("C", 10, (video("vA", 2, 5),), max_new_tokens=1, token_ids=prompt))
+    out, _ = step(s)
+    assert chunks(out) == [("C", 4, 4, False)] and [e.content_hash for e in out.encoder_inputs] == ["vA"]
+
+
+def test_rows_that_cannot_rewind_are_reused_whole_or_not_at_all():
+    s = Scheduler(cfg(max_num_seqs=1), rewindable_rows=False)
+    s.add_request(RequestSpec("A", 6, max_new_tokens=2, token_ids=ids(6)))
+    while s.has_unfinished_requests():
+        step(s, token=7)
+    assert s.row_history(0).token_ids == ids(6) + (7,) and not s.row_history(0).rewindable
+    s.add_request(RequestSpec("cut", 8, max_new_tokens=1, token_ids=ids(6) + (8, 9)))
+    out, finished = step(s)
+    assert chunks(out) == [("cut", 0, 4, False)]
+    while s.has_unfinished_requests():
+        finished = step(s, token=7)[1]
+    assert finished[0].num_cached_tokens == 0
+    s.add_request(RequestSpec("whole", 10, max_new_tokens=1, token_ids=ids(6) + (8, 9, 1, 2)))
+    out, finished = step(s)
+    assert chunks(out) == [("whole", 8, 2, True)] and finished[0].num_cached_tokens == 8
+
+
 # --- rejections --------------------------------------------------------------------------------
 
 
@@ -198,6 +276,7 @@ def test_chunk_ends_are_never_crossed_and_other_cuts_still_apply():
     (RequestSpec("long", 60, max_new_tokens=5), "needs 65 KV slots but ctx_len is 64"),
     (RequestSpec("big", 20, (video("huge", 2, 7),)), "has 7 embedding rows"),
     (RequestSpec("outside", 10, (video("v", 8, 4),)), "inside the 10-token prompt"),
+    (RequestSpec("ids", 3, token_ids=(1, 2)), "2 token ids for a 3-token prompt"),
     (RequestSpec("overlap", 20, (video("v1", 2, 4), video("v2", 5, 2))), "not overlap"),
     (RequestSpec("empty", 0), "needs >= 1 token"),
     (RequestSpec("zero-new", 5, max_new_tokens=0), "max_new_tokens must be >= 1"),

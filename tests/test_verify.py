@@ -12,13 +12,38 @@ import pytest
 from onnx import TensorProto, helper
 
 from qeff_evs.cli import main
-from qeff_evs.export.fp16 import convert_to_fp16, round_to_fp16
+from qeff_evs.export.fp16 import convert_to_fp16, round_external_weights, round_to_fp16
 from qeff_evs.export.verify import compile_lines, evs_comparisons, verify_export
 
 
 def run(model: onnx.ModelProto, **feeds: np.ndarray) -> np.ndarray:
     session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     return session.run(None, feeds)[0]
+
+
+def test_external_weights_are_rounded_file_to_file_as_in_memory(tmp_path):
+    """A graph whose weights lie in external files (how torch writes a released-width one) converts without
+    loading them: the weights rounded file to file run as the in-memory conversion of the loaded graph."""
+    rng = np.random.default_rng(0)
+    weight = (rng.standard_normal((64, 64)) * 7).astype(np.float32)
+    shape = np.array([1, 64], np.int64)
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["y"]), helper.make_node("Reshape", ["y", "shape"], ["out"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 64])],
+                              [helper.make_tensor_value_info("out", TensorProto.FLOAT, [1, 64])],
+                              [onnx.numpy_helper.from_array(weight, "w"), onnx.numpy_helper.from_array(shape, "shape")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    (tmp_path / "export").mkdir()
+    (tmp_path / "twin").mkdir()
+    path = tmp_path / "export" / "g.onnx"
+    onnx.save(model, str(path), save_as_external_data=True, all_tensors_to_one_file=False)
+    light = convert_to_fp16(onnx.load(str(path), load_external_data=False), in_place=True)
+    round_external_weights(light, path.parent, tmp_path / "twin", "weights.data")
+    onnx.save(light, str(tmp_path / "twin" / "g.onnx"))
+    x = rng.standard_normal((1, 64)).astype(np.float32)
+    streamed = ort.InferenceSession(str(tmp_path / "twin" / "g.onnx"), providers=["CPUExecutionProvider"])
+    expected = run(convert_to_fp16(onnx.load(str(path))), x=x)
+    np.testing.assert_array_equal(streamed.run(None, {"x": x})[0], expected)
+    assert not np.array_equal(expected, run(onnx.load(str(path)), x=x))  # the weights were rounded
 
 
 def test_emulation_rounds_every_op_output_through_fp16():

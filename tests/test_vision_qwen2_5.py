@@ -193,3 +193,19 @@ def test_graph_check_rejects_nonzero_and_unnamed_dims():
     with pytest.raises(ValueError, match="NonZero"):
         named_spec = VisionGraphSpec(inputs={"x": {0: "n"}}, outputs={"y": {1: "nnz"}})
         check_vision_graph(onnx.helper.make_model(graph), named_spec)
+
+
+def test_patch_embedding_runs_as_a_matmul(exported):
+    """The copy's patch embedding is the Conv3d's MatMul (PatchProjection), the same numbers; the user's keeps its
+    Conv3d, and the encoder graph has no Conv."""
+    from qeff_evs.models.vision_common import PatchProjection
+
+    conv, projection = exported.visual.patch_embed.proj, exported.encoder.visual.patch_embed.proj
+    assert isinstance(conv, torch.nn.Conv3d) and isinstance(projection, PatchProjection)
+    assert projection.weight is conv.weight
+    patches = torch.randn(37, conv.in_channels, *conv.kernel_size, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        np.testing.assert_allclose(projection(patches).numpy(), conv(patches).numpy(), rtol=0, atol=1e-5)
+    _, ops = shapes_of(exported.encoder_path)
+    assert "Conv" not in ops
+    assert not PatchProjection.applies_to(torch.nn.Conv3d(3, 8, kernel_size=(2, 4, 4), stride=(2, 2, 2)))

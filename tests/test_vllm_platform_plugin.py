@@ -62,7 +62,7 @@ def served_manifest(tiny_export):
         m.language_shape, full_batch_size=4, continuous_batching=True, rope_positions=512))
 
 
-GOOD = ServingSettings(max_num_seqs=4, max_model_len=256, video_pruning_rate=0.5, enable_prefix_caching=False)
+GOOD = ServingSettings(max_num_seqs=4, max_model_len=256, video_pruning_rate=0.5)
 
 
 def test_settings_the_export_serves_pass(served_manifest):
@@ -81,7 +81,6 @@ def test_settings_the_export_serves_pass(served_manifest):
     (dict(video_pruning_rate=0.75), "video pruning rate 0.75 reaches M-RoPE positions up to 1024 in a context of 256 "
                                     "tokens (positions stay unpruned) but the export's RoPE tables cover 512 (sized "
                                     "for --max-video-pruning-rate 0.5); pass a rate of at most 0.5"),
-    (dict(enable_prefix_caching=True), "pass --no-enable-prefix-caching"),
 ])
 def test_each_unservable_setting_is_one_line(served_manifest, change, expected):
     problems = refusals(dataclasses.replace(GOOD, **change), served_manifest)

@@ -87,12 +87,12 @@ def stand_in_architecture():
     ModelRegistry.models.pop(STAND_IN, None)
 
 
-def vllm_scheduler(checkpoint, architecture: str) -> Scheduler:
+def vllm_scheduler(checkpoint, architecture: str, block: int = BLOCK, prefix_caching: bool = False) -> Scheduler:
     model = ModelConfig(model=str(checkpoint), dtype="float32", seed=0, max_model_len=CTX_LEN,
                         skip_tokenizer_init=True, hf_overrides={"architectures": [architecture]},
                         mm_processor_cache_gb=0)
-    cache = CacheConfig(block_size=BLOCK, enable_prefix_caching=False)
-    num_blocks = FULL_BATCH * CTX_LEN // BLOCK + 1
+    cache = CacheConfig(block_size=block, enable_prefix_caching=prefix_caching)
+    num_blocks = FULL_BATCH * CTX_LEN // block + 1
     cache.num_gpu_blocks = num_blocks
     config = VllmConfig(model_config=model, cache_config=cache, device_config=DeviceConfig(device="cpu"),
                         scheduler_config=SchedulerConfig(max_num_seqs=FULL_BATCH, max_num_batched_tokens=TOKEN_BUDGET,
@@ -100,10 +100,10 @@ def vllm_scheduler(checkpoint, architecture: str) -> Scheduler:
                                                          is_encoder_decoder=False))
     # The KV blocks are only counted by the scheduler; our sessions own the real cache rows.
     kv = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[
-        KVCacheGroupSpec(["layer"], FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=1,
+        KVCacheGroupSpec(["layer"], FullAttentionSpec(block_size=block, num_kv_heads=1, head_size=1,
                                                       dtype=torch.float32))])
     return Scheduler(vllm_config=config, kv_cache_config=kv, structured_output_manager=StructuredOutputManager(config),
-                     block_size=BLOCK)
+                     block_size=block)
 
 
 @pytest.fixture(scope="module")
@@ -290,3 +290,69 @@ def test_a_request_the_worker_cannot_run_fails_alone(served, stand_in_architectu
     assert finished["broken"] == FinishReason.ERROR and "broken" in reasons and not generated.get("broken")
     assert "broken" not in driver.live
     assert {r: generated[r] for r in alone} == alone
+
+
+def test_a_row_cut_inside_a_video_is_reused_up_to_the_cut(served, stand_in_architecture):
+    """Row reuse through vLLM's scheduler (``QeffEvsScheduler``, the plugin's KV layout: one block per row): a request
+    aborted mid-prefill, inside its video, leaves what it computed; the same prompt next starts there (vLLM's
+    ``num_computed_tokens``), the video is encoded again for its tail rows, and the tokens equal the request alone.
+    The same prompt about another video of the same size starts before that video."""
+    from vllm.v1.request import RequestStatus
+
+    from qeff_evs.vllm.scheduler import QeffEvsScheduler
+
+    bundle, m = served.bundle, served.bundle.manifest
+    config = EngineConfig(m.prefill_seq_len, m.ctx_len, m.user_vision_size, m.video_pruning_rate,
+                          max_new_tokens=NEW_TOKENS)
+    videos = []
+    for n in range(2):
+        path = served.folder / f"cut_{n}.npy"
+        np.save(path, moving_square_video(8, 112, 112, seed=50 + n))
+        videos.append(video_from_file(path, bundle))
+    pieces = pieces_for(bundle.tokenizer, "what moves here?")
+    vision, language = sessions_for(bundle, "ort")
+    alone = []
+    for video in videos:
+        engine = Engine(bundle.family, vision, language, config)
+        alone.append(engine.generate(engine.prepare(pieces, [video])).generated_token_ids)
+
+    plain = vllm_scheduler(served.checkpoint, stand_in_architecture, block=CTX_LEN, prefix_caching=True)
+    plain.vllm_config.model_config.model = str(bundle.export_dir)  # the scheduler reads the export's manifest there
+    scheduler = QeffEvsScheduler(vllm_config=plain.vllm_config, kv_cache_config=plain.kv_cache_config,
+                                 structured_output_manager=plain.structured_output_manager, block_size=CTX_LEN)
+    driver = VllmDriver(bundle.family, *sessions_for(bundle, "ort"), config)
+
+    def run(request_id: str, video, abort_inside_video: bool = False):
+        """Schedule one request to its end (or abort it once its computed tokens end inside its video): its first
+        num_computed_tokens, the computed tokens when it ended, its generated tokens."""
+        scheduler.add_request(driver.make_request(request_id, pieces, [video], NEW_TOKENS))
+        placeholder = driver.live[request_id].plan.placeholders[0]
+        start, generated = None, []
+        for _ in range(200):
+            if not scheduler.has_unfinished_requests():
+                break
+            out = scheduler.schedule()
+            for new in out.scheduled_new_reqs:
+                start = new.num_computed_tokens
+                driver.live[new.req_id].cache_row = out.kv_rows[new.req_id]  # the worker's placement
+            runner_output = driver.execute(out)
+            for engine_outputs in scheduler.update_from_output(out, runner_output).values():
+                for o in engine_outputs.outputs:
+                    generated.extend(o.new_token_ids)
+            request = scheduler.requests.get(request_id)
+            if abort_inside_video and request is not None and \
+                    placeholder.offset < request.num_computed_tokens < placeholder.offset + placeholder.length:
+                computed = request.num_computed_tokens
+                scheduler.finish_requests(request_id, RequestStatus.FINISHED_ABORTED)
+                driver.execute(scheduler.schedule())  # the step that tells the worker
+                return start, computed, generated
+        assert not scheduler.has_unfinished_requests(), f"{request_id} did not finish in 200 steps"
+        return start, None, generated
+
+    first_start, cut, _ = run("aborted", videos[0], abort_inside_video=True)
+    start, _, generated = run("again", videos[0])
+    assert first_start == 0 and start == cut
+    assert generated == alone[0]
+    video_offset = driver.plan(pieces, [videos[1]]).placeholders[0].offset
+    start, _, generated = run("other video", videos[1])
+    assert start <= video_offset and generated == alone[1]

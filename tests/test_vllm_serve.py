@@ -129,6 +129,7 @@ def vllm_server(export: Path, folder: Path, *flags: str):
 def server(export, media, tmp_path_factory):
     with vllm_server(export, tmp_path_factory.mktemp("serve_log"), "--video-pruning-rate", "0.5",
                      "--allowed-local-media-path", str(media["folder"]),
+                     "--enable-prompt-tokens-details",  # usage.prompt_tokens_details.cached_tokens: row reuse's count
                      "--trust-request-mm-kwargs") as client:  # per-request mm_processor_kwargs reach our processor
         yield client
 
@@ -363,6 +364,71 @@ def test_each_request_chooses_its_pruning(server, export, media):
     assert len({r.usage.prompt_tokens for r in responses.values()}) == len(cases)
     kept = cases["max_video_tokens"][1].kept_token_count(h * w, t)
     assert kept <= at_most < VideoPruning("evs", 0.5).kept_token_count(h * w, t)
+
+
+def conversation_answer(export: Path, path: Path, messages: list[dict], pruning=None):
+    """Our single-request engine on a whole conversation about one video (``messages`` in OpenAI form, the video as
+    ``{"type": "video"}``): the reference a server that reuses no row must equal."""
+    bundle = open_export(export)
+    text = bundle.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    before, after = text.split("<|video_pad|>")
+    pieces = [PromptPiece(ids=tuple(bundle.tokenizer.encode(before, add_special_tokens=False))), PromptPiece(media_item=0),
+              PromptPiece(ids=tuple(bundle.tokenizer.encode(after, add_special_tokens=False)))]
+    engine = build_engine(bundle, "ort", max_new_tokens=6, pruning=pruning)
+    return engine.generate(engine.prepare(pieces, [video_from_file(path, bundle)]), eos_ids=stop_ids(bundle))
+
+
+def follow_up(path: Path | None, answer_text: str, question: str) -> list[dict]:
+    """Turn 1 (the video and ``QUESTION``), its answer and a new question; ``path`` None: the video as the chat
+    template sees it."""
+    video = {"type": "video"} if path is None else {"type": "video_url", "video_url": {
+        "url": data_url(path, "video/x-matroska")}}
+    return [{"role": "user", "content": [video, {"type": "text", "text": QUESTION}]},
+            {"role": "assistant", "content": answer_text}, {"role": "user", "content": question}]
+
+
+def common_prefix(a, b) -> int:
+    return next((n for n, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def test_a_follow_up_reuses_its_conversations_row_with_the_same_tokens(server, export, media, tmp_path):
+    """Row reuse (issue 26, on by default as vLLM's prefix caching): a follow-up (the same video, the answer and a
+    new question) runs in the row that holds turn 1, so its cached tokens are what turn 1 computed (prompt and answer
+    but its last token) up to where the follow-up's ids differ; its tokens equal our engine's on the whole
+    conversation, alone. The same conversation about another video of the same size (equal placeholder ids), or the
+    same video pruned otherwise, reuses at most the text before the video; another ``cache_salt`` reuses nothing."""
+    bundle = open_export(export)
+    video_pad = bundle.tokenizer.convert_tokens_to_ids("<|video_pad|>")
+    clip = media["three"]
+    first = chat(server, video_message(clip))
+    computed = first.prompt_token_ids + first.choices[0].token_ids[:-1]  # what turn 1 left in its row
+    answer_text = first.choices[0].message.content
+    question = "And what colour is the square?"
+
+    second = chat(server, follow_up(clip, answer_text, question))
+    expected = conversation_answer(export, clip, follow_up(None, answer_text, question))
+    assert second.prompt_token_ids == expected.prompt_token_ids
+    assert second.choices[0].token_ids == expected.generated_token_ids
+    reused = common_prefix(computed, second.prompt_token_ids)
+    assert reused > len(first.prompt_token_ids) - 2  # past the video: turn 1's whole prompt at least
+    assert second.usage.prompt_tokens_details.cached_tokens == reused
+
+    before_video = second.prompt_token_ids.index(video_pad)
+    twin = write_mkv(tmp_path / "twin.mkv", moving_square_video(3, 120, 120, seed=11), fps=2)  # same size as clip
+    other = chat(server, follow_up(twin, answer_text, question))
+    expected = conversation_answer(export, twin, follow_up(None, answer_text, question))
+    assert other.choices[0].token_ids == expected.generated_token_ids
+    assert other.prompt_token_ids == expected.prompt_token_ids
+    assert other.usage.prompt_tokens_details.cached_tokens <= before_video
+
+    q0 = chat(server, follow_up(clip, answer_text, question), extra_body={"mm_processor_kwargs": {"video_pruning_rate": 0}})
+    expected = conversation_answer(export, clip, follow_up(None, answer_text, question), VideoPruning("evs", 0.0))
+    assert q0.choices[0].token_ids == expected.generated_token_ids
+    assert q0.usage.prompt_tokens_details.cached_tokens <= before_video
+
+    salted = chat(server, follow_up(clip, answer_text, question), extra_body={"cache_salt": "another user"})
+    assert salted.choices[0].token_ids == second.choices[0].token_ids
+    assert salted.usage.prompt_tokens_details.cached_tokens == 0
 
 
 def test_one_frame_video_file_equals_qeff_evs_run(server, export, media):

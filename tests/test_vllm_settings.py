@@ -152,7 +152,7 @@ def export(served_export):
 def start_up(export, tmp_path_factory):
     checkpoint, folder = export
     base = tmp_path_factory.mktemp("settings") / "base.json"
-    base.write_text(json.dumps(dict(max_num_seqs=FULL_BATCH, video_pruning_rate=0.5, enable_prefix_caching=False,
+    base.write_text(json.dumps(dict(max_num_seqs=FULL_BATCH, video_pruning_rate=0.5,
                                     checkpoint=str(checkpoint), old_export=str(old_layout(folder, base.parent)))))
     result = base.with_name("result.json")
     done = child("vllm_settings_child.py", str(folder), str(base), str(result))

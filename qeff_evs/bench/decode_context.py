@@ -74,7 +74,8 @@ def run_decode_context(config: BenchConfig, graphs: BenchGraphs, progress: Progr
     if not lengths:
         raise ValueError(f"--decode-ctx-len {ctx_len} has one compute context length; pass --decode-ctx-lengths")
     base = dataclasses.replace(graphs.language_shape, ctx_len=ctx_len, rope_positions=ctx_len,
-                               full_batch_size=1, continuous_batching=False, comp_ctx_lengths=())
+                               full_batch_size=1, continuous_batching=False, comp_ctx_lengths=(),
+                               logits_rows=False)  # its graphs compute every call's logits
     sessions = {way: OrtLanguageSession(open_inference_session(path),
                                         dataclasses.replace(base, comp_ctx_lengths=lengths if way == LADDER else ()))
                 for way, path in _language_graphs(config, graphs, ctx_len, progress).items()}

@@ -47,6 +47,7 @@ class BenchGraphs:
     buckets: tuple[int, ...]  # the export's frame buckets in temporal patches
     checkpoint_dir: Path  # the saved random checkpoint
     export_dir: Path  # qeff-evs export's folder: what `qeff-evs run` and `vllm serve` take
+    short_prefill_lens: tuple[int, ...] = ()  # the export's shorter prefill lengths (Manifest.short_prefill_lens)
 
     @property
     def merge_size(self) -> int:
@@ -108,4 +109,5 @@ def build_graphs(config: BenchConfig, workdir: Path, progress: Progress, languag
         buckets=manifest.temporal_patch_buckets,
         checkpoint_dir=checkpoint_dir,
         export_dir=export_dir,
+        short_prefill_lens=manifest.short_prefill_lens,
     )

@@ -1,7 +1,8 @@
 """Pruning sweep: what EVS at rate q buys on one video + question.
 
 Per q: the vision side (encoder calls, then the EVS graph) on the vision clip, and the whole language prefill (chunks of
-``prefill_seq_len``, each with its ``user_vision_size`` window) of the language clip. The first
+``prefill_seq_len``, each with its ``user_vision_size`` window, as the engines run them: the tail in the export's
+shortest prefill length holding it, logits from the last chunk only) of the language clip. The first
 token comes out of the last prefill chunk, so time to first token = vision + prefill (each
 request's own calls, as if it ran alone).
 
@@ -33,6 +34,7 @@ from qeff_evs.runtime.backends.vision import VisionPipeline
 from qeff_evs.runtime.engine.request import PreparedPrompt
 from qeff_evs.runtime.engine.steps import prefill_step
 from qeff_evs.runtime.engine.window import prefill_chunks
+from qeff_evs.specializations.sets import chunk_seq_len
 
 if TYPE_CHECKING:
     from qeff_evs.bench.graphs import BenchGraphs
@@ -74,10 +76,22 @@ def sweep_rates(config: BenchConfig) -> list[float]:
 
 def prefill_steps(prompt: PreparedPrompt, config: BenchConfig, hidden: int,
                   extras: Mapping[str, int]) -> list[LanguageInputs]:
-    """Every prefill chunk of ``prompt`` with its ``user_vision_size`` window (runtime.chunks)."""
+    """Every prefill chunk of ``prompt`` with its ``user_vision_size`` window (runtime.chunks), each padded to
+    ``prefill_seq_len`` and computing its logits (the one-length graph, as the window sweep compares it)."""
     return [prefill_step(prompt, computed, scheduled, config.prefill_seq_len, config.effective_user_vision_size,
                          hidden, extras)
             for computed, scheduled in prefill_chunks(len(prompt.ids), config.prefill_seq_len)]
+
+
+def engine_prefill_steps(prompt: PreparedPrompt, config: BenchConfig, graphs: BenchGraphs) -> list[LanguageInputs]:
+    """Every prefill chunk of ``prompt`` as the engines run it on the bench export: the tail in the shortest prefill
+    length holding it (``chunk_seq_len``), logits only from the last chunk (``LanguageInputs.wants_logits``)."""
+    shape, chunks = graphs.language_shape, prefill_chunks(len(prompt.ids), config.prefill_seq_len)
+    return [prefill_step(prompt, computed, scheduled,
+                         chunk_seq_len(scheduled, config.prefill_seq_len, graphs.short_prefill_lens),
+                         config.effective_user_vision_size, shape.hidden, shape.extras,
+                         wants_logits=number == len(chunks) - 1)
+            for number, (computed, scheduled) in enumerate(chunks)]
 
 
 @dataclass
@@ -98,7 +112,7 @@ def _cases(config: BenchConfig, graphs: BenchGraphs, language_clip: Clip, vision
                                  merge, config.seed)
         k = evs.kept_token_count(lh * lw, lt, q)
         vision_k = evs.kept_token_count(vh * vw, vt, q)
-        steps = prefill_steps(prompt, config, shape.hidden, shape.extras)
+        steps = engine_prefill_steps(prompt, config, graphs)
         point = PruningPoint(
             q=q, video_tokens=lt * lh * lw, kept_tokens=k, text_tokens=len(prompt.ids) - k,
             prompt_tokens=len(prompt.ids), prefill_chunks=len(steps),

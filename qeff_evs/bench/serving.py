@@ -125,12 +125,13 @@ def bench_target(target: ServingTarget, dataset: Path, media: Path, load: Servin
     return dict(target=dict(export=str(target.export), q=target.q), load_average=machine_load, **measured)
 
 
-def serving_checkpoint(family: str, folder: Path, seed: int = 0) -> Path:
-    """A random checkpoint folder with the released model's hidden widths, 2 + 2 layers, the tiny tokenizer."""
+def serving_checkpoint(family: str, folder: Path, seed: int = 0, text_layers: int = 2, vision_layers: int = 2) -> Path:
+    """A random checkpoint folder with the released model's hidden widths, 2 + 2 layers unless told, the tiny
+    tokenizer."""
     from qeff_evs.models.registry import family_class
     from qeff_evs.models.tiny import save_tiny_checkpoint
 
-    text, vision = family_class(family).realistic_widths(text_layers=2, vision_layers=2)
+    text, vision = family_class(family).realistic_widths(text_layers=text_layers, vision_layers=vision_layers)
     # The tiny tokenizer sets the vocabulary (and so the tied head); the long RoPE table serves long prompts.
     text = {k: v for k, v in text.items() if k not in ("vocab_size", "tie_word_embeddings")}
     text["max_position_embeddings"] = max(8192, text.get("max_position_embeddings", 0) or 0)

@@ -10,6 +10,12 @@ at each ``--ttft-rates`` rate. Frame preprocessing is outside both clocks.
 Order: one untimed pass of each (warm-up; at q 0 the engine's first token must equal transformers', the
 same fp32 weights), then per repetition every run once, in alternating order. Medians; the verdict uses wall
 time (what a user waits for) and shows CPU time beside it.
+
+Where the time goes (``parts``): ours splits into the vision side (encoder calls and the EVS ranking: the engine's
+``VisionSession.encode``), the language calls (every prefill chunk) and the rest (prompt layout, windows; the
+host's own work), clocked inside the same timed runs. transformers' vision side is its
+``get_video_features`` on the same pixels, timed as a call of its own once per repetition; its rest is
+``generate`` less that.
 """
 
 from __future__ import annotations
@@ -35,8 +41,33 @@ def _floats(text: str) -> tuple[float, ...]:
     return tuple(float(v) for v in text.replace(",", " ").split())
 
 
+VISION, LANGUAGE, REST, TOTAL = "vision", "language", "rest", "total"
+
+
+class _Clocked:
+    """A session whose ``method`` calls are clocked into ``pending`` (delegation, no class swapping);
+    one sample per request: ``take`` sums the calls since the last one."""
+
+    def __init__(self, inner, method: str):
+        self.inner, self.method, self.pending = inner, method, Samples()
+
+    def __getattr__(self, name):
+        value = getattr(self.inner, name)
+        if name != self.method:
+            return value
+
+        def clocked(*args, **kwargs):
+            return timed(lambda: value(*args, **kwargs), self.pending)
+        return clocked
+
+    def take(self, into: Samples) -> None:
+        into.add(*self.pending.total())
+        self.pending = Samples()
+
+
 def _engines(config: BenchConfig, graphs: BenchGraphs, rates):
-    """``{q: Engine}`` over one set of sessions (the suite's open graphs), one new token each."""
+    """``({q: Engine}, vision clock, language clock)`` over one set of sessions (the suite's open graphs), one new
+    token each."""
     from qeff_evs.models.pruning import VideoPruning
     from qeff_evs.runtime.backends.ort import OrtLanguageSession
     from qeff_evs.runtime.builders import engine_config
@@ -44,10 +75,11 @@ def _engines(config: BenchConfig, graphs: BenchGraphs, rates):
     from qeff_evs.runtime.export_bundle import open_export
 
     bundle = open_export(graphs.export_dir)
-    vision = graphs.vision_pipeline()
-    language = OrtLanguageSession(graphs.language, bundle.language_shape)
-    return {q: Engine(bundle.family, vision, language,
-                      engine_config(bundle, VideoPruning("evs", q), max_new_tokens=1)) for q in rates}
+    vision = _Clocked(graphs.vision_pipeline(), "encode")
+    language = _Clocked(OrtLanguageSession(graphs.language, bundle.language_shape), "run")
+    engines = {q: Engine(bundle.family, vision, language,
+                         engine_config(bundle, VideoPruning("evs", q), max_new_tokens=1)) for q in rates}
+    return engines, vision, language
 
 
 def measure(config: BenchConfig, graphs: BenchGraphs, progress: Progress) -> dict:
@@ -57,7 +89,7 @@ def measure(config: BenchConfig, graphs: BenchGraphs, progress: Progress) -> dic
     clip = synthetic_clip(graphs.preprocess, config.frames, config.frame_size, config.seed)
     question = question_ids(config.question_tokens, first_special_id(graphs.family), config.seed)
     pieces = prompt_pieces(graphs.family, question)
-    engines = _engines(config, graphs, rates)
+    engines, vision_clock, language_clock = _engines(config, graphs, rates)
 
     def ours(q: float):
         engine = engines[q]
@@ -68,6 +100,10 @@ def measure(config: BenchConfig, graphs: BenchGraphs, progress: Progress) -> dic
     ids = torch.tensor([ours(0.0).prompt_token_ids])
     hf_inputs = graphs.family.hf_video_inputs(ids, clip.video)
 
+    def their_vision():
+        with torch.no_grad():
+            model.model.get_video_features(hf_inputs["pixel_values_videos"], hf_inputs["video_grid_thw"])
+
     def theirs():
         with torch.no_grad():
             return model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **hf_inputs, max_new_tokens=1,
@@ -76,28 +112,50 @@ def measure(config: BenchConfig, graphs: BenchGraphs, progress: Progress) -> dic
     runs = {TRANSFORMERS: theirs, **{f"q={q:g}": (lambda q=q: ours(q).generated_token_ids) for q in rates}}
     progress("ttft: warm-up pass")
     first = {name: run() for name, run in runs.items()}
+    for clock in (vision_clock, language_clock):
+        clock.take(Samples())  # the warm-up's calls
     samples = {name: Samples() for name in runs}
+    parts = {name: {VISION: Samples(), LANGUAGE: Samples()} for name in runs}
     for repetition in range(config.repeats):
         for name in alternating(list(runs), repetition):
             progress(f"ttft: repetition {repetition + 1}/{config.repeats}, {name}")
             timed(runs[name], samples[name])
+            if name == TRANSFORMERS:
+                timed(their_vision, parts[name][VISION])
+            else:
+                vision_clock.take(parts[name][VISION])
+                language_clock.take(parts[name][LANGUAGE])
     del model
     return {"rates": list(rates), "prompt_tokens": int(ids.shape[1]), "frames": config.frames,
             "frame_size": config.frame_size, "text_layers": config.text_layers,
             "vision_layers": config.vision_layers, "first_tokens": first,
             "same_first_token_at_q0": first[TRANSFORMERS] == first["q=0"],
-            "samples": {name: asdict(s) for name, s in samples.items()}}
+            "samples": {name: asdict(s) for name, s in samples.items()},
+            "part_samples": {name: {part: asdict(s) for part, s in by_part.items() if s.wall}
+                             for name, by_part in parts.items()}}
+
+
+def _parts(raw: dict) -> dict:
+    """Median seconds per part and clock: vision, language (ours; transformers' has none apart), rest = total less
+    the parts, each part's median taken alone."""
+    out = {}
+    for name, by_part in raw.get("part_samples", {}).items():
+        total = {clock: median(raw["samples"][name][clock]) for clock in CLOCKS}
+        parts = {part: {clock: median(s[clock]) for clock in CLOCKS} for part, s in by_part.items()}
+        parts[REST] = {clock: total[clock] - sum(p[clock] for p in parts.values()) for clock in CLOCKS}
+        out[name] = {**parts, TOTAL: total}
+    return out
 
 
 def section(raw: dict) -> dict:
     medians = {name: {clock: median(s[clock]) for clock in CLOCKS} for name, s in raw["samples"].items()}
     base = medians[TRANSFORMERS]
     ratios = {name: {clock: m[clock] / base[clock] for clock in CLOCKS} for name, m in medians.items()}
-    return {**raw, "median_s": medians, "vs_transformers": ratios}
+    return {**raw, "median_s": medians, "vs_transformers": ratios, "parts_s": _parts(raw)}
 
 
 def load(saved: dict) -> dict:
-    return {k: v for k, v in saved.items() if k not in ("median_s", "vs_transformers")}
+    return {k: v for k, v in saved.items() if k not in ("median_s", "vs_transformers", "parts_s")}
 
 
 def markdown(results: dict) -> list[str]:
@@ -113,6 +171,19 @@ def markdown(results: dict) -> list[str]:
         r = s["vs_transformers"][name]
         label = "transformers `generate`" if name == TRANSFORMERS else f"qeff-evs ORT, {name}"
         lines.append(f"| {label} | {fmt(m['wall'], 2)} | {fmt(m['cpu'], 2)} | {r['wall']:.2f} | {r['cpu']:.2f} |")
+    parts = s.get("parts_s")
+    if parts:
+        lines += ["", "Where the time goes, CPU seconds (wall in brackets), medians: transformers' vision is its "
+                  "`get_video_features` timed apart and its language side the rest of `generate`; ours is the "
+                  "vision side (encoder and EVS ranking), the language calls, and the host's rest.", "",
+                  "| run | vision | language | rest | total |", "|---|---|---|---|---|"]
+        for name, p in parts.items():
+            label = "transformers `generate`" if name == TRANSFORMERS else f"qeff-evs ORT, {name}"
+            cells = [f"{fmt(p[part]['cpu'], 2)} ({fmt(p[part]['wall'], 2)})" if part in p else "-"
+                     for part in (VISION, LANGUAGE, REST, TOTAL)]
+            if LANGUAGE not in p:  # transformers: its language side is all of the rest
+                cells[1], cells[2] = cells[2], "-"
+            lines.append(f"| {label} | {' | '.join(cells)} |")
     return lines
 
 

@@ -3,7 +3,7 @@
 The graph's I/O names, order and dynamic axes are ``qeff_evs.models.graph_io.LanguageGraphIO``; the
 traced module is ``qeff_evs.models.language.ExportableLanguageGraph``. The dynamic symbols are
 ``batch_size``, ``seq_len``, ``vision_size`` and ``ctx_len`` (``full_batch_size`` for the caches under
-continuous batching, ``comp_ctx_len`` with compute context lengths); one file serves the prefill and the
+continuous batching, ``comp_ctx_len`` with compute context lengths, ``num_logits`` with logits rows); one file serves the prefill and the
 decode specializations.
 """
 
@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from qeff_evs.export.onnx_graph import check_named_axes, check_static_ops, legacy_export
-from qeff_evs.models.graph_io import BATCH_INDEX, COMP_CTX_LENGTHS, LanguageGraphIO
+from qeff_evs.models.graph_io import BATCH_INDEX, COMP_CTX_LENGTHS, LOGITS_ROWS, LanguageGraphIO
 from qeff_evs.models.language import ExportableLanguageGraph, LanguageSpec
 from qeff_evs.models.registry import family_for_config
 
@@ -35,12 +35,14 @@ def language_dummy_inputs(
     dtype: torch.dtype = torch.float32,
     full_batch_size: int | None = None,
     comp_ctx_len: int | None = None,
+    logits_rows: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Example inputs keyed and ordered like the graph: a prefill chunk with a few media tokens.
 
     With ``full_batch_size`` (continuous batching) the caches have that many rows and
     ``batch_index`` sends batch row ``b`` to cache row ``full_batch_size - 1 - b``. With ``comp_ctx_len`` the
-    graph takes ``comp_ctx_lengths`` of that length (in ``[seq_len, ctx_len]``).
+    graph takes ``comp_ctx_lengths`` of that length (in ``[seq_len, ctx_len]``); with ``logits_rows`` it takes
+    ``logits_rows`` of length 1.
     """
     if comp_ctx_len is not None and not seq_len <= comp_ctx_len <= ctx_len:
         raise ValueError(f"example comp_ctx_len {comp_ctx_len} must lie in [seq_len {seq_len}, ctx_len {ctx_len}]")
@@ -52,7 +54,7 @@ def language_dummy_inputs(
             "distinct cache rows, so choose full_batch_size >= batch_size"
         )
     io = LanguageGraphIO(spec.num_layers, tuple(spec.extras), full_batch_size is not None, spec.io_kv_layers,
-                         spec.layer_states, comp_ctx_len is not None)
+                         spec.layer_states, comp_ctx_len is not None, logits_rows)
     media = min(seq_len // 2, vision_size)
     input_ids = torch.zeros(batch_size, seq_len, dtype=torch.int64)
     input_ids[:, 1 : 1 + media] = spec.media_token_ids[-1]
@@ -68,6 +70,8 @@ def language_dummy_inputs(
     }
     if comp_ctx_len is not None:
         values[COMP_CTX_LENGTHS] = torch.arange(comp_ctx_len, dtype=torch.int64)
+    if logits_rows:
+        values[LOGITS_ROWS] = torch.zeros(1, dtype=torch.int64)
     if full_batch_size is not None:
         values[BATCH_INDEX] = (full_batch_size - 1 - torch.arange(batch_size, dtype=torch.int64)).reshape(-1, 1)
     for state in spec.layer_states:  # fp32 like the graph's float inputs
@@ -90,6 +94,7 @@ def export_language_graph(
     rope_positions: int | None = None,
     prefill_seq_len: int | None = None,
     comp_ctx_lengths: bool = False,
+    logits_rows: bool = False,
 ) -> Path:
     """Trace the language step of ``hf_model`` (legacy exporter, opset 17) and write it to ``path``.
 
@@ -100,10 +105,11 @@ def export_language_graph(
     ``prefill_seq_len``: the compiled prefill length; a family graph that unrolls its prefill per length
     (``LanguageGraph.trace_seq_len``) is built for it and traced at it. ``comp_ctx_lengths``: the graph takes
     the ``comp_ctx_lengths`` input (an export with compute context lengths, docs/design.md#specializations).
+    ``logits_rows``: the graph takes the ``logits_rows`` input (a call may compute no logits).
     """
     family = family_for_config(hf_model.config)
     graph = family.language_graph(hf_model, media_token_ids, rope_positions, prefill_seq_len)
-    module = ExportableLanguageGraph(graph, continuous_batching, comp_ctx_lengths)
+    module = ExportableLanguageGraph(graph, continuous_batching, comp_ctx_lengths, logits_rows)
     io = module.io
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -122,6 +128,7 @@ def export_language_graph(
         full_batch_size=full_batch_size_example if continuous_batching else None,
         # Between seq_len and ctx_len, equal to neither, so the trace cannot tie its symbol to theirs.
         comp_ctx_len=(seq_len_example + ctx_len_example) // 2 if comp_ctx_lengths else None,
+        logits_rows=logits_rows,
     )
     _LOG.info(
         "exporting language graph (%d layers, extra rows %s, layer states %s, continuous_batching=%s) with "

@@ -296,7 +296,7 @@ def export_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, 
         short_lens = ()
     lang_specs = language_specializations(options.prefill_seq_len, options.ctx_len, options.user_vision_size,
                                           full_batch_size=options.full_batch_size, comp_ctx_lengths=ctx_lengths,
-                                          short_prefill_lens=short_lens)
+                                          short_prefill_lens=short_lens, logits_rows=True)
 
     encoder_targets, pruning_targets = [], []
     for height, width in options.resolutions:
@@ -327,14 +327,15 @@ def export_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, 
     export_language_graph(checkpoint.model, out / files["language"],
                           media_token_ids=family.special_tokens().media_pads,
                           continuous_batching=options.full_batch_size is not None, rope_positions=rope_positions,
-                          prefill_seq_len=options.prefill_seq_len, comp_ctx_lengths=bool(ctx_lengths))
+                          prefill_seq_len=options.prefill_seq_len, comp_ctx_lengths=bool(ctx_lengths),
+                          logits_rows=True)
     if spec.layer_states:  # an unrolled prefill graph: a decode-only twin for ONNX Runtime (manifest.LANGUAGE_DECODE)
         progress("exporting the decode-only language graph")
         files[LANGUAGE_DECODE] = LANGUAGE_DECODE_FILE
         export_language_graph(checkpoint.model, out / LANGUAGE_DECODE_FILE,
                               media_token_ids=family.special_tokens().media_pads,
                               continuous_batching=options.full_batch_size is not None, rope_positions=rope_positions,
-                              prefill_seq_len=1, comp_ctx_lengths=bool(ctx_lengths))
+                              prefill_seq_len=1, comp_ctx_lengths=bool(ctx_lengths), logits_rows=True)
 
     progress("checking specializations against the graphs and writing compile inputs")
     node_precision = write_node_precision(out, spec.layer_states)
@@ -364,7 +365,8 @@ def export_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, 
             ctx_len=options.ctx_len, vision_size=options.effective_user_vision_size, extras=dict(spec.extras),
             full_batch_size=options.full_batch_size or 1, vocab=spec.vocab_size,
             continuous_batching=options.full_batch_size is not None, rope_positions=rope_positions,
-            kv_layers=spec.io_kv_layers, layer_states=spec.layer_states, comp_ctx_lengths=ctx_lengths),
+            kv_layers=spec.io_kv_layers, layer_states=spec.layer_states, comp_ctx_lengths=ctx_lengths,
+            logits_rows=True),
         files=files,
         encoder_entries=tuple(
             EncoderEntry(target.height, target.width, target.frames_per_call, grid_hw,

@@ -39,11 +39,15 @@ import yaml
 
 from qeff_evs import evs
 from qeff_evs.evs import kept_from_ranking
-from qeff_evs.export.fp16 import convert_to_fp16
+from qeff_evs.export.fp16 import convert_to_fp16, round_external_weights
 from qeff_evs.export.node_precision import keep_in_fp32, router_paths
 from qeff_evs.export.onnx_graph import legacy_export
-from qeff_evs.manifest import LANGUAGE_DECODE, MODEL_CONFIG_DIR, PRUNING_ROLE, graph_role, pruning_graph, read_manifest
-from qeff_evs.models.graph_io import BATCH_INDEX, COMP_CTX_LENGTHS, RETAINED_SUFFIX, LanguageGraphIO, state_shapes
+from qeff_evs.manifest import (
+    LANGUAGE_DECODE, MODEL_CONFIG_DIR, PRUNING_ROLE, LanguageShape, graph_role, pruning_graph, read_manifest,
+)
+from qeff_evs.models.graph_io import (
+    BATCH_INDEX, COMP_CTX_LENGTHS, LOGITS_ROWS, RETAINED_SUFFIX, LanguageGraphIO, state_shapes,
+)
 from qeff_evs.models.pruning import BUCKET_TOKENS, PruningRanking, VideoPruning, pad_to_bucket, pruning_host_inputs
 from qeff_evs.specializations import read_specializations_json
 
@@ -87,10 +91,13 @@ def fp16_twin(export_dir: Path, twin_dir: Path) -> dict[str, bool]:
         if file not in converts:
             raise ValueError(f"compile.sh has no line for the {role} graph {file}; rerun `qeff-evs compile`")
         if converts[file]:
-            converted = convert_to_fp16(onnx.load(str(export_dir / file)))
+            target = twin_dir / file
+            converted = convert_to_fp16(onnx.load(str(export_dir / file)), in_place=True)
+            # Weights in a file of their own (a released-width graph passes protobuf's 2 GB), which also leaves
+            # the graph without them for the node edits below.
+            onnx.save(converted, str(target), save_as_external_data=True, location=f"{target.name}.fp16.data")
             if role == "language":
-                converted = _kept_fp32(export_dir, converted)
-            onnx.save(converted, str(twin_dir / file))
+                onnx.save(_kept_fp32(export_dir, converted), str(target))
     return converts
 
 
@@ -162,22 +169,35 @@ class VerifyReport:
 # Runs (plain ONNX Runtime sessions: the export side never imports the runtime)
 
 
-def _session(path: Path):
+EXTERNAL_DATA_FOLDER = "session.model_external_initializers_file_folder_path"  # ORT's key for a graph from bytes
+
+
+def _session(graph: Path | bytes, weights: Path | None = None):
+    """An ORT session of a graph file, or of a serialized graph whose external data lies in ``weights``."""
     import onnxruntime as ort
 
-    return ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    options = ort.SessionOptions()
+    if weights is not None:
+        options.add_session_config_entry(EXTERNAL_DATA_FOLDER, str(weights))
+    return ort.InferenceSession(graph if isinstance(graph, bytes) else str(graph), options,
+                                providers=["CPUExecutionProvider"])
 
 
 class _LanguageRun:
-    """One language graph with its retained state fed back, as a ``-retained-state`` program keeps it."""
+    """One language graph with its retained state fed back, as a ``-retained-state`` program keeps it.
 
-    def __init__(self, export_dir: Path):
+    ``graph``: what to run (default the export's language graph file), e.g. a serialized probe of it with
+    ``extra_outputs`` whose weights lie in ``weights``."""
+
+    def __init__(self, export_dir: Path, graph: Path | bytes | None = None, extra_outputs: tuple[str, ...] = (),
+                 weights: Path | None = None):
         manifest = read_manifest(export_dir)
         self.shape = manifest.language_shape
         self.tokens = manifest.special_tokens
-        self.session = _session(manifest.path(export_dir, "language"))
+        self.session = _session(manifest.path(export_dir, "language") if graph is None else graph, weights)
         self.prefill_seq_len = manifest.prefill_seq_len
         self.io = LanguageGraphIO.of_shape(self.shape)
+        self.output_names = [*self.io.output_names, *extra_outputs]
         self.reset()
 
     def reset(self) -> None:
@@ -187,31 +207,36 @@ class _LanguageRun:
         """A chunk length the graph takes: a graph with layer states is unrolled for its prefill length."""
         return min(wanted, self.prefill_seq_len) if self.shape.layer_states else wanted
 
-    def run(self, input_ids: np.ndarray, positions: np.ndarray, **vision: np.ndarray) -> np.ndarray:
+    def call(self, input_ids: np.ndarray, positions: np.ndarray, **vision: np.ndarray) -> dict[str, np.ndarray]:
+        """Every output of one call, by name; the retained state kept for the next."""
         feeds = {**self.state, **vision, "input_ids": input_ids, "position_ids": positions,
                  "image_idx": np.zeros((1, 1), np.int64)}
         if BATCH_INDEX in self.io.input_names:
             feeds[BATCH_INDEX] = np.zeros((input_ids.shape[0], 1), np.int64)
-        length = self.shape.comp_ctx_len(int(positions[0].max()))
-        if length is not None:  # the specialization a card would pick: the smallest holding the last slot
-            feeds[COMP_CTX_LENGTHS] = np.arange(length, dtype=np.int64)
-        outputs = dict(zip(self.io.output_names, self.session.run(self.io.output_names, feeds)))
+        feeds.update(shape_feeds(self.shape, positions))
+        outputs = dict(zip(self.output_names, self.session.run(self.output_names, feeds)))
         for name, value in outputs.items():
             if name.endswith(RETAINED_SUFFIX):
                 self.state[name[: -len(RETAINED_SUFFIX)]] = value
-        return outputs["logits"][0, 0]
+        return outputs
+
+    def run(self, input_ids: np.ndarray, positions: np.ndarray, **vision: np.ndarray) -> np.ndarray:
+        return self.call(input_ids, positions, **vision)["logits"][0, 0]
 
 
 def _chunk(run: _LanguageRun, seq_len: int, offset: int, seed: int, media_rows: np.ndarray | None = None):
     """Feeds of a prefill chunk of ``seq_len`` tokens at KV slots 0.. and M-RoPE positions ``offset``.."""
-    shape = run.shape
+    return _chunk_feeds(run.shape, run.tokens, seq_len, offset, seed, media_rows)
+
+
+def _chunk_feeds(shape, tokens, seq_len: int, offset: int, seed: int, media_rows: np.ndarray | None = None):
     rng = np.random.default_rng(seed)
-    special = set(run.tokens.ids)
+    special = set(tokens.ids)
     vocab = [i for i in range(min(shape.vocab or 256, 4096)) if i not in special]
     ids = rng.choice(vocab, size=(1, seq_len)).astype(np.int64)
     window = np.zeros((1, shape.vision_size, shape.hidden), np.float32)
     if media_rows is not None:
-        ids[0, 1:1 + len(media_rows)] = run.tokens.media_pad("video")
+        ids[0, 1:1 + len(media_rows)] = tokens.media_pad("video")
         window[0, : len(media_rows)] = media_rows
     positions = np.empty((4, 1, seq_len), np.int64)
     positions[0, 0] = np.arange(seq_len)
@@ -331,15 +356,59 @@ def _router_probe(model: onnx.ModelProto, probs: list[str], chosen: list[str]) -
     return probe
 
 
-def router_comparison(export_dir: Path, chunks: int = ROUTER_CHUNKS) -> Comparison | None:
+@dataclass(frozen=True)
+class RouterChunk:
+    """One prefill chunk of a router workload: the language graph's per-call feeds (no state) and which of its
+    tokens are real (a padded last chunk's padding is not counted)."""
+
+    input_ids: np.ndarray  # (1, S)
+    position_ids: np.ndarray  # (4, 1, S)
+    vision: dict[str, np.ndarray]  # vision_embeds and the family's extra rows, by input name
+    real: np.ndarray  # (S,) bool
+
+
+def video_like_router_chunks(export_dir: Path, chunks: int = ROUTER_CHUNKS) -> list[RouterChunk]:
+    """``chunks`` prefill chunks of the compiled length whose tokens are video-like media rows (norms 20..100,
+    frames drifting) after one text token, at consecutive KV slots."""
+    manifest = read_manifest(export_dir)
+    seq_len, shape = manifest.prefill_seq_len, manifest.language_shape
+    rows = video_like_rows(chunks, seq_len - 1, shape.hidden, EVS_NORMS, seed=5)
+    workload = []
+    for c in range(chunks):
+        ids, positions, vision = _chunk_feeds(shape, manifest.special_tokens, seq_len, 0, seed=200 + c,
+                                              media_rows=rows[c * (seq_len - 1):(c + 1) * (seq_len - 1)])
+        workload.append(RouterChunk(ids, positions + c * seq_len, vision, np.ones(seq_len, bool)))
+    return workload
+
+
+def _router_run(export_dir: Path, probe: onnx.ModelProto, weights: Path, workload: list[RouterChunk],
+                names: list[str]) -> list[list[np.ndarray]]:
+    """Per chunk, ``names``' values (each router's probabilities, then its chosen experts) for the real tokens of
+    ``probe`` (a graph without its weights, which lie in ``weights``); the session closed when done (a
+    released-width graph is gigabytes: one variant open at a time)."""
+    run = _LanguageRun(export_dir, probe.SerializeToString(), tuple(names), weights)
+    values = []
+    for chunk in workload:
+        outputs = run.call(chunk.input_ids, chunk.position_ids, **chunk.vision)
+        values.append([outputs[name].reshape(chunk.real.size, -1)[chunk.real] for name in names])
+    return values
+
+
+def router_comparison(export_dir: Path, chunks: int = ROUTER_CHUNKS,
+                      workload: list[RouterChunk] | None = None) -> Comparison | None:
     """The MoE routers of the language graph under the fp16 emulation, with the router in fp16 and kept in fp32
     (its path from logits to renormalised weights in the node-precision list; the rest as the export's
-    node-precision file says): ``chunks`` prefill chunks of video-like media rows (norms 20..100, frames drifting),
-    each run carrying its own KV/state. Per (token, sparse layer): whether the fp16 run's top-k set differs from
-    fp32's, and for each flipped one fp32's margin between its k-th and (k+1)-th router probability (how near a
-    tie the flip was). None for a graph without routers."""
+    node-precision file says), over ``workload``'s prefill chunks (default: ``video_like_router_chunks``, ``chunks``
+    of them; a real prompt's chunks give the router what a video's tokens give it), each run carrying its own
+    KV/state. Per (real token, sparse layer): whether the fp16 run's top-k set differs from fp32's, and for each
+    flipped one fp32's margin between its k-th and (k+1)-th router probability (how near a tie the flip was).
+    None for a graph without routers.
+
+    One variant is open at a time, and the fp16 emulation is converted once, in place, its weights written once
+    for both fp16 variants: at released widths the graph is gigabytes (past protobuf's 2 GB)."""
     manifest = read_manifest(export_dir)
-    model = onnx.load(str(manifest.path(export_dir, "language")))
+    language = manifest.path(export_dir, "language")
+    model = onnx.load(str(language), load_external_data=False)
     paths = router_paths(model)
     if not paths:
         return None
@@ -351,41 +420,31 @@ def router_comparison(export_dir: Path, chunks: int = ROUTER_CHUNKS) -> Comparis
     others = [name for name in listed if name not in router_nodes]
     fp32_inputs = [name for state in manifest.language_shape.layer_states if state.precision == "float32"
                    for name in state.input_names]
-    converted = convert_to_fp16(model)
-    variants = {"fp32": model,
-                "router_fp16": keep_in_fp32(converted, others, fp32_inputs),
-                "router_fp32": keep_in_fp32(converted, others + sorted(router_nodes), fp32_inputs)}
-    import onnxruntime as ort
-
+    workload = video_like_router_chunks(export_dir, chunks) if workload is None else workload
     probs, chosen = _router_outputs(model, paths)
-    runs, outputs = {}, {}
+    names = [*probs, *chosen]
+    outputs = {}
+    # The fp32 probe reads the export's own weights (loaded without them, the graph is small).
+    outputs["fp32"] = _router_run(export_dir, _router_probe(model, probs, chosen), language.parent, workload, names)
+    del model
     with tempfile.TemporaryDirectory() as scratch:
-        for label, graph in variants.items():
-            path = Path(scratch) / f"{label}.onnx"  # external data: a realistic-width graph passes 2 GB
-            onnx.save(_router_probe(graph, probs, chosen), str(path), save_as_external_data=True,
-                      location=f"{label}.data")
-            run = _LanguageRun(export_dir)
-            run.session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-            run.io_outputs = [*run.io.output_names, *probs, *chosen]
-            runs[label], outputs[label] = run, []
-    seq_len = runs["fp32"].prefill_seq_len
-    shape = runs["fp32"].shape
-    rows = video_like_rows(chunks, seq_len - 1, shape.hidden, EVS_NORMS, seed=5)
-    for c in range(chunks):
-        ids, positions, vision = _chunk(runs["fp32"], seq_len, 0, seed=200 + c,
-                                        media_rows=rows[c * (seq_len - 1):(c + 1) * (seq_len - 1)])
-        positions = positions + c * seq_len
-        for label, run in runs.items():
-            outputs[label].append(_run_with(run, ids, positions, vision, len(paths)))
-    top_k = outputs["fp32"][0][1][0].shape[-1]
-    ranked = [-np.sort(-p, axis=-1) for probs, _ in outputs["fp32"] for p in probs]  # descending per token
+        # The graph without its weights, converted; the weights rounded file to file into one of scratch's, so
+        # they never enter the proto. Each variant below only edits nodes.
+        converted = convert_to_fp16(onnx.load(str(language), load_external_data=False), in_place=True)
+        round_external_weights(converted, language.parent, Path(scratch), "converted.data")
+        for label, kept in (("router_fp16", others), ("router_fp32", others + sorted(router_nodes))):
+            probe = _router_probe(keep_in_fp32(converted, kept, fp32_inputs), probs, chosen)
+            outputs[label] = _router_run(export_dir, probe, Path(scratch), workload, names)
+    routers = len(paths)
+    top_k = outputs["fp32"][0][routers].shape[-1]
+    ranked = [-np.sort(-p, axis=-1) for values in outputs["fp32"] for p in values[:routers]]  # descending
     margins = np.concatenate([p[:, top_k - 1] - p[:, top_k] for p in ranked])
-    detail = {"routers": len(paths), "top_k": int(top_k), "tokens_x_layers": int(margins.size),
+    detail = {"routers": routers, "top_k": int(top_k), "tokens_x_layers": int(margins.size),
               "median_margin": float(np.median(margins))}
     for label in ("router_fp16", "router_fp32"):
         flipped = np.concatenate([np.any(np.sort(a, axis=-1) != np.sort(b, axis=-1), axis=-1)
-                                  for (_, ours), (_, theirs) in zip(outputs["fp32"], outputs[label])
-                                  for a, b in zip(ours, theirs)])
+                                  for ours, theirs in zip(outputs["fp32"], outputs[label])
+                                  for a, b in zip(ours[routers:], theirs[routers:])])
         detail[f"flipped_share_{label}"] = float(flipped.mean())
         detail[f"flipped_margins_{label}"] = sorted(float(m) for m in margins[flipped])
         detail[f"flipped_margin_max_{label}"] = float(margins[flipped].max()) if flipped.any() else 0.0
@@ -393,18 +452,16 @@ def router_comparison(export_dir: Path, chunks: int = ROUTER_CHUNKS) -> Comparis
     return Comparison("router", detail={**detail, "compiled_router_precision": "float32" if compiled else "float16"})
 
 
-def _run_with(run: _LanguageRun, input_ids, positions, vision, routers: int) -> tuple[list, list]:
-    """One prefill chunk through a router probe: (each router's probabilities, each router's chosen experts)."""
-    feeds = {**run.state, **vision, "input_ids": input_ids, "position_ids": positions,
-             "image_idx": np.zeros((1, 1), np.int64)}
-    if BATCH_INDEX in run.io.input_names:
-        feeds[BATCH_INDEX] = np.zeros((input_ids.shape[0], 1), np.int64)
-    values = dict(zip(run.io_outputs, run.session.run(run.io_outputs, feeds)))
-    for name, value in values.items():
-        if name.endswith(RETAINED_SUFFIX):
-            run.state[name[: -len(RETAINED_SUFFIX)]] = value
-    names = run.io_outputs[len(run.io.output_names):]
-    return [values[n] for n in names[:routers]], [values[n] for n in names[routers:]]
+def shape_feeds(shape: LanguageShape, positions: np.ndarray) -> dict[str, np.ndarray]:
+    """The inputs a call takes by the export's shape: ``comp_ctx_lengths`` as long as the smallest compute context
+    length holding the call's last slot (the specialization a card picks), one ``logits_rows`` row."""
+    feeds = {}
+    length = shape.comp_ctx_len(int(positions[0].max()))
+    if length is not None:
+        feeds[COMP_CTX_LENGTHS] = np.arange(length, dtype=np.int64)
+    if shape.logits_rows:
+        feeds[LOGITS_ROWS] = np.zeros(1, dtype=np.int64)
+    return feeds
 
 
 def _vision_feeds(export_dir: Path, role: str, session, seed: int) -> dict[str, np.ndarray]:

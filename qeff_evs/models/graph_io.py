@@ -7,10 +7,12 @@ family's extra rows (``ExtraRows``) by its name, ``(levels, 1, vision_size, hidd
 seq_len)``, ``image_idx (1, 1)``, then ``past_key.{i}``, ``past_value.{i}`` per layer ``(batch_size, kv_heads,
 ctx_len, head_dim)``, with compute context lengths (docs/design.md#specializations) ``comp_ctx_lengths
 (comp_ctx_len,)`` (int64; only its length counts: attention gathers and masks the first ``comp_ctx_len`` slots of the
-``ctx_len``-long caches, QEfficient's form), and with continuous batching ``batch_index (batch_size, 1)``, the caches
-then having ``full_batch_size`` rows. Outputs: ``logits (batch_size, 1, vocab)``, ``vision_embeds_RetainedState``,
-each extra's ``_RetainedState``, ``image_idx_output (1, 1)``, ``past_key.{i}_RetainedState``,
-``past_value.{i}_RetainedState``.
+``ctx_len``-long caches, QEfficient's form), with logits rows ``logits_rows (num_logits,)`` (int64; only its length
+counts: 1, the logits of each row's last valid token, or 0, none: a prefill chunk before the prompt's last, whose
+logits nobody reads, then skips the LM head and reads none of its weights), and with continuous batching
+``batch_index (batch_size, 1)``, the caches then having ``full_batch_size`` rows. Outputs: ``logits (batch_size,
+num_logits, vocab)`` (``num_logits`` 1 without ``logits_rows``), ``vision_embeds_RetainedState``, each extra's
+``_RetainedState``, ``image_idx_output (1, 1)``, ``past_key.{i}_RetainedState``, ``past_value.{i}_RetainedState``.
 
 A hybrid model (``LanguageShape.kv_layers``, ``layer_states``) keeps a KV cache only in some layers and
 other retained state in the rest: layer ``i`` then has ``past_key.{i}``/``past_value.{i}`` or, for each
@@ -28,12 +30,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from qeff_evs.manifest import LanguageShape, LayerState
-from qeff_evs.specializations import COMP_CTX_SYMBOL, RETAINED_SUFFIX
+from qeff_evs.specializations import COMP_CTX_SYMBOL, NUM_LOGITS_SYMBOL, RETAINED_SUFFIX
 
 BATCH, SEQ, VISION, CTX = "batch_size", "seq_len", "vision_size", "ctx_len"
 FULL_BATCH = "full_batch_size"  # KV cache rows under continuous batching (QEfficient's symbol)
 COMP_CTX = COMP_CTX_SYMBOL  # slots a call reads of its KV row (the length of comp_ctx_lengths)
 COMP_CTX_LENGTHS = "comp_ctx_lengths"  # the per-call input whose length is COMP_CTX (QEfficient's name)
+NUM_LOGITS = NUM_LOGITS_SYMBOL  # logits a call computes per batch row (the length of logits_rows): 1, or 0
+LOGITS_ROWS = "logits_rows"  # the per-call input whose length is NUM_LOGITS
 BATCH_INDEX = "batch_index"
 PAD_POSITION = -1  # position (and KV slot) of a padding token: every row of position_ids
 PAD_BATCH_INDEX = -1  # batch_index of an unused decode row (vllm-qaic); its writes are skipped
@@ -75,6 +79,7 @@ class LanguageGraphIO:
     kv_layers: tuple[int, ...] | None = None  # layers with a KV cache; None: every layer
     layer_states: tuple[LayerState, ...] = ()  # the other layers' retained state
     comp_ctx_lengths: bool = False  # the graph takes comp_ctx_lengths (an export with a context-length ladder)
+    logits_rows: bool = False  # the graph takes logits_rows (a call may compute no logits)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "extras", tuple(self.extras))
@@ -86,7 +91,7 @@ class LanguageGraphIO:
     def of_shape(cls, shape: LanguageShape) -> "LanguageGraphIO":
         """The I/O of the graph an export's ``LanguageShape`` describes."""
         return cls(shape.num_layers, tuple(shape.extras), shape.continuous_batching, shape.kv_layers,
-                   shape.layer_states, bool(shape.comp_ctx_lengths))
+                   shape.layer_states, bool(shape.comp_ctx_lengths), shape.logits_rows)
 
     @property
     def kv_layer_indices(self) -> tuple[int, ...]:
@@ -121,7 +126,8 @@ class LanguageGraphIO:
         # batch_index follows the caches, as in QEfficient's forward signature.
         cb = [BATCH_INDEX] if self.continuous_batching else []
         ccl = [COMP_CTX_LENGTHS] if self.comp_ctx_lengths else []
-        return ["input_ids", *self.vision_inputs, "position_ids", "image_idx", *self._kv(), *ccl, *cb]
+        logits = [LOGITS_ROWS] if self.logits_rows else []
+        return ["input_ids", *self.vision_inputs, "position_ids", "image_idx", *self._kv(), *ccl, *logits, *cb]
 
     @property
     def output_names(self) -> list[str]:
@@ -145,6 +151,9 @@ class LanguageGraphIO:
             axes[BATCH_INDEX] = {0: BATCH}
         if self.comp_ctx_lengths:
             axes[COMP_CTX_LENGTHS] = {0: COMP_CTX}
+        if self.logits_rows:
+            axes[LOGITS_ROWS] = {0: NUM_LOGITS}
+            axes["logits"] = {0: BATCH, 1: NUM_LOGITS}
         states = set(self.state_inputs)
         for name in self.layer_inputs():
             layer_axes = {0: rows} if name in states else {0: rows, 2: CTX}

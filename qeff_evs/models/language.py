@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from qeff_evs.manifest import LayerState
-from qeff_evs.models.graph_io import BATCH_INDEX, COMP_CTX_LENGTHS, LanguageGraphIO, check_batch_index
+from qeff_evs.models.graph_io import BATCH_INDEX, COMP_CTX_LENGTHS, LOGITS_ROWS, LanguageGraphIO, check_batch_index
 from qeff_evs.models.kv_cache import SlotKVCache, cache_slots, slot_attention_mask
 from qeff_evs.models.registry import family_for_config
 from qeff_evs.models.rope import RopeTable
@@ -134,7 +134,7 @@ def media_rows(
 
 
 class LanguageGraphOutput(NamedTuple):
-    logits: torch.Tensor  # (B, 1, vocab) fp32, last valid position of each row
+    logits: torch.Tensor  # (B, 1, vocab) fp32, last valid position of each row; (B, 0, vocab) with no logits rows
     image_idx_output: torch.Tensor  # (1, 1) int64
     past_keys: list[torch.Tensor]  # per KV layer (B or full_batch_size, kv_heads, ctx_len, head_dim)
     past_values: list[torch.Tensor]
@@ -186,14 +186,18 @@ class LanguageGraph(nn.Module):
         batch_index: torch.Tensor | None = None,
         states: Mapping[str, torch.Tensor] | None = None,
         comp_ctx_lengths: torch.Tensor | None = None,
+        logits_rows: torch.Tensor | None = None,
     ) -> LanguageGraphOutput:
         """``extras``: each of the family's extra rows by name, ``(levels, 1, vision_size, hidden)``;
         ``past_keys``/``past_values``: one per KV layer (``spec.kv_layers``); ``states``: the layer states
         by input name (``{state}.{layer}``, ``(rows, *row_shape)``); ``comp_ctx_lengths``: a ``(comp_ctx_len,)``
-        tensor whose length is how many slots of the KV rows the step reads (None: all ``ctx_len``)."""
+        tensor whose length is how many slots of the KV rows the step reads (None: all ``ctx_len``);
+        ``logits_rows``: a ``(num_logits,)`` tensor whose length, 1 or 0, is how many logits each row gets (None: 1);
+        with 0 the LM head runs on no rows, which is what a chunk whose logits nobody reads saves."""
         extras, states = dict(extras or {}), dict(states or {})
         self._check_inputs(position_ids, past_keys, past_values, extras, batch_index, states)
         self._check_comp_ctx_len(position_ids, past_keys, comp_ctx_lengths)
+        self._check_logits_rows(logits_rows)
         text = self.text_model
         # Padding rows may carry id -1 (vllm-qaic); their embedding is never used, it only has to exist.
         hidden = text.embed_tokens(torch.where(input_ids < 0, 0, input_ids))
@@ -231,6 +235,8 @@ class LanguageGraph(nn.Module):
         batch_rows = torch.arange(hidden.shape[0], device=hidden.device)
         # (B, hidden) then unsqueeze, so the graph knows the middle axis of the logits is exactly 1.
         last_hidden = hidden[batch_rows, last].unsqueeze(1)
+        if logits_rows is not None:  # a Slice to the input's length keeps num_logits a graph symbol
+            last_hidden = last_hidden[:, : logits_rows.shape[0]]
         logits = self.lm_head(text.norm(last_hidden)).float()
 
         image_idx_output = (image_idx.reshape(()) + merge.count.max()).reshape(1, 1)
@@ -269,6 +275,14 @@ class LanguageGraph(nn.Module):
                 f"a step reads only that many slots, so pick a length in ({last}, {ctx_len}] (the smallest the "
                 "export has)")
 
+    @staticmethod
+    def _check_logits_rows(logits_rows) -> None:
+        if torch.jit.is_tracing() or logits_rows is None:
+            return
+        if logits_rows.dim() != 1 or logits_rows.shape[0] > 1:
+            raise ValueError(f"logits_rows has shape {tuple(logits_rows.shape)}; pass (1,) for the logits of each row's "
+                             "last valid token or (0,) for none")
+
     def _check_inputs(self, position_ids, past_keys, past_values, extras, batch_index, states) -> None:
         if torch.jit.is_tracing():
             return
@@ -306,12 +320,13 @@ class LanguageGraph(nn.Module):
 class ExportableLanguageGraph(nn.Module):
     """``LanguageGraph`` with flat tensor inputs/outputs in graph order (what the exporter traces)."""
 
-    def __init__(self, graph: LanguageGraph, continuous_batching: bool = False, comp_ctx_lengths: bool = False):
+    def __init__(self, graph: LanguageGraph, continuous_batching: bool = False, comp_ctx_lengths: bool = False,
+                 logits_rows: bool = False):
         super().__init__()
         self.graph = graph
         spec = graph.spec
         self.io = LanguageGraphIO(spec.num_layers, tuple(spec.extras), continuous_batching, spec.io_kv_layers,
-                                  spec.layer_states, comp_ctx_lengths)
+                                  spec.layer_states, comp_ctx_lengths, logits_rows)
 
     @property
     def spec(self) -> LanguageSpec:
@@ -334,6 +349,7 @@ class ExportableLanguageGraph(nn.Module):
             batch_index=named.get(BATCH_INDEX),
             states={name: named[name] for name in self.io.state_inputs},
             comp_ctx_lengths=named.get(COMP_CTX_LENGTHS),
+            logits_rows=named.get(LOGITS_ROWS),
         )
         retained = [named[name] for name in self.io.vision_inputs]
         updated = dict(step.states)

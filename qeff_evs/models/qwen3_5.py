@@ -26,9 +26,9 @@ dv)`` with their ``_RetainedState`` outputs (``LayerState``), run by
   ``custom_io.yaml`` and kept fp32 along its path through the graph by a ``-node-precision-info`` file
   (fp16 storage drifts with every decode step: ``benchmarks/README.md``, the Gated DeltaNet layer bench).
 
-Prefix caching could not serve this family even if exports shared KV blocks: a cached prefix would have
-to restore the linear layers' state at the prefix's end, which no KV block holds (the vLLM plugin refuses
-prefix caching for every export, ``qeff_evs.vllm.limits``).
+vLLM's block prefix cache could not serve this family even if exports shared KV blocks: a cached prefix would have
+to restore the linear layers' state at the prefix's end, which no KV block holds. Row reuse (the vLLM plugin's
+prefix caching) can, when the row's whole history is the prefix: its state is then the state at the prefix's end.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ side alone (``encode``) and read JSONL requests (``requests_jsonl``)."""
 from qeff_evs.runtime.engine.serving import ServeRequest, ServingEngine, TokenEvent
 from qeff_evs.runtime.builders import build_serving_engine
 from qeff_evs.runtime.export_bundle import open_export
-from qeff_evs.runtime.requests_jsonl import requests_from_jsonl
+from qeff_evs.runtime.requests_jsonl import Conversations, requests_from_jsonl
 
-__all__ = ["ServeRequest", "ServingEngine", "TokenEvent", "build_serving_engine", "open_export",
+__all__ = ["Conversations", "ServeRequest", "ServingEngine", "TokenEvent", "build_serving_engine", "open_export",
            "requests_from_jsonl"]

@@ -59,8 +59,9 @@ def answer(bundle: ExportBundle, engine: Engine, video: MediaInput, question: st
 def build_serving_engine(bundle: ExportBundle, backend: str = "ort", max_num_seqs: int | None = None,
                          max_num_batched_tokens: int | None = None, encoder_cache_rows: int | None = None,
                          progress: Progress | None = None, device: str | None = None, device_ids=None,
-                         pruning: VideoPruning | None = None):
-    """A continuous-batching serving engine over an export made with ``--full-batch-size``."""
+                         pruning: VideoPruning | None = None, row_reuse: bool = True):
+    """A continuous-batching serving engine over an export made with ``--full-batch-size`` (``row_reuse``: a
+    request reuses what a free KV row holds of its prompt, ``engine/row_history.py``)."""
     from qeff_evs.runtime.engine.scheduler import SchedulerConfig
     from qeff_evs.runtime.engine.serving import ServingEngine
 
@@ -79,7 +80,7 @@ def build_serving_engine(bundle: ExportBundle, backend: str = "ort", max_num_seq
     rows = max(budget, largest_item) if encoder_cache_rows is None else encoder_cache_rows
     scheduler = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=seqs,
                                 prefill_seq_len=m.prefill_seq_len, ctx_len=m.ctx_len,
-                                encoder_compute_budget=rows, encoder_cache_size=rows)
+                                encoder_compute_budget=rows, encoder_cache_size=rows, row_reuse=row_reuse)
     vision, language = sessions_for(bundle, backend, device, device_ids, method=config.video_pruning_method)
     try:
         return ServingEngine(bundle.family, vision, language, config, scheduler, stop_ids(bundle), progress)
@@ -89,18 +90,24 @@ def build_serving_engine(bundle: ExportBundle, backend: str = "ort", max_num_seq
         raise
 
 
-def generate_all(engine, requests: Iterable, on_finished: Callable[[str, list[int], object], None] | None = None
-                 ) -> dict[str, list[int]]:
+def generate_all(engine, requests: Iterable,
+                 on_finished: Callable[[str, list[int], object], Iterable | None] | None = None,
+                 on_token: Callable[[object], None] | None = None) -> dict[str, list[int]]:
     """Every request (``ServeRequest``) through a serving engine until all have finished: each one's generated token
-    ids by request id. ``on_finished(request_id, token_ids, finish_reason)`` runs as each request finishes."""
+    ids by request id. ``on_token(event)`` sees every ``TokenEvent``; ``on_finished(request_id, token_ids, event)``
+    runs as each request finishes (``event``: its last, with ``finish_reason`` and ``num_cached_tokens``), and the
+    requests it returns (a conversation's follow-ups) are queued then."""
     for request in requests:
         engine.add_request(request)
     tokens: dict[str, list[int]] = {}
     while engine.has_unfinished():
         for event in engine.step():
             tokens.setdefault(event.request_id, []).append(event.token_id)
+            if on_token is not None:
+                on_token(event)
             if event.finish_reason is not None and on_finished is not None:
-                on_finished(event.request_id, tokens[event.request_id], event.finish_reason)
+                for request in on_finished(event.request_id, tokens[event.request_id], event) or ():
+                    engine.add_request(request)
     return tokens
 
 

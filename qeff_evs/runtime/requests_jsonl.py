@@ -1,34 +1,84 @@
-"""Requests read from a JSONL file (``qeff-evs run --requests``), one per line, for the serving engine."""
+"""Requests read from a JSONL file (``qeff-evs run --requests``), one per line, for the serving engine.
+
+A line with ``"after": "<id>"`` asks a follow-up in request ``<id>``'s conversation, as a chat client does: it is
+queued once ``<id>`` has finished, and its prompt is the chat so far (every earlier turn of the conversation, each
+answer as the assistant's turn, decoded as vLLM returns it) then ``prompt`` as the next user turn, about the
+conversation's video. Its KV row then holds most of that prompt already (row reuse:
+docs/serving.md#conversations-row-reuse).
+"""
 
 from __future__ import annotations
 
-from dataclasses import replace
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 
+from qeff_evs.models.protocol import MediaInput
 from qeff_evs.models.pruning import VideoPruning
+from qeff_evs.runtime.engine.serving import ServeRequest
 from qeff_evs.runtime.export_bundle import ExportBundle
 from qeff_evs.runtime.request_pruning import PRUNING_KEYS, PruningRequest
-from qeff_evs.runtime.inputs.prompt import video_question_pieces
+from qeff_evs.runtime.inputs.prompt import conversation_pieces, video_question_pieces
 from qeff_evs.runtime.media import video_from_file, video_from_patches
 
 
-def requests_from_jsonl(path: str | Path, bundle: ExportBundle, pruning: VideoPruning | None = None):
+@dataclass(frozen=True)
+class JsonlRequest:
+    """One line of a requests file: a question about its own video, or (``after``) a follow-up."""
+
+    request_id: str
+    prompt: str
+    media: tuple[MediaInput, ...]  # the line's video; () for a follow-up (it asks about its conversation's)
+    max_new_tokens: int = 16
+    after: str | None = None  # the request whose conversation this continues, once that one has finished
+
+
+class Conversations:
+    """The chats of a requests file: each line's messages so far, to build its follow-ups from."""
+
+    def __init__(self, bundle: ExportBundle):
+        self.bundle = bundle
+        self._chats: dict[str, tuple[tuple[dict, ...], tuple[MediaInput, ...]]] = {}
+
+    def first_turn(self, line: JsonlRequest) -> ServeRequest:
+        """The request of a line with its own video."""
+        tokens = self.bundle.family.token_strings
+        self._chats[line.request_id] = ((_user_turn(line.prompt, with_video=True),), line.media)
+        pieces = video_question_pieces(self.bundle.tokenizer, line.prompt, tokens)
+        return ServeRequest(line.request_id, pieces, line.media, line.max_new_tokens)
+
+    def follow_up(self, line: JsonlRequest, answer_ids: Sequence[int]) -> ServeRequest:
+        """The request of a follow-up line, once ``line.after`` has answered ``answer_ids``."""
+        messages, media = self._chats[line.after]
+        answer = self.bundle.tokenizer.decode(list(answer_ids), skip_special_tokens=True)  # what vLLM returns
+        messages = (*messages, {"role": "assistant", "content": answer}, _user_turn(line.prompt, with_video=False))
+        self._chats[line.request_id] = (messages, media)
+        pieces = conversation_pieces(self.bundle.tokenizer, list(messages), self.bundle.family.token_strings)
+        return ServeRequest(line.request_id, pieces, media, line.max_new_tokens)
+
+
+def _user_turn(prompt: str, with_video: bool) -> dict:
+    return {"role": "user", "content": [{"type": "video"}] * with_video + [{"type": "text", "text": prompt}]}
+
+
+def requests_from_jsonl(path: str | Path, bundle: ExportBundle, pruning: VideoPruning | None = None
+                        ) -> list[JsonlRequest]:
     """``{"id", "prompt", "video" | "pixel_values_videos"+"video_grid_thw", "max_new_tokens", "fps",
     "media_io_kwargs", "mm_processor_kwargs", "video_pruning_rate", "video_pruning_method", "max_video_tokens"}``
     per line (``fps``: the rate of a ``.npy`` or of the pixels; the kwargs as vLLM takes them, for a video file; the
     pruning fields, here or in ``mm_processor_kwargs`` as vLLM takes them: the request's own, ``pruning`` (the run's,
-    default the export's) where absent)."""
+    default the export's) where absent), or ``{"id", "after", "prompt", "max_new_tokens"}``: a follow-up in the
+    conversation of an earlier line's request ``after``."""
     import json
 
     from qeff_evs.runtime.builders import video_pruning
-    from qeff_evs.runtime.engine.serving import ServeRequest
 
     pruning = video_pruning(bundle) if pruning is None else pruning
 
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"requests file {path} not found")
-    requests = []
+    requests, seen = [], set()
     for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
         if not line.strip():
             continue
@@ -37,8 +87,19 @@ def requests_from_jsonl(path: str | Path, bundle: ExportBundle, pruning: VideoPr
             entry = json.loads(line)
         except json.JSONDecodeError as error:
             raise ValueError(f"{where}: not JSON ({error})") from None
-        if not isinstance(entry, dict) or "prompt" not in entry or not ({"video", "pixel_values_videos"} & entry.keys()):
-            raise ValueError(f"{where}: each request needs 'prompt' and 'video' (or 'pixel_values_videos')")
+        if not isinstance(entry, dict) or "prompt" not in entry:
+            raise ValueError(f"{where}: each request needs 'prompt' and 'video' (or 'pixel_values_videos'), or "
+                             "'after' naming an earlier request")
+        request_id = str(entry.get("id", f"request-{number}"))
+        if request_id in seen:
+            raise ValueError(f"{where}: request id {request_id!r} is used by an earlier line; give each its own")
+        seen.add(request_id)
+        if "after" in entry:
+            requests.append(_follow_up(entry, request_id, where, seen, bundle))
+            continue
+        if not {"video", "pixel_values_videos"} & entry.keys():
+            raise ValueError(f"{where}: each request needs 'prompt' and 'video' (or 'pixel_values_videos'), or "
+                             "'after' naming an earlier request")
         try:
             fps = None if entry.get("fps") is None else float(entry["fps"])
             max_new_tokens = int(entry.get("max_new_tokens", 16))
@@ -58,8 +119,27 @@ def requests_from_jsonl(path: str | Path, bundle: ExportBundle, pruning: VideoPr
                                                               bundle.family.merged_grid(video.grid_thw)))
         except (ValueError, TypeError) as error:
             raise ValueError(f"{where}: {error}") from None
-        pieces = video_question_pieces(bundle.tokenizer, entry["prompt"], bundle.family.token_strings)
-        requests.append(ServeRequest(str(entry.get("id", f"request-{number}")), pieces, [video], max_new_tokens))
+        requests.append(JsonlRequest(request_id, str(entry["prompt"]), (video,), max_new_tokens))
     if not requests:
         raise ValueError(f"{path} holds no requests")
     return requests
+
+
+def _follow_up(entry: dict, request_id: str, where: str, seen: set[str], bundle: ExportBundle) -> JsonlRequest:
+    after = str(entry["after"])
+    if after == request_id or after not in seen:
+        raise ValueError(f"{where}: 'after' names {after!r}, which no earlier line's id is; a follow-up comes after "
+                         "the request it continues")
+    own = sorted({"video", "pixel_values_videos", "video_grid_thw", "fps", "media_io_kwargs", "mm_processor_kwargs",
+                  *PRUNING_KEYS} & entry.keys())
+    if own:
+        raise ValueError(f"{where}: a follow-up ('after') asks about its conversation's video and takes none of its "
+                         f"own; drop {own}")
+    if not getattr(bundle.tokenizer, "chat_template", None):
+        raise ValueError(f"{where}: a follow-up needs the checkpoint's chat template, and this export's tokenizer has "
+                         "none; send the question as a request of its own")
+    try:
+        max_new_tokens = int(entry.get("max_new_tokens", 16))
+    except (ValueError, TypeError) as error:
+        raise ValueError(f"{where}: {error}") from None
+    return JsonlRequest(request_id, str(entry["prompt"]), (), max_new_tokens, after)

@@ -88,7 +88,8 @@ def _torch_language(bundle: ExportBundle, checkpoint, device: str | None) -> Tor
     language = ExportableLanguageGraph(
         bundle.family.language_graph(checkpoint.model, bundle.family.special_tokens().media_pads,
                                      shape.rope_positions, bundle.manifest.prefill_seq_len),
-        continuous_batching=shape.continuous_batching, comp_ctx_lengths=bool(shape.comp_ctx_lengths))
+        continuous_batching=shape.continuous_batching, comp_ctx_lengths=bool(shape.comp_ctx_lengths),
+        logits_rows=shape.logits_rows)
     return TorchLanguageSession(language, shape, device)
 
 

@@ -35,6 +35,7 @@ from .custom_io import (
 from .files import parse_specializations, read_specializations_json, write_specializations_json
 from .sets import (
     COMP_CTX_SYMBOL,
+    NUM_LOGITS_SYMBOL,
     DEFAULT_FRAMES_PER_CALL,
     EncoderTarget,
     Specialization,
@@ -63,6 +64,7 @@ __all__ = [
     "HW_VERSIONS",
     "detect_aic_hw_version",
     "COMP_CTX_SYMBOL",
+    "NUM_LOGITS_SYMBOL",
     "DEFAULT_FRAMES_PER_CALL",
     "EncoderTarget",
     "Specialization",

@@ -33,6 +33,9 @@ PREFILL_NAME = "Prefill"
 DECODE_NAME = "Decode"
 VISION_NAME = "Vision"
 COMP_CTX_SYMBOL = "comp_ctx_len"  # slots a call reads of its KV row: the length of input comp_ctx_lengths
+# Logits a call computes per batch row: the length of input logits_rows. Every specialization binds 1; only the
+# host backends run a call with 0 (a prefill chunk before the prompt's last, whose logits nobody reads).
+NUM_LOGITS_SYMBOL = "num_logits"
 
 # Temporal patches per encoder call. Measured on this machine (docs/performance.md): Qwen2.5-VL-3B
 # vision widths at 448x448, ONNX Runtime CPU time per temporal patch for F = 1, 2, 4, 8 was 0.82,
@@ -246,6 +249,7 @@ def language_specializations(
     decode_batch_size: int | None = None,
     comp_ctx_lengths: Sequence[int] = (),
     short_prefill_lens: Sequence[int] = (),
+    logits_rows: bool = False,
 ) -> list[Specialization]:
     """``[Prefill, Decode]`` for the language graph, both with ``vision_size = user_vision_size``.
 
@@ -263,6 +267,9 @@ def language_specializations(
     ``short_prefill_lens`` (from :func:`short_prefill_lens`): a prefill entry ``Prefill<n>`` per shorter length
     ``n`` after ``Prefill``, the same window (``vision_size = user_vision_size``: a chunk's own rows only, at most
     ``n``, zero-padded; the retained window keeps one size across entries).
+    ``logits_rows`` (the graph takes ``logits_rows``): every entry binds ``num_logits`` to 1, the card computing a
+    chunk's logits as before (a 0-row entry, which would spare it the LM head on the chunks before a prompt's last,
+    waits for a check that qaic-compile takes a zero-sized dimension).
     """
     context = "language_specializations"
     prefill_seq_len = _check_dimension("prefill_seq_len", prefill_seq_len, context)
@@ -292,7 +299,8 @@ def language_specializations(
 
     if comp_ctx_lengths and tuple(comp_ctx_lengths)[-1] != ctx_len:
         raise ValueError(f"compute context lengths {list(comp_ctx_lengths)} must end at ctx_len={ctx_len}")
-    shared = {"batch_size": batch_size, "ctx_len": ctx_len, "vision_size": user_vision_size}
+    shared = {"batch_size": batch_size, "ctx_len": ctx_len, "vision_size": user_vision_size,
+              **({NUM_LOGITS_SYMBOL: 1} if logits_rows else {})}
     short = [n for n in short_prefill_lens if n != prefill_seq_len]
     if any(not 2 <= n < prefill_seq_len for n in short):
         raise ValueError(f"short prefill lengths {list(short)} must lie in [2, prefill_seq_len={prefill_seq_len})")

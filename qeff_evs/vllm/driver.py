@@ -69,11 +69,13 @@ class VllmDriver:
         return self.executor.plan(pieces, media)
 
     def admit(self, request_id: str, plan: PromptPlan, media: Sequence[MediaInput], features: Sequence[Any],
-              request: Any = None, *, max_new_tokens: int) -> None:
+              request: Any = None, *, max_new_tokens: int, row: int | None = None) -> None:
         """Take a request before its first step; ``features``: its vLLM ``MultiModalFeatureSpec`` s, in plan order;
-        refused (``Executor.add``) when ``max_new_tokens`` would take its positions past the RoPE tables."""
-        self.executor.add(request_id, plan, media, [str(f.identifier) for f in features], request,
-                          max_new_tokens=max_new_tokens)
+        refused (``Executor.add``) when ``max_new_tokens`` would take its positions past the RoPE tables. ``row``:
+        its KV row (the scheduler's choice), else the lowest free one at its first chunk."""
+        state = self.executor.add(request_id, plan, media, [str(f.identifier) for f in features], request,
+                                  max_new_tokens=max_new_tokens)
+        state.cache_row = row
 
     def finish(self, request_id: str) -> None:
         """Forget a finished or aborted request: its KV row is free for the next one."""

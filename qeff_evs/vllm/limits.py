@@ -24,7 +24,6 @@ class ServingSettings:
     max_num_seqs: int
     max_model_len: int
     video_pruning_rate: float | None
-    enable_prefix_caching: bool
     video_pruning_method: str = DEFAULT_METHOD
 
 
@@ -53,7 +52,4 @@ def refusals(settings: ServingSettings, manifest: Manifest) -> list[str]:
     context = min(settings.max_model_len, manifest.ctx_len)
     problems += [p for p in (manifest.method_refusal(settings.video_pruning_method),
                              manifest.rate_refusal(settings.video_pruning_rate or 0.0, context)) if p]
-    if settings.enable_prefix_caching:
-        problems.append("prefix caching is on, but an export's KV rows are not shared blocks; pass "
-                        "--no-enable-prefix-caching")
     return problems

@@ -10,7 +10,9 @@ sampling parameters, ``request_checks.py`` for the prompt).
 KV accounting: the worker declares one KV block per exported KV row, each as long as the model
 (``block_size = max_model_len``), so vLLM's block pool admits at most as many running requests as the
 export has rows, a request never asks for a second block, and vLLM therefore never preempts one (a
-preemption would need a block that cannot exist). Prefix caching is refused, so blocks are never shared.
+preemption would need a block that cannot exist). Blocks are never shared: vLLM's ``--enable-prefix-caching``
+(on by default) turns on row reuse instead, the scheduler's own (``scheduler.py``: a follow-up runs in the row
+that holds its conversation so far, and only its tail is computed).
 """
 
 from __future__ import annotations
@@ -72,13 +74,6 @@ class QeffEvsPlatform(Platform):
         return torch.no_grad()
 
     @classmethod
-    def pre_register_and_update(cls, parser=None) -> None:
-        # Exports never serve prefix caching (start-up refuses it): off unless asked for, so `vllm serve`
-        # needs no --no-enable-prefix-caching. Offline LLM(...) takes no parser and passes it itself.
-        if parser is not None:
-            parser.set_defaults(enable_prefix_caching=False)
-
-    @classmethod
     def check_and_update_config(cls, vllm_config) -> None:
         model_config = vllm_config.model_config
         if model_config is None:
@@ -90,8 +85,7 @@ class QeffEvsPlatform(Platform):
         settings = ServingSettings(
             max_num_seqs=scheduler.max_num_seqs, max_model_len=model_config.max_model_len,
             video_pruning_rate=None if mm is None else mm.video_pruning_rate,
-            video_pruning_method=served_pruning(mm).method,
-            enable_prefix_caching=bool(cache.enable_prefix_caching))
+            video_pruning_method=served_pruning(mm).method)
         # Before record_local_ranks: settings.py reads --device-ids only where the config is made (see there).
         ours = [f"{line} (the qeff-evs platform)" for line in engine_refusals(vllm_config)]
         record_local_ranks(vllm_config)

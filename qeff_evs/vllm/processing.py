@@ -62,17 +62,25 @@ POSITIONS_END = "qeff_evs_positions_end"
 
 def media_from_fields(fields: Mapping[str, Any], modality: str) -> MediaInput:
     """The ``MediaInput`` one processed item describes (``fields``: its ``MultiModalKwargsItem`` data), a video with
-    the pruning its request chose."""
+    the pruning its request chose. An item wholly inside a KV row's reused prefix comes without its pixels (vLLM's
+    ``strip_covered_mm_data`` keeps only the ``keep_on_cpu`` fields: all but the pixels, see ``_get_mm_fields_config``):
+    it is planned, never encoded, and its ``pixel_values`` are empty."""
     if modality == "video":
         pruning = VideoPruning(PRUNING_METHODS[int(fields["video_pruning_method"])],
                                float(fields["video_pruning_rate"]))
-        return MediaInput(fields["pixel_values_videos"].to(torch.float32),
+        return MediaInput(_pixels(fields, "pixel_values_videos"),
                           tuple(int(v) for v in fields["video_grid_thw"].tolist()), float(fields["video_fps"]),
                           tuple(float(t) for t in fields["video_frame_times"].tolist()), pruning=pruning)
     if modality == "image":
-        return MediaInput(fields["pixel_values"].to(torch.float32),
+        return MediaInput(_pixels(fields, "pixel_values"),
                           tuple(int(v) for v in fields["image_grid_thw"].tolist()), 1.0, (), kind="image")
     raise ValueError(f"qeff-evs exports take images and videos, not {modality!r}")
+
+
+def _pixels(fields: Mapping[str, Any], name: str) -> torch.Tensor:
+    pixels = fields.get(name)
+    return torch.empty(0) if pixels is None else pixels.to(torch.float32)
+
 
 
 def _frames_and_metadata(item: Any) -> tuple[np.ndarray, dict]:
@@ -272,20 +280,23 @@ class QeffEvsProcessor(BaseMultiModalProcessor[QeffEvsProcessingInfo]):
         return process_media(self.info.bundle, videos, images, hf_kwargs, self.info.request_pruning)
 
     def _get_mm_fields_config(self, hf_inputs: BatchFeature, hf_processor_mm_kwargs: Mapping[str, object]):
+        # Every field but the pixels is kept on the host (keep_on_cpu): vLLM then sends it for an item its scheduler
+        # will not encode (wholly inside a reused KV row's prefix), and the worker plans the item's segment from it.
         fields: dict[str, MultiModalFieldConfig] = {}
         if "video_grid_thw" in hf_inputs:
             grids = hf_inputs["video_grid_thw"]
             fields.update(pixel_values_videos=MultiModalFieldConfig.flat_from_sizes("video", grids.prod(-1)),
-                          video_grid_thw=MultiModalFieldConfig.batched("video"),
-                          video_fps=MultiModalFieldConfig.batched("video"),
-                          video_frame_times=MultiModalFieldConfig.flat_from_sizes("video", hf_inputs["video_num_frames"]),
-                          video_num_frames=MultiModalFieldConfig.batched("video"),
-                          video_pruning_rate=MultiModalFieldConfig.batched("video"),
-                          video_pruning_method=MultiModalFieldConfig.batched("video"))
+                          video_grid_thw=MultiModalFieldConfig.batched("video", keep_on_cpu=True),
+                          video_fps=MultiModalFieldConfig.batched("video", keep_on_cpu=True),
+                          video_frame_times=MultiModalFieldConfig.flat_from_sizes(
+                              "video", hf_inputs["video_num_frames"], keep_on_cpu=True),
+                          video_num_frames=MultiModalFieldConfig.batched("video", keep_on_cpu=True),
+                          video_pruning_rate=MultiModalFieldConfig.batched("video", keep_on_cpu=True),
+                          video_pruning_method=MultiModalFieldConfig.batched("video", keep_on_cpu=True))
         if "image_grid_thw" in hf_inputs:
             grids = hf_inputs["image_grid_thw"]
             fields.update(pixel_values=MultiModalFieldConfig.flat_from_sizes("image", grids.prod(-1)),
-                          image_grid_thw=MultiModalFieldConfig.batched("image"))
+                          image_grid_thw=MultiModalFieldConfig.batched("image", keep_on_cpu=True))
         return fields
 
     def _get_prompt_updates(self, mm_items, hf_processor_mm_kwargs, out_mm_kwargs):

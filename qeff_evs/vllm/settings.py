@@ -117,6 +117,7 @@ STOP_TEST = "test_vllm_settings.py::test_stop_strings_cut_the_text_as_vllm_docum
 PROCESSOR_TEST = "test_vllm_settings.py::test_custom_logits_processor_with_extra_args"
 EPD_REFUSALS_TEST = "test_vllm_epd.py::test_what_encoder_disaggregation_cannot_serve_is_refused_one_line_each"
 BENCH_TEST = "test_vllm_serve.py::test_vllm_bench_serve_runs_with_no_failed_request"
+ROW_REUSE_TEST = "test_vllm_serve.py::test_a_follow_up_reuses_its_conversations_row_with_the_same_tokens"
 
 
 def _default(path: str, value: Any) -> Callable[[Any], Any]:
@@ -268,12 +269,14 @@ ENGINE_SETTINGS: tuple[Setting, ...] = (
     _r("max_parallel_loading_workers", "parallel_config.max_parallel_loading_workers", WEIGHTS, 2),
     _n("block_size", "vLLM resolves its default before qeff-evs sees it; the plugin sets one KV block per KV row "
        "of the export (block_size = max_model_len), the only layout its graphs have"),
-    _h("enable_prefix_caching", "off by default through the plugin; on is refused (limits.py: KV rows are not "
-       "shared blocks)", "test_vllm_plugin.py::test_start_up_refuses_what_the_export_cannot_serve"),
-    _h("prefix_caching_hash_algo", SCHEDULER + " (unused while prefix caching is off, as in vLLM)",
-       example="xxhash"),
-    _h("prefix_cache_retention_interval", SCHEDULER + " (unused while prefix caching is off, as in vLLM)",
-       example=5),
+    _h("enable_prefix_caching", "row reuse, on by default as in vLLM: a new request runs in the free KV row that "
+       "holds the longest prefix of its tokens (same media at the same places, same pruning; Qwen3.5: the row's "
+       "whole history), vLLM schedules only the rest and reports the prefix as cached tokens; "
+       "--no-enable-prefix-caching computes every prompt from its start", ROW_REUSE_TEST, example=True),
+    _h("prefix_caching_hash_algo", "row reuse compares token ids and media identifiers themselves, so it is exact "
+       "whatever the algorithm; vLLM's block hashes (one block per KV row) find no hit", example="xxhash"),
+    _h("prefix_cache_retention_interval", "applies to vLLM's sliding-window and Mamba cache groups, which an "
+       "export's KV rows are not", example=5),
     _r("disable_sliding_window", "model_config.disable_sliding_window", FEATURE, True, unused=(False,)),
     _n("disable_cascade_attn", "vLLM resolves it before qeff-evs sees it; cascade attention is a kernel of vLLM's "
        "torch runner"),
@@ -486,7 +489,9 @@ ENGINE_SETTINGS: tuple[Setting, ...] = (
     _r("kv_cache_dtype_skip_layers", "cache_config.kv_cache_dtype_skip_layers", KV, ["0"], unused=([],)),
     _r("mamba_cache_dtype", "cache_config.mamba_cache_dtype", FEATURE, "float32", unused=(None, "auto")),
     _r("mamba_ssm_cache_dtype", "cache_config.mamba_ssm_cache_dtype", FEATURE, "float32", unused=(None, "auto")),
-    _v("mamba_block_size", "vLLM: '--mamba-block-size can only be set with --enable-prefix-caching' (refused)", 16),
+    _h("mamba_block_size", "applies to vLLM's Mamba cache groups, which an export's KV rows are not (Qwen3.5's "
+       "linear-attention state lives in its KV row, reused only whole); with --no-enable-prefix-caching vLLM refuses "
+       "it ('--mamba-block-size can only be set with --enable-prefix-caching')", example=16),
     _r("prefix_match_unit", "cache_config.prefix_match_unit", FEATURE, 16),
     _r("mamba_cache_mode", "cache_config.mamba_cache_mode", FEATURE, "align", unused=("none",)),
     _r("enable_mamba_shared_prefix_checkpoint", "cache_config.enable_mamba_shared_prefix_checkpoint", FEATURE, True,
@@ -575,7 +580,8 @@ SAMPLING_SETTINGS: tuple[Setting, ...] = (
     _h("allowed_token_ids", SAMPLER, RULE_TEST),
     _h("extra_args", "passed to custom logits processors", PROCESSOR_TEST),
     _h("bad_words", SAMPLER, RULE_TEST),
-    _h("skip_reading_prefix_cache", "prefix caching is off (as vLLM without it)"),
+    _h("skip_reading_prefix_cache", "the request reuses no row's history (row reuse: enable_prefix_caching)",
+       ROW_REUSE_TEST),
     _h("thinking_token_budget", "vLLM's thinking-budget state in the plugin's sampler (needs --reasoning-config; "
        "vLLM refuses it without)", BUDGET_TEST),
     _h("repetition_detection", "vLLM's scheduler stops a repeating output"),

@@ -6,7 +6,8 @@ our processor prepared), and the driver runs the scheduled encoder items, prefil
 int64 positions, the request's KV row) and decodes over the backend's sessions. Then (``sample_tokens``,
 as vLLM's GPU runner) vLLM's structured-output bitmask is applied to the logits and vLLM's sampler picks
 the tokens. Encoder outputs are dropped when vLLM's encoder cache frees them, KV rows when vLLM finishes
-or aborts a request.
+or aborts a request. Each new request runs in the KV row the scheduler chose (``scheduler.py``), from the
+first token the row does not already hold.
 
 The frontend has refused whatever a request could get wrong; the checks here assert what it guaranteed.
 Should one fail anyway, or a backend call raise for one request, that request alone fails (logged, reported
@@ -115,7 +116,7 @@ class QeffEvsWorker(WorkerBase):
         failed: dict[str, str] = {}
         for new in scheduler_output.scheduled_new_reqs:
             try:
-                self._admit(new)
+                self._admit(new, scheduler_output.kv_rows[new.req_id])
             except Exception as error:  # noqa: BLE001 - one request's failure must not stop the engine
                 failed[new.req_id] = f"{type(error).__name__}: {error}"
         logits = self.driver.step(scheduler_output, failed)
@@ -134,7 +135,9 @@ class QeffEvsWorker(WorkerBase):
         output.failed = failed
         return output
 
-    def _admit(self, new) -> None:
+    def _admit(self, new, row: int | None = None) -> None:
+        """Take a request vLLM scheduled for the first time, in KV row ``row`` (the scheduler's choice: it may
+        already hold the first ``new.num_computed_tokens`` tokens, which are then not run again)."""
         features = sorted(new.mm_features or [], key=lambda f: f.mm_position.offset)
         media = [media_from_fields(f.data.get_data(), f.modality) for f in features]
         plan = self.driver.plan(prompt_pieces(list(new.prompt_token_ids), features), media)
@@ -142,7 +145,8 @@ class QeffEvsWorker(WorkerBase):
         if not np.array_equal(plan.ids, np.asarray(new.prompt_token_ids)):
             raise AssertionError(f"request {new.req_id}: vLLM's prompt ids differ from the export's layout of the "
                                  "same media; the prompt was not made by the qeff-evs processor")
-        self.driver.admit(new.req_id, plan, media, features, max_new_tokens=new.sampling_params.max_tokens)
+        self.driver.admit(new.req_id, plan, media, features, max_new_tokens=new.sampling_params.max_tokens,
+                          row=row)
 
     def check_health(self) -> None:
         return

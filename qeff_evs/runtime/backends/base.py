@@ -38,6 +38,10 @@ writes it either. ``reset`` stays for callers that want a clean state on purpose
 With compute context lengths (``LanguageShape.comp_ctx_lengths``) every call also gets ``comp_ctx_lengths``, as
 long as the smallest length holding the call's last KV slot: so every engine (single-request, serving, the vLLM
 worker, the bench), which all call through here, runs each step in the shortest specialization that holds it.
+With logits rows (``LanguageShape.logits_rows``) every call also gets ``logits_rows``: of length 1, or 0 on the
+host backends for a step that does not want its logits (``LanguageInputs.wants_logits``: a prefill chunk before the
+prompt's last), which then skips the LM head, a read of ``vocab x hidden`` weights per call; the card's
+specializations all compute one row.
 ``close`` releases what the session holds (a QAIC program on its device); the host backends hold nothing.
 """
 
@@ -52,7 +56,7 @@ import numpy as np
 
 from qeff_evs.manifest import LanguageShape
 from qeff_evs.models.graph_io import (
-    BATCH_INDEX, COMP_CTX_LENGTHS, PAD_POSITION, check_batch_index,
+    BATCH_INDEX, COMP_CTX_LENGTHS, LOGITS_ROWS, PAD_POSITION, check_batch_index,
 )
 from qeff_evs.specializations.sets import call_len_refusal
 
@@ -67,6 +71,9 @@ class LanguageInputs:
     extras: Mapping[str, np.ndarray]  # the family's extra rows by name, (levels, 1, U, hidden); {} in decode
     image_idx: np.ndarray  # (1, 1) int64
     vision_rows: int  # how many real rows the window carries
+    # False: nobody reads this call's logits (a prefill chunk before the prompt's last); a session whose graph
+    # takes logits_rows may then compute none (``RetainedStateSession.skips_unread_logits``).
+    wants_logits: bool = True
 
 
 @dataclass(frozen=True)
@@ -161,6 +168,10 @@ class RetainedStateSession(abc.ABC):
     lives (``reset``) and how one call runs (``_call``).
     """
 
+    # Whether a step that does not want its logits runs with no logits rows (the host backends: any length of
+    # logits_rows runs); False where only the compiled one-row specializations exist (the card).
+    skips_unread_logits = True
+
     def __init__(self, shape: LanguageShape, input_names: list[str], output_names: list[str]) -> None:
         self.shape = shape
         self.input_names = input_names
@@ -247,6 +258,8 @@ class RetainedStateSession(abc.ABC):
         length = self.shape.comp_ctx_len(int(step.position_ids[0].max()))
         if length is not None:  # only its length counts: the call reads that many slots of each KV row
             inputs[COMP_CTX_LENGTHS] = np.arange(length, dtype=np.int64)
+        if self.shape.logits_rows:  # only its length counts: logits per batch row
+            inputs[LOGITS_ROWS] = np.zeros(int(step.wants_logits or not self.skips_unread_logits), dtype=np.int64)
         if step.vision_embeds is not None:
             inputs["vision_embeds"] = step.vision_embeds
         inputs.update(step.extras)

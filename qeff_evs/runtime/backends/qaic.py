@@ -335,6 +335,8 @@ class QaicLanguageSession(RetainedStateSession):
     always skipped, retained inputs are sent only when they change (see the module docstring).
     """
 
+    skips_unread_logits = False  # the compiled specializations all compute one logits row
+
     def __init__(self, program: QaicProgram, shape: LanguageShape):
         self.program = program
         self.retained = retained_inputs(program)

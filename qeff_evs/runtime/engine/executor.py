@@ -83,10 +83,13 @@ def media_pruning(media: MediaInput, default: VideoPruning) -> VideoPruning:
 
 
 def media_hash(media: MediaInput, pruning: VideoPruning) -> str:
-    """Content hash of one media item as the encoder sees it (pixels, grid, kind, pruning method and rate)."""
+    """Content hash of one media item: what the encoder sees (pixels, grid, kind, pruning method and rate) and
+    what its placeholder's ids and positions follow from besides (frame rate and times), so that one hash means
+    one encoder output and one prompt segment (row reuse compares media by it, ``row_history``)."""
     digest = hashlib.sha256()
     digest.update(np.ascontiguousarray(media.pixel_values.numpy()).tobytes())
-    digest.update(repr((tuple(int(v) for v in media.grid_thw), media.kind, pruning.method, pruning.rate)).encode())
+    digest.update(repr((tuple(int(v) for v in media.grid_thw), media.kind, pruning.method, pruning.rate,
+                        float(media.fps), tuple(float(t) for t in media.frame_times))).encode())
     return digest.hexdigest()
 
 
@@ -208,15 +211,16 @@ class Executor:
         elif request.cache_row is None:
             request.cache_row = self.free_cache_row()
         self._fill(request, computed, scheduled)
+        last = computed + scheduled == request.num_prompt_tokens  # only this chunk's logits are read
         inputs = prefill_step(request.plan, computed, scheduled, cfg.chunk_seq_len(scheduled), cfg.user_vision_size,
-                              shape.hidden, shape.extras, cfg.pad_token_id)
+                              shape.hidden, shape.extras, cfg.pad_token_id, wants_logits=last)
         request.vision_rows_per_chunk.append(inputs.vision_rows)
         self.progress(f"prefill {request_id} [{computed}, {computed + scheduled}): {inputs.vision_rows} vision rows")
         if shape.full_batch_size == 1:  # one KV cache row: graphs without batch_index address it implicitly
             logits = self.language.run(inputs)
         else:
             logits = self.language.prefill(request.cache_row, inputs)
-        if computed + scheduled != request.num_prompt_tokens:
+        if not last:
             return None  # only the chunk that completes the prompt yields a token
         request.prompt_logits = logits
         return logits.reshape(-1)

@@ -21,6 +21,12 @@ the next output.
 Numbers of computed tokens advance when a step is scheduled; ``update_from_output`` then records
 the sampled tokens and finishes requests on an EOS id, a stop id or ``max_new_tokens``.
 
+Row reuse (docs/serving.md#conversations-row-reuse, ``row_history``): with ``row_reuse`` on, a row keeps
+what its request fed (a ``RowHistory``) after the request ends, and a waiting request is placed by
+``choose_row``: it starts at ``num_computed = prefix`` (the tokens the row holds of it), so chunks inside the
+prefix are never scheduled and media wholly inside it are never encoded. A row whose layers cannot be rewound
+(``rewindable_rows`` False) is reused only whole. Off: the lowest free row, from token 0, as before.
+
 Media items are declared by content hash and ``Placeholder``. Beyond the placeholder's extent,
 only the position of its first embedding row and its row count matter here, so a Qwen3-VL request
 can be scheduled with its lumped placeholder before encoding (frame 0 is always kept whole, so the
@@ -34,7 +40,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 
+from qeff_evs.models.pruning import VideoPruning
 from qeff_evs.runtime.engine.encoder_cache import EncoderCache
+from qeff_evs.runtime.engine.row_history import MediaSpan, RowChoice, RowHistory, choose_row
 from qeff_evs.runtime.engine.window import Placeholder, overlaps_window
 
 
@@ -56,6 +64,7 @@ class SchedulerConfig:
     ctx_len: int  # KV slots per request
     encoder_compute_budget: int | None = None  # embedding rows encoded per step; None = max_num_batched_tokens
     encoder_cache_size: int | None = None  # embedding rows kept; None = max_num_batched_tokens
+    row_reuse: bool = True  # a finished request's KV row serves the next request's common prefix (row_history)
 
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs", "prefill_seq_len", "ctx_len"):
@@ -86,6 +95,11 @@ class MediaPlacement:
 
     content_hash: str
     placeholder: Placeholder
+    pruning: VideoPruning | None = None  # what shaped its kept rows (row reuse compares it); None: an image
+
+    @property
+    def span(self) -> MediaSpan:
+        return MediaSpan(self.placeholder.offset, self.placeholder.length, self.content_hash, self.pruning)
 
     @property
     def num_rows(self) -> int:
@@ -107,6 +121,9 @@ class RequestSpec:
     # Prompt positions no prefill chunk crosses (increasing, in (0, num_prompt_tokens]); () = cut anywhere.
     # The single-request engine's explicit chunks are its ends; budget and encoder limits may cut more.
     chunk_ends: tuple[int, ...] = ()
+    # The prompt's token ids (provisional inside placeholders is fine: media compare by hash). Row reuse needs
+    # them; () = the request neither reuses a row nor leaves a history in it.
+    token_ids: tuple[int, ...] = ()
 
 
 class FinishReason(str, Enum):
@@ -183,6 +200,7 @@ class FinishedRequest:
     request_id: str
     output_token_ids: tuple[int, ...]
     reason: FinishReason
+    num_cached_tokens: int = 0  # prompt tokens its KV row held already (vLLM's name for prefix-cache hits)
 
 
 @dataclass(eq=False)  # identity: list.remove / `in` must not compare specs (numpy masks inside)
@@ -192,6 +210,7 @@ class _RequestState:
     num_computed: int = 0
     output_ids: list[int] = field(default_factory=list)
     cache_row: int = -1
+    num_cached: int = 0  # prompt tokens the row held when the request took it
 
     @property
     def num_tokens(self) -> int:
@@ -203,12 +222,17 @@ class _RequestState:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig):
+    def __init__(self, config: SchedulerConfig, rewindable_rows: bool = True):
+        """``rewindable_rows`` False: the language graph keeps per-row state that cannot be cut back to a
+        shorter prefix (linear attention), so a row is reused only when its whole history is a prefix."""
         self.config = config
         self.cache = EncoderCache(config.encoder_cache_rows)
         self._waiting: deque[_RequestState] = deque()
         self._running: list[_RequestState] = []  # admission order
         self._free_rows = list(range(config.max_num_seqs))
+        self.rewindable_rows = rewindable_rows
+        self._histories: dict[int, RowHistory] = {}  # free row -> what it holds (row reuse)
+        self._num_ended = 0  # requests that left a row so far: RowHistory.finished_at
         self._finished_since_step: list[str] = []
         self._pending: SchedulerOutput | None = None  # scheduled, awaiting update_from_output
         self._aborted_while_pending: set[str] = set()
@@ -233,6 +257,14 @@ class Scheduler:
     def output_token_ids(self, request_id: str) -> tuple[int, ...]:
         return tuple(self._live(request_id).output_ids)
 
+    def num_cached_tokens(self, request_id: str) -> int:
+        """Prompt tokens the request's row held when it took it (0 while waiting)."""
+        return self._live(request_id).num_cached
+
+    def row_history(self, row: int) -> RowHistory | None:
+        """What free row ``row`` holds for the next request (None: nothing usable, or reuse is off)."""
+        return self._histories.get(row)
+
     def add_request(self, spec: RequestSpec) -> None:
         """Queue a request; raises ``ValueError`` (and queues nothing) if it could never run."""
         self._validate(spec)
@@ -247,10 +279,11 @@ class Scheduler:
         if state in self._waiting:
             self._waiting.remove(state)
         else:
-            self._end(state)
+            # Mid-step, the runner may or may not have run what was scheduled: the row's content is unknown.
+            self._end(state, row_known=self._pending is None)
         if self._pending is not None:
             self._aborted_while_pending.add(request_id)
-        return FinishedRequest(request_id, tuple(state.output_ids), FinishReason.ABORTED)
+        return FinishedRequest(request_id, tuple(state.output_ids), FinishReason.ABORTED, state.num_cached)
 
     # --- one step --------------------------------------------------------------------------
 
@@ -280,11 +313,16 @@ class Scheduler:
 
         while self._waiting and self._free_rows and budget > 0:
             state = self._waiting[0]
+            place = self._place(state)
+            state.num_computed = place.prefix  # the chunk starts after what the row holds
             scheduled, encoder_budget = self._plan_chunk(state, budget, encoder_budget, encoder_inputs)
             if scheduled == 0:
+                state.num_computed = 0
                 break  # first come, first served: nobody overtakes the head of the queue
             self._waiting.popleft()
-            state.cache_row = self._free_rows.pop(0)
+            self._free_rows.remove(place.row)
+            self._histories.pop(place.row, None)
+            state.cache_row, state.num_cached = place.row, place.prefix
             self._running.append(state)
             prefills.append(self._chunk(state, scheduled))
             budget -= scheduled
@@ -338,7 +376,7 @@ class Scheduler:
                 reason = self._finish_reason(state, token)
                 if reason is not None:
                     self._end(state)
-                    finished.append(FinishedRequest(rid, tuple(state.output_ids), reason))
+                    finished.append(FinishedRequest(rid, tuple(state.output_ids), reason, state.num_cached))
         return finished
 
     # --- internals -------------------------------------------------------------------------
@@ -361,14 +399,22 @@ class Scheduler:
                 # Encoders see the whole item at once, so stop before its placeholder, or wait.
                 scheduled = ph.offset - start if start < ph.offset else 0
                 break
-            first, last = ph.embed_rows_in_range(max(start - ph.offset, 0),
-                                                 min(start - ph.offset + scheduled, ph.length))
-            if first == last:
-                continue  # the window only covers text of this placeholder: encode later
+            if start + scheduled <= ph.offset + ph.leading_text:
+                continue  # the window only covers text before the item's first row: encode later
+            # (Past it, encode even when the provisional layout has text here: a chunk starting inside a reused
+            # prefix may reach rows the real layout puts where the provisional one has frame markers.)
             self.cache.store(media.content_hash, media.num_rows, (rid, item))
             encoder_budget -= media.num_rows
             encoder_inputs.append(EncoderInput(rid, item, media.content_hash, media.num_rows))
         return scheduled, encoder_budget
+
+    def _place(self, state: _RequestState) -> RowChoice:
+        """The free row a waiting request takes and the prefix it holds (``row_history.choose_row``)."""
+        spec = state.spec
+        if not self.config.row_reuse or not spec.token_ids:
+            return RowChoice(self._free_rows[0], 0)
+        return choose_row({row: self._histories.get(row) for row in self._free_rows}, spec.token_ids,
+                          [media.span for media in spec.media])
 
     def _chunk(self, state: _RequestState, scheduled: int) -> PrefillChunk:
         end = state.num_computed + scheduled
@@ -391,10 +437,19 @@ class Scheduler:
             return FinishReason.LENGTH
         return None
 
-    def _end(self, state: _RequestState) -> None:
+    def _end(self, state: _RequestState, row_known: bool = True) -> None:
         self._running.remove(state)
         self._free_rows.append(state.cache_row)
         self._free_rows.sort()
+        self._num_ended += 1
+        spec = state.spec
+        if self.config.row_reuse and spec.token_ids and row_known:
+            # The row holds every token fed so far: the prompt's computed part and the generated tokens but
+            # the last (sampled, never fed).
+            fed = (spec.token_ids + tuple(state.output_ids))[:state.num_computed]
+            self._histories[state.cache_row] = RowHistory(
+                fed, tuple(m.span for m in spec.media if m.placeholder.offset < len(fed)),
+                self.rewindable_rows, self._num_ended)
         self.cache.release_request(state.spec.request_id)
         self._finished_since_step.append(state.spec.request_id)
 
@@ -420,6 +475,9 @@ class Scheduler:
         if spec.max_new_tokens < 1:
             raise ValueError(f"request {rid!r}: max_new_tokens must be >= 1, got {spec.max_new_tokens}")
         check_fits_context(spec.num_prompt_tokens, spec.max_new_tokens, cfg.ctx_len, f"request {rid!r}: ")
+        if spec.token_ids and len(spec.token_ids) != spec.num_prompt_tokens:
+            raise ValueError(f"request {rid!r}: {len(spec.token_ids)} token ids for a {spec.num_prompt_tokens}-token "
+                             "prompt; give every prompt token's id, or none")
         ends = list(spec.chunk_ends)
         if ends and (ends != sorted(set(ends)) or ends[0] < 1 or ends[-1] > spec.num_prompt_tokens):
             raise ValueError(

@@ -5,6 +5,11 @@ per chunk, batch 1, into the request's KV cache row), plus the media items to en
 are cached by content hash and dropped when every holder has passed them; each prefill chunk gets
 only its own window of kept rows. All running requests decode together in one call
 (continuous batching). Greedy sampling. Our ``Scheduler`` decides; the shared ``Executor`` runs.
+
+Row reuse (docs/serving.md#conversations-row-reuse; on unless ``SchedulerConfig.row_reuse`` is off): a
+request placed in a row that holds its first ``p`` tokens starts its prefill at ``p``; the row's keys and values
+(and, for a graph whose rows cannot be rewound, its layer state) are left as the earlier request wrote them, since
+no backend clears a row per request.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from typing import Any
 
 from qeff_evs.models.protocol import ModelFamily, MediaInput
 from qeff_evs.runtime.backends.base import LanguageSession, VisionSession
-from qeff_evs.runtime.engine.executor import EngineConfig, Executor, ExecutorRequest
+from qeff_evs.runtime.engine.executor import EngineConfig, Executor, ExecutorRequest, media_pruning
 from qeff_evs.runtime.engine.request import EncodedMedia, PromptPiece, PromptPlan
 from qeff_evs.runtime.engine.scheduler import (
     FinishReason,
@@ -41,6 +46,8 @@ class TokenEvent:
     request_id: str
     token_id: int
     finish_reason: FinishReason | None = None
+    num_cached_tokens: int = 0  # prompt tokens the request's KV row held already (row reuse; vLLM's name)
+    num_prompt_tokens: int = 0  # the request's prompt length
 
 
 class ServingEngine:
@@ -57,7 +64,8 @@ class ServingEngine:
         if scheduler.prefill_seq_len != config.prefill_seq_len or scheduler.ctx_len != config.ctx_len:
             raise ValueError("scheduler and engine disagree on prefill_seq_len / ctx_len")
         self.config = config
-        self.scheduler = Scheduler(scheduler)
+        # Linear-attention state sums every token of the row: it cannot be cut back to a shorter prefix.
+        self.scheduler = Scheduler(scheduler, rewindable_rows=not shape.layer_states)
         self.executor = Executor(family, vision, language, config, progress)
         self.eos_ids = frozenset(int(t) for t in eos_ids)
 
@@ -86,15 +94,19 @@ class ServingEngine:
                     chunk_ends: tuple[int, ...] = (), request: Any = None) -> ExecutorRequest:
         """Queue a request whose prompt is planned (items may be encoded already); its executor record."""
         self.executor.check_new(request_id)
-        items = tuple(MediaPlacement(h, ph) for h, ph in zip(hashes, plan.placeholders))
+        prunings = [self._pruning(m) for m in media] if media else [None] * len(hashes)
+        items = tuple(MediaPlacement(h, ph, pruning) for h, ph, pruning in zip(hashes, plan.placeholders, prunings))
         self.scheduler.add_request(RequestSpec(
             request_id, len(plan.ids), items, max_new_tokens, eos_token_ids=self.eos_ids,
-            stop_token_ids=stop_token_ids, chunk_ends=chunk_ends))
+            stop_token_ids=stop_token_ids, chunk_ends=chunk_ends, token_ids=tuple(plan.ids.tolist())))
         try:  # after the scheduler's own checks, so a prompt too long for ctx_len is reported as such
             return self.executor.add(request_id, plan, media, hashes, request, max_new_tokens=max_new_tokens)
         except ValueError:
             self.scheduler.abort_request(request_id)
             raise
+
+    def _pruning(self, media: MediaInput):
+        return None if media.kind == "image" else media_pruning(media, self.config.pruning)
 
     def abort(self, request_id: str) -> None:
         self.scheduler.abort_request(request_id)
@@ -116,11 +128,15 @@ class ServingEngine:
             self.executor.encode(item.request_id, item.item)
         sampled = self._prefill(out)
         sampled.update(self.executor.decode([(d.request_id, d.computed) for d in out.decodes]))
-        finished = {f.request_id: f.reason for f in self.scheduler.update_from_output(out, sampled)}
+        finished = {f.request_id: f for f in self.scheduler.update_from_output(out, sampled)}
+        cached = {rid: f.num_cached_tokens for rid, f in finished.items()}
+        cached.update({rid: self.scheduler.num_cached_tokens(rid) for rid in sampled if rid not in finished})
+        prompt_lengths = {rid: self.executor.requests[rid].num_prompt_tokens for rid in sampled}
         for request_id in finished:
             self.executor.drop(request_id)
         self._free_when_idle()
-        return [TokenEvent(rid, token, finished.get(rid)) for rid, token in sampled.items()]
+        return [TokenEvent(rid, token, finished[rid].reason if rid in finished else None, cached[rid],
+                           prompt_lengths[rid]) for rid, token in sampled.items()]
 
     def _free_when_idle(self) -> None:
         # Released encoder outputs are freed by the next step's schedule(); with no request left

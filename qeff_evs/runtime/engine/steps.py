@@ -81,10 +81,11 @@ def gather_window(placeholders: Sequence[Placeholder], keys: Sequence[Hashable],
 
 def prefill_step(prompt: ChunkPrompt, computed: int, scheduled: int, seq_len: int,
                  user_vision_size: int, hidden: int, extras: Mapping[str, int] | None = None,
-                 pad_token_id: int = 0) -> LanguageInputs:
+                 pad_token_id: int = 0, wants_logits: bool = True) -> LanguageInputs:
     """The padded chunk ``[computed, computed+scheduled)`` as the prefill specialization wants it.
 
-    ``extras``: the family's extra rows (name -> levels), windowed with the vision rows.
+    ``extras``: the family's extra rows (name -> levels), windowed with the vision rows. ``wants_logits``: False
+    for a chunk before the prompt's last (``LanguageInputs.wants_logits``).
     """
     if scheduled > seq_len:
         raise ValueError(f"chunk of {scheduled} tokens exceeds the prefill length {seq_len}")
@@ -97,4 +98,4 @@ def prefill_step(prompt: ChunkPrompt, computed: int, scheduled: int, seq_len: in
     window = gather_window(prompt.placeholders, range(len(prompt.placeholders)), encoded, computed, scheduled,
                            user_vision_size, hidden, extras)
     return LanguageInputs(ids, position_ids, window.vision_embeds, window.extras, window.image_idx,
-                          window.num_rows)
+                          window.num_rows, wants_logits)

@@ -55,9 +55,18 @@ def chat_pieces(tokenizer, content: list[dict], tokens: TokenStrings | None = No
     The chat template renders the turn, which is then split at every image or video pad it emits (the
     family's ``tokens``); media placeholders are numbered in prompt order (the order of the request's media list).
     """
+    return conversation_pieces(tokenizer, [{"role": "user", "content": content}], tokens)
+
+
+def conversation_pieces(tokenizer, messages: list[dict], tokens: TokenStrings | None = None) -> list[PromptPiece]:
+    """A chat (OpenAI-style ``messages``: user turns with text and media parts, assistant turns as text) as pieces,
+    rendered whole by the chat template as vLLM's chat endpoint renders it, then split at its media pads (numbered
+    in prompt order)."""
     tokens = _tokens(tokens)
-    text = tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
-                                         add_generation_prompt=True)
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("a conversation needs the checkpoint's chat template, and this tokenizer has none; "
+                         "ask each question in a request of its own")
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     pieces = []
     for item, part in enumerate(text.replace(tokens.image, tokens.video).split(tokens.video)):
         if item:
