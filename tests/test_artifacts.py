@@ -165,7 +165,8 @@ def test_language_specializations_carry_user_vision_size(tiny_export, export_opt
     assert [entry["name"] for entry in named] == ["Prefill", "Decode"]
     prefill, decode = (entry["symbols"] for entry in named)
     shared = {"batch_size": "1", "ctx_len": str(export_options.ctx_len),
-              "vision_size": str(export_options.user_vision_size)}
+              "vision_size": str(export_options.user_vision_size),
+              "num_logits": "1"}  # the card always computes one logits row per call
     assert prefill == {**shared, "seq_len": str(export_options.prefill_seq_len)}
     assert decode == {**shared, "seq_len": "1"}
     assert export_options.user_vision_size != export_options.prefill_seq_len  # so the check above tells them apart
