@@ -141,7 +141,7 @@ def test_all_bytes_per_chunk_are_what_the_session_binds(qwen3_window):
         bound.clear()
         session.run(step)
         assert not [name for name, _ in bound if name in kv], bound
-        assert sum(size for _, size in bound) == step_bytes(step)[1], bound
+        assert sum(size for _, size in bound) == step_bytes(step, shape.logits_rows)[1], bound
     for name, buffer in kv.items():  # one slot per prompt token written, into the buffer bound at the start
         assert session.state[name] is buffer
         assert int(np.any(buffer != 0, axis=(0, 1, 3)).sum()) == len(prompt.ids), name

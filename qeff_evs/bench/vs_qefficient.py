@@ -83,12 +83,15 @@ def vision_bytes(rows: int, hidden: int, levels: int = 0, itemsize: int = 4) -> 
     return rows * hidden * (1 + levels) * itemsize
 
 
-def step_bytes(step: LanguageInputs) -> tuple[int, int]:
-    """(vision bytes, all bytes) fed to one of our language calls: the window's rows (and extras), ids, positions,
-    ``image_idx``. The retained state (KV, layer states) is bound in place by ``OrtLanguageSession``: never fed."""
+def step_bytes(step: LanguageInputs, logits_rows: bool = False) -> tuple[int, int]:
+    """(vision bytes, all bytes) fed to one of our language calls on ONNX Runtime: the window's rows (and extras),
+    ids, positions, ``image_idx``, and with ``logits_rows`` (a graph that takes it) that input: one int64 where the
+    step wants its logits, none where it does not. The retained state (KV, layer states) is bound in place by
+    ``OrtLanguageSession``: never fed."""
     vision = int(np.asarray(step.vision_embeds, dtype=np.float32).nbytes) if step.vision_embeds is not None else 0
     vision += sum(int(np.asarray(v, dtype=np.float32).nbytes) for v in step.extras.values())
     other = int(step.input_ids.nbytes + step.position_ids.nbytes + step.image_idx.nbytes)
+    other += 8 * int(logits_rows and step.wants_logits)
     return vision, vision + other
 
 
@@ -273,7 +276,7 @@ def run_comparison(config: VsConfig, output: Path, workdir: Path, progress: Prog
         prompts[q] = prompt
         steps = [prefill_step(prompt, c, n, config.prefill_seq_len, shape.vision_size, shape.hidden, shape.extras)
                  for c, n in prefill_chunks(len(prompt.ids), config.prefill_seq_len)]
-        vision_b, call_b = zip(*(step_bytes(s) for s in steps))
+        vision_b, call_b = zip(*(step_bytes(s, shape.logits_rows) for s in steps))
         ours[q] = SideCost(len(prompt.ids), len(steps), int(sum(len(e.kept_indices) for e in prompt.encoded)),
                            shape.vision_size, max(vision_b), max(call_b), vision=cost_vision)
         runs[f"q={q:g}"] = ChunkedRun(OrtLanguageSession(language_session.session, shape), steps)
