@@ -27,7 +27,10 @@ def test_external_weights_are_rounded_file_to_file_as_in_memory(tmp_path):
     rng = np.random.default_rng(0)
     weight = (rng.standard_normal((64, 64)) * 7).astype(np.float32)
     shape = np.array([1, 64], np.int64)
-    nodes = [helper.make_node("MatMul", ["x", "w"], ["y"]), helper.make_node("Reshape", ["y", "shape"], ["out"])]
+    mixing = (rng.standard_normal((64, 64)) * 7).astype(np.float32)  # a Constant, stored externally as torch does
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["xw"]),
+             helper.make_node("Constant", [], ["c"], value=onnx.numpy_helper.from_array(mixing, "c")),
+             helper.make_node("MatMul", ["xw", "c"], ["y"]), helper.make_node("Reshape", ["y", "shape"], ["out"])]
     graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 64])],
                               [helper.make_tensor_value_info("out", TensorProto.FLOAT, [1, 64])],
                               [onnx.numpy_helper.from_array(weight, "w"), onnx.numpy_helper.from_array(shape, "shape")])
@@ -35,7 +38,9 @@ def test_external_weights_are_rounded_file_to_file_as_in_memory(tmp_path):
     (tmp_path / "export").mkdir()
     (tmp_path / "twin").mkdir()
     path = tmp_path / "export" / "g.onnx"
-    onnx.save(model, str(path), save_as_external_data=True, all_tensors_to_one_file=False)
+    onnx.save(model, str(path), save_as_external_data=True, all_tensors_to_one_file=False, convert_attribute=True)
+    assert onnx.load(str(path), load_external_data=False).graph.node[1].attribute[0].t.data_location == \
+        TensorProto.EXTERNAL
     light = convert_to_fp16(onnx.load(str(path), load_external_data=False), in_place=True)
     round_external_weights(light, path.parent, tmp_path / "twin", "weights.data")
     onnx.save(light, str(tmp_path / "twin" / "g.onnx"))

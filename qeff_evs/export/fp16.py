@@ -68,6 +68,16 @@ def _float_names(model: onnx.ModelProto) -> set[str]:
             if value.type.tensor_type.elem_type == TensorProto.FLOAT}
 
 
+def _stored_tensors(model: onnx.ModelProto):
+    """The graph's initializers and its nodes' tensor attributes (torch stores a large Constant's value in an
+    external file too)."""
+    yield from model.graph.initializer
+    for node in model.graph.node:
+        for attribute in node.attribute:
+            if attribute.type == onnx.AttributeProto.TENSOR:
+                yield attribute.t
+
+
 def round_external_weights(model: onnx.ModelProto, source: Path, target: Path, location: str) -> None:
     """Write the initializers ``model`` (loaded without its external data) keeps in files under ``source`` to
     ``target / location``, float ones rounded through fp16, one tensor at a time, and point ``model`` at them.
@@ -75,7 +85,7 @@ def round_external_weights(model: onnx.ModelProto, source: Path, target: Path, l
     A released-width graph's weights never enter the proto: a cleared protobuf field does not give its memory
     back, so loading, rounding and dropping them would hold the graph twice."""
     with open(target / location, "wb") as out:
-        for tensor in model.graph.initializer:
+        for tensor in _stored_tensors(model):
             if tensor.data_location != TensorProto.EXTERNAL:
                 continue
             info = external_data_helper.ExternalDataInfo(tensor)
@@ -95,7 +105,7 @@ def round_external_weights(model: onnx.ModelProto, source: Path, target: Path, l
 def convert_to_fp16(model: onnx.ModelProto, in_place: bool = False) -> onnx.ModelProto:
     """A copy of ``model`` whose every float tensor is rounded through fp16 (see the module docstring);
     ``in_place``: ``model`` itself, converted (a released-width graph is gigabytes: no second copy). Initializers
-    in external data (a model loaded without it) are left to ``round_external_weights``."""
+    and Constant values in external data (a model loaded without it) are left to ``round_external_weights``."""
     floats = _float_names(model)
     if in_place:
         copy = model
@@ -119,7 +129,7 @@ def convert_to_fp16(model: onnx.ModelProto, in_place: bool = False) -> onnx.Mode
             nodes += rounded(value.name, renamed[value.name])
     for node in graph.node:
         for attribute in node.attribute:
-            if attribute.type == onnx.AttributeProto.TENSOR:
+            if attribute.type == onnx.AttributeProto.TENSOR and attribute.t.data_location != TensorProto.EXTERNAL:
                 attribute.t.CopyFrom(_round_tensor(attribute.t))
         for index, name in enumerate(node.input):
             node.input[index] = renamed.get(name, name)
