@@ -15,7 +15,9 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 # What exists only beside this repository, on the machines it was developed on: the shared folder, the design
 # contract's numbered sections and the research notes (the docs pages say what they said).
-OUTSIDE = re.compile(r"\.\./shared|/work/shared|shared/(reference|DESIGN)|DESIGN §|(?<![\w/])reference/\w+\.md")
+# The folder beside the repository, named once; the patterns and the cases below are built from it.
+SIBLING = "shared"
+OUTSIDE = re.compile(rf"\.\./{SIBLING}|/work/{SIBLING}|{SIBLING}/(reference|DESIGN)|DESIGN §|(?<![\w/])reference/\w+\.md")
 # Folders that are not the repository's own text: environments, build outputs, caches, git's store.
 NOT_SOURCE = {".git", ".venv", "site", "build", "out", "bench_out", "__pycache__", ".pytest_cache", ".hypothesis"}
 BINARY = {".png", ".onnx", ".data", ".npy", ".safetensors", ".mp4", ".pyc"}
@@ -69,9 +71,9 @@ def test_no_file_points_outside_the_repository():
     assert outside_references() == [], "point to the docs pages (docs/*.md) instead"
 
 
-@pytest.mark.parametrize("line", ["See `../shared/DESIGN.md` for the contract.",
-                                  "# Qwen3.5-0.8B (shared/reference/qwen3_5.md §1.3)",
-                                  "(``/work/shared/tools/install_qefficient_cpu.sh VENV`` makes such a Python.)",
+@pytest.mark.parametrize("line", [f"See `../{SIBLING}/DESIGN.md` for the contract.",
+                                  f"# Qwen3.5-0.8B ({SIBLING}/reference/qwen3_5.md §1.3)",
+                                  f"(``/work/{SIBLING}/tools/install_qefficient_cpu.sh VENV`` makes such a Python.)",
                                   '"""Compute context lengths (DESIGN §15): an export with a ladder of lengths',
                                   "Hand-checked values (reference/vllm_evs.md §3.1), also vLLM's."])
 def test_a_reference_outside_is_found(tmp_path, line):
