@@ -88,6 +88,7 @@ def test_ttft_runs_against_transformers_generate(smoke_run):
     assert section["same_first_token_at_q0"] and section["first_tokens"]["transformers"]
     assert set(section["vs_transformers"]) == {"transformers", "q=0", "q=0.5", "q=0.75"}
     assert section["vs_transformers"]["transformers"] == {"wall": 1.0, "cpu": 1.0}
+    assert section["sessions"] == "qeff-evs run"  # the sessions a user gets, not the bench's timing ones
     assert (out / "ttft.png").read_bytes().startswith(PNG_SIGNATURE)
     assert "### Time to first token against transformers' generate" in (out / "results.md").read_text()
 
