@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from qeff_evs.models.registry import shipped_family_names
-from qeff_evs.specializations import DEFAULT_FRAMES_PER_CALL, DEFAULT_MAX_FRAMES, FLOAT16, MXINT8
+from qeff_evs.specializations import DEFAULT_FRAMES_PER_CALL, DEFAULT_MAX_FRAMES, FLOAT16, MXINT8, PREFILL_SEQ_LENS
 
 
 def _progress(message: str) -> None:
@@ -83,7 +83,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         max_video_pruning_rate=args.max_video_pruning_rate,
         video_pruning_methods=args.video_pruning_methods,
         resolutions=tuple(_resolutions(_flatten(args.height), _flatten(args.width))),
-        prefill_seq_len=args.prefill_seq_len,
+        prefill_seq_len=PREFILL_SEQ_LENS[args.target] if args.prefill_seq_len is None else args.prefill_seq_len,
         ctx_len=args.ctx_len,
         ctx_lengths=None if args.ctx_lengths is None else tuple(_flatten(args.ctx_lengths)),
         short_prefill_lens=None if args.short_prefill_lens is None else tuple(
@@ -302,7 +302,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--height", type=_int_list, action="append", required=True,
                    help="frame heights the encoder sees (multiples of patch*merge), paired with --width")
     p.add_argument("--width", type=_int_list, action="append", required=True, help="frame widths")
-    p.add_argument("--prefill-seq-len", type=int, default=128)
+    p.add_argument("--target", choices=tuple(PREFILL_SEQ_LENS), default="card",
+                   help="where the export runs first, which sets the default --prefill-seq-len: card (AI 100, "
+                        f"{PREFILL_SEQ_LENS['card']}) or cpu (ONNX Runtime, {PREFILL_SEQ_LENS['cpu']}: longer chunks "
+                        "cost less per token there; see docs/performance.md)")
+    p.add_argument("--prefill-seq-len", type=int, default=None,
+                   help=f"tokens per prefill chunk (default: {PREFILL_SEQ_LENS['card']} for --target card, "
+                        f"{PREFILL_SEQ_LENS['cpu']} for cpu)")
     p.add_argument("--ctx-len", type=int, default=8192)
     p.add_argument("--short-prefill-lens", type=_int_list, action="append", default=None,
                    help="shorter prefill lengths, e.g. 32: a chunk holding at most that many tokens (a prompt's tail) "

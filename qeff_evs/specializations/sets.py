@@ -56,6 +56,11 @@ COMP_CTX_STEP = 4
 # A chunk's time is close to linear in its length at Qwen2.5-VL-3B widths (docs/performance.md, prefill lengths);
 # below 32 the call's fixed cost dominates.
 DEFAULT_SHORT_PREFILL_LEN = 32
+# The default prefill length per target (export --target). The card's programs run chunks of 128 (QEfficient's
+# default). ONNX Runtime on a CPU has no such limit and spends less per token in longer chunks: at Qwen2.5-VL-3B
+# widths a 2048-token chunk costs 7.1 ms of CPU per token against 7.9 in chunks of 128 (docs/performance.md, time to
+# first token); a shorter prompt, or its tail, runs in the short prefill lengths (2048 halved down to 32).
+PREFILL_SEQ_LENS = {"card": 128, "cpu": 2048}
 
 
 
