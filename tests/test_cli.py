@@ -264,11 +264,12 @@ def test_export_then_run(tiny_checkpoint, video_npy, question, tokenizer, tmp_pa
     assert max(result["vision_rows_per_chunk"]) <= 16
 
 
-def test_export_for_the_cpu_runs_one_chunk_and_answers_the_same(tiny_checkpoint, video_npy, question, run_json,
+def test_export_for_the_cpu_runs_longer_chunks_and_answers_the_same(tiny_checkpoint, video_npy, question, run_json,
                                                                 tmp_path, capsys):
     """``--target cpu`` defaults to chunks of 2048 (window as long), its shorter lengths halving down to 32; the
-    clip's prompt then runs in one chunk where the session's export (chunks of 32) takes several, and the answer is
-    the same: prompt ids and tokens exactly, the first token's top logits within fp32 tolerance."""
+    clip's 84-token prompt then runs as 64 + 20 (no chunk padded by more than 32) where the session's export (chunks
+    of 32) takes 3, and the answer is the same: prompt ids and tokens exactly, the first token's top logits within
+    fp32 tolerance."""
     out_dir = tmp_path / "cpu_export"
     code, out, err = cli(["export", tiny_checkpoint, "-o", out_dir, "--target", "cpu", "--frames", 4, "--frames", 8,
                           "--height", 112, "--width", 196, "--ctx-len", 4096, "--video-pruning-methods", "evs"], capsys)
@@ -280,7 +281,8 @@ def test_export_for_the_cpu_runs_one_chunk_and_answers_the_same(tiny_checkpoint,
     code, out, err = cli(run_argv(out_dir, "--video", video_npy, question=question), capsys)
     assert code == 0, err
     result = json.loads(out)
-    assert run_json["num_prefill_chunks"] > 1 and result["num_prefill_chunks"] == 1
+    assert len(result["prompt_token_ids"]) == 84
+    assert (run_json["num_prefill_chunks"], result["num_prefill_chunks"]) == (3, 2)
     for key in ("prompt_token_ids", "generated_token_ids", "kept_tokens_per_frame"):
         assert result[key] == run_json[key], key
     assert [i for i, _ in result["prefill_top_logits"]] == [i for i, _ in run_json["prefill_top_logits"]]
