@@ -107,15 +107,24 @@ def markdown(r: dict) -> str:
     lines += ["", "Per sparse layer, the router probabilities' error against fp32 (per token the largest over the "
               "experts; median / max over the tokens), and at the first sparse layer (the same input in both fp16 "
               "runs) what the router's own precision adds:", "",
-              "| seed | layer | router fp16: median / max | router fp32: median / max |", "|---|---|---|---|"]
+              "| seed | layer | router fp16: error median / max | router fp32: error median / max "
+              "| flips (fp16 / fp32 router) | their largest margin (fp16 / fp32) |", "|---|---|---|---|---|---|"]
     for run in r["runs"]:
         d = run["router"]
         for layer, (ours, kept) in enumerate(zip(d["prob_error_by_layer_router_fp16"],
                                                  d["prob_error_by_layer_router_fp32"])):
+            flips = [d.get(f"flipped_by_layer_{label}", [[]] * (layer + 1))[layer] for label, _ in PRECISIONS]
+            largest = " / ".join(f"{max(f):.2e}" if f else "-" for f in flips)
             lines.append(f"| {run['workload']['seed']} | {layer} | {ours[0]:.2e} / {ours[1]:.2e} "
-                         f"| {kept[0]:.2e} / {kept[1]:.2e} |")
+                         f"| {kept[0]:.2e} / {kept[1]:.2e} | {len(flips[0])} / {len(flips[1])} | {largest} |")
         lines.append(f"| {run['workload']['seed']} | 0, fp16 router vs fp32 router | "
-                     f"{d['router_own_error_median']:.2e} / {d['router_own_error_max']:.2e} | |")
+                     f"{d['router_own_error_median']:.2e} / {d['router_own_error_max']:.2e} | | | |")
+        if f"later_layers_prob_error_max_after_flip_{PRECISIONS[0][0]}" in d:
+            lines.append(f"| {run['workload']['seed']} | after the first: largest error of tokens flipped at an "
+                         "earlier layer / of the others | " + " | ".join(
+                             f"{d[f'later_layers_prob_error_max_after_flip_{label}']:.2e} / "
+                             f"{d[f'later_layers_prob_error_max_no_earlier_flip_{label}']:.2e}"
+                             for label, _ in PRECISIONS) + " | | |")
     return "\n".join(lines) + "\n"
 
 

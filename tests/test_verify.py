@@ -89,12 +89,15 @@ def test_router_agreement_counts_flips_margins_and_errors():
     tie[1, 1], tie[1, 2] = 0.32, 0.33  # the second token's 2nd and 3rd swap
     moved = base.copy()
     moved[0, 0] = 0.42  # the first token's top prob moves by 0.02, the set stays
-    fp16 = [chunk([tie, base]), chunk([base, base])]  # router 0 of chunk 0 flips one token
+    after = base.copy()
+    after[1, 0] = 0.353  # ... and at router 1 that token's top prob moves by 0.003, inside its margin of 0.01
+    fp16 = [chunk([tie, after]), chunk([base, base])]  # router 0 of chunk 0 flips one token
     kept = [chunk([moved, base]), chunk([base, base])]
     detail = router_agreement({"fp32": fp32, "router_fp16": fp16, "router_fp32": kept}, routers=2)
     assert detail["routers"] == 2 and detail["top_k"] == 2 and detail["tokens_x_layers"] == 8
     assert detail["flipped_share_router_fp16"] == 1 / 8 and detail["flipped_share_router_fp32"] == 0.0
     np.testing.assert_allclose(detail["flipped_margins_router_fp16"], [0.01], atol=1e-7)
+    assert len(detail["flipped_by_layer_router_fp16"][0]) == 1 and detail["flipped_by_layer_router_fp16"][1] == []
     np.testing.assert_allclose(detail["prob_error_max_router_fp16"], 0.01, atol=1e-7)
     np.testing.assert_allclose(detail["prob_error_max_router_fp32"], 0.02, atol=1e-7)
     assert detail["prob_error_median_router_fp16"] == 0.0
@@ -103,6 +106,11 @@ def test_router_agreement_counts_flips_margins_and_errors():
     # no error and a positive margin.
     assert detail["within_error_share_router_fp16"] == 1 / 8 and detail["within_error_share_router_fp32"] == 0.0
     np.testing.assert_allclose(detail["router_own_error_max"], 0.02, atol=1e-7)  # tie vs moved, first router
+    # At router 1 only the token router 0 flipped errs (0.003), in neither variant another.
+    np.testing.assert_allclose(detail["later_layers_prob_error_max_after_flip_router_fp16"], 0.003, atol=1e-7)
+    assert detail["later_layers_prob_error_max_no_earlier_flip_router_fp16"] == 0.0
+    assert detail["later_layers_prob_error_max_after_flip_router_fp32"] == 0.0  # nothing flipped
+    assert detail["later_layers_prob_error_max_no_earlier_flip_router_fp32"] == 0.0
 
 
 def test_compile_lines_follow_compile_sh(tiny_export):

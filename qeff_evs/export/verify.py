@@ -449,7 +449,8 @@ def router_agreement(outputs: dict[str, list[list[np.ndarray]]], routers: int) -
     """``router_comparison``'s numbers from its runs' values (per chunk: each router's probabilities, then its
     chosen experts), fp32 (``outputs["fp32"]``) against each fp16 variant:
 
-    * per (token, sparse layer), whether the top-k set changes, with fp32's k-th - (k+1)-th margin of each flip;
+    * per (token, sparse layer), whether the top-k set changes, with fp32's k-th - (k+1)-th margin of each flip
+      (also per layer);
     * the error of the probabilities themselves, not a count of near-ties: per (token, layer) the largest
       ``|p - p_fp32|`` over the experts, its median and max (over all layers and per layer), and the share of
       (token, layer) pairs whose margin is within twice that pair's error (those the error could flip; a flip
@@ -463,11 +464,15 @@ def router_agreement(outputs: dict[str, list[list[np.ndarray]]], routers: int) -
     margins = np.concatenate([p[:, top_k - 1] - p[:, top_k] for p in ranked])
     detail = {"routers": routers, "top_k": int(top_k), "tokens_x_layers": int(margins.size),
               "median_margin": float(np.median(margins))}
+    layer = np.concatenate([np.full(len(p), r) for r, p in enumerate(reference)])
     for label in ("router_fp16", "router_fp32"):
         flipped = np.concatenate([np.any(np.sort(_by_router(outputs["fp32"], routers + r), axis=-1)
                                          != np.sort(_by_router(outputs[label], routers + r), axis=-1), axis=-1)
                                   for r in range(routers)])
         detail[f"flipped_share_{label}"] = float(flipped.mean())
+        # A later layer's flips include tokens whose earlier experts changed (a different hidden state, not a tie).
+        detail[f"flipped_by_layer_{label}"] = [[float(m) for m in sorted(margins[flipped & (layer == r)])]
+                                               for r in range(routers)]
         detail[f"flipped_margins_{label}"] = sorted(float(m) for m in margins[flipped])
         detail[f"flipped_margin_max_{label}"] = float(margins[flipped].max()) if flipped.any() else 0.0
         errors = [np.abs(_by_router(outputs[label], r) - reference[r]).max(axis=-1) for r in range(routers)]
@@ -476,6 +481,12 @@ def router_agreement(outputs: dict[str, list[list[np.ndarray]]], routers: int) -
         detail[f"prob_error_median_{label}"] = float(np.median(error))
         detail[f"prob_error_by_layer_{label}"] = [[float(np.median(e)), float(e.max())] for e in errors]
         detail[f"within_error_share_{label}"] = float(np.mean(margins <= 2 * error))
+        # Later layers split by whether the token's experts changed at an earlier layer: the error that follows a
+        # flip (another expert's output in the hidden state) against the rounding alone.
+        earlier = np.cumsum(flipped.reshape(routers, -1), axis=0)[:-1] > 0  # (routers - 1, tokens)
+        later = np.stack(errors[1:]) if routers > 1 else np.zeros((0, earlier.shape[1]))
+        for name, mask in (("after_flip", earlier), ("no_earlier_flip", ~earlier)):
+            detail[f"later_layers_prob_error_max_{name}_{label}"] = float(later[mask].max()) if mask.any() else 0.0
     own = np.abs(_by_router(outputs["router_fp16"], 0) - _by_router(outputs["router_fp32"], 0)).max(axis=-1)
     detail["router_own_error_median"], detail["router_own_error_max"] = float(np.median(own)), float(own.max())
     return detail
