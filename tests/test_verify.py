@@ -13,7 +13,7 @@ from onnx import TensorProto, helper
 
 from qeff_evs.cli import main
 from qeff_evs.export.fp16 import convert_to_fp16, round_external_weights, round_to_fp16
-from qeff_evs.export.verify import compile_lines, evs_comparisons, verify_export
+from qeff_evs.export.verify import compile_lines, evs_comparisons, router_agreement, verify_export
 
 
 def run(model: onnx.ModelProto, **feeds: np.ndarray) -> np.ndarray:
@@ -73,6 +73,44 @@ def test_round_to_fp16_saturates_finite_values_and_keeps_infinities():
     values = np.array([1e6, -1e6, np.inf, -np.inf, 1.0 / 3], np.float32)
     np.testing.assert_array_equal(round_to_fp16(values)[:4], [65504, -65504, np.inf, -np.inf])
     assert round_to_fp16(values)[4] == np.float32(np.float16(1.0 / 3))
+
+
+def test_router_agreement_counts_flips_margins_and_errors():
+    """Two routers over two chunks, top-2 of 4: hand-made fp32 probabilities, one variant that swaps a near tie
+    (error 0.01 on a margin of 0.01) and one that moves a probability without changing the set. The flips, their
+    margins, each variant's probability error, the pairs within twice their error and the first router's own
+    error are those of the made-up numbers."""
+    def chunk(probs):  # per router: probabilities, then the top-2 chosen by numpy
+        return [*probs, *[np.argsort(-p, axis=-1, kind="stable")[:, :2] for p in probs]]
+
+    base = np.array([[0.40, 0.30, 0.20, 0.10], [0.35, 0.33, 0.32, 0.00]], np.float32)  # margins 0.10, 0.01
+    fp32 = [chunk([base, base]), chunk([base, base])]
+    tie = base.copy()
+    tie[1, 1], tie[1, 2] = 0.32, 0.33  # the second token's 2nd and 3rd swap
+    moved = base.copy()
+    moved[0, 0] = 0.42  # the first token's top prob moves by 0.02, the set stays
+    after = base.copy()
+    after[1, 0] = 0.353  # ... and at router 1 that token's top prob moves by 0.003, inside its margin of 0.01
+    fp16 = [chunk([tie, after]), chunk([base, base])]  # router 0 of chunk 0 flips one token
+    kept = [chunk([moved, base]), chunk([base, base])]
+    detail = router_agreement({"fp32": fp32, "router_fp16": fp16, "router_fp32": kept}, routers=2)
+    assert detail["routers"] == 2 and detail["top_k"] == 2 and detail["tokens_x_layers"] == 8
+    assert detail["flipped_share_router_fp16"] == 1 / 8 and detail["flipped_share_router_fp32"] == 0.0
+    np.testing.assert_allclose(detail["flipped_margins_router_fp16"], [0.01], atol=1e-7)
+    assert len(detail["flipped_by_layer_router_fp16"][0]) == 1 and detail["flipped_by_layer_router_fp16"][1] == []
+    np.testing.assert_allclose(detail["prob_error_max_router_fp16"], 0.01, atol=1e-7)
+    np.testing.assert_allclose(detail["prob_error_max_router_fp32"], 0.02, atol=1e-7)
+    assert detail["prob_error_median_router_fp16"] == 0.0
+    np.testing.assert_allclose(detail["prob_error_by_layer_router_fp32"], [[0.0, 0.02], [0.0, 0.0]], atol=1e-7)
+    # fp16's one erring pair has margin 0.01 <= 2 x 0.01; fp32's has margin 0.10 > 2 x 0.02; the other pairs have
+    # no error and a positive margin.
+    assert detail["within_error_share_router_fp16"] == 1 / 8 and detail["within_error_share_router_fp32"] == 0.0
+    np.testing.assert_allclose(detail["router_own_error_max"], 0.02, atol=1e-7)  # tie vs moved, first router
+    # At router 1 only the token router 0 flipped errs (0.003), in neither variant another.
+    np.testing.assert_allclose(detail["later_layers_prob_error_max_after_flip_router_fp16"], 0.003, atol=1e-7)
+    assert detail["later_layers_prob_error_max_no_earlier_flip_router_fp16"] == 0.0
+    assert detail["later_layers_prob_error_max_after_flip_router_fp32"] == 0.0  # nothing flipped
+    assert detail["later_layers_prob_error_max_no_earlier_flip_router_fp32"] == 0.0
 
 
 def test_compile_lines_follow_compile_sh(tiny_export):

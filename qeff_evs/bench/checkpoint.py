@@ -63,13 +63,14 @@ def random_model(hf_config, family: str, seed: int) -> torch.nn.Module:
     return model.to(torch.float32).eval()
 
 
-def save_checkpoint(config: BenchConfig, folder: Path) -> Path:
-    """Write the benchmarked model's checkpoint folder: config, safetensors, tokenizer, preprocessor config."""
+def save_checkpoint(config: BenchConfig, folder: Path, hf_config=None) -> Path:
+    """Write the benchmarked model's checkpoint folder: config, safetensors, tokenizer, preprocessor config.
+    ``hf_config``: the transformers config to build (default ``model_config(config)``), e.g. a sibling's widths."""
     from qeff_evs.models.tiny import build_tokenizer, preprocessor_config
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    model = random_model(model_config(config), config.family, config.seed)
+    model = random_model(hf_config or model_config(config), config.family, config.seed)
     model.save_pretrained(folder, safe_serialization=True)
     build_tokenizer(config.family).save_pretrained(folder)
     (folder / "preprocessor_config.json").write_text(

@@ -83,15 +83,23 @@ def export_options(config: BenchConfig) -> ExportOptions:
                          comp_ctx_step=TARGETS[config.target].comp_ctx_step)
 
 
-def build_graphs(config: BenchConfig, workdir: Path, progress: Progress, language: bool = True) -> BenchGraphs:
-    """Save the random checkpoint and export it under ``workdir``, open the graphs in ORT (the language
-    graph only with ``language``: the vision phases do not run it)."""
+def export_graphs(config: BenchConfig, workdir: Path, progress: Progress, hf_config=None) -> Path:
+    """Save the random checkpoint (``hf_config``, default the config's ``model_config``) and export it under
+    ``workdir``; the export's folder. The checkpoint's weights are freed before the export loads them again."""
     workdir = Path(workdir)
     checkpoint_dir, export_dir = workdir / CHECKPOINT_DIR, workdir / EXPORT_DIR
     progress(f"saving a random {config.family} checkpoint ({config.widths} widths, {config.text_layers} text / "
              f"{config.vision_layers} vision layers)")
-    save_checkpoint(config, checkpoint_dir)
+    save_checkpoint(config, checkpoint_dir, hf_config)
     export_checkpoint(checkpoint_dir, export_dir, export_options(config), progress=progress)
+    return export_dir
+
+
+def open_graphs(workdir: Path, progress: Progress, language: bool = True) -> BenchGraphs:
+    """``export_graphs``' export under ``workdir`` opened in ORT (the language graph only with ``language``: the
+    vision phases do not run it); a separate process may open it, so the export's memory is gone."""
+    workdir = Path(workdir)
+    checkpoint_dir, export_dir = workdir / CHECKPOINT_DIR, workdir / EXPORT_DIR
     progress("opening the graphs in ONNX Runtime")
     bundle = open_export(export_dir)
     manifest = bundle.manifest
@@ -112,3 +120,10 @@ def build_graphs(config: BenchConfig, workdir: Path, progress: Progress, languag
         export_dir=export_dir,
         short_prefill_lens=manifest.short_prefill_lens,
     )
+
+
+def build_graphs(config: BenchConfig, workdir: Path, progress: Progress, language: bool = True) -> BenchGraphs:
+    """Save the random checkpoint and export it under ``workdir`` (``export_graphs``), open the graphs in ORT
+    (``open_graphs``)."""
+    export_graphs(config, workdir, progress)
+    return open_graphs(workdir, progress, language)

@@ -435,21 +435,61 @@ def router_comparison(export_dir: Path, chunks: int = ROUTER_CHUNKS,
         for label, kept in (("router_fp16", others), ("router_fp32", others + sorted(router_nodes))):
             probe = _router_probe(keep_in_fp32(converted, kept, fp32_inputs), probs, chosen)
             outputs[label] = _router_run(export_dir, probe, Path(scratch), workload, names)
-    routers = len(paths)
-    top_k = outputs["fp32"][0][routers].shape[-1]
-    ranked = [-np.sort(-p, axis=-1) for values in outputs["fp32"] for p in values[:routers]]  # descending
+    detail = router_agreement(outputs, len(paths))
+    compiled = set(router_nodes) <= set(listed)
+    return Comparison("router", detail={**detail, "compiled_router_precision": "float32" if compiled else "float16"})
+
+
+def _by_router(outputs: list[list[np.ndarray]], index: int) -> np.ndarray:
+    """Router ``index``'s values (probabilities, or chosen experts at ``routers + index``) over every chunk."""
+    return np.concatenate([values[index] for values in outputs])
+
+
+def router_agreement(outputs: dict[str, list[list[np.ndarray]]], routers: int) -> dict:
+    """``router_comparison``'s numbers from its runs' values (per chunk: each router's probabilities, then its
+    chosen experts), fp32 (``outputs["fp32"]``) against each fp16 variant:
+
+    * per (token, sparse layer), whether the top-k set changes, with fp32's k-th - (k+1)-th margin of each flip
+      (also per layer);
+    * the error of the probabilities themselves, not a count of near-ties: per (token, layer) the largest
+      ``|p - p_fp32|`` over the experts, its median and max (over all layers and per layer), and the share of
+      (token, layer) pairs whose margin is within twice that pair's error (those the error could flip; a flip
+      needs the two probabilities' errors to exceed the margin);
+    * ``router_own_error_*``: at the first sparse layer, whose input both fp16 variants compute alike, the two
+      variants' probabilities against each other: what the router's own precision adds, apart from the rounding
+      of the hidden state it reads."""
+    reference = [_by_router(outputs["fp32"], r) for r in range(routers)]
+    top_k = _by_router(outputs["fp32"], routers).shape[-1]
+    ranked = [-np.sort(-p, axis=-1) for p in reference]  # descending
     margins = np.concatenate([p[:, top_k - 1] - p[:, top_k] for p in ranked])
     detail = {"routers": routers, "top_k": int(top_k), "tokens_x_layers": int(margins.size),
               "median_margin": float(np.median(margins))}
+    layer = np.concatenate([np.full(len(p), r) for r, p in enumerate(reference)])
     for label in ("router_fp16", "router_fp32"):
-        flipped = np.concatenate([np.any(np.sort(a, axis=-1) != np.sort(b, axis=-1), axis=-1)
-                                  for ours, theirs in zip(outputs["fp32"], outputs[label])
-                                  for a, b in zip(ours[routers:], theirs[routers:])])
+        flipped = np.concatenate([np.any(np.sort(_by_router(outputs["fp32"], routers + r), axis=-1)
+                                         != np.sort(_by_router(outputs[label], routers + r), axis=-1), axis=-1)
+                                  for r in range(routers)])
         detail[f"flipped_share_{label}"] = float(flipped.mean())
+        # A later layer's flips include tokens whose earlier experts changed (a different hidden state, not a tie).
+        detail[f"flipped_by_layer_{label}"] = [[float(m) for m in sorted(margins[flipped & (layer == r)])]
+                                               for r in range(routers)]
         detail[f"flipped_margins_{label}"] = sorted(float(m) for m in margins[flipped])
         detail[f"flipped_margin_max_{label}"] = float(margins[flipped].max()) if flipped.any() else 0.0
-    compiled = set(router_nodes) <= set(listed)
-    return Comparison("router", detail={**detail, "compiled_router_precision": "float32" if compiled else "float16"})
+        errors = [np.abs(_by_router(outputs[label], r) - reference[r]).max(axis=-1) for r in range(routers)]
+        error = np.concatenate(errors)
+        detail[f"prob_error_max_{label}"] = float(error.max())
+        detail[f"prob_error_median_{label}"] = float(np.median(error))
+        detail[f"prob_error_by_layer_{label}"] = [[float(np.median(e)), float(e.max())] for e in errors]
+        detail[f"within_error_share_{label}"] = float(np.mean(margins <= 2 * error))
+        # Later layers split by whether the token's experts changed at an earlier layer: the error that follows a
+        # flip (another expert's output in the hidden state) against the rounding alone.
+        earlier = np.cumsum(flipped.reshape(routers, -1), axis=0)[:-1] > 0  # (routers - 1, tokens)
+        later = np.stack(errors[1:]) if routers > 1 else np.zeros((0, earlier.shape[1]))
+        for name, mask in (("after_flip", earlier), ("no_earlier_flip", ~earlier)):
+            detail[f"later_layers_prob_error_max_{name}_{label}"] = float(later[mask].max()) if mask.any() else 0.0
+    own = np.abs(_by_router(outputs["router_fp16"], 0) - _by_router(outputs["router_fp32"], 0)).max(axis=-1)
+    detail["router_own_error_median"], detail["router_own_error_max"] = float(np.median(own)), float(own.max())
+    return detail
 
 
 def shape_feeds(shape: LanguageShape, positions: np.ndarray) -> dict[str, np.ndarray]:
@@ -640,7 +680,8 @@ def format_report(report: VerifyReport) -> str:
         if c.kept_token_agreement is not None:
             parts.append(f"kept-token agreement {c.kept_token_agreement:.2%}")
         parts += [f"{key.replace('_', ' ')} {value:.3g}" for key, value in c.detail.items()
-                  if isinstance(value, float) and (key.endswith("_relative_error") or key.startswith("flipped_"))]
+                  if isinstance(value, float) and (key.endswith("_relative_error")
+                                                 or key.startswith(("flipped_", "prob_error_max", "router_own")))]
         if "compiled_router_precision" in c.detail:
             parts.append(f"compiled router {c.detail['compiled_router_precision']}")
         parts.append(f"inf/NaN fp32 {c.nonfinite_fp32}" + (f" fp16 {c.nonfinite_fp16}" if report.fp16 else ""))
