@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from qeff_evs.models.registry import shipped_family_names
-from qeff_evs.specializations import DEFAULT_FRAMES_PER_CALL, DEFAULT_MAX_FRAMES, FLOAT16, MXINT8
+from qeff_evs.specializations import DEFAULT_FRAMES_PER_CALL, DEFAULT_MAX_FRAMES, FLOAT16, MXINT8, TARGETS
 
 
 def _progress(message: str) -> None:
@@ -83,7 +83,8 @@ def cmd_export(args: argparse.Namespace) -> int:
         max_video_pruning_rate=args.max_video_pruning_rate,
         video_pruning_methods=args.video_pruning_methods,
         resolutions=tuple(_resolutions(_flatten(args.height), _flatten(args.width))),
-        prefill_seq_len=args.prefill_seq_len,
+        prefill_seq_len=TARGETS[args.target].prefill_seq_len if args.prefill_seq_len is None else args.prefill_seq_len,
+        comp_ctx_step=TARGETS[args.target].comp_ctx_step,
         ctx_len=args.ctx_len,
         ctx_lengths=None if args.ctx_lengths is None else tuple(_flatten(args.ctx_lengths)),
         short_prefill_lens=None if args.short_prefill_lens is None else tuple(
@@ -302,7 +303,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--height", type=_int_list, action="append", required=True,
                    help="frame heights the encoder sees (multiples of patch*merge), paired with --width")
     p.add_argument("--width", type=_int_list, action="append", required=True, help="frame widths")
-    p.add_argument("--prefill-seq-len", type=int, default=128)
+    p.add_argument("--target", choices=tuple(TARGETS), default="card",
+                   help="where the export runs first, which sets the default --prefill-seq-len and --ctx-lengths: "
+                        f"card (AI 100: {TARGETS['card'].prefill_seq_len}, --ctx-len / 4^k) or cpu (ONNX Runtime: "
+                        f"{TARGETS['cpu'].prefill_seq_len}, --ctx-len / 2^k; longer chunks cost less per token there, "
+                        "see docs/performance.md)")
+    p.add_argument("--prefill-seq-len", type=int, default=None,
+                   help=f"tokens per prefill chunk (default: {TARGETS['card'].prefill_seq_len} for --target card, "
+                        f"{TARGETS['cpu'].prefill_seq_len} for cpu)")
     p.add_argument("--ctx-len", type=int, default=8192)
     p.add_argument("--short-prefill-lens", type=_int_list, action="append", default=None,
                    help="shorter prefill lengths, e.g. 32: a chunk holding at most that many tokens (a prompt's tail) "
@@ -311,7 +319,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ctx-lengths", type=_int_list, action="append", default=None,
                    help="compute context lengths, e.g. 2048,8192,32768: decode and prefill specializations that read "
                         "only that many KV slots; a call runs in the smallest holding its last position (--ctx-len is "
-                        "always one; pass just --ctx-len for one length; default: --ctx-len / 4^k down to 2048)")
+                        "always one; pass just --ctx-len for one length; default: --ctx-len / 4^k down to 2048, / 2^k for "
+                        "--target cpu)")
     p.add_argument("--user-vision-size", type=int, default=None,
                    help="vision rows per prefill chunk (default: the prefill length)")
     p.add_argument("--kv-precision", choices=(FLOAT16, MXINT8), default=FLOAT16)

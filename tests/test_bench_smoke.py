@@ -88,6 +88,7 @@ def test_ttft_runs_against_transformers_generate(smoke_run):
     assert section["same_first_token_at_q0"] and section["first_tokens"]["transformers"]
     assert set(section["vs_transformers"]) == {"transformers", "q=0", "q=0.5", "q=0.75"}
     assert section["vs_transformers"]["transformers"] == {"wall": 1.0, "cpu": 1.0}
+    assert section["sessions"] == "qeff-evs run"  # the sessions a user gets, not the bench's timing ones
     assert (out / "ttft.png").read_bytes().startswith(PNG_SIGNATURE)
     assert "### Time to first token against transformers' generate" in (out / "results.md").read_text()
 
@@ -358,6 +359,26 @@ def test_qwen3_presets_keep_the_token_grids():
         assert q25.frame_size // 28 == q3.frame_size // 32
         assert q25.vision_frame_size // 28 == q3.vision_frame_size // 32
     assert preset("full").frame_size == 448 and preset("full", "qwen3_vl").frame_size == 512
+
+
+def test_target_cpu_exports_as_export_target_cpu_does():
+    """``bench --target cpu`` benches what ``export --target cpu`` writes: chunks of 2048 unless --prefill-seq-len
+    says otherwise, compute context lengths in steps of 2 (the export's ladder, 2048, 4096, 8192 at ctx 8192)."""
+    from qeff_evs.bench import config_from_args
+    from qeff_evs.bench.graphs import export_options
+    from qeff_evs.specializations import comp_ctx_lengths
+
+    def options(*flags):
+        config = config_from_args(cli.build_parser().parse_args(["bench", "--only", "ttft", *flags]))
+        return export_options(config)
+
+    cpu, card = options("--target", "cpu"), options()
+    assert (cpu.prefill_seq_len, card.prefill_seq_len) == (2048, 128)
+    assert comp_ctx_lengths(None, cpu.ctx_len, cpu.prefill_seq_len, cpu.comp_ctx_step) == (2048, 4096, 8192)
+    assert comp_ctx_lengths(None, card.ctx_len, card.prefill_seq_len, card.comp_ctx_step) == (2048, 8192)
+    assert options("--target", "cpu", "--prefill-seq-len", "512").prefill_seq_len == 512
+    with pytest.raises(ValueError, match="--target 'gpu'"):
+        validate(SMOKE.replace(target="gpu"), TINY_PATCH, TINY_MERGE, TINY_TEMPORAL)
 
 
 @pytest.mark.parametrize("change, flag", [

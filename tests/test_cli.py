@@ -264,6 +264,34 @@ def test_export_then_run(tiny_checkpoint, video_npy, question, tokenizer, tmp_pa
     assert max(result["vision_rows_per_chunk"]) <= 16
 
 
+def test_export_for_the_cpu_runs_longer_chunks_and_answers_the_same(tiny_checkpoint, video_npy, question, run_json,
+                                                                tmp_path, capsys):
+    """``--target cpu`` defaults to chunks of 2048 (window as long), its shorter lengths halving down to 32 and its
+    compute context lengths in steps of 2; the
+    clip's 84-token prompt then runs as 64 + 20 (no chunk padded by more than 32) where the session's export (chunks
+    of 32) takes 3, and the answer is the same: prompt ids and tokens exactly, the first token's top logits within
+    fp32 tolerance."""
+    out_dir = tmp_path / "cpu_export"
+    code, out, err = cli(["export", tiny_checkpoint, "-o", out_dir, "--target", "cpu", "--frames", 4, "--frames", 8,
+                          "--height", 112, "--width", 196, "--ctx-len", 4096, "--video-pruning-methods", "evs"], capsys)
+    assert code == 0, err
+    manifest = json.loads((out_dir / "manifest.json").read_text())
+    assert (manifest["prefill_seq_len"], manifest["user_vision_size"]) == (2048, 2048)
+    assert manifest["short_prefill_lens"] == [32, 64, 128, 256, 512, 1024]
+    assert manifest["language_shape"]["comp_ctx_lengths"] == [2048, 4096]  # steps of 2 (the card's: 4096 alone)
+
+    code, out, err = cli(run_argv(out_dir, "--video", video_npy, question=question), capsys)
+    assert code == 0, err
+    result = json.loads(out)
+    assert len(result["prompt_token_ids"]) == 84
+    assert (run_json["num_prefill_chunks"], result["num_prefill_chunks"]) == (3, 2)
+    for key in ("prompt_token_ids", "generated_token_ids", "kept_tokens_per_frame"):
+        assert result[key] == run_json[key], key
+    assert [i for i, _ in result["prefill_top_logits"]] == [i for i, _ in run_json["prefill_top_logits"]]
+    np.testing.assert_allclose([v for _, v in result["prefill_top_logits"]],
+                               [v for _, v in run_json["prefill_top_logits"]], atol=1e-4, rtol=0)
+
+
 # --------------------------------------------------------------------------------------------------
 # compile and demo
 

@@ -133,6 +133,7 @@ def _assert_same(reference, ladder) -> None:
 def test_ladder_resolution_and_specializations():
     assert comp_ctx_lengths(None, 32768, 128) == (2048, 8192, 32768)
     assert comp_ctx_lengths(None, 8192, 128) == (2048, 8192)
+    assert comp_ctx_lengths(None, 8192, 2048, step=2) == (2048, 4096, 8192)  # export --target cpu's ladder
     assert comp_ctx_lengths(None, 256, 16) == ()  # below the default floor: one length, no input
     assert comp_ctx_lengths((128, 32, 64), 256, 16) == (32, 64, 128, 256)  # sorted, ctx_len added
     assert comp_ctx_lengths((256,), 256, 16) == ()

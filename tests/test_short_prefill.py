@@ -23,6 +23,7 @@ from qeff_evs.manifest import read_manifest
 from qeff_evs.runtime.backends.base import LanguageInputs
 from qeff_evs.runtime.builders import engine_config
 from qeff_evs.runtime.engine.single_request import Engine
+from qeff_evs.runtime.engine.window import prefill_chunks
 from qeff_evs.runtime.export_bundle import open_export
 from qeff_evs.runtime.inputs.prompt import video_question_pieces
 from qeff_evs.runtime.media import video_from_file
@@ -78,6 +79,22 @@ def test_lengths_and_specializations():
     assert [(s.name, s.symbols["seq_len"], s.symbols["vision_size"]) for s in specs] == [
         ("Prefill_64", 32, 48), ("Prefill_256", 32, 48), ("Prefill8_64", 8, 48), ("Prefill8_256", 8, 48),
         ("Prefill24_64", 24, 48), ("Prefill24_256", 24, 48), ("Decode_64", 1, 48), ("Decode_256", 1, 48)]
+
+
+def test_the_default_cut_pads_no_chunk_by_more_than_the_shortest_length():
+    """The engine's default cut: full chunks, then a tail padded by at most the shortest length (else cut again at the
+    longest length it holds); every prompt covered in order; without shorter lengths, today's cut every chunk."""
+    lengths = (32, 64, 128, 256, 512, 1024)
+    assert prefill_chunks(1058, 2048, lengths) == [(0, 1024), (1024, 34)]  # not one chunk padded to 2048
+    assert prefill_chunks(2082, 2048, lengths) == [(0, 2048), (2048, 34)]
+    assert prefill_chunks(100, 128, (32, 64)) == [(0, 100)]  # 28 padded: one call
+    assert prefill_chunks(65, 128, (32, 64)) == [(0, 64), (64, 1)]  # 63 padded would be more than a 32-token call
+    for total in range(1, 700):
+        chunks = prefill_chunks(total, 256, lengths[:3])
+        assert [c for c, _ in chunks] == list(np.cumsum([0] + [n for _, n in chunks])[:-1])
+        assert sum(n for _, n in chunks) == total
+        assert all(chunk_seq_len(n, 256, lengths[:3]) - n <= 32 for _, n in chunks), total
+        assert prefill_chunks(total, 32) == cuts(total, 32)
 
 
 def test_export_records_the_lengths(short_export, tiny_export):

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from qeff_evs.bench.config import PRESETS, BenchConfig, preset
 from qeff_evs.models.registry import DEFAULT_FAMILY, family_names
+from qeff_evs.specializations import TARGETS
 
 
 class _Families:
@@ -59,7 +60,7 @@ _OVERRIDES = {
     "prefill_seq_len": "prefill_seq_len", "ctx_len": "ctx_len", "user_vision_size": "user_vision_size",
     "window_frames": "window_frames", "window_rate": "window_rate", "vision_frames": "vision_frames",
     "vision_frame_size": "vision_frame_size", "vision_sweep_frames": "vision_sweep_frames",
-    "frames_per_call": "frames_per_call",
+    "frames_per_call": "frames_per_call", "target": "target",
     "overhead_frames": "overhead_frames", "repeats": "repeats", "overhead_repeats": "overhead_repeats", "seed": "seed",
 }
 
@@ -95,6 +96,10 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--question-tokens", type=int, default=None, help=f"default {full.question_tokens}")
     parser.add_argument("--pruning-rates", type=_floats, default=None,
                         help="q values, e.g. 0,0.25,0.5,0.75,0.9 (q=0 is always added)")
+    parser.add_argument("--target", choices=tuple(TARGETS), default=None,
+                        help="export the graphs as `export --target` does (cpu: chunks of "
+                             f"{TARGETS['cpu'].prefill_seq_len} unless --prefill-seq-len is given, compute context "
+                             "lengths in steps of 2); default card")
     parser.add_argument("--prefill-seq-len", type=int, default=None, help=f"default {full.prefill_seq_len}")
     parser.add_argument("--ctx-len", type=int, default=None, help=f"default {full.ctx_len}")
     parser.add_argument("--user-vision-size", type=int, default=None, help="default: the prefill length")
@@ -147,6 +152,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
 
     name = "quick" if args.quick else "smoke" if getattr(args, "smoke", False) else "full"
     changes = {field: getattr(args, dest) for dest, field in _OVERRIDES.items() if getattr(args, dest, None) is not None}
+    if "target" in changes and "prefill_seq_len" not in changes:
+        changes["prefill_seq_len"] = TARGETS[changes["target"]].prefill_seq_len
     chosen = {option.name: getattr(args, option.name) for option in options()
               if getattr(args, option.name, None) is not None}
     return preset(name, changes.get("family", PRESETS[name].family)).replace(**changes, options=chosen)

@@ -14,7 +14,7 @@ from typing import Any
 
 from qeff_evs import evs
 from qeff_evs.models.registry import DEFAULT_FAMILY, family_names, preprocess_defaults
-from qeff_evs.specializations import DEFAULT_FRAMES_PER_CALL
+from qeff_evs.specializations import DEFAULT_FRAMES_PER_CALL, TARGETS
 
 # How a run reports what it is doing (one line at a time; the command prints them).
 Progress = Callable[[str], None]
@@ -40,6 +40,7 @@ class BenchConfig:
     prefill_seq_len: int = 128
     ctx_len: int = 8192
     user_vision_size: int | None = None  # None: prefill_seq_len (the default export)
+    target: str = "card"  # export --target's defaults: its compute context ladder (and, unless given, prefill length)
     # Window sweep: several frame counts at one q.
     window_frames: tuple[int, ...] = (4, 8, 16, 32, 64)
     window_rate: float = 0.5
@@ -149,6 +150,8 @@ def validate(config: BenchConfig, patch_size: int, merge_size: int, temporal_pat
     """Raise ``ValueError`` naming the flag to change when the config cannot run; returns it."""
     if config.family not in family_names():
         raise ValueError(f"--family {config.family!r} is not one of {', '.join(family_names())}")
+    if config.target not in TARGETS:
+        raise ValueError(f"--target {config.target!r} is not one of {', '.join(TARGETS)}")
     if config.widths not in WIDTHS:
         raise ValueError(f"widths {config.widths!r} is not one of {', '.join(WIDTHS)}")
     for name in ("text_layers", "vision_layers", "frames", "frame_size", "prefill_seq_len", "ctx_len",

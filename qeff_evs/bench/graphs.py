@@ -25,7 +25,7 @@ from qeff_evs.runtime.backends.ort import OrtEncoderSession, OrtPruningSession
 from qeff_evs.runtime.backends.vision import VisionPipeline
 from qeff_evs.runtime.inputs.processor import VisionPreprocessSpec
 from qeff_evs.runtime.export_bundle import open_export
-from qeff_evs.specializations import short_prefill_lens
+from qeff_evs.specializations import TARGETS, short_prefill_lens
 
 CHECKPOINT_DIR = "checkpoint"
 EXPORT_DIR = "export"
@@ -79,7 +79,8 @@ def export_options(config: BenchConfig) -> ExportOptions:
                          resolutions=tuple((side, side) for side in sorted(sides)),
                          prefill_seq_len=config.prefill_seq_len, ctx_len=config.ctx_len,
                          user_vision_size=config.user_vision_size, frames_per_call=config.frames_per_call,
-                         video_pruning_methods=("evs",), short_prefill_lens=short)
+                         video_pruning_methods=("evs",), short_prefill_lens=short,
+                         comp_ctx_step=TARGETS[config.target].comp_ctx_step)
 
 
 def export_graphs(config: BenchConfig, workdir: Path, progress: Progress, hf_config=None) -> Path:

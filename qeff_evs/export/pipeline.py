@@ -83,7 +83,7 @@ from qeff_evs.specializations import (
     write_specializations_json,
 )
 from qeff_evs.specializations.compile_command import NODE_PRECISION_FLAG
-from qeff_evs.specializations.sets import check_frame_size, check_frames_per_call
+from qeff_evs.specializations.sets import COMP_CTX_STEP, check_frame_size, check_frames_per_call
 from qeff_evs.specializations.placement import PerGraph, write_placement_record
 
 FLOAT32 = "float32"
@@ -153,6 +153,9 @@ class ExportOptions:
     # Shorter prefill lengths (--short-prefill-lens); None: specializations.sets' default where the family's graph
     # takes any chunk length (a graph unrolled for its prefill length, Qwen3.5's, gets none).
     short_prefill_lens: tuple[int, ...] | None = None
+    # The default ladder's step (ctx_len / step**k) where ctx_lengths is None: 4 for the card, 2 for a CPU export
+    # (specializations.sets.TARGETS).
+    comp_ctx_step: int = COMP_CTX_STEP
 
     @property
     def effective_user_vision_size(self) -> int:
@@ -273,7 +276,7 @@ def save_video_processor_config(checkpoint, family: ModelFamily, folder: Path) -
 def export_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, options: ExportOptions,
                       progress: Progress = lambda message: None) -> Manifest:
     q, max_rate, methods = check_pruning_options(options)
-    ctx_lengths = comp_ctx_lengths(options.ctx_lengths, options.ctx_len, options.prefill_seq_len)
+    ctx_lengths = comp_ctx_lengths(options.ctx_lengths, options.ctx_len, options.prefill_seq_len, options.comp_ctx_step)
     short_lens = short_prefill_lens(options.short_prefill_lens, options.prefill_seq_len)
     language_specializations(options.prefill_seq_len, options.ctx_len, options.user_vision_size,
                              full_batch_size=options.full_batch_size)  # refuses bad sizes before the checkpoint loads

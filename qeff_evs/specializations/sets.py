@@ -58,6 +58,24 @@ COMP_CTX_STEP = 4
 DEFAULT_SHORT_PREFILL_LEN = 32
 
 
+@dataclass(frozen=True)
+class TargetDefaults:
+    """What ``export --target`` changes: the default prefill length and the step of the compute context ladder."""
+
+    prefill_seq_len: int
+    comp_ctx_step: int
+
+
+# The card's programs run chunks of 128 (QEfficient's default) and each compute context length is a program to
+# compile and load, hence steps of 4. ONNX Runtime on a CPU has neither limit: it spends less per token in longer
+# chunks (Qwen2.5-VL-3B widths: 7.1 ms of CPU per token in a 2048-token chunk against 7.9 in chunks of 128), a shorter
+# prompt or tail still runs in the short lengths (halved down to 32), and a length costs nothing to add, so steps of
+# 2 (a 64-token tail at slot 2048 read 4096 slots in 0.36-0.48 s instead of 8192 in 0.64-1.09 s); see
+# docs/performance.md, time to first token.
+TARGETS = {"card": TargetDefaults(prefill_seq_len=128, comp_ctx_step=COMP_CTX_STEP),
+           "cpu": TargetDefaults(prefill_seq_len=2048, comp_ctx_step=2)}
+
+
 
 def _check_dimension(symbol: str, value: object, context: str) -> int:
     """A bound dimension must be a positive Python/NumPy integer (never a bool or float)."""
@@ -154,21 +172,22 @@ class Specialization:
         object.__setattr__(self, "serves", tuple(self.serves))
 
 
-def comp_ctx_lengths(requested: Sequence[int] | None, ctx_len: int, prefill_seq_len: int) -> tuple[int, ...]:
+def comp_ctx_lengths(requested: Sequence[int] | None, ctx_len: int, prefill_seq_len: int,
+                     step: int = COMP_CTX_STEP) -> tuple[int, ...]:
     """The export's compute context lengths, ascending and ending at ``ctx_len``; ``()`` when that is the only
     one (the graph then reads all of ``ctx_len`` and has no ``comp_ctx_lengths`` input).
 
     ``requested`` (``--ctx-lengths``): lengths in ``[prefill_seq_len, ctx_len]``; ``ctx_len`` is added when
-    missing (every position must have a length). None: ``ctx_len / 4**k`` down to ``DEFAULT_MIN_COMP_CTX_LEN``.
+    missing (every position must have a length). None: ``ctx_len / step**k`` down to ``DEFAULT_MIN_COMP_CTX_LEN``.
     Example: ``comp_ctx_lengths(None, 32768, 128) == (2048, 8192, 32768)``.
     """
     if requested is None:
         lengths, length = [], ctx_len
         while length >= DEFAULT_MIN_COMP_CTX_LEN and length >= prefill_seq_len:
             lengths.append(length)
-            if length % COMP_CTX_STEP:
+            if length % step:
                 break
-            length //= COMP_CTX_STEP
+            length //= step
         requested = lengths or [ctx_len]
     lengths = sorted({_check_dimension("a compute context length", n, "--ctx-lengths") for n in requested})
     outside = [n for n in lengths if not prefill_seq_len <= n <= ctx_len]

@@ -102,10 +102,11 @@ class Engine:
 
     def generate(self, prompt: PreparedPrompt, eos_ids: tuple[int, ...] = (),
                  chunks: list[tuple[int, int]] | None = None) -> GenerationResult:
-        """Prefill in ``chunks`` (``(computed, scheduled)``; default: cut every prefill_seq_len), then decode."""
+        """Prefill in ``chunks`` (``(computed, scheduled)``; default: ``prefill_chunks`` over the export's prefill
+        lengths), then decode."""
         cfg = self.config
         self._check_fits(len(prompt.ids))
-        chunks = chunks or prefill_chunks(len(prompt.ids), cfg.prefill_seq_len)
+        chunks = chunks or prefill_chunks(len(prompt.ids), cfg.prefill_seq_len, cfg.short_prefill_lens)
         self._check_chunks(chunks, len(prompt.ids))
         serving = ServingEngine(self.family, self.vision, self.language, cfg, self._scheduler(prompt), eos_ids,
                                 self.progress)

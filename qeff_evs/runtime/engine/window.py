@@ -10,6 +10,7 @@ These are the rules of ``GPUModelRunner._gather_mm_embeddings`` and
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -96,8 +97,26 @@ def window_slices(placeholders: list[Placeholder], computed: int, scheduled: int
     return slices
 
 
-def prefill_chunks(num_prompt_tokens: int, chunk_len: int) -> list[tuple[int, int]]:
-    """``(computed, scheduled)`` for a prompt cut into chunks of at most ``chunk_len`` tokens."""
+def prefill_chunks(num_prompt_tokens: int, chunk_len: int, short_lens: Sequence[int] = ()) -> list[tuple[int, int]]:
+    """``(computed, scheduled)`` for a prompt cut into chunks of at most ``chunk_len`` tokens.
+
+    With the export's shorter prefill lengths ``short_lens`` the tail (what is left after the full chunks) is cut
+    again where one chunk would be padded by more than the shortest length's worth of tokens: a chunk of the longest
+    length it holds goes first, and so on. A call costs about that many tokens of its own (docs/performance.md), so
+    this spends calls only where padding costs more. Example: ``prefill_chunks(1058, 2048, (32, 64, ..., 1024))``
+    is 1024 + 34 (padded to 64), not one chunk padded to 2048; with ``(32, 64)`` and 128 a tail of 100 stays one
+    chunk (28 padded).
+    """
     if chunk_len < 1:
         raise ValueError(f"chunk length must be >= 1, got {chunk_len}")
-    return [(c, min(chunk_len, num_prompt_tokens - c)) for c in range(0, num_prompt_tokens, chunk_len)]
+    chunks = [(c, chunk_len) for c in range(0, num_prompt_tokens - chunk_len + 1, chunk_len)]
+    computed = len(chunks) * chunk_len
+    lengths = sorted({*short_lens, chunk_len})
+    while computed < num_prompt_tokens:
+        left = num_prompt_tokens - computed
+        padded = min(n for n in lengths if n >= left)
+        shorter = [n for n in lengths if n < left]
+        scheduled = shorter[-1] if shorter and padded - left > lengths[0] else left
+        chunks.append((computed, scheduled))
+        computed += scheduled
+    return chunks
