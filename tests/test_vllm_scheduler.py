@@ -122,17 +122,27 @@ def pieces_for(tokenizer, question: str) -> list[PromptPiece]:
             PromptPiece(ids=tuple(tokenizer.encode(after, add_special_tokens=False)))]
 
 
+def export_config(manifest, **options) -> EngineConfig:
+    """The engine settings the export was made for (chunk, context, window, pruning rate)."""
+    return EngineConfig(manifest.prefill_seq_len, manifest.ctx_len, manifest.user_vision_size,
+                        manifest.video_pruning_rate, **options)
+
+
+def saved_video(served, name: str, frames: int, height: int = 112, width: int = 112, seed: int = 0):
+    """A moving-square clip saved as ``.npy`` and read back the way a user's file is."""
+    path = served.folder / f"{name}.npy"
+    np.save(path, moving_square_video(frames, height, width, seed=seed))
+    return video_from_file(path, served.bundle)
+
+
 def test_vllm_scheduler_drives_engine_like_each_request_alone(served, stand_in_architecture):
     bundle, m = served.bundle, served.bundle.manifest
-    config = EngineConfig(m.prefill_seq_len, m.ctx_len, m.user_vision_size, m.video_pruning_rate,
-                          max_new_tokens=NEW_TOKENS)
+    config = export_config(m, max_new_tokens=NEW_TOKENS)
     shapes = [(8, 112, 112, "what moves here?"), (4, 112, 168, "the square"), (8, 112, 168, "why left or right"),
               (2, 112, 112, "colour?"), (4, 112, 112, "frame 7 why")]  # 5 requests > 4 KV rows
     requests = []
     for n, (frames, height, width, question) in enumerate(shapes):
-        path = served.folder / f"video_{n}.npy"
-        np.save(path, moving_square_video(frames, height, width, seed=n))
-        video = video_from_file(path, bundle)
+        video = saved_video(served, f"video_{n}", frames, height, width, seed=n)
         assert kept_count(bundle.family, video, VideoPruning("evs", m.video_pruning_rate)) <= MAX_VIDEO_ROWS
         requests.append((f"r{n}", pieces_for(bundle.tokenizer, question), [video]))
 
@@ -194,16 +204,15 @@ def test_an_aborted_request_frees_its_row_and_encoder_entries_follow_vllms_cache
     from vllm.v1.request import RequestStatus
 
     bundle, m = served.bundle, served.bundle.manifest
-    config = EngineConfig(m.prefill_seq_len, m.ctx_len, m.user_vision_size, m.video_pruning_rate)
+    config = export_config(m)
     scheduler = vllm_scheduler(served.checkpoint, stand_in_architecture)
     driver = VllmDriver(bundle.family, *sessions_for(bundle, "ort"), config)
     # r0..r3 fill every KV row with long generations; r4 can only start in the row r0's abort frees.
     tokens = {f"r{n}": 40 if n < FULL_BATCH else NEW_TOKENS for n in range(FULL_BATCH + 1)}
     for n, request_id in enumerate(tokens):
-        path = served.folder / f"abort_{n}.npy"
-        np.save(path, moving_square_video(8 if n % 2 else 4, 112, 112, seed=10 + n))
         request = driver.make_request(request_id, pieces_for(bundle.tokenizer, f"clip {n}"),
-                                      [video_from_file(path, bundle)], tokens[request_id])
+                                      [saved_video(served, f"abort_{n}", 8 if n % 2 else 4, seed=10 + n)],
+                                      tokens[request_id])
         scheduler.add_request(request)
 
     generated: dict[str, list[int]] = {}
@@ -241,13 +250,9 @@ def test_a_request_the_worker_cannot_run_fails_alone(served, stand_in_architectu
     from qeff_evs.vllm.scheduler import QeffEvsScheduler, RunnerOutput
 
     bundle, m = served.bundle, served.bundle.manifest
-    config = EngineConfig(m.prefill_seq_len, m.ctx_len, m.user_vision_size, m.video_pruning_rate,
-                          max_new_tokens=NEW_TOKENS)
-    good = []
-    for n in range(2):
-        path = served.folder / f"alone_{n}.npy"
-        np.save(path, moving_square_video(4, 112, 112, seed=30 + n))
-        good.append((f"good{n}", pieces_for(bundle.tokenizer, f"clip {n}"), [video_from_file(path, bundle)]))
+    config = export_config(m, max_new_tokens=NEW_TOKENS)
+    good = [(f"good{n}", pieces_for(bundle.tokenizer, f"clip {n}"), [saved_video(served, f"alone_{n}", 4, seed=30 + n)])
+            for n in range(2)]
     video = good[0][2][0]
     broken = MediaInput(torch.cat([video.pixel_values, torch.zeros(len(video.pixel_values), 1)], dim=1),
                         video.grid_thw, video.fps, video.frame_times)
@@ -302,13 +307,8 @@ def test_a_row_cut_inside_a_video_is_reused_up_to_the_cut(served, stand_in_archi
     from qeff_evs.vllm.scheduler import QeffEvsScheduler
 
     bundle, m = served.bundle, served.bundle.manifest
-    config = EngineConfig(m.prefill_seq_len, m.ctx_len, m.user_vision_size, m.video_pruning_rate,
-                          max_new_tokens=NEW_TOKENS)
-    videos = []
-    for n in range(2):
-        path = served.folder / f"cut_{n}.npy"
-        np.save(path, moving_square_video(8, 112, 112, seed=50 + n))
-        videos.append(video_from_file(path, bundle))
+    config = export_config(m, max_new_tokens=NEW_TOKENS)
+    videos = [saved_video(served, f"cut_{n}", 8, seed=50 + n) for n in range(2)]
     pieces = pieces_for(bundle.tokenizer, "what moves here?")
     vision, language = sessions_for(bundle, "ort")
     alone = []
