@@ -465,10 +465,10 @@ def router_agreement(outputs: dict[str, list[list[np.ndarray]]], routers: int) -
     detail = {"routers": routers, "top_k": int(top_k), "tokens_x_layers": int(margins.size),
               "median_margin": float(np.median(margins))}
     layer = np.concatenate([np.full(len(p), r) for r, p in enumerate(reference)])
+    chosen = [np.sort(_by_router(outputs["fp32"], routers + r), axis=-1) for r in range(routers)]
     for label in ("router_fp16", "router_fp32"):
-        flipped = np.concatenate([np.any(np.sort(_by_router(outputs["fp32"], routers + r), axis=-1)
-                                         != np.sort(_by_router(outputs[label], routers + r), axis=-1), axis=-1)
-                                  for r in range(routers)])
+        flipped = np.concatenate([np.any(chosen[r] != np.sort(_by_router(outputs[label], routers + r), axis=-1),
+                                         axis=-1) for r in range(routers)])
         detail[f"flipped_share_{label}"] = float(flipped.mean())
         # A later layer's flips include tokens whose earlier experts changed (a different hidden state, not a tie).
         detail[f"flipped_by_layer_{label}"] = [[float(m) for m in sorted(margins[flipped & (layer == r)])]
