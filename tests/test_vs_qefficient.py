@@ -258,7 +258,7 @@ QEFFICIENT = os.environ.get(QEFFICIENT_PYTHON_ENV)
 
 
 @pytest.mark.skipif(not QEFFICIENT, reason=f"no QEfficient Python configured: set {QEFFICIENT_PYTHON_ENV} to the "
-                    "Python of a side environment with QEfficient (install_qefficient_cpu.sh makes one)")
+                    "Python of a side environment with QEfficient (how to make one: docs/performance.md#compared-with-qefficient)")
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
 def test_comparison_end_to_end(tiny, tmp_path, family):
     results = compare(tiny, family, tmp_path, Path(QEFFICIENT))
