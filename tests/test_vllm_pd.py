@@ -1,0 +1,335 @@
+"""Prefill/decode disaggregation through vllm-router (issue 35): qeff-evs's KV connector between real instances.
+
+Per family (Qwen2.5-VL, Qwen3-VL, Qwen3.5), one prefill instance (``kv_producer``: vision graphs and the language
+graph's prefill calls) and one decode instance (``kv_consumer``: one-token calls, no vision graph) of the tiny served
+export, behind the real ``vllm-router --vllm-pd-disaggregation``. Checks:
+
+* greedy tokens equal ``qeff-evs run`` on the same file (what one instance gives: ``test_vllm_serve``), at q 0 and
+  0.75 on the same instances (per-request ``mm_processor_kwargs``);
+* each hand-over carries exactly the prompt's first N-1 slots of every KV layer (and, for Qwen3.5, every layer's
+  conv and recurrent state): its bytes follow the kept tokens;
+* a request aborted on the decode instance while its pull is in flight ends there, the instance writes nothing and
+  serves the next requests (tokens equal);
+* a decode instance killed mid-stream and started again: the next requests through the router are served.
+Without servers: the hand-over's arrays against the row they came from, the outbox's lease, the start-up and
+per-request refusals.
+"""
+
+from __future__ import annotations
+
+import re
+import socket
+import threading
+import time
+import types
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from qeff_evs.manifest import LanguageShape, LayerState
+from qeff_evs.models.graph_io import state_shapes
+from qeff_evs.vllm import kv_handover, kv_transport
+
+FAMILIES = ("qwen2_5_vl", "qwen3_vl", "qwen3_5")
+RATES = (0.0, 0.75)
+NEW_TOKENS = 5
+KV = '"kv_connector": "QeffEvsKVConnector"'
+
+
+# --------------------------------------------------------------------------------------------------
+# the hand-over without servers
+
+
+def shape(layer_states: bool = False) -> LanguageShape:
+    states = (LayerState("conv_state", (1,), (6, 3)), LayerState("recurrent_state", (1,), (2, 4, 4), "float32"))
+    return LanguageShape(num_layers=2, kv_heads=2, head_dim=4, hidden=8, ctx_len=32, vision_size=16,
+                         full_batch_size=3, kv_layers=(0,) if layer_states else None,
+                         layer_states=states if layer_states else ())
+
+
+@pytest.mark.parametrize("layer_states", [False, True])
+def test_a_hand_over_is_the_rows_first_slots_and_its_layer_states(layer_states):
+    s = shape(layer_states)
+    rng = np.random.default_rng(0)
+    state = {name: rng.standard_normal(dims).astype(np.float32) for name, dims in state_shapes(s).items()}
+    handover = kv_handover.from_bytes(kv_handover.to_bytes(kv_handover.take_row(state, s, 1, range(7))))
+    kv_names = [f"past_key.{i}" for i in ((0,) if layer_states else (0, 1))]
+    for name in kv_names:
+        np.testing.assert_array_equal(handover.arrays[name], state[name][1, :, :7])
+    if layer_states:
+        assert sorted(handover.arrays) == ["conv_state.1", "past_key.0", "past_value.0", "recurrent_state.1"]
+        np.testing.assert_array_equal(handover.arrays["recurrent_state.1"], state["recurrent_state.1"][1])
+    # per slot: keys and values of every KV layer; plus each layer state whole
+    per_slot = 2 * len(kv_names) * s.kv_heads * s.head_dim * 4
+    assert handover.nbytes == 7 * per_slot + (4 * (6 * 3 + 2 * 4 * 4) if layer_states else 0)
+    target = {name: np.zeros_like(a) for name, a in state.items()}
+    kv_handover.put_row(target, s, 2, handover)
+    for name in handover.arrays:
+        written = target[name][2, :, :7] if name.startswith("past_") else target[name][2]
+        np.testing.assert_array_equal(written, handover.arrays[name])
+        assert not target[name][[0, 1]].any()  # no other row touched
+        if name.startswith("past_"):
+            assert not target[name][2, :, 7:].any()  # nothing past the hand-over's slots
+
+
+def test_a_hand_over_of_another_export_is_refused_before_anything_is_written():
+    s = shape()
+    state = {name: np.zeros(dims, np.float32) for name, dims in state_shapes(s).items()}
+    handover = kv_handover.take_row(state, s, 0, range(5))
+    wider = dict(handover.arrays, **{"past_key.1": np.zeros((2, 5, 8), np.float32)})
+    with pytest.raises(ValueError, match=r"past_key.1: the prefill instance handed over float32\[2, 5, 8\], a row "
+                                         r"here takes float32\[2, 5, 4\]"):
+        kv_handover.put_row(state, s, 1, kv_handover.RowHandover(handover.token_ids, wider))
+    with pytest.raises(ValueError, match=r"handed over \['past_key.0', 'past_value.0'\], this export's rows hold"):
+        kv_handover.put_row(state, s, 1, kv_handover.RowHandover(handover.token_ids, {
+            k: v for k, v in handover.arrays.items() if k.endswith(".0")}))
+    with pytest.raises(ValueError, match="not 'qeff-evs kv row 1': serve qeff-evs's QeffEvsKVConnector"):
+        from safetensors.numpy import save
+
+        kv_handover.from_bytes(save({"x": np.zeros(1)}, metadata={"format": "other"}))
+
+
+def test_the_outbox_serves_a_hand_over_once_and_drops_what_nobody_pulls():
+    outbox = kv_transport.Outbox(lease_s=0.3)
+    server = kv_transport.OutboxServer(outbox, "127.0.0.1", 0)
+    try:
+        outbox.put("a", b"x" * 100_000)
+        outbox.put("b", b"y")
+        assert kv_transport.pull("127.0.0.1", server.port, "a", 5) == b"x" * 100_000
+        with pytest.raises(ConnectionError, match="holds no hand-over for a: never kept, pulled already, or older"):
+            kv_transport.pull("127.0.0.1", server.port, "a", 5)  # one pull per request
+        time.sleep(0.4)
+        assert outbox.held == {"b": 1} and outbox.expire() == ["b"] and outbox.held == {}
+        outbox.put("c", b"z")
+        outbox.discard(["c"])  # an aborted prompt
+        with pytest.raises(ConnectionError, match="holds no hand-over for c"):
+            kv_transport.pull("127.0.0.1", server.port, "c", 5)
+    finally:
+        server.close()
+    with pytest.raises(ConnectionError, match=f"hand-over server 127.0.0.1:{server.port} failed for d: "
+                                              "ConnectionRefusedError"):
+        kv_transport.pull("127.0.0.1", server.port, "d", 5)
+
+
+def vllm_config(connector: str = "QeffEvsKVConnector", role: str = "kv_producer", dp: int = 1, ec: bool = False):
+    kv = types.SimpleNamespace(kv_connector=connector, kv_role=role)
+    return types.SimpleNamespace(kv_transfer_config=kv, parallel_config=types.SimpleNamespace(data_parallel_size=dp),
+                                 ec_transfer_config=types.SimpleNamespace(ec_connector="QeffEvsECConnector") if ec
+                                 else None)
+
+
+def test_what_prefill_decode_disaggregation_cannot_serve_is_refused_one_line_each():
+    from qeff_evs.vllm.kv_config import kv_refusals
+
+    assert kv_refusals(vllm_config(), "ort") == [] and kv_refusals(vllm_config(role="kv_consumer"), "torch") == []
+    assert kv_refusals(types.SimpleNamespace(kv_transfer_config=None), "qaic") == []
+    [line] = kv_refusals(vllm_config("NixlConnector"), "ort")
+    assert line.startswith("kv_connector 'NixlConnector': an export's KV rows live in its language graph's retained "
+                           "state, which only qeff-evs's connector reads and writes; pass \"kv_connector\": "
+                           "\"QeffEvsKVConnector\"")
+    [line] = kv_refusals(vllm_config(role="kv_both"), "ort")
+    assert line.startswith("kv_role 'kv_both': a qeff-evs instance either prefills")
+    [line] = kv_refusals(vllm_config(), "qaic")
+    assert line.startswith("KV transfer on the qaic backend:")
+    assert len(kv_refusals(vllm_config(dp=2, ec=True), "ort")) == 2
+
+
+def test_each_side_refuses_what_it_cannot_run_per_request():
+    from vllm import SamplingParams
+
+    from qeff_evs.vllm.platform import kv_role_refusals
+
+    asked = {"do_remote_decode": True}
+    assert kv_role_refusals("kv_producer", SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": asked})) == []
+    [line] = kv_role_refusals("kv_producer", SamplingParams(max_tokens=5, extra_args={"kv_transfer_params": asked}))
+    assert line.startswith("max_tokens=5: this instance is a kv_producer (prefill programs only)")
+    [line] = kv_role_refusals("kv_producer", SamplingParams(max_tokens=1))
+    assert line.startswith("kv_transfer_params None: this kv_producer hands each prompt's KV row")
+    [line] = kv_role_refusals("kv_consumer", SamplingParams(max_tokens=5))
+    assert "kv_consumer (one-token programs only) and computes no prompt" in line
+    assert kv_role_refusals(None, SamplingParams(max_tokens=5)) == []
+
+
+# --------------------------------------------------------------------------------------------------
+# the real servers and router
+
+
+@pytest.fixture(scope="module")
+def clips(tmp_path_factory):
+    from test_vllm_serve import write_mkv
+
+    from qeff_evs.runtime.inputs.synthetic import moving_square_video
+
+    folder = tmp_path_factory.mktemp("pd_media")
+    return [write_mkv(folder / f"clip{n}.mkv", moving_square_video(frames, 128, width, seed=40 + n), fps=2)
+            for n, (frames, width) in enumerate([(8, 128), (6, 192)])]
+
+
+def kv_args(export: Path, role: str) -> list[str]:
+    from conftest import SERVED_FULL_BATCH
+
+    return [str(export), "--max-num-seqs", str(SERVED_FULL_BATCH), "--served-model-name", "tiny",
+            "--trust-request-mm-kwargs", "--kv-transfer-config",
+            '{%s, "kv_role": "%s", "kv_connector_extra_config": {"pull_timeout_s": 8}}' % (KV, role)]
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def pd(request, served_export, tmp_path_factory):
+    """A prefill and a decode instance of one family's export behind vllm-router's PD mode."""
+    pytest.importorskip("uvicorn", reason="vLLM's server packages are missing: run bash scripts/install.sh --test")
+    from helpers.vllm_server import vllm_servers
+
+    from qeff_evs.bench.server_process import free_port, start_router, stop
+
+    family = request.param
+    export = served_export(family)[1]
+    folder = tmp_path_factory.mktemp(f"pd_{family}")
+    env = {"QEFF_EVS_BACKEND": "ort"}
+    ports = [free_port(), free_port()]
+    with vllm_servers([(kv_args(export, "kv_producer"), env, folder / "prefill.log", None),
+                       (kv_args(export, "kv_consumer"), env, folder / "decode.log", None)], ports) as (p, d):
+        router, url = start_router(["--vllm-pd-disaggregation", "--prefill", p.url, "--decode", d.url,
+                                    "--policy", "round_robin", "--disable-circuit-breaker", "--disable-retries",
+                                    "--health-check-interval-secs", "1"], folder / "router.log")
+        try:
+            yield types.SimpleNamespace(family=family, export=export, p=p, d=d, url=url, folder=folder,
+                                        decode_port=ports[1])
+        finally:
+            stop(router)
+
+
+def chat_body(clip: Path, rate: float, question: str, max_tokens: int = NEW_TOKENS, **extra) -> dict:
+    from test_vllm_serve import video_message
+
+    return {"model": "tiny", "messages": video_message(clip, question), "temperature": 0, "max_tokens": max_tokens,
+            "return_token_ids": True, "mm_processor_kwargs": {"video_pruning_rate": rate}, **extra}
+
+
+def expected_tokens(export: Path, clip: Path, rate: float, question: str) -> list[int]:
+    from qeff_evs.models.pruning import VideoPruning
+    from qeff_evs.runtime.builders import answer, build_engine
+    from qeff_evs.runtime.export_bundle import open_export
+    from qeff_evs.runtime.media import video_from_file
+
+    bundle = open_export(export)
+    engine = build_engine(bundle, "ort", max_new_tokens=NEW_TOKENS, pruning=VideoPruning("evs", rate))
+    return answer(bundle, engine, video_from_file(clip, bundle), question).generated_token_ids
+
+
+def post(url: str, body: dict, timeout: float = 300):
+    import requests
+
+    reply = requests.post(f"{url}/v1/chat/completions", json=body, timeout=timeout)
+    assert reply.status_code == 200, reply.text
+    return reply.json()
+
+
+def handed_over(log: str) -> list[tuple[int, int]]:
+    """(tokens, array bytes) of every hand-over the prefill instance logged, in order."""
+    return [(int(n), int(b)) for n, b in
+            re.findall(r"qeff-evs KV: handing over \S+: (\d+) tokens, \d+ bytes \(arrays (\d+) B\)", log)]
+
+
+def test_tokens_equal_one_instance(pd, clips):
+    from qeff_evs.runtime.export_bundle import open_export
+
+    questions = ("What happens in this video?", "Describe the square.")
+    for rate in RATES:
+        for clip, question in zip(clips, questions):
+            before = len(handed_over(pd.p.log_text()))
+            reply = post(pd.url, chat_body(clip, rate, question))
+            assert reply["choices"][0]["token_ids"] == expected_tokens(pd.export, clip, rate, question), (rate, clip)
+            prompt = len(reply["prompt_token_ids"])
+            [(tokens, nbytes)] = handed_over(pd.p.log_text())[before:]
+            assert tokens == prompt - 1  # the decode instance computes the last prompt token
+            shape = open_export(pd.export).language_shape
+            kv_layers = len(kv_handover.kv_names(shape)) // 2
+            states = sum(int(np.prod(s.row_shape)) * len(s.layers) for s in shape.layer_states)
+            assert nbytes == tokens * 2 * kv_layers * shape.kv_heads * shape.head_dim * 4 + 4 * states
+    sizes = handed_over(pd.p.log_text())
+    assert sizes[2][1] < sizes[0][1] and sizes[3][1] < sizes[1][1]  # q 0.75 hands over fewer slots than q 0
+    assert "loaded the language graph for one-token calls only" in pd.d.log_text()
+    assert "loaded the vision graphs and the language graph for prefill calls" in pd.p.log_text()
+
+
+class SilentPrefill:
+    """A 'prefill instance' that accepts the pull and never answers (the hand-over stays in flight)."""
+
+    def __init__(self):
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen()
+        self.port = self.sock.getsockname()[1]
+        self.accepted: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        try:
+            while True:
+                self.accepted.append(self.sock.accept()[0])
+        except OSError:
+            return
+
+    def close(self):
+        for conn in self.accepted:
+            conn.close()
+        self.sock.close()
+
+
+def test_a_request_aborted_while_its_kv_is_in_flight_ends_and_the_decode_instance_goes_on(pd, clips):
+    import requests
+
+    silent = SilentPrefill()
+    body = chat_body(clips[0], 0.0, "Describe the square.", kv_transfer_params={
+        "do_remote_prefill": True, "do_remote_decode": False, "remote_host": "127.0.0.1",
+        "remote_port": silent.port, "remote_request_id": "never-answered", "remote_engine_id": "x"})
+    try:
+        with pytest.raises(requests.exceptions.ReadTimeout):
+            requests.post(f"{pd.d.url}/v1/chat/completions", json=body, timeout=3)  # the client gives up: an abort
+        deadline = time.monotonic() + 30
+        while not silent.accepted and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert silent.accepted, "the decode instance never started its pull"
+    finally:
+        silent.close()  # the pull ends (failed), which vLLM waits for before it frees the aborted request's row
+    time.sleep(1)
+    log = pd.d.log_text()
+    assert "never-answered" not in re.findall(r"qeff-evs KV: received (\S+)", log)
+    reply = post(pd.url, chat_body(clips[1], 0.75, "Describe the square."))
+    assert reply["choices"][0]["token_ids"] == expected_tokens(pd.export, clips[1], 0.75, "Describe the square.")
+
+
+def test_a_decode_instance_restarted_mid_stream_serves_the_next_requests(pd, clips):
+    if pd.family != "qwen2_5_vl":
+        pytest.skip("one family shows the restart; the hand-over is the same for all")
+    import requests
+    from helpers.vllm_server import vllm_servers
+
+    from qeff_evs.bench.server_process import stop
+
+    body = chat_body(clips[0], 0.0, "What happens in this video?", max_tokens=200, stream=True, ignore_eos=True)
+    with requests.post(f"{pd.url}/v1/chat/completions", json=body, stream=True, timeout=300) as reply:
+        chunks = reply.iter_lines()
+        first = [next(chunks) for _ in range(4)]
+        assert any(line.startswith(b"data: {") for line in first)
+        stop(pd.d.process)  # the decode instance dies mid-stream
+        rest = b"\n".join(chunks)
+    assert b"[DONE]" not in rest or b'"finish_reason":"length"' not in rest  # the stream did not finish normally
+    with vllm_servers([(kv_args(pd.export, "kv_consumer"), {"QEFF_EVS_BACKEND": "ort"},
+                        pd.folder / "decode_again.log", None)], [pd.decode_port]) as (again,):
+        pd.d = again
+        deadline = time.monotonic() + 30
+        while True:  # the router's health check sees the instance again
+            try:
+                reply = post(pd.url, chat_body(clips[1], 0.0, "Describe the square."), timeout=120)
+                break
+            except AssertionError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(1)
+        assert reply["choices"][0]["token_ids"] == expected_tokens(pd.export, clips[1], 0.0, "Describe the square.")
+        reply = post(pd.url, chat_body(clips[0], 0.75, "What happens in this video?"))
+        assert reply["choices"][0]["token_ids"] == expected_tokens(pd.export, clips[0], 0.75,
+                                                                   "What happens in this video?")
+
