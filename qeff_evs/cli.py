@@ -126,7 +126,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
     hw = detect_aic_hw_version() if args.aic_hw_version == "auto" else args.aic_hw_version
     options = CompileOptions(num_cores=_per_graph(args.num_cores, "--num-cores"), mxfp6_matmul=args.mxfp6,
                              aic_hw_version=hw, num_devices=_per_graph(args.num_devices, "--num-devices"),
-                             extra_flags=extra,
+                             extra_flags=extra, language_programs=args.programs,
                              specializations_layout=args.specializations_layout)
     cores, devices = options.cores, options.devices
     _progress(f"compiling for {hw}: " + ", ".join(
@@ -353,6 +353,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "(a node-precision file goes to the language graph only)")
     p.add_argument("--specializations-layout", choices=("named", "flat"), default="named",
                    help="specializations.json layout: named (QEfficient >= 1.22) or flat (older SDKs)")
+    p.add_argument("--programs", choices=("both", "prefill", "decode"), default="both",
+                   help="the language program(s): both (one instance), or one side of prefill/decode disaggregation: "
+                        "prefill (vision graphs + language/prefill_qpc, prompts only) or decode (language/decode_qpc, "
+                        "one-token calls only)")
     p.set_defaults(func=cmd_compile)
 
     p = sub.add_parser("verify", help="run every exported graph on sample inputs in fp32 and (--fp16) in an "
