@@ -230,7 +230,7 @@ def post(url: str, body: dict, timeout: float = 300):
 def handed_over(log: str) -> list[tuple[int, int]]:
     """(tokens, array bytes) of every hand-over the prefill instance logged, in order."""
     return [(int(n), int(b)) for n, b in
-            re.findall(r"qeff-evs KV: handing over \S+: (\d+) tokens, \d+ bytes \(arrays (\d+) B\)", log)]
+            re.findall(r"qeff-evs KV: handing over \S+: (\d+) tokens, \d+ bytes \(arrays (\d+) B;", log)]
 
 
 def test_tokens_equal_one_instance(pd, clips):

@@ -31,6 +31,7 @@ advertises; default 127.0.0.1), ``kv_port`` (default 0: any free port, advertise
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -94,6 +95,9 @@ class Arrival:
     pull: Pull
     handover: kv_handover.RowHandover | None
     error: str | None = None
+    seconds: float = 0.0
+    """From the pull's start to its end (connect, the prefill instance's answer, the bytes, their parsing)."""
+    wire_bytes: int = 0
 
 
 def _param(request, key: str, default: Any = None) -> Any:
@@ -208,12 +212,13 @@ class QeffEvsKVConnector(KVConnectorBase_V1):
         return None
 
     def _pull(self, request_id: str, pull: Pull) -> None:
+        started = time.perf_counter()
         try:
-            handover = kv_handover.from_bytes(kv_transport.pull(pull.host, pull.port, pull.remote_request_id,
-                                                                self.pull_timeout_s))
-            arrival = Arrival(request_id, pull, handover)
+            blob = kv_transport.pull(pull.host, pull.port, pull.remote_request_id, self.pull_timeout_s)
+            arrival = Arrival(request_id, pull, kv_handover.from_bytes(blob), None, time.perf_counter() - started,
+                              len(blob))
         except Exception as error:  # noqa: BLE001 - reported as a failed receive, whatever it was
-            arrival = Arrival(request_id, pull, None, f"{type(error).__name__}: {error}")
+            arrival = Arrival(request_id, pull, None, f"{type(error).__name__}: {error}", time.perf_counter() - started)
         with self._arrival:
             self._arrived.append(arrival)
             self._arrival.notify_all()

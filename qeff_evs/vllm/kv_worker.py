@@ -127,8 +127,8 @@ class QeffEvsKVWorker(QeffEvsWorker):
         language = self.driver.executor.language
         started = time.perf_counter()
         kv_handover.put_row(language.state, language.shape, pull.row, handover)
-        logger.info("qeff-evs KV: received %s: %d tokens, %d bytes into row %d (%.1f ms to write)",
-                    arrival.request_id, handover.num_tokens, handover.nbytes, pull.row,
+        logger.info("qeff-evs KV: received %s: %d tokens, %d bytes into row %d (pulled in %.1f ms, %.1f ms to write)",
+                    arrival.request_id, handover.num_tokens, handover.nbytes, pull.row, 1e3 * arrival.seconds,
                     1e3 * (time.perf_counter() - started))
         return None
 
@@ -138,13 +138,14 @@ class QeffEvsKVWorker(QeffEvsWorker):
 
     def _hand_over(self, request_id: str, num_tokens: int) -> None:
         """A prefill instance's request has run its first ``num_tokens`` tokens: its row's used part to the outbox."""
+        started = time.perf_counter()
         state = self.driver.executor.requests[request_id]
         language = self.driver.executor.language
         handover = kv_handover.take_row(language.state, language.shape, state.cache_row,
                                         self._prompt_ids[request_id][:num_tokens])
         size = self.connector.keep(request_id, handover)
-        logger.info("qeff-evs KV: handing over %s: %d tokens, %d bytes (arrays %d B)", request_id, num_tokens,
-                    size, handover.nbytes)
+        logger.info("qeff-evs KV: handing over %s: %d tokens, %d bytes (arrays %d B; %.1f ms to copy)", request_id,
+                    num_tokens, size, handover.nbytes, 1e3 * (time.perf_counter() - started))
 
     def shutdown(self) -> None:
         try:
