@@ -112,8 +112,17 @@ class OutboxServer:
         self.host, self.port = host, self._server.server_address[1]
         self._thread = threading.Thread(target=self._server.serve_forever, name="qeff-evs-kv-outbox", daemon=True)
         self._thread.start()
+        # Leases run out on time even while the engine is idle (no step, no pull).
+        self._closed = threading.Event()
+        self._expiry = threading.Thread(target=self._expire_until_closed, name="qeff-evs-kv-lease", daemon=True)
+        self._expiry.start()
+
+    def _expire_until_closed(self) -> None:
+        while not self._closed.wait(min(1.0, self.outbox.lease_s / 4)):
+            self.outbox.expire()
 
     def close(self) -> None:
+        self._closed.set()
         self._server.shutdown()
         self._server.server_close()
 

@@ -82,6 +82,7 @@ class QeffEvsKVWorker(QeffEvsWorker):
         meta = scheduler_output.kv_connector_metadata
         for request_id in scheduler_output.finished_req_ids:
             self._prompt_ids.pop(request_id, None)
+            self.driver.handover_at.pop(request_id, None)  # a prompt aborted before its cut
             if not self.producer and self.connector.pulling(request_id):
                 self._finished.add(request_id)
         received, failed = set(), set()
