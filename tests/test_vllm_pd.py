@@ -154,6 +154,115 @@ def test_each_side_refuses_what_it_cannot_run_per_request():
     assert kv_role_refusals(None, SamplingParams(max_tokens=5)) == []
 
 
+ALL_FAMILIES = ("qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_vl_moe", "qwen3_5_moe")
+
+
+@pytest.mark.parametrize("family", ALL_FAMILIES)
+def test_every_family_decodes_from_a_hand_over_as_one_instance(family, served_export, tmp_path):
+    """The hand-over without vLLM, every family (MoE included): a prefill-side executor runs the prompt's first N-1
+    tokens (vision graphs, pruning, chunks) and hands its row over, through the wire form, into another row of a
+    decode-side session (Qwen3.5: the decode-only graph); that one runs the last prompt token as a one-token call and
+    decodes. Tokens equal ``qeff-evs run`` at q 0 and 0.75."""
+    from test_vllm_serve import write_mkv
+
+    from qeff_evs.models.pruning import VideoPruning
+    from qeff_evs.runtime.builders import answer, build_engine, engine_config
+    from qeff_evs.runtime.engine.executor import Executor
+    from qeff_evs.runtime.export_bundle import open_export
+    from qeff_evs.runtime.inputs.prompt import video_question_pieces
+    from qeff_evs.runtime.inputs.synthetic import moving_square_video
+    from qeff_evs.runtime.media import video_from_file
+    from qeff_evs.runtime.sessions import language_session, vision_pipeline
+
+    bundle = open_export(served_export(family)[1])
+    shape = bundle.language_shape
+    question = "What happens in this video?"
+    clip = write_mkv(tmp_path / "clip.mkv", moving_square_video(8, 128, 128, seed=5), fps=2)
+    media = video_from_file(clip, bundle)
+    pieces = video_question_pieces(bundle.tokenizer, question, bundle.family.token_strings)
+    for rate in RATES:
+        config = engine_config(bundle, VideoPruning("evs", rate))
+        prefill = Executor(bundle.family, vision_pipeline(bundle, "ort"),
+                           language_session(bundle, "ort", programs="prefill"), config)
+        decode = Executor(bundle.family, None, language_session(bundle, "ort", programs="decode"), config)
+        plan = prefill.plan(pieces, [media])
+        n = len(plan.ids) - 1
+        prefill.add("r", plan, [media], prefill.media_hashes([media]))
+        prefill.encode("r", 0)
+        for start in range(0, n, config.prefill_seq_len):
+            prefill.prefill_logits("r", start, min(config.prefill_seq_len, n - start), cache_row=1)
+        handover = kv_handover.take_row(prefill.language.state, shape, 1, plan.ids[:n])
+        decode.add("r", decode.plan(pieces, [media]), [media], decode.media_hashes([media]))
+        kv_handover.put_row(decode.language.state, shape, 2, kv_handover.from_bytes(kv_handover.to_bytes(handover)))
+        tokens = [int(np.argmax(decode.prompt_tail_logits("r", n, cache_row=2)))]
+        decode.accept("r", tokens[0])
+        while len(tokens) < NEW_TOKENS:
+            tokens.append(decode.decode([("r", n + len(tokens))])["r"])
+        engine = build_engine(bundle, "ort", max_new_tokens=NEW_TOKENS, pruning=VideoPruning("evs", rate))
+        expected = answer(bundle, engine, media, question)
+        assert expected.generated_token_ids and tokens[:len(expected.generated_token_ids)] == \
+            expected.generated_token_ids, (family, rate)
+        if shape.layer_states:
+            assert any(name.startswith("recurrent_state") for name in handover.arrays)
+
+
+class Request(types.SimpleNamespace):
+    """What the connector reads of a vLLM ``Request``."""
+
+
+def connector(role: str, rows=None):
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from qeff_evs.vllm.kv_connector import QeffEvsKVConnector
+
+    kv = types.SimpleNamespace(kv_connector="QeffEvsKVConnector", kv_role=role, engine_id="engine-p",
+                               is_kv_producer=role == "kv_producer", kv_connector_extra_config={"kv_port": 4242})
+    made = QeffEvsKVConnector(types.SimpleNamespace(kv_transfer_config=kv), KVConnectorRole.SCHEDULER)
+    made.rows = rows
+    return made
+
+
+def test_the_scheduler_side_speaks_the_routers_kv_transfer_params():
+    """Prefill side: a request asked with do_remote_decode is cut at N-1 and answered with where its hand-over waits
+    (NIXL's key names, which vllm-router copies to the decode side); an aborted one is dropped from the outbox.
+    Decode side: the hit is N-1 tokens, loaded asynchronously into the row the scheduler claimed (held there), once."""
+    from vllm.v1.request import RequestStatus
+
+    from qeff_evs.vllm.kv_rows import RowBook
+
+    p = connector("kv_producer")
+    asked = Request(request_id="a", num_prompt_tokens=40, kv_transfer_params={"do_remote_decode": True},
+                    status=RequestStatus.FINISHED_LENGTH_CAPPED)
+    assert p.get_num_new_matched_tokens(asked, 0) == (0, False)
+    p.update_state_after_alloc(asked, None, 0)
+    assert p.build_connector_meta(None).keep == {"a": 39} and p.build_connector_meta(None).keep == {}
+    delay, params = p.request_finished(asked, [1])
+    assert not delay and params == dict(do_remote_prefill=True, do_remote_decode=False, remote_engine_id="engine-p",
+                                        remote_request_id="a", remote_host="127.0.0.1", remote_port=4242,
+                                        remote_block_ids=[], remote_num_tokens=39, tp_size=1)
+    aborted = Request(request_id="b", num_prompt_tokens=40, kv_transfer_params={"do_remote_decode": True},
+                      status=RequestStatus.FINISHED_ABORTED)
+    assert p.request_finished(aborted, [2]) == (False, None)
+    assert p.build_connector_meta(None).drop == ["b"]
+    plain = Request(request_id="c", num_prompt_tokens=4, kv_transfer_params=None, status=RequestStatus.FINISHED_STOPPED)
+    assert p.request_finished(plain, [3]) == (False, None)
+
+    book = RowBook(2, rewindable=True, reuse=True)
+    d = connector("kv_consumer", book)
+    remote = Request(request_id="r", num_prompt_tokens=40, prompt_token_ids=list(range(40)), all_token_ids=list(
+        range(40)), mm_features=[], cache_salt=None, kv_transfer_params=dict(params))
+    assert d.get_num_new_matched_tokens(remote, 0) == (39, True)
+    book.claim(remote)
+    d.update_state_after_alloc(remote, None, 39)
+    [(rid, pull)] = d.build_connector_meta(None).pulls.items()
+    assert rid == "r" and (pull.row, pull.host, pull.port, pull.remote_request_id, pull.num_tokens) == (
+        0, "127.0.0.1", 4242, "a", 39) and pull.token_ids == tuple(range(39))
+    assert book.held == {"r": 0} and book.pulling == {"r"}
+    assert remote.kv_transfer_params["do_remote_prefill"] is False  # one transfer per request
+    assert d.get_num_new_matched_tokens(Request(request_id="x", num_prompt_tokens=9, kv_transfer_params=None), 0) == (
+        0, False)
+
+
 # --------------------------------------------------------------------------------------------------
 # the real servers and router
 
@@ -296,9 +405,11 @@ def test_a_request_aborted_while_its_kv_is_in_flight_ends_and_the_decode_instanc
         assert silent.accepted, "the decode instance never started its pull"
     finally:
         silent.close()  # the pull ends (failed), which vLLM waits for before it frees the aborted request's row
-    time.sleep(1)
-    log = pd.d.log_text()
-    assert "never-answered" not in re.findall(r"qeff-evs KV: received (\S+)", log)
+    deadline = time.monotonic() + 30
+    while f"gets no hand-over from 127.0.0.1:{silent.port}" not in pd.d.log_text():  # the ended pull was reported
+        assert time.monotonic() < deadline, pd.d.log_text()[-3000:]
+        time.sleep(0.2)
+    assert not re.findall(r"qeff-evs KV: received (\S+)", pd.d.log_text().split("never-answered")[-1])
     reply = post(pd.url, chat_body(clips[1], 0.75, "Describe the square."))
     assert reply["choices"][0]["token_ids"] == expected_tokens(pd.export, clips[1], 0.75, "Describe the square.")
 
