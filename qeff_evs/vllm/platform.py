@@ -167,6 +167,11 @@ class QeffEvsPlatform(Platform):
         problem = stray_media_pads(ids, [(r.offset, r.length) for r in ranges], limits)
         if problem:
             raise VLLMValidationError(problem, parameter="messages")
+        if cls.kv_role is not None and ranges and max(r.offset + r.length for r in ranges) >= len(ids):
+            # A decode instance runs the prompt's last token as a one-token call, which merges no vision row.
+            raise VLLMValidationError("the prompt ends inside a media item; under prefill/decode disaggregation a "
+                                      "prompt ends with text (as chat templates end it): add text after the media",
+                                      parameter="messages")
         end = processed_inputs[POSITIONS_END] if ranges else len(ids)  # text only: one position per token
         problem = positions_problem(end, len(ids), params.max_tokens, limits)
         if problem:
