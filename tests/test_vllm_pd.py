@@ -151,6 +151,11 @@ def test_each_side_refuses_what_it_cannot_run_per_request():
     assert line.startswith("kv_transfer_params None: this kv_producer hands each prompt's KV row")
     [line] = kv_role_refusals("kv_consumer", SamplingParams(max_tokens=5))
     assert "kv_consumer (one-token programs only) and computes no prompt" in line
+    answer = {"do_remote_prefill": True, "remote_host": "h", "remote_port": 1, "remote_request_id": "r"}
+    assert kv_role_refusals("kv_consumer", SamplingParams(max_tokens=5, extra_args={"kv_transfer_params": answer})) == []
+    [line] = kv_role_refusals("kv_consumer", SamplingParams(max_tokens=5, extra_args={"kv_transfer_params": {
+        "do_remote_prefill": True, "remote_host": "h"}}))
+    assert "(do_remote_prefill with remote_host, remote_port, remote_request_id)" in line
     assert kv_role_refusals(None, SamplingParams(max_tokens=5)) == []
 
 

@@ -14,6 +14,8 @@ CONNECTOR_MODULE = "qeff_evs.vllm.kv_connector"
 KV_WORKER_CLASS = "qeff_evs.vllm.kv_worker.QeffEvsKVWorker"
 HOST_BACKENDS = ("ort", "torch")  # where a row's state is host memory the connector reads and writes
 PRODUCER, CONSUMER = "kv_producer", "kv_consumer"
+# What a decode instance needs of the prefill instance's answer to pull its hand-over.
+REMOTE_KEYS = ("remote_host", "remote_port", "remote_request_id")
 
 
 def register_connector() -> None:

@@ -45,13 +45,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from qeff_evs.vllm import kv_handover, kv_transport
 from qeff_evs.vllm.activation import logger
+from qeff_evs.vllm.kv_config import REMOTE_KEYS
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 DEFAULT_LEASE_S = 30.0
 DEFAULT_PULL_TIMEOUT_S = 30.0
-REMOTE_KEYS = ("remote_host", "remote_port", "remote_request_id")
 
 
 @dataclass(frozen=True)
@@ -151,8 +151,11 @@ class QeffEvsKVConnector(KVConnectorBase_V1):
         if self.is_producer or not _param(request, "do_remote_prefill"):
             return 0, False
         if any(_param(request, key) is None for key in REMOTE_KEYS):
-            return 0, False  # the frontend refuses such a request (validate_request); never reached
-        handed = int(_param(request, "remote_num_tokens", request.num_prompt_tokens - 1))
+            return 0, False  # the frontend refuses such a request (platform.kv_role_refusals); never reached
+        # N-1 of this prompt: the decode instance computes the last token (a prefill instance that reported another
+        # count served another prompt; the ids' check refuses its hand-over)
+        handed = min(int(_param(request, "remote_num_tokens", request.num_prompt_tokens - 1)),
+                     request.num_prompt_tokens - 1)
         return max(handed - num_computed_tokens, 0), handed > num_computed_tokens
 
     def update_state_after_alloc(self, request: Request, blocks, num_external_tokens: int) -> None:

@@ -26,7 +26,7 @@ from vllm.platforms.interface import Platform, PlatformEnum
 from qeff_evs.manifest import read_manifest
 from qeff_evs.vllm.data_parallel import data_parallel_problems, record_local_ranks
 from qeff_evs.vllm.ec_config import ec_refusals, ec_worker_class
-from qeff_evs.vllm.kv_config import CONSUMER, PRODUCER, kv_refusals, kv_role, kv_worker_class
+from qeff_evs.vllm.kv_config import CONSUMER, PRODUCER, REMOTE_KEYS, kv_refusals, kv_role, kv_worker_class
 from qeff_evs.vllm.limits import ServingSettings, refusals, served_pruning
 from qeff_evs.vllm.activation import BACKEND_ENV, active_backend, logger
 from qeff_evs.vllm.request_checks import RequestLimits, positions_problem, stray_media_pads
@@ -45,9 +45,11 @@ def kv_role_refusals(role: str | None, params) -> list[str]:
     if role == PRODUCER and not transfer.get("do_remote_decode"):
         return [f"kv_transfer_params {transfer or None}: this kv_producer hands each prompt's KV row to a decode "
                 f"instance, asked with do_remote_decode true; {ROUTER_PD}"]
-    if role == CONSUMER and not transfer.get("do_remote_prefill"):
+    missing = [key for key in REMOTE_KEYS if transfer.get(key) is None]
+    if role == CONSUMER and (not transfer.get("do_remote_prefill") or missing):
         return [f"kv_transfer_params {transfer or None}: this instance is a kv_consumer (one-token programs only) and "
-                f"computes no prompt; it needs a prefill instance's answer (do_remote_prefill); {ROUTER_PD}"]
+                f"computes no prompt; it needs a prefill instance's answer (do_remote_prefill with "
+                f"{', '.join(REMOTE_KEYS)}); {ROUTER_PD}"]
     return []
 SCHEDULER_CLASS = "qeff_evs.vllm.scheduler.QeffEvsScheduler"
 
