@@ -1,4 +1,4 @@
-"""The ``qeff-evs`` command: export, compile, run, encode, demo (and bench)."""
+"""The ``qeff-evs`` command: export, compile, run, encode, demo, epd-proxy (and bench)."""
 
 from __future__ import annotations
 
@@ -126,7 +126,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
     hw = detect_aic_hw_version() if args.aic_hw_version == "auto" else args.aic_hw_version
     options = CompileOptions(num_cores=_per_graph(args.num_cores, "--num-cores"), mxfp6_matmul=args.mxfp6,
                              aic_hw_version=hw, num_devices=_per_graph(args.num_devices, "--num-devices"),
-                             extra_flags=extra,
+                             extra_flags=extra, language_programs=args.programs,
                              specializations_layout=args.specializations_layout)
     cores, devices = options.cores, options.devices
     _progress(f"compiling for {hw}: " + ", ".join(
@@ -246,6 +246,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(Path(args.workdir) if args.workdir else None, backend=args.backend, progress=_progress)
 
 
+def cmd_epd_proxy(args: argparse.Namespace) -> int:
+    from qeff_evs.vllm.epd_proxy import serve
+
+    serve([url.rstrip("/") for url in args.encoder], args.language, args.host, args.port)
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from qeff_evs.bench import run_bench
 
@@ -353,6 +360,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "(a node-precision file goes to the language graph only)")
     p.add_argument("--specializations-layout", choices=("named", "flat"), default="named",
                    help="specializations.json layout: named (QEfficient >= 1.22) or flat (older SDKs)")
+    p.add_argument("--programs", choices=("both", "prefill", "decode"), default="both",
+                   help="the language program(s): both (one instance), or one side of prefill/decode disaggregation: "
+                        "prefill (vision graphs + language/prefill_qpc, prompts only) or decode (language/decode_qpc, "
+                        "one-token calls only)")
     p.set_defaults(func=cmd_compile)
 
     p = sub.add_parser("verify", help="run every exported graph on sample inputs in fp32 and (--fp16) in an "
@@ -395,6 +406,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workdir", default=None, help="where to keep the checkpoint and export (default: a temp dir)")
     p.add_argument("--backend", choices=("ort", "torch"), default="ort")
     p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("epd-proxy", help="the front of encoder disaggregation: each media item to an encoder instance, "
+                                         "then the request to the language side (an ec_consumer or a vllm-router)")
+    p.add_argument("--encoder", action="append", required=True,
+                   help="an encoder instance's URL (ec_producer); repeat for several (round robin)")
+    p.add_argument("--language", required=True,
+                   help="the URL requests go to once their media are encoded: an ec_consumer instance, or a "
+                        "vllm-router in front of several")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.set_defaults(func=cmd_epd_proxy)
 
     p = sub.add_parser("bench", help="measure what pruning and user_vision_size buy (JSON, Markdown, PNG plots)")
     from qeff_evs.bench import add_bench_arguments

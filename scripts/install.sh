@@ -3,6 +3,7 @@
 #   --vllm  also vLLM 0.32.0 for `QEFF_EVS_BACKEND=... vllm serve <export>` (qeff-evs's platform plugin):
 #           vllm and xgrammar without their dependency trees (CUDA packages, triton), plus the light
 #           packages vLLM's engine and server import (the "vllm" extra).
+#           With it vllm-router (the "router" extra), the front of every multi-instance deployment.
 #   --test  the test tools too, the bench extra (the bench smoke test plots) and everything --vllm installs
 #           (vLLM is the tests' oracle and server).
 set -euo pipefail
@@ -14,8 +15,8 @@ pip_quiet() {  # pip, minus the local-mirror "is ignored" noise, keeping pip's e
 
 extras=()
 case "${1:-}" in
-    --test) extras=(test vllm bench) ;;
-    --vllm) extras=(vllm) ;;
+    --test) extras=(test vllm router bench) ;;
+    --vllm) extras=(vllm router) ;;
     "") ;;
     *) echo "usage: $0 [--vllm | --test]" >&2; exit 2 ;;
 esac

@@ -117,3 +117,23 @@ def test_bad_compile_options_exit_2(build, capsys):
     with pytest.raises(ValueError, match="aic_hw_version"):
         CompileOptions(aic_hw_version="ai300")
     assert mdp_partition_config(1, 16)["partitions"][0]["devices"] == [{"deviceId": 0, "numCores": 16}]
+
+
+def test_each_side_of_prefill_decode_disaggregation_compiles_its_own_language_program(build, capsys):
+    """``--programs prefill``: the vision graphs and a language program of the prefill specializations only;
+    ``--programs decode``: a language program of the decode specialization alone, no vision graph (QEfficient's
+    ``prefill_only``). Each side has its own specializations file, qpc folder and script; compile.sh is untouched."""
+    both = (build / "compile.sh").read_text()
+    all_specs = read_specializations_json(build / "language" / "specializations.json")
+    for programs, graphs in (("prefill", 4), ("decode", 1)):
+        assert main(["compile", str(build), "--programs", programs]) == 0, capsys.readouterr().err
+        script = (build / f"compile_{programs}.sh").read_text()
+        lines = [line for line in script.splitlines() if "$QAIC_COMPILE" in line and not line.startswith("QAIC_")]
+        assert len(lines) == graphs
+        assert f"-network-specialization-config=language/{programs}_specializations.json" in lines[-1]
+        assert f"-aic-binary-dir=language/{programs}_qpc" in lines[-1]
+        specs = read_specializations_json(build / "language" / f"{programs}_specializations.json")
+        expected = [s for s in all_specs if (s.symbols["seq_len"] == 1) == (programs == "decode")]
+        assert [s.symbols for s in specs] == [s.symbols for s in expected] and specs
+    assert (build / "compile.sh").read_text() == both
+    assert read_specializations_json(build / "language" / "specializations.json") == all_specs

@@ -263,14 +263,19 @@ def epd(served_export, tmp_path_factory):
 @pytest.fixture(scope="module")
 def answers(epd, clips):
     """Four requests through the proxy at once (one video twice), with what the single-request engine says."""
-    from qeff_evs.runtime.builders import answer, build_engine
-    from qeff_evs.runtime.export_bundle import open_export
-    from qeff_evs.runtime.media import video_from_file
-
     asked = [(clips[0], QUESTION), (clips[1], "Describe the square."), (clips[2], QUESTION),
              (clips[0], "Which way does it move?")]
     with ThreadPoolExecutor(len(asked)) as pool:
         replies = list(pool.map(lambda a: via_proxy(epd.encoder.url, epd.pd.url, chat_body(*a)), asked))
+    return answers_for(epd, asked, replies)
+
+
+def answers_for(epd, asked, replies=None):
+    """``(asked, replies, expected)``: what the single-request engine says for each (clip, question)."""
+    from qeff_evs.runtime.builders import answer, build_engine
+    from qeff_evs.runtime.export_bundle import open_export
+    from qeff_evs.runtime.media import video_from_file
+
     bundle = open_export(epd.export)
     engine = build_engine(bundle, "ort", max_new_tokens=5)
     expected = [answer(bundle, engine, video_from_file(clip, bundle), question).generated_token_ids
@@ -340,3 +345,42 @@ def test_a_video_the_encoder_never_saw_fails_alone(epd, clips, answers):
                      "instance is an EC consumer and runs no vision graph", epd.pd.log_text())
     reply, _ = via_proxy(epd.encoder.url, epd.pd.url, chat_body(clips[3]))
     assert reply["choices"][0]["finish_reason"] == "length"
+
+
+def test_qeff_evs_epd_proxy_in_front_of_the_router_serves_as_vllms_proxy_did(epd, clips, tmp_path):
+    """``qeff-evs epd-proxy`` (no file from vLLM's source tree) sends the media to the encoder instance, then the
+    request to vllm-router in front of the prefill/decode instance: tokens equal one instance, streamed too."""
+    import json
+    import subprocess
+    import sys
+
+    import requests
+
+    from qeff_evs.bench.server_process import free_port, healthy, start_router, stop
+
+    router, router_url = start_router(["--worker-urls", epd.pd.url, "--policy", "consistent_hash"],
+                                      tmp_path / "router.log")
+    port = free_port()
+    proxy = subprocess.Popen([str(Path(sys.executable).with_name("qeff-evs")), "epd-proxy", "--encoder",
+                              epd.encoder.url, "--language", router_url, "--port", str(port)],
+                             stdout=open(tmp_path / "proxy.log", "w"), stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while not healthy(url):
+            assert proxy.poll() is None and time.monotonic() < deadline, (tmp_path / "proxy.log").read_text()
+            time.sleep(0.3)
+        question = "Which way does it move?"
+        reply = requests.post(f"{url}/v1/chat/completions", json=chat_body(clips[2], question),
+                              headers={"X-Session-ID": "s1"}, timeout=300)
+        assert reply.status_code == 200, reply.text
+        _, _, expected = answers_for(epd, [(clips[2], question)])
+        assert reply.json()["choices"][0]["token_ids"] == expected[0]
+        streamed = requests.post(f"{url}/v1/chat/completions", json={**chat_body(clips[2], question), "stream": True},
+                                 timeout=300)
+        tokens = [json.loads(line[6:])["choices"][0].get("token_ids") or [] for line in streamed.iter_lines()
+                  if line.startswith(b"data: {")]
+        assert [t for chunk in tokens for t in chunk] == expected[0]
+    finally:
+        stop(proxy)
+        stop(router)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+from qeff_evs.runtime.engine.row_history import RowChoice
 from qeff_evs.vllm.kv_rows import RowBook, media_spans
 
 V = 9  # a media pad id: equal for any two videos of the same size
@@ -109,3 +110,28 @@ def test_media_spans_are_in_prompt_order():
                 (("late", 9), ("early", 3))]
     spans = media_spans(SimpleNamespace(mm_features=features))
     assert [s.content_hash for s in spans] == ["early", "late"]
+
+
+def test_a_row_a_hand_over_goes_into_is_held_until_vllm_schedules_its_request():
+    """Prefill/decode disaggregation's decode side: vLLM claims a row, then parks the request until its KV arrives
+    (no new claim when it schedules it later). The row stays the request's, other claims pass it by; a request that
+    ends before its hand-over was written leaves a row holding nothing known."""
+    book = RowBook(2, rewindable=True, reuse=True)
+    waiting = request("remote", TURN_1[:6])
+    assert book.claim(waiting).row == 0
+    assert book.hold_for_pull("remote") == 0
+    assert book.claim(request("other", (7, 8, 9)), scheduled=set()).row == 1  # the held row is not offered
+    assert book.confirm(["other"]) == {"other": 1}
+    book.pulled("remote")
+    assert book.confirm(["remote"]) == {"remote": 0}  # scheduled steps later, without a claim: its own row
+    waiting.num_computed_tokens = 6
+    book.release(waiting)
+    assert book.claim(request("follow-up", TURN_1[:6] + (4, 5)), scheduled={"other"}).prefix == 6
+
+    aborted = request("aborted", TURN_1[:6])
+    book.confirm([])
+    book.claim(aborted, scheduled={"other"})
+    row = book.hold_for_pull("aborted")
+    aborted.num_computed_tokens = 5  # vLLM sets it before the KV arrives
+    book.release(aborted)  # freed before its hand-over was written
+    assert book.claim(request("again", TURN_1[:6] + (4,)), scheduled={"other"}) == RowChoice(row, 0)

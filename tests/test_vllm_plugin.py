@@ -199,3 +199,15 @@ def test_start_up_refuses_what_the_export_cannot_serve(qwen2_5, tmp_path):
     done = vllm_child(tmp_path, qwen2_5.export, "ort", [qwen2_5.job(4)], engine)
     assert done.returncode != 0
     assert f"max_num_seqs {2 * FULL_BATCH} is above the export's full batch size {FULL_BATCH}" in done.stderr
+
+
+def test_start_up_refuses_another_kv_connector_in_one_line(qwen2_5, tmp_path):
+    """KV transfer is served through qeff-evs's connector only (tests/test_vllm_pd.py serves it); vLLM's own are
+    refused at start-up, one line naming the connector and the fix."""
+    engine = dict(ENGINE_ARGS, kv_transfer_config={"kv_connector": "ExampleConnector", "kv_role": "kv_producer"})
+    done = vllm_child(tmp_path, qwen2_5.export, "ort", [qwen2_5.job(4)], engine)
+    assert done.returncode != 0
+    [line] = [line for line in done.stderr.splitlines() if line.startswith("  - ")]  # vLLM's wrapper may follow
+    assert line.startswith("  - kv_connector 'ExampleConnector': an export's KV rows live in its language graph's "
+                           "retained state, which only qeff-evs's connector reads and writes; pass \"kv_connector\": "
+                           "\"QeffEvsKVConnector\" (it speaks the kv_transfer_params of vllm-router's PD mode)"), line

@@ -9,6 +9,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -48,3 +49,25 @@ def stop(process: subprocess.Popen) -> None:
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait(timeout=30)
+
+
+def router_command() -> str:
+    """The ``vllm-router`` console script of this Python's environment (the ``router`` extra)."""
+    return str(Path(sys.executable).with_name("vllm-router"))
+
+
+def start_router(arguments: list[str], log: Path, timeout_s: float = 60.0) -> tuple[subprocess.Popen, str]:
+    """``vllm-router ARGUMENTS`` on a free local port, in its own process group, once it answers ``/health``: the
+    process and its URL (stop it with :func:`stop`)."""
+    port = free_port()
+    with open(log, "w") as out:
+        process = subprocess.Popen([router_command(), "--host", "127.0.0.1", "--port", str(port), *arguments],
+                                   stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout_s
+    while not healthy(url):
+        if process.poll() is not None or time.monotonic() > deadline:
+            stop(process)
+            raise RuntimeError(f"vllm-router did not start ({arguments}):\n{log.read_text()[-4000:]}")
+        time.sleep(0.5)
+    return process, url

@@ -27,6 +27,9 @@ def compile_export(export_dir: Path, options: CompileOptions = CompileOptions(),
     commands = compile_commands(export_dir, options, manifest.kv_precision, specs,
                                 embedding_io_names(family_class(manifest.family)),
                                 manifest.language_shape.layer_states, node_precision)
-    script = write_compile_script(manifest.path(export_dir, "compile_script"), commands)
+    script = manifest.path(export_dir, "compile_script")
+    if options.language_programs != "both":  # one side of prefill/decode disaggregation: its own script
+        script = script.with_name(f"{script.stem}_{options.language_programs}{script.suffix}")
+    script = write_compile_script(script, commands)
     progress(f"compile script written: {script}")
     return run_compile(commands, cwd=export_dir)

@@ -75,6 +75,7 @@ from qeff_evs.specializations import (
     comp_ctx_lengths,
     default_sampled_frame_buckets,
     language_specializations,
+    program_specializations,
     prepare_graph_compile,
     short_prefill_lens,
     state_precisions,
@@ -238,19 +239,25 @@ def compile_commands(export_dir: Path, options: CompileOptions, kv_precision: st
     commands = []
     cores, devices = options.cores, options.devices
     files = export_files(tuple(graph[len(PRUNING_ROLE) + 1:] for graph in specs if graph_role(graph) == PRUNING_ROLE))
+    programs = options.language_programs  # one side of prefill/decode disaggregation: its own specializations
     for graph in specs:
         role = graph_role(graph)
+        if programs == "decode" and role != "language":
+            continue  # a decode instance runs no vision graph
         onnx_path = export_dir / files[graph]
         graph_dir = onnx_path.parent
-        # The encoder and pruning graphs share the vision folder: their files carry the graph's name.
-        stem = None if graph == "language" else graph
+        # The encoder and pruning graphs share the vision folder: their files carry the graph's name; a language
+        # program of one side, the side's (language/prefill_specializations.json, language/prefill_qpc).
+        stem = graph if graph != "language" else None if programs == "both" else programs
+        graph_specs = program_specializations(specs[graph], programs) if graph == "language" else specs[graph]
         commands.append(prepare_graph_compile(
-            onnx_path, graph_dir, specs[graph], graph=role, kv_precision=kv_precision,
+            onnx_path, graph_dir, graph_specs, graph=role, kv_precision=kv_precision,
             style=options.specializations_layout, num_cores=cores[role],
             mxfp6_matmul=options.mxfp6_matmul, extra_flags=options.flags_for(role), relative_to=export_dir,
             aic_hw_version=options.aic_hw_version, num_devices=devices[role], stem=stem,
             embedding_names=embedding_names, state_precisions=state_precisions(layer_states)))
-        write_specializations_json(export_dir / files[f"{graph}_specializations_named"], specs[graph], "named")
+        if stem is None or graph != "language":
+            write_specializations_json(export_dir / files[f"{graph}_specializations_named"], specs[graph], "named")
     write_placement_record(export_dir, cores, devices)
     return commands
 

@@ -93,13 +93,29 @@ def _torch_language(bundle: ExportBundle, checkpoint, device: str | None) -> Tor
     return TorchLanguageSession(language, shape, device)
 
 
-def language_session(bundle: ExportBundle, backend: str, device: str | None = None, device_ids=None):
+# Which calls a language session serves: both (one instance), or one side of prefill/decode disaggregation.
+LANGUAGE_PROGRAMS = ("both", "prefill", "decode")
+
+
+def language_session(bundle: ExportBundle, backend: str, device: str | None = None, device_ids=None,
+                     programs: str = "both"):
     """The language session of ``backend`` over the export, alone (an instance that runs no vision graph:
-    a prefill/decode instance of encoder disaggregation); ``device_ids`` as for :func:`vision_pipeline`."""
+    a prefill/decode instance of encoder disaggregation); ``device_ids`` as for :func:`vision_pipeline`.
+
+    ``programs``: ``prefill`` or ``decode`` for one side of prefill/decode disaggregation. On ONNX Runtime a graph
+    runs any length, so a side loads only the graph file its calls run: a prefill instance the language graph
+    without an export's decode-only twin, a decode instance that twin where the export has one (Qwen3.5: the graph
+    unrolled for the prefill length is never opened), else the language graph for its one-token calls."""
     m, root = bundle.manifest, bundle.export_dir
     _check_device_ids(backend, device_ids)
+    if programs not in LANGUAGE_PROGRAMS:
+        raise ValueError(f"language programs {programs!r}: choose one of {', '.join(LANGUAGE_PROGRAMS)}")
     if backend == "ort":
         decode = m.path(root, LANGUAGE_DECODE) if LANGUAGE_DECODE in m.files else None
+        if programs == "prefill":
+            return OrtLanguageSession(m.path(root, "language"), bundle.language_shape)
+        if programs == "decode":
+            return OrtLanguageSession(decode or m.path(root, "language"), bundle.language_shape)
         return OrtLanguageSession(m.path(root, "language"), bundle.language_shape, decode)
     if backend == "torch":
         from qeff_evs.models.checkpoint import load_checkpoint

@@ -109,12 +109,17 @@ class CompileOptions:
     num_devices: PerGraph = 1
     extra_flags: tuple[str, ...] = ()
     specializations_layout: str = "named"  # QEfficient >= 1.22; "flat" for older SDKs
+    # The language program(s) to build (sets.LANGUAGE_PROGRAMS): "both" for one instance; "prefill" for a prefill
+    # instance (with the vision graphs), "decode" for a decode instance (the language graph alone).
+    language_programs: str = "both"
 
     def __post_init__(self) -> None:
         if self.aic_hw_version not in HW_VERSIONS:
             raise ValueError(f"aic_hw_version must be one of {HW_VERSIONS}, got {self.aic_hw_version!r}")
         per_graph(self.num_cores, DEFAULT_GRAPH_CORES, "num_cores")  # raise now, not at the first use
         per_graph(self.num_devices, DEFAULT_GRAPH_DEVICES, "num_devices")
+        if self.language_programs not in ("both", "prefill", "decode"):
+            raise ValueError(f"language programs must be both, prefill or decode, got {self.language_programs!r}")
         if self.specializations_layout not in ("named", "flat"):
             raise ValueError(f"specializations layout must be 'named' or 'flat', got {self.specializations_layout!r}")
 

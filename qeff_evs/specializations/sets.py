@@ -341,6 +341,26 @@ def language_specializations(
     return _per_comp_ctx_len([*prefill, decode], comp_ctx_lengths)
 
 
+# Which of the language graph's specializations a program holds: all (one instance serves prompts and decodes), or
+# one side of prefill/decode disaggregation (QEfficient's ``compile(prefill_only=True|False)``).
+LANGUAGE_PROGRAMS = ("both", "prefill", "decode")
+
+
+def program_specializations(specs: Sequence[Specialization], programs: str) -> list[Specialization]:
+    """The language specializations of ``programs``: every one (``both``), those of more than one token (``prefill``:
+    a prefill instance runs prompts only) or of one token (``decode``: a decode instance runs the last prompt token
+    and the decodes). Example: Prefill (seq_len 128), Prefill32 and Decode -> ``prefill`` keeps the first two."""
+    if programs not in LANGUAGE_PROGRAMS:
+        raise ValueError(f"language programs {programs!r}: choose one of {', '.join(LANGUAGE_PROGRAMS)}")
+    if programs == "both":
+        return list(specs)
+    kept = [s for s in specs if (s.symbols["seq_len"] == 1) == (programs == "decode")]
+    if not kept:
+        raise ValueError(f"the language graph has no {programs} specialization among {[s.name for s in specs]}; "
+                         "re-export this folder")
+    return kept
+
+
 def prefill_name(seq_len: int, prefill_seq_len: int) -> str:
     """``Prefill`` for the full chunk length, ``Prefill<seq_len>`` for a shorter one."""
     return PREFILL_NAME if seq_len == prefill_seq_len else f"{PREFILL_NAME}{seq_len}"

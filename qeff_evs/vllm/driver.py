@@ -38,6 +38,12 @@ class VllmDriver:
                  config: EngineConfig):
         self.config = config
         self.executor = Executor(family, vision, language, config)
+        # Prefill/decode disaggregation (kv_worker.py). A prefill instance: request id -> the token count after which
+        # its row is handed over (one call ends there), and what is called then with (request id, count).
+        self.handover_at: dict[str, int] = {}
+        self.on_handover = None
+        # A decode instance runs one-token programs only: a prompt's last token (the rest was handed over) is one.
+        self.decode_only = False
 
     @property
     def live(self) -> dict[str, ExecutorRequest]:
@@ -152,10 +158,24 @@ class VllmDriver:
 
         vLLM may schedule more of one request than the graph's chunk (long_prefill_token_threshold
         is lifted while a request runs alone); any cut gives the same result, since each call
-        gathers exactly its window and positions belong to the request.
+        gathers exactly its window and positions belong to the request. A request whose row is handed over
+        (``handover_at``) has one more cut, where the hand-over is taken.
         """
+        if self.decode_only:
+            return self.executor.prompt_tail_logits(request_id, computed)
         end, step = computed + scheduled, self.config.prefill_seq_len
+        bounds = [*range(computed, end, step), end]
+        cut = self.handover_at.get(request_id)
+        if cut is not None and computed < cut < end and cut not in bounds:
+            bounds = sorted([*bounds, cut])
+        if cut == computed:  # the row holds the hand-over's tokens already (the last step ended there, or reuse)
+            self._hand_over(request_id)
         logits = None
-        for start in range(computed, end, step):
-            logits = self.executor.prefill_logits(request_id, start, min(step, end - start))
+        for start, stop in zip(bounds, bounds[1:]):
+            logits = self.executor.prefill_logits(request_id, start, stop - start)
+            if stop == cut:
+                self._hand_over(request_id)
         return logits
+
+    def _hand_over(self, request_id: str) -> None:
+        self.on_handover(request_id, self.handover_at.pop(request_id))

@@ -56,6 +56,7 @@ class RowBook:
     histories: dict[int, SaltedHistory] = field(default_factory=dict)  # free rows that hold something
     held: dict[str, int] = field(default_factory=dict)  # request id -> row, for requests vLLM scheduled
     claimed: dict[str, RowChoice] = field(default_factory=dict)  # this step's choices, until vLLM schedules them
+    pulling: set[str] = field(default_factory=set)  # held rows a KV hand-over is being written into (kv_connector)
     clock: int = 0
 
     def claim(self, request, scheduled: Collection[str] = (), read_history: bool = True) -> RowChoice | None:
@@ -73,10 +74,26 @@ class RowBook:
         self.claimed[request.request_id] = choice
         return choice
 
+    def hold_for_pull(self, request_id: str) -> int:
+        """Keep a claimed row for a request that waits for its KV from a prefill instance (vLLM schedules it later,
+        with no new claim); the row it holds until :meth:`pulled` is unknown."""
+        choice = self.claimed.pop(request_id)
+        self.held[request_id] = choice.row
+        self.histories.pop(choice.row, None)
+        self.pulling.add(request_id)
+        return choice.row
+
+    def pulled(self, request_id: str) -> None:
+        """The hand-over was written into the request's row: it holds the request's tokens from now on."""
+        self.pulling.discard(request_id)
+
     def confirm(self, scheduled: Iterable[str]) -> dict[str, int]:
         """The rows of the requests vLLM scheduled for the first time this step; other claims lapse."""
         rows = {}
         for request_id in scheduled:
+            if request_id in self.held:  # held since vLLM first placed it (a pull: hold_for_pull)
+                rows[request_id] = self.held[request_id]
+                continue
             choice = self.claimed.pop(request_id, None)
             free = self._free_rows()
             row = choice.row if choice is not None else free[0] if free else None  # unclaimed: vLLM reported no hit
@@ -96,6 +113,9 @@ class RowBook:
         is False: the worker failed it)."""
         row = self.held.pop(request.request_id, None)
         self.claimed.pop(request.request_id, None)
+        if request.request_id in self.pulling:  # a hand-over that never arrived: the row holds nothing known
+            self.pulling.discard(request.request_id)
+            computed_known = False
         if row is None:
             return
         self.clock += 1

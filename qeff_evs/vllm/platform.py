@@ -26,12 +26,31 @@ from vllm.platforms.interface import Platform, PlatformEnum
 from qeff_evs.manifest import read_manifest
 from qeff_evs.vllm.data_parallel import data_parallel_problems, record_local_ranks
 from qeff_evs.vllm.ec_config import ec_refusals, ec_worker_class
+from qeff_evs.vllm.kv_config import CONSUMER, PRODUCER, REMOTE_KEYS, kv_refusals, kv_role, kv_worker_class
 from qeff_evs.vllm.limits import ServingSettings, refusals, served_pruning
 from qeff_evs.vllm.activation import BACKEND_ENV, active_backend, logger
 from qeff_evs.vllm.request_checks import RequestLimits, positions_problem, stray_media_pads
 from qeff_evs.vllm.settings import engine_refusals, sampling_refusals
 
 WORKER_CLASS = "qeff_evs.vllm.worker.QeffEvsWorker"
+ROUTER_PD = "send requests through vllm-router --vllm-pd-disaggregation (or a proxy speaking its kv_transfer_params)"
+
+
+def kv_role_refusals(role: str | None, params) -> list[str]:
+    """What a request to one side of prefill/decode disaggregation cannot ask, one line each (an HTTP 400)."""
+    transfer = (params.extra_args or {}).get("kv_transfer_params") or {}
+    if role == PRODUCER and params.max_tokens != 1:
+        return [f"max_tokens={params.max_tokens}: this instance is a kv_producer (prefill programs only): it computes "
+                f"a prompt and one token; {ROUTER_PD}, which asks it for max_tokens 1"]
+    if role == PRODUCER and not transfer.get("do_remote_decode"):
+        return [f"kv_transfer_params {transfer or None}: this kv_producer hands each prompt's KV row to a decode "
+                f"instance, asked with do_remote_decode true; {ROUTER_PD}"]
+    missing = [key for key in REMOTE_KEYS if transfer.get(key) is None]
+    if role == CONSUMER and (not transfer.get("do_remote_prefill") or missing):
+        return [f"kv_transfer_params {transfer or None}: this instance is a kv_consumer (one-token programs only) and "
+                f"computes no prompt; it needs a prefill instance's answer (do_remote_prefill with "
+                f"{', '.join(REMOTE_KEYS)}); {ROUTER_PD}"]
+    return []
 SCHEDULER_CLASS = "qeff_evs.vllm.scheduler.QeffEvsScheduler"
 
 
@@ -44,6 +63,8 @@ class QeffEvsPlatform(Platform):
     # What requests must respect, set when vLLM builds its config in this process (check_and_update_config runs
     # in the API server's process too): vLLM calls validate_request with the request alone.
     request_limits: ClassVar[RequestLimits | None] = None
+    # This instance's side of prefill/decode disaggregation (kv_producer, kv_consumer), or None.
+    kv_role: ClassVar[str | None] = None
 
     def is_cpu(self) -> bool:
         # The host vLLM runs on is a CPU (sessions own their device); vLLM's shutdown would otherwise
@@ -89,14 +110,16 @@ class QeffEvsPlatform(Platform):
         # Before record_local_ranks: settings.py reads --device-ids only where the config is made (see there).
         ours = [f"{line} (the qeff-evs platform)" for line in engine_refusals(vllm_config)]
         record_local_ranks(vllm_config)
-        problems = refusals(settings, manifest) + ec_refusals(vllm_config) + data_parallel_problems(vllm_config) + ours
+        problems = (refusals(settings, manifest) + ec_refusals(vllm_config) + kv_refusals(vllm_config, active_backend())
+                    + data_parallel_problems(vllm_config) + ours)
         if problems:
             raise ValueError(f"{BACKEND_ENV}={active_backend()}: the export {export_dir} cannot serve these settings:\n"
                              + "\n".join(f"  - {p}" for p in problems))
 
         from vllm.config import CompilationMode, CUDAGraphMode
 
-        parallel.worker_cls = ec_worker_class(vllm_config) or WORKER_CLASS
+        parallel.worker_cls = ec_worker_class(vllm_config) or kv_worker_class(vllm_config) or WORKER_CLASS
+        cls.kv_role = kv_role(vllm_config)
         scheduler.scheduler_cls = SCHEDULER_CLASS
         parallel.distributed_executor_backend = "uni"
         vllm_config.compilation_config.mode = CompilationMode.NONE
@@ -134,7 +157,7 @@ class QeffEvsPlatform(Platform):
 
         if not isinstance(params, SamplingParams):
             raise VLLMValidationError("qeff-evs exports generate text; pooling requests are not supported")
-        problems = sampling_refusals(params)
+        problems = sampling_refusals(params) + kv_role_refusals(cls.kv_role, params)
         if problems:
             raise VLLMValidationError("; ".join(problems))
         if processed_inputs.get("type") == "embeds":
@@ -146,6 +169,11 @@ class QeffEvsPlatform(Platform):
         problem = stray_media_pads(ids, [(r.offset, r.length) for r in ranges], limits)
         if problem:
             raise VLLMValidationError(problem, parameter="messages")
+        if cls.kv_role is not None and ranges and max(r.offset + r.length for r in ranges) >= len(ids):
+            # A decode instance runs the prompt's last token as a one-token call, which merges no vision row.
+            raise VLLMValidationError("the prompt ends inside a media item; under prefill/decode disaggregation a "
+                                      "prompt ends with text (as chat templates end it): add text after the media",
+                                      parameter="messages")
         end = processed_inputs[POSITIONS_END] if ranges else len(ids)  # text only: one position per token
         problem = positions_problem(end, len(ids), params.max_tokens, limits)
         if problem:

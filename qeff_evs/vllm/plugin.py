@@ -49,14 +49,15 @@ def platform_plugin() -> str | None:
 
 
 def register() -> None:
-    """``vllm.general_plugins`` entry point: our model classes and processors, our EC connector and our video
-    loaders, only while active."""
+    """``vllm.general_plugins`` entry point: our model classes and processors, our EC and KV connectors and our
+    video loaders, only while active."""
     if active_backend() is None:
         return
-    from qeff_evs.vllm.ec_config import register_connector
+    from qeff_evs.vllm import ec_config, kv_config
     from qeff_evs.vllm.model import register_models
     from qeff_evs.vllm.video_loader import register_video_loaders
 
     register_models()
-    register_connector()
+    ec_config.register_connector()
+    kv_config.register_connector()
     register_video_loaders()

@@ -63,6 +63,8 @@ class QeffEvsScheduler(Scheduler):
         # Linear-attention state (Qwen3.5's layer_states) cannot be rewound: such rows are reused only whole.
         rewindable = not reuse or not read_manifest(Path(vllm_config.model_config.model)).language_shape.layer_states
         self.kv_rows = RowBook(max(kv_cache_config.num_blocks - 1, 0), rewindable=rewindable, reuse=reuse)
+        if self.connector is not None and hasattr(self.connector, "rows"):  # qeff-evs's KV connector: rows to pull into
+            self.connector.rows = self.kv_rows
         self._rows_unknown: set[str] = set()  # requests the worker failed: what their rows hold is unknown
 
     def _get_local_prefix_cache_hit(self, request):
@@ -91,4 +93,8 @@ class QeffEvsScheduler(Scheduler):
         # cache mismatch path); the worker's reason is in the engine's log.
         self.encoder_cache_mismatch_reqs.update(r for r in failed if r in self.requests)
         self._rows_unknown.update(r for r in failed if r in self.requests)
+        transfers = getattr(model_runner_output, "kv_connector_output", None)
+        if transfers is not None:
+            for request_id in (transfers.finished_recving or set()) - (transfers.failed_recving or set()):
+                self.kv_rows.pulled(request_id)
         return super().update_from_output(scheduler_output, model_runner_output)

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from qeff_evs.vllm.ec_config import EC_WORKER_CLASS
+from qeff_evs.vllm.kv_config import KV_WORKER_CLASS
 from qeff_evs.vllm.plugin import ADDITIONAL_CONFIG_KEYS, RANKS_KEY
 
 HONOURED, REFUSED, VLLM_REFUSES, NO_EFFECT = "honoured", "refused", "vllm refuses", "no effect"
@@ -99,8 +100,9 @@ WEIGHTS = ("loads torch weights, but an export's graphs are the model and its wo
            "remove it")
 RUNNER = ("configures vLLM's torch model runner (kernels, memory, compilation), which the export's graphs "
           "replace; remove it")
-ONE_WORKER = ("an export runs as one worker per engine core over its own sessions (data parallel and encoder "
-              "disaggregation are served: --data-parallel-size, --ec-transfer-config); remove it")
+ONE_WORKER = ("an export runs as one worker per engine core over its own sessions (data parallel and encoder and "
+              "prefill/decode disaggregation are served: --data-parallel-size, --ec-transfer-config, "
+              "--kv-transfer-config); remove it")
 DATA_PARALLEL = "vLLM's own data-parallel launch, unchanged (with --data-parallel-size)"
 LORA = "only with --enable-lora, which is refused"
 KV = ("the KV cache lives in the export's graphs: one KV row per request, sized by `qeff-evs export "
@@ -117,6 +119,7 @@ STOP_TEST = "test_vllm_settings.py::test_stop_strings_cut_the_text_as_vllm_docum
 PROCESSOR_TEST = "test_vllm_settings.py::test_custom_logits_processor_with_extra_args"
 EPD_REFUSALS_TEST = "test_vllm_epd.py::test_what_encoder_disaggregation_cannot_serve_is_refused_one_line_each"
 BENCH_TEST = "test_vllm_serve.py::test_vllm_bench_serve_runs_with_no_failed_request"
+PD_TEST = "test_vllm_pd.py::test_tokens_equal_one_instance"
 ROW_REUSE_TEST = "test_vllm_serve.py::test_a_follow_up_reuses_its_conversations_row_with_the_same_tokens"
 
 
@@ -141,8 +144,11 @@ def _user_device_ids(c) -> Any:
 
 
 def _user_mm_embeds(c) -> Any:
-    """--enable-mm-embeds, except where vLLM turns it on itself: an EC consumer receives the encoder's outputs."""
+    """--enable-mm-embeds, except where vLLM turns it on itself: an EC or KV consumer may be sent media as
+    metadata only (the encoder's or prefill instance's outputs)."""
     if c.ec_transfer_config is not None and c.ec_transfer_config.is_ec_consumer:
+        return None
+    if c.kv_transfer_config is not None and c.kv_transfer_config.is_kv_consumer:
         return None
     return _path("model_config.multimodal_config.enable_mm_embeds")(c)
 
@@ -457,14 +463,17 @@ ENGINE_SETTINGS: tuple[Setting, ...] = (
        "kernel runs"),
     _n("enable_flashinfer_autotune", "vLLM resolves it before qeff-evs sees it; no FlashInfer kernel runs"),
     _r("worker_cls", "parallel_config.worker_cls", "the plugin's worker runs the export's graphs; remove "
-       "--worker-cls", "x.Worker", unused=(None, "auto", "qeff_evs.vllm.worker.QeffEvsWorker", EC_WORKER_CLASS)),
+       "--worker-cls", "x.Worker", unused=(None, "auto", "qeff_evs.vllm.worker.QeffEvsWorker", EC_WORKER_CLASS,
+                                           KV_WORKER_CLASS)),
     _r("worker_extension_cls", "parallel_config.worker_extension_cls", "extends vLLM's GPU worker, which the "
        "plugin replaces; remove it", "x.Extension", unused=(None, "")),
     _h("profiler_config", "vLLM's own profiler (torch profiler of the engine process)"),
     _h("logging_config", OBSERVE),
     _h("log_level", OBSERVE, example="DEBUG"),
     _h("log_config_file", OBSERVE),
-    _r("kv_transfer_config", "kv_transfer_config", KV, {"kv_connector": "ExampleConnector", "kv_role": "kv_both"}),
+    _h("kv_transfer_config", "prefill/decode disaggregation through qeff-evs's KV connector (QeffEvsKVConnector): a "
+       "kv_producer computes prompts and hands each KV row's used part to a kv_consumer, which decodes "
+       "(kv_config.py refuses other connectors, kv_both and the qaic backend, one line each)", PD_TEST),
     _r("kv_events_config", lambda c: None if c.kv_events_config is None else c.kv_events_config.enable_kv_cache_events,
        "KV cache events describe vLLM's block pool, which holds placeholders for the export's KV rows; remove it",
        {"enable_kv_cache_events": True}, unused=(None, False)),

@@ -37,13 +37,15 @@ def vllm_command() -> str:
 
 
 @contextmanager
-def vllm_servers(specs: Sequence[tuple[list[str], dict[str, str], Path, Path | None]]) -> Iterator[list[Server]]:
+def vllm_servers(specs: Sequence[tuple[list[str], dict[str, str], Path, Path | None]],
+                 ports: Sequence[int | None] | None = None) -> Iterator[list[Server]]:
     """Start one ``vllm serve`` per ``(arguments after 'vllm serve', extra environment, log file, cwd)``, all at
-    once, wait until every one answers ``/health``, yield them, and stop them all at the end."""
+    once (each on its port of ``ports``, else a free one), wait until every one answers ``/health``, yield them, and
+    stop them all at the end."""
     with ExitStack() as stack:
         servers = []
-        for arguments, env, log, cwd in specs:
-            port = free_port()
+        for n, (arguments, env, log, cwd) in enumerate(specs):
+            port = ports[n] if ports and ports[n] else free_port()
             out = stack.enter_context(open(log, "w"))
             argv = [vllm_command(), "serve", *arguments, "--host", "127.0.0.1", "--port", str(port)]
             process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ, **env),

@@ -225,6 +225,32 @@ class Executor:
         request.prompt_logits = logits
         return logits.reshape(-1)
 
+    def prompt_tail_logits(self, request_id: str, computed: int, cache_row: int | None = None) -> np.ndarray:
+        """The ``(vocab,)`` logits of a prompt's last token run as a one-token (decode) call.
+
+        A decode instance of prefill/decode disaggregation runs one-token programs only; the rest of the prompt was
+        handed over into the request's KV row (``cache_row``), so its last token is the first call here, at its own
+        slot and M-RoPE position (text: t = h = w). A prompt ending inside a media item has no such call: refused."""
+        request = self.requests[request_id]
+        if cache_row is not None:
+            request.cache_row = cache_row
+        if computed != request.num_prompt_tokens - 1:
+            raise ValueError(f"{request_id}: a one-token call runs the prompt's last token ({request.num_prompt_tokens - 1}"
+                             f"), not token {computed}; this instance computes no prompt")
+        position = request.plan.positions[:, computed]
+        token = int(request.plan.ids[computed])
+        if len(set(position.tolist())) != 1 or token in self.family.special_tokens().media_pads:
+            raise ValueError(f"{request_id}: the prompt ends inside a media item (token {token} at positions "
+                             f"{position.tolist()}); end it with text, as chat templates do")
+        row = DecodeRow(request.cache_row, token, computed, int(position[0]))
+        if self.language.shape.full_batch_size == 1:
+            inputs, _ = decode_batch([row], 1, 1, self.config.pad_token_id)
+            logits = self.language.run(inputs)[:, 0]
+        else:
+            logits = self.language.decode([row], self.config.pad_token_id)
+        request.prompt_logits = logits
+        return np.asarray(logits).reshape(-1)
+
     def decode(self, batch: Sequence[tuple[str, int]]) -> dict[str, int]:
         """The next token of each ``(request_id, computed)``, all in one decode batch."""
         return {request_id: self._sample(self.requests[request_id], row)
