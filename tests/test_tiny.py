@@ -273,7 +273,12 @@ def test_load_checkpoint_round_trip(checkpoints, tokenizer, family):
         actual = loaded.model(**inputs).logits
         other_video = loaded.model(**{**inputs, **_video_inputs(family, tokenizer, seed=2)}).logits
     assert actual.shape == (1, inputs["input_ids"].shape[1], len(tokenizer))
-    assert torch.equal(actual, expected)
+    # The weights come back bit for bit. The logits may not: CPU kernels (the MoE families' grouped expert matmul)
+    # can round differently over two copies of the same weights in memory (1.4e-6 seen with the loaded,
+    # memory-mapped tensors, equal again once they are copied), so the forward is compared within 1e-5.
+    loaded_state = loaded.model.state_dict()
+    assert all(torch.equal(tensor, loaded_state[name]) for name, tensor in reference.state_dict().items())
+    torch.testing.assert_close(actual, expected, rtol=0, atol=1e-5)
     # The video really reaches the logits (the forward is multimodal, not text-only).
     assert (other_video - actual).abs().max() > 1e-3
 
