@@ -427,9 +427,12 @@ class NemotronHOmniFamily:
 
     @classmethod
     def realistic_config_kwargs(cls, text_layers: int = 6, vision_layers: int = 4) -> dict[str, Any]:
+        """Released widths; the ``<image>`` id is the tiny tokenizer's, whose text the bench's prompts are made of
+        (the frame separators and markers come from the tokenizer, the pads from the config: they must agree)."""
         text, vision = cls.realistic_widths(text_layers, vision_layers)
+        image = _tokenizer_ids(cls.tiny_tokenizer())["image"]
         return dict(text_config=text, vision_config=vision, projector_hidden_size=4096, vision_hidden_size=1280,
-                    video_temporal_patch_size=2, downsample_ratio=0.5, image_token_id=18, video_token_id=18)
+                    video_temporal_patch_size=2, downsample_ratio=0.5, image_token_id=image, video_token_id=image)
 
     @classmethod
     def realistic_widths(cls, text_layers: int, vision_layers: int) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -535,6 +538,9 @@ class NemotronHOmniFamily:
         # vLLM tokenizes the separators as one batch, each on its own (no special tokens), and the markers apart.
         encoded = tokenizer(separators, add_special_tokens=False, return_attention_mask=False)["input_ids"]
         start, end, image = self._ids(IMG_START), self._ids(IMG_END), int(self.config.image_token_id)
+        if any(image in ids for ids in (*encoded, start, end)):
+            raise ValueError(f"the tokenizer writes the config's image_token_id {image} in plain text (frame separators, "
+                             f"{IMG_START}, {IMG_END}); the config's id must be the tokenizer's {IMG_CONTEXT}")
         parts = []
         for separator, rows in zip(encoded, rows_per_tubelet):
             parts += [*separator, *start, *([image] * int(rows)), *end]

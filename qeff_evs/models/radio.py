@@ -8,8 +8,8 @@ features (``vision_final_layernorm``, in checkpoints whose language model has MT
 ``2 x 2`` block of patches into one row (channels ordered ``(row in block, column in block, feature)``) and
 projects it to the language model's width (RMSNorm, linear, squared ReLU, linear).
 
-The graph takes F tubelets of one resolution per call, as every family's encoder does (docs/design.md#the-three-
-graphs); attention never crosses a tubelet, so the F tubelets are a batch and no mask is needed. The resampled
+The graph takes F tubelets of one resolution per call, as every family's encoder does
+(docs/design.md#the-three-graphs); attention never crosses a tubelet, so the F tubelets are a batch and no mask is needed. The resampled
 position table is the one grid-derived tensor: the host passes its bilinear taps for one frame (``position_taps``),
 four table rows and their weights per patch, as PyTorch's ``interpolate(mode="bilinear", align_corners=False)``
 computes them, and the graph gathers and sums them.
@@ -82,14 +82,13 @@ def bilinear_taps(in_size: int, out_size: int) -> tuple[np.ndarray, np.ndarray, 
 def position_taps(vision_config, grid_hw: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
     """``(indices (H*W, 4) int64, weights (H*W, 4) float32)``: each patch's position-table rows and weights.
 
-    The table is ``(max_img_size / patch)`` squared, row-major; RADIO resamples it bilinearly to ``max(H, W)``
-    square and keeps the top-left ``H x W`` window (a grid as large as the table reads it unchanged).
+    The table is ``(max_img_size / patch)`` squared, row-major; RADIO resamples it bilinearly (up or down) to
+    ``max(H, W)`` square and keeps the top-left ``H x W`` window (a grid as large as the table reads it unchanged).
     """
     big_h, big_w = (int(v) for v in grid_hw)
     side = int(vision_config.max_img_size) // int(vision_config.patch_size)
-    if big_h < 1 or big_w < 1 or max(big_h, big_w) > side:
-        raise ValueError(f"a {big_h}x{big_w} patch grid does not fit RADIO's position table of {side}x{side} patches "
-                         f"(max_img_size {vision_config.max_img_size}); export a smaller resolution")
+    if big_h < 1 or big_w < 1:
+        raise ValueError(f"a patch grid is positive, got {big_h}x{big_w}")
     square = max(big_h, big_w)
     row_low, row_high, row_w = (a[:big_h] for a in bilinear_taps(side, square))
     col_low, col_high, col_w = (a[:big_w] for a in bilinear_taps(side, square))
