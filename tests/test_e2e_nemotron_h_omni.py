@@ -26,6 +26,7 @@ import numpy as np
 import pytest
 import torch
 
+from qeff_evs.bench.realistic import realistic_config
 from qeff_evs.export.pipeline import ExportOptions, check_pruning_options
 from qeff_evs.models.nemotron_h_omni import NemotronHOmniFamily, patches_to_frames
 from qeff_evs.models.pruning import VideoPruning
@@ -108,6 +109,33 @@ def make_engine(bundles, sessions, seq_len: int, backend: str, q: float) -> Engi
     vision, language = sessions[(seq_len, backend)]
     config = EngineConfig(m.prefill_seq_len, m.ctx_len, m.user_vision_size, q, max_new_tokens=STEPS)
     return Engine(bundles[seq_len].family, vision, language, config)
+
+
+# --------------------------------------------------------------------------------------------------
+# the checkpoints: the tiny one saved and read back, the bench's realistic widths
+
+
+def test_tiny_checkpoint_folder_and_realistic_widths(checkpoint, hf_model, bundles):
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "preprocessor_config.json",
+                 "generation_config.json"):
+        assert (checkpoint / name).is_file(), name
+    config = json.loads((checkpoint / "config.json").read_text())
+    assert config["model_type"] == "nemotron_h_omni" and config["architectures"] == ["NemotronH_Omni_Reasoning_V3"]
+    tokenizer = bundles[32].tokenizer
+    assert config["image_token_id"] == tokenizer.convert_tokens_to_ids("<image>")
+    assert len(tokenizer.encode("<video>", add_special_tokens=False)) > 1  # as in the released tokenizer: text
+    assert hf_model.config.text_config.layers_block_type == [
+        "linear_attention", "moe", "full_attention", "linear_attention", "mlp", "moe"]
+    realistic = realistic_config("nemotron_h_omni", text_layers=3, vision_layers=2)
+    text = realistic.text_config
+    assert text.layers_block_type == ["linear_attention", "moe", "full_attention"]
+    assert (text.hidden_size, text.mamba_num_heads, text.mamba_head_dim, text.n_groups, text.ssm_state_size) == (
+        2688, 64, 64, 8, 128)
+    assert (text.n_routed_experts, text.num_experts_per_tok, text.moe_intermediate_size,
+            text.moe_shared_expert_intermediate_size, text.routed_scaling_factor) == (128, 6, 1856, 3712, 2.5)
+    with torch.device("meta"):  # the real class builds (no memory)
+        model = NemotronHOmniFamily.model_class(realistic)
+    assert model.language_model.lm_head.weight.shape == (131072, 2688)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -217,6 +245,8 @@ def test_q0_equals_transformers_generate(bundles, sessions, hf_model, clips, ref
                             min_new_tokens=STEPS, do_sample=False, output_logits=True, return_dict_in_generate=True)
     hf_tokens = out.sequences[0, ids.shape[1]:].tolist()
     assert hf_tokens == ref.tokens and len(set(hf_tokens)) > 3
+    # argmaxes that do not hinge on float noise: the tiny model's greedy steps are well separated
+    assert min(float(step[0].topk(2).values.diff().abs()) for step in out.logits) > 1e-3
     engine = make_engine(bundles, sessions, 32, "ort", 0.0)
     prompt = engine.prepare(video_question_pieces(bundles[32].tokenizer, QUESTION, family.token_strings), [video])
     result = engine.generate(prompt, eos_ids=())
