@@ -54,7 +54,7 @@ from transformers.models.nemotron_h_omni.modeling_nemotron_h_omni import Nemotro
 from qeff_evs import evs
 from qeff_evs.manifest import LayerState, SpecialTokens
 from qeff_evs.models.language import LanguageGraph, LayerStep
-from qeff_evs.models.mamba2 import SSM_STATE, Mamba2Step, mamba2_state_spec, state_names
+from qeff_evs.models.mamba2 import SSM_STATE, Mamba2Step, state_names
 from qeff_evs.models.linear_attention import CONV_STATE
 from qeff_evs.models.protocol import (
     ConfigPaths,
