@@ -298,8 +298,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the default pruning rate q in [0, 1) (run, encode and vllm serve may pass another)")
     p.add_argument("--max-video-pruning-rate", type=float, default=0.9,
                    help="the largest rate served: the RoPE tables cover ctx_len / (1 - it) positions (default 0.9)")
-    p.add_argument("--video-pruning-methods", type=_methods, default=("evs", "vidcom2"),
-                   help="pruning graphs to export, the first the default method (default: evs,vidcom2)")
+    p.add_argument("--video-pruning-methods", type=_methods, default=None,
+                   help="pruning graphs to export, the first the default method (default: the methods vLLM prunes "
+                        "the family with: evs,vidcom2 for the Qwen families, evs for Nemotron-H)")
     p.add_argument("--frames", type=_int_list, action="append", default=None,
                    help="frame buckets in sampled frames (multiples of the temporal patch), e.g. 8,16,32: a video "
                         "is padded to the smallest that holds it; the largest is the export's maximum "

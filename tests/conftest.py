@@ -78,7 +78,9 @@ def video_npy(tmp_path_factory) -> Path:
 # budget ends inside video placeholders and requests outnumber rows.
 SERVED_FULL_BATCH, SERVED_PREFILL, SERVED_CTX_LEN = 4, 16, 256
 SERVED_RESOLUTIONS = {"qwen2_5_vl": ((112, 112), (112, 168)), "qwen3_vl": ((128, 128), (128, 192)),
-                      "qwen3_5": ((128, 128), (128, 192)), "qwen3_vl_moe": ((128, 128),), "qwen3_5_moe": ((128, 128),)}
+                      "qwen3_5": ((128, 128), (128, 192)), "qwen3_vl_moe": ((128, 128),), "qwen3_5_moe": ((128, 128),),
+                      # the tiny tile rule's sizes for square and 3:2 clips (2x2 and 2x3 rows per tubelet)
+                      "nemotron_h_omni": ((64, 64), (64, 96))}
 
 
 @pytest.fixture(scope="session")

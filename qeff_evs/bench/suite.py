@@ -22,7 +22,10 @@ def model_summary(hf_config) -> dict:
     text, vision = hf_config.text_config, hf_config.vision_config
     return {"text_hidden": text.hidden_size, "text_layers": text.num_hidden_layers, "vocab_size": text.vocab_size,
             "attention_heads": text.num_attention_heads, "kv_heads": text.num_key_value_heads,
-            "vision_hidden": vision.hidden_size, "vision_layers": vision.depth, "vision_heads": vision.num_heads}
+            "vision_hidden": vision.hidden_size,
+            # Qwen's towers say depth / num_heads, RADIO (Nemotron-H) num_hidden_layers / num_attention_heads
+            "vision_layers": getattr(vision, "depth", None) or vision.num_hidden_layers,
+            "vision_heads": getattr(vision, "num_heads", None) or vision.num_attention_heads}
 
 
 def write_reports(results: dict, output: Path) -> list[Path]:

@@ -39,7 +39,8 @@ def synthetic_clip(spec: VisionPreprocessSpec, num_frames: int, size: int, seed:
     frames = moving_square_video(num_frames, size, size, seed=seed)
     processed = preprocess_video(frames, (size, size), spec)
     times = tuple(i / SAMPLING_FPS for i in range(num_frames))  # the clip is taken as already sampled
-    return Clip(frames, MediaInput(processed.pixel_values, tuple(processed.grid_thw), SAMPLING_FPS, times))
+    return Clip(frames, MediaInput(processed.pixel_values, tuple(processed.grid_thw), SAMPLING_FPS, times,
+                                   frame_indices=tuple(range(num_frames)), source_fps=SAMPLING_FPS))
 
 
 def merged_pixel_tokens(pixel_values: torch.Tensor, merge_size: int) -> torch.Tensor:

@@ -108,15 +108,19 @@ def keep_in_fp32(converted: onnx.ModelProto, tensors: Iterable[str], inputs: Ite
     return model
 
 
-# A sparse MoE router as exported (``qeff_evs.models.sparse_moe.route``): MatMul -> Softmax -> [Cast] -> TopK, the
-# TopK values renormalised by ReduceSum and Div.
-ROUTER_OPS = frozenset({"Cast", "TopK", "ReduceSum", "Div"})
+# A sparse MoE router as exported: MatMul -> Softmax -> [Cast] -> TopK, the TopK values renormalised by ReduceSum and
+# Div (``qeff_evs.models.sparse_moe.route``); or MatMul -> Sigmoid, a bias Added for the choice, TopK, the chosen
+# scores gathered (GatherElements) and renormalised, the choice first limited to the best groups (Reshape, Where)
+# where the router has groups (Nemotron-H's).
+ROUTER_SCORES = frozenset({"Softmax", "Sigmoid"})
+ROUTER_OPS = frozenset({"Cast", "TopK", "ReduceSum", "Div", "Add", "GatherElements", "Reshape", "Where"})
 
 
 def router_paths(model: onnx.ModelProto) -> list[list[str]]:
     """Each MoE router of the graph, in graph order, as the float node outputs from its logits to its renormalised
-    weights: the logits MatMul, the Softmax, casts, the TopK values, their sum and quotient. A router is a Softmax
-    over a MatMul whose probabilities (through casts) feed a TopK; an attention Softmax feeds none."""
+    weights: the logits MatMul, the Softmax (or Sigmoid), casts, a choice bias, the TopK values or the gathered
+    scores, their sum and quotient. A router is a Softmax or Sigmoid over a MatMul whose scores (through casts and a
+    bias) feed a TopK; an attention Softmax feeds none, nor does a gate's Sigmoid."""
     producers = {name: node for node in model.graph.node for name in node.output}
     readers: dict[str, list[onnx.NodeProto]] = {}
     for node in model.graph.node:
@@ -124,7 +128,7 @@ def router_paths(model: onnx.ModelProto) -> list[list[str]]:
             readers.setdefault(name, []).append(node)
     paths = []
     for node in model.graph.node:
-        logits = producers.get(node.input[0]) if node.op_type == "Softmax" else None
+        logits = producers.get(node.input[0]) if node.op_type in ROUTER_SCORES else None
         if logits is None or logits.op_type != "MatMul":
             continue
         path, frontier = [logits.output[0], node.output[0]], [node.output[0]]

@@ -147,7 +147,8 @@ class ExportOptions:
     frames_per_call: int = DEFAULT_FRAMES_PER_CALL  # temporal patches per encoder call (F)
     max_frames: int | None = None  # the largest bucket when frames is (); None: DEFAULT_MAX_FRAMES
     max_video_pruning_rate: float = DEFAULT_MAX_PRUNING_RATE  # the largest rate the RoPE tables cover
-    video_pruning_methods: tuple[str, ...] = PRUNING_METHODS  # pruning graphs exported; the first is the default
+    # Pruning graphs exported, the first the default; None: the methods vLLM runs for the family (its pruning_methods).
+    video_pruning_methods: tuple[str, ...] | None = None
     # Compute context lengths (--ctx-lengths, docs/design.md#specializations); None: specializations.sets' default
     # ladder up to ctx_len.
     ctx_lengths: tuple[int, ...] | None = None
@@ -173,19 +174,25 @@ class ExportOptions:
         return buckets
 
 
-def check_pruning_options(options: ExportOptions) -> tuple[float, float, tuple[str, ...]]:
-    """``(q, max rate, methods)``: the default rate within [0, max rate], max rate in [0, 1), known methods."""
+def check_pruning_options(options: ExportOptions, family_methods: Sequence[str] = PRUNING_METHODS,
+                          family: str = "this family") -> tuple[float, float, tuple[str, ...]]:
+    """``(q, max rate, methods)``: the default rate within [0, max rate], max rate in [0, 1), known methods the
+    family is pruned with in vLLM (``family_methods``; the default when the options name none)."""
     q = evs.validate_pruning_rate(options.video_pruning_rate)
     top = evs.validate_pruning_rate(options.max_video_pruning_rate)
     if q > top:
         raise ValueError(f"--video-pruning-rate {q} is above --max-video-pruning-rate {top}; the RoPE tables are "
                          "sized for the largest rate: raise --max-video-pruning-rate")
-    methods = tuple(options.video_pruning_methods)
+    methods = tuple(family_methods if options.video_pruning_methods is None else options.video_pruning_methods)
     if not methods or len(set(methods)) != len(methods):
         raise ValueError(f"--video-pruning-methods must list distinct methods (of {', '.join(PRUNING_METHODS)}), "
                          f"got {list(methods)}")
     for method in methods:
         pruning_method(method)
+        if method not in family_methods:
+            raise ValueError(f"--video-pruning-methods {method}: vLLM prunes {family} videos with "
+                             f"{', '.join(family_methods)} only; export --video-pruning-methods "
+                             f"{','.join(family_methods)}")
     return q, top, methods
 
 
@@ -282,7 +289,7 @@ def save_video_processor_config(checkpoint, family: ModelFamily, folder: Path) -
 
 def export_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, options: ExportOptions,
                       progress: Progress = lambda message: None) -> Manifest:
-    q, max_rate, methods = check_pruning_options(options)
+    _, max_rate, _ = check_pruning_options(options)  # bad rates and unknown methods, before the checkpoint loads
     ctx_lengths = comp_ctx_lengths(options.ctx_lengths, options.ctx_len, options.prefill_seq_len, options.comp_ctx_step)
     short_lens = short_prefill_lens(options.short_prefill_lens, options.prefill_seq_len)
     language_specializations(options.prefill_seq_len, options.ctx_len, options.user_vision_size,
@@ -295,6 +302,9 @@ def export_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, 
     progress(f"loading checkpoint {model_dir}")
     checkpoint = load_checkpoint(model_dir)
     family = family_for_config(checkpoint.config, checkpoint.tokenizer)
+    q, max_rate, methods = check_pruning_options(options, family.pruning_methods, family.name)
+    if not family.rope:  # positions reach its graph only as KV slots: no RoPE table, no bound on them
+        rope_positions = None
     vc = family.normalized_config
     check_frame_sizes(options, vc.patch_size, vc.merge_size, vc.temporal_patch_size)
     buckets = options.sampled_frame_buckets(vc.temporal_patch_size)

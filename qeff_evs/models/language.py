@@ -147,7 +147,7 @@ class LayerStep(NamedTuple):
     attention_mask: torch.Tensor | None  # (B, 1, S, ctx_len) additive, over the KV slots
     slots: torch.Tensor  # (B, S) int64 KV slot of each token (position_ids[0]); -1 padding
     cache: SlotKVCache
-    rotary: tuple[torch.Tensor, torch.Tensor]  # M-RoPE cos, sin
+    rotary: tuple[torch.Tensor, torch.Tensor] | None  # M-RoPE cos, sin; None for a model without RoPE
     batch_index: torch.Tensor | None
     states: dict[str, torch.Tensor]  # layer states by input name, replaced as layers run
 
@@ -168,11 +168,20 @@ class LanguageGraph(nn.Module):
         self.spec = language_spec(hf_model)
         if media_token_ids is not None:
             self.spec = dataclasses.replace(self.spec, media_token_ids=tuple(int(i) for i in media_token_ids))
-        self.text_model, self.lm_head = _text_model_and_head(hf_model)
-        self.rope = RopeTable(self.text_model.rotary_emb, rope_positions or self.spec.max_positions)
+        self.text_model, self.lm_head = self.text_parts(hf_model)
+        # A text model without a rotary embedding reads positions only as KV slots (no RoPE table).
+        rotary = getattr(self.text_model, "rotary_emb", None)
+        self.rope = None if rotary is None else RopeTable(rotary, rope_positions or self.spec.max_positions)
         self.register_buffer(
             "media_token_ids", torch.tensor(self.spec.media_token_ids, dtype=torch.int64), persistent=False
         )
+
+    @staticmethod
+    def text_parts(hf_model: nn.Module) -> tuple[nn.Module, nn.Module]:
+        """``(text model, lm_head)`` of the family's model: the text model exposes ``embed_tokens``, ``layers``,
+        ``norm`` (and ``rotary_emb`` when its attention rotates by position); a family whose model names them
+        otherwise overrides this."""
+        return _text_model_and_head(hf_model)
 
     def forward(
         self,
@@ -221,7 +230,8 @@ class LanguageGraph(nn.Module):
             attention_mask = slot_attention_mask(slots, read, hidden.dtype)
         else:
             attention_mask = None
-        step = LayerStep(attention_mask, slots, cache, self.rope(position_ids[1:], hidden.dtype), batch_index, states)
+        rotary = None if self.rope is None else self.rope(position_ids[1:], hidden.dtype)
+        step = LayerStep(attention_mask, slots, cache, rotary, batch_index, states)
 
         for layer_idx, layer in enumerate(text.layers):
             hidden = self.decoder_layer(layer_idx, layer, hidden, step)

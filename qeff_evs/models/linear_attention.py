@@ -104,7 +104,7 @@ class LinearAttentionOutput(NamedTuple):
     recurrent_state: torch.Tensor  # (rows, Hv, dk, dv) fp32
 
 
-def _valid_prefix(slots: torch.Tensor) -> None:
+def check_right_padding(slots: torch.Tensor) -> None:
     """Valid tokens must come first in each row (right padding): the conv state is read at the valid count."""
     valid = slots >= 0
     count = valid.sum(dim=1, keepdim=True)
@@ -209,30 +209,11 @@ class GatedDeltaNetStep(nn.Module):
         return out, torch.where(is_prefill, chunk_state, step_state)
 
     def _read_rows(self, conv_state, recurrent_state, batch_index) -> tuple[torch.Tensor, torch.Tensor]:
-        if batch_index is None:
-            return conv_state, recurrent_state
-        batch = batch_index.shape[0]
-        conv_index, recurrent_index = _state_axes(conv_state, recurrent_state)
-        conv = ctx_gather_cb(conv_state[:, None], batch_index, conv_index[None, None, :].expand(batch, 1, -1),
-                             conv_index.max() + 1)
-        recurrent = ctx_gather_cb(recurrent_state, batch_index,
-                                  recurrent_index[None, None, :].expand(batch, 1, -1), recurrent_index.max() + 1)
-        return conv[:, 0], recurrent
+        return gather_state_rows(conv_state, batch_index), gather_state_rows(recurrent_state, batch_index)
 
     def _write_rows(self, conv_state, recurrent_state, new_conv, new_recurrent, real, batch_index):
-        new_conv = new_conv.to(conv_state.dtype)
-        new_recurrent = new_recurrent.to(recurrent_state.dtype)
-        if batch_index is None:
-            # A padding row keeps its state bit for bit (its math already leaves it unchanged in fp32).
-            return (torch.where(real[:, None, None], new_conv, conv_state),
-                    torch.where(real[:, None, None, None], new_recurrent, recurrent_state))
-        conv_index, recurrent_index = _state_axes(conv_state, recurrent_state)
-        skip = torch.full((), SKIP_INDEX, dtype=torch.int64, device=real.device)
-        conv_writes = torch.where(real[:, None], conv_index[None, :], skip)  # (B, conv_dim)
-        recurrent_writes = torch.where(real[:, None], recurrent_index[None, :], skip)  # (B, dk)
-        conv = ctx_scatter_cb(conv_state[:, None], batch_index, conv_writes, new_conv[:, None])[:, 0]
-        recurrent = ctx_scatter_cb(recurrent_state, batch_index, recurrent_writes, new_recurrent)
-        return conv, recurrent
+        return (scatter_state_rows(conv_state, new_conv, real, batch_index),
+                scatter_state_rows(recurrent_state, new_recurrent, real, batch_index))
 
     def _check_inputs(self, hidden_states, slots, conv_state, recurrent_state, batch_index) -> None:
         if torch.jit.is_tracing():
@@ -244,7 +225,7 @@ class GatedDeltaNetStep(nn.Module):
         if self.prefill_seq_len is not None and seq_len > self.prefill_seq_len:
             raise ValueError(f"a chunk of {seq_len} tokens exceeds this graph's prefill_seq_len "
                              f"{self.prefill_seq_len}; split it into chunks of at most that length")
-        _valid_prefix(slots)
+        check_right_padding(slots)
         rows = conv_state.shape[0]
         spec = self.spec
         if tuple(conv_state.shape) != spec.conv_shape(rows) or tuple(recurrent_state.shape) != spec.recurrent_shape(rows):
@@ -262,10 +243,41 @@ def _zero(like: torch.Tensor) -> torch.Tensor:
     return torch.zeros((), dtype=like.dtype, device=like.device)
 
 
-def _state_axes(conv_state: torch.Tensor, recurrent_state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``arange`` of the axes written whole: conv channels and recurrent ``dk`` (from shapes, traced as Range)."""
-    return (torch.arange(conv_state.shape[1], device=conv_state.device),
-            torch.arange(recurrent_state.shape[2], device=recurrent_state.device))
+def _as_slot_rows(state: torch.Tensor) -> torch.Tensor:
+    """A state as the 4-D ``(rows, heads, slots, D)`` the CB ops take, its axis 2 written whole: a 3-D
+    ``(rows, channels, K - 1)`` conv state gets a unit heads axis (channels as slots), a 4-D one is as it is."""
+    return state[:, None] if state.dim() == 3 else state
+
+
+def _from_slot_rows(rows: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    return rows[:, 0] if like.dim() == 3 else rows
+
+
+def gather_state_rows(state: torch.Tensor, batch_index: torch.Tensor | None) -> torch.Tensor:
+    """The state rows a call reads: all of them without ``batch_index``, else row ``batch_index[b, 0]`` per batch
+    row (``CtxGatherCB`` over the whole axis 2: a 3-D state's channels, a 4-D state's third axis)."""
+    if batch_index is None:
+        return state
+    rows = _as_slot_rows(state)
+    index = torch.arange(rows.shape[2], device=state.device)  # from the shape: traced as a Range
+    read = ctx_gather_cb(rows, batch_index, index[None, None, :].expand(batch_index.shape[0], 1, -1),
+                         index.max() + 1)
+    return _from_slot_rows(read, state)
+
+
+def scatter_state_rows(state: torch.Tensor, new: torch.Tensor, real: torch.Tensor,
+                       batch_index: torch.Tensor | None) -> torch.Tensor:
+    """``state`` with each real batch row's ``new`` rows written (whole rows); a padding row (``real`` False)
+    writes nothing and every row no batch row names comes back bit for bit."""
+    new = new.to(state.dtype)
+    if batch_index is None:
+        # A padding row keeps its state bit for bit (its math already leaves it unchanged in fp32).
+        return torch.where(real.reshape(-1, *([1] * (state.dim() - 1))), new, state)
+    rows = _as_slot_rows(state)
+    index = torch.arange(rows.shape[2], device=state.device)
+    skip = torch.full((), SKIP_INDEX, dtype=torch.int64, device=real.device)
+    writes = torch.where(real[:, None], index[None, :], skip)  # (B, slots)
+    return _from_slot_rows(ctx_scatter_cb(rows, batch_index, writes, _as_slot_rows(new)), state)
 
 
 class ExportableLinearAttention(nn.Module):

@@ -41,6 +41,14 @@ class VideoPreprocessing:
     loader by that name and ``runtime/inputs/frame_sampling.py`` its sampling rule), and the class
     defaults follow: ``do_sample_frames``, ``sampling_fps`` (``fps``; ``None`` where the class has none),
     ``num_frames``, ``min_frames``, ``max_frames``.
+
+    How pixels are made (``runtime/inputs/processor.py`` implements each choice): ``resampler`` "pil" (HF's PIL
+    processors: resize uint8 frames with PIL, then rescale and normalise) or "torch_antialias" (resize the float
+    frames with torch's antialiased bicubic, then divide by 255 and normalise, no rounding between);
+    ``patch_order`` "merge_blocks" (rows over merge windows first, each ``(channel, frame, y, x)``: Qwen's) or
+    "raster" (rows in patch raster order, each ``(frame, channel, y, x)``: RADIO's tubelets); ``target_patches``
+    (with ``keep_aspect``): frames are resized to one tile of about that many patches, its sides multiples of
+    ``merge_size`` patches (Nemotron-H's rule) instead of by the pixel limits.
     """
 
     patch_size: int
@@ -57,6 +65,10 @@ class VideoPreprocessing:
     num_frames: int | None = None
     min_frames: int = 4
     max_frames: int = 768
+    resampler: str = "pil"
+    patch_order: str = "merge_blocks"
+    target_patches: int | None = None
+    keep_aspect: bool = True
 
 
 @dataclass(frozen=True)
@@ -177,6 +189,8 @@ class MediaInput:
     frame_times: tuple[float, ...] = ()  # seconds of each sampled frame (timestamp layouts need them)
     kind: str = "video"  # "video" (pruned by EVS) or "image" (grid T = 1, never pruned)
     pruning: Any = None  # a video's own models.pruning.VideoPruning (the request's choice); None: the engine's
+    frame_indices: tuple[int, ...] = ()  # source index of each sampled frame (layouts that print them need them)
+    source_fps: float = 0.0  # the source's frame rate as vLLM's loader reports it (0: unknown)
 
     def __post_init__(self) -> None:
         if self.kind not in ("video", "image"):
@@ -227,6 +241,8 @@ class ModelFamily(Protocol):
     token_strings: ClassVar[TokenStrings]
     config_paths: ClassVar[ConfigPaths]  # the config reader
     extra_rows: ClassVar[tuple[ExtraRows, ...]]  # tensors its vision rows carry (empty for most)
+    pruning_methods: ClassVar[tuple[str, ...]]  # the pruning methods vLLM runs for it (an export carries only these)
+    rope: ClassVar[bool]  # whether its attention reads positions (RoPE tables); False: positions are KV slots only
 
     @classmethod
     def tiny_tokenizer(cls):
@@ -268,6 +284,10 @@ class ModelFamily(Protocol):
 
     def video_block_ids(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """Ids before and after the video placeholder in the plain (template-less) prompt layout."""
+
+    def prompt_target(self, modality: str) -> tuple[int, ...]:
+        """The ids a prompt writes for one item of ``modality``, which the family's placeholder replaces (its pad
+        where the pad stands for the item, as in Qwen's prompts; a longer text such as ``<video>`` elsewhere)."""
 
     def merged_grid(self, grid_thw: Sequence[int]) -> tuple[int, int, int]: ...
 

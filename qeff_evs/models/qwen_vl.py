@@ -30,7 +30,7 @@ from qeff_evs.models.protocol import (
     TokenStrings,
     image_layout,
 )
-from qeff_evs.models.pruning import PruningRanking, pruning_symbols
+from qeff_evs.models.pruning import PRUNING_METHODS, PruningRanking, pruning_symbols
 from qeff_evs.models.vision_common import EncoderWrapper, encoder_host_inputs
 
 # Qwen's added special tokens, in Qwen's relative order; in the tiny tokenizer they take the ids after
@@ -129,6 +129,8 @@ class QwenVLFamily(abc.ABC):
     token_strings: ClassVar[TokenStrings] = QWEN_TOKENS
     config_paths: ClassVar[ConfigPaths] = QWEN_VL_CONFIG_PATHS
     extra_rows: ClassVar[tuple[ExtraRows, ...]] = ()
+    pruning_methods: ClassVar[tuple[str, ...]] = PRUNING_METHODS
+    rope: ClassVar[bool] = True
     wrapper: ClassVar[type[EncoderWrapper]] = EncoderWrapper
     language_graph_class: ClassVar[type[LanguageGraph]] = LanguageGraph  # the step ``language_graph`` builds
 
@@ -243,6 +245,9 @@ class QwenVLFamily(abc.ABC):
 
     def video_block_ids(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         return (int(self.config.vision_start_token_id),), (int(self.config.vision_end_token_id),)
+
+    def prompt_target(self, modality: str) -> tuple[int, ...]:
+        return (self.special_tokens().media_pad(modality),)
 
     def merged_grid(self, grid_thw: Sequence[int]) -> tuple[int, int, int]:
         return evs.merged_grid(grid_thw, self.merge_size)

@@ -21,13 +21,14 @@ DEFAULT_FAMILY = "qwen2_5_vl"
 
 # The family modules qeff-evs ships, in listing order; importing one registers its family.
 SHIPPED_MODULES = tuple(f"qeff_evs.models.{name}" for name in
-                        ("qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_vl_moe", "qwen3_5_moe"))
+                        ("qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_vl_moe", "qwen3_5_moe",
+                                                    "nemotron_h_omni"))
 
 _REGISTERED: dict[str, type[ModelFamily]] = {}
 
 # What every family class must declare (``ModelFamily``'s class attributes).
 _DECLARATIONS = ("model_type", "hf_architectures", "serving_architecture", "hf_processor", "config_class",
-                 "model_class", "preprocessing", "token_strings", "config_paths", "extra_rows")
+                 "model_class", "preprocessing", "token_strings", "config_paths", "extra_rows", "pruning_methods")
 
 F = TypeVar("F", bound=type)
 

@@ -48,11 +48,16 @@ class Routing(NamedTuple):
 
 
 class ExpertWeights(NamedTuple):
-    """One sparse block's experts as transformers stores them."""
+    """One sparse block's experts as transformers stores them.
 
-    gate_up: torch.Tensor  # (E, 2I, H): gate rows, then up rows
+    ``gated``: each expert is ``down @ (act(gate) * up)`` with ``gate_up`` holding the gate rows, then the up rows
+    (Qwen's); without a gate (Nemotron-H's experts) it is ``down @ act(up)`` and ``gate_up`` holds the up rows only.
+    """
+
+    gate_up: torch.Tensor  # (E, 2I, H): gate rows, then up rows; (E, I, H) up rows when not gated
     down: torch.Tensor  # (E, H, I)
     act: Callable[[torch.Tensor], torch.Tensor]
+    gated: bool = True
 
 
 def route(hidden: torch.Tensor, router_weight: torch.Tensor, top_k: int) -> Routing:
@@ -71,7 +76,9 @@ def routing_matrix(routing: Routing, num_experts: int) -> torch.Tensor:
     return zeros.scatter(1, routing.experts, routing.weights)
 
 
-def _swiglu(projected: torch.Tensor, act) -> torch.Tensor:
+def _activate(projected: torch.Tensor, act, gated: bool) -> torch.Tensor:
+    if not gated:
+        return act(projected)
     gate, up = projected.chunk(2, dim=-1)
     return act(gate) * up
 
@@ -81,23 +88,23 @@ def gathered_experts(hidden: torch.Tensor, routing: Routing, experts: ExpertWeig
     gate_up = experts.gate_up[routing.experts]  # (tokens, k, 2I, H)
     down = experts.down[routing.experts]  # (tokens, k, H, I)
     projected = torch.matmul(gate_up, hidden[:, None, :, None]).squeeze(-1)  # (tokens, k, 2I)
-    out = torch.matmul(down, _swiglu(projected, experts.act)[..., None]).squeeze(-1)  # (tokens, k, H)
+    out = torch.matmul(down, _activate(projected, experts.act, experts.gated)[..., None]).squeeze(-1)  # (tokens, k, H)
     return (out * routing.weights[..., None]).sum(dim=1)
 
 
 def _over_experts(hidden: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
-                  act) -> torch.Tensor:
+                  act, gated: bool = True) -> torch.Tensor:
     """Every expert of ``gate_up``/``down`` (a leading axis of ``slots``) over every token, summed with
     ``weights (tokens, slots)``."""
     projected = torch.matmul(hidden, gate_up.transpose(1, 2))  # (slots, tokens, 2I)
-    out = torch.matmul(_swiglu(projected, act), down.transpose(1, 2))  # (slots, tokens, H)
+    out = torch.matmul(_activate(projected, act, gated), down.transpose(1, 2))  # (slots, tokens, H)
     return (out * weights.transpose(0, 1)[..., None]).sum(dim=0)
 
 
 def dense_experts(hidden: torch.Tensor, routing: Routing, experts: ExpertWeights) -> torch.Tensor:
     """Every expert over every token, weighted by the routing matrix: ``(tokens, H)``."""
     weights = routing_matrix(routing, experts.gate_up.shape[0])
-    return _over_experts(hidden, weights, experts.gate_up, experts.down, experts.act)
+    return _over_experts(hidden, weights, experts.gate_up, experts.down, experts.act, experts.gated)
 
 
 def hit_slots(hidden: torch.Tensor, top_k: int, num_experts: int) -> torch.Tensor:
@@ -114,7 +121,8 @@ def hit_experts(hidden: torch.Tensor, routing: Routing, experts: ExpertWeights) 
     chosen = torch.zeros_like(weights).scatter(1, routing.experts, 1.0).sum(dim=0)  # (E,) tokens per expert
     # Every chosen expert counts >= 1 and there are at most hit_slots of them, so all are among the slots.
     slots = torch.topk(chosen, hit_slots(hidden, top_k, num_experts)).indices
-    return _over_experts(hidden, weights[:, slots], experts.gate_up[slots], experts.down[slots], experts.act)
+    return _over_experts(hidden, weights[:, slots], experts.gate_up[slots], experts.down[slots], experts.act,
+                         experts.gated)
 
 
 FORMS: dict[str, Callable[[torch.Tensor, Routing, ExpertWeights], torch.Tensor]] = {

@@ -59,7 +59,8 @@ def _media_from_frames(video: VideoFrames, bundle: ExportBundle) -> MediaInput:
     size = video_size(video, spec, bundle.manifest.resolutions)
     processed = preprocess_video(video.frames, size.exported, spec)
     return MediaInput(processed.pixel_values, tuple(processed.grid_thw), float(video.clip.sampled_fps),
-                      tuple(float(t) for t in video.clip.frame_times))
+                      tuple(float(t) for t in video.clip.frame_times),
+                      frame_indices=tuple(int(i) for i in video.clip.indices), source_fps=float(video.metadata.fps))
 
 
 def image_from_array(image: np.ndarray, bundle: ExportBundle) -> MediaInput:

@@ -135,8 +135,11 @@ class QeffEvsPlatform(Platform):
         from PIL import Image
 
         Image.MAX_IMAGE_PIXELS = None
-        tokens = manifest.special_tokens
-        names = {tokens.image_pad: "<|image_pad|>", tokens.video_pad: "<|video_pad|>"}
+        from qeff_evs.models.registry import family_class
+
+        tokens, strings = manifest.special_tokens, family_class(manifest.family).token_strings
+        # (Where one pad serves both, as Nemotron-H's <image> does, the image's name is the one kept.)
+        names = {tokens.video_pad: strings.video, tokens.image_pad: strings.image}
         cls.request_limits = RequestLimits(names, manifest.language_shape.rope_positions, model_config.max_model_len)
         pruning = served_pruning(mm)
         logger.info("qeff-evs serves %s (%s, %s pruning at q=%s) on the %s backend: %d KV rows, chunks of %d tokens",

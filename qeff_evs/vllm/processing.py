@@ -70,7 +70,9 @@ def media_from_fields(fields: Mapping[str, Any], modality: str) -> MediaInput:
                                float(fields["video_pruning_rate"]))
         return MediaInput(_pixels(fields, "pixel_values_videos"),
                           tuple(int(v) for v in fields["video_grid_thw"].tolist()), float(fields["video_fps"]),
-                          tuple(float(t) for t in fields["video_frame_times"].tolist()), pruning=pruning)
+                          tuple(float(t) for t in fields["video_frame_times"].tolist()), pruning=pruning,
+                          frame_indices=tuple(int(i) for i in fields["video_frame_indices"].tolist()),
+                          source_fps=float(fields["video_source_fps"]))
     if modality == "image":
         return MediaInput(_pixels(fields, "pixel_values"),
                           tuple(int(v) for v in fields["image_grid_thw"].tolist()), 1.0, (), kind="image")
@@ -131,6 +133,9 @@ def process_media(bundle: ExportBundle, videos: Sequence[Any], images: Sequence[
                     video_fps=torch.tensor([m.fps for m in media], dtype=torch.float64),
                     video_frame_times=torch.tensor([t for m in media for t in m.frame_times], dtype=torch.float64),
                     video_num_frames=torch.tensor([len(m.frame_times) for m in media], dtype=torch.int64),
+                    video_frame_indices=torch.tensor([i for m in media for i in m.frame_indices], dtype=torch.int64),
+                    video_num_indices=torch.tensor([len(m.frame_indices) for m in media], dtype=torch.int64),
+                    video_source_fps=torch.tensor([m.source_fps for m in media], dtype=torch.float64),
                     video_pruning_rate=torch.tensor([m.pruning.rate for m in media], dtype=torch.float64),
                     video_pruning_method=torch.tensor([PRUNING_METHODS.index(m.pruning.method) for m in media],
                                                       dtype=torch.int64))
@@ -253,10 +258,9 @@ class QeffEvsProcessor(BaseMultiModalProcessor[QeffEvsProcessingInfo]):
 
     def apply(self, inputs, timing_ctx):
         """vLLM's ``BaseMultiModalProcessor.apply`` (0.32), with our checks and the prompt's positions end."""
-        tokens = self.info.bundle.family.special_tokens()
-        tokenizer = self.info.bundle.tokenizer
-        pads = {modality: (pad, tokenizer.convert_ids_to_tokens(pad))
-                for modality, pad in (("video", tokens.video_pad), ("image", tokens.image_pad))}
+        family = self.info.bundle.family
+        pads = {modality: (family.prompt_target(modality), family.token_strings.pad(modality))
+                for modality in ("video", "image")}
         problem = media_count(inputs.prompt, inputs.mm_data_items.get_all_counts(), pads)
         if problem:
             raise VLLMValidationError(problem, parameter="messages")
@@ -291,6 +295,10 @@ class QeffEvsProcessor(BaseMultiModalProcessor[QeffEvsProcessingInfo]):
                           video_frame_times=MultiModalFieldConfig.flat_from_sizes(
                               "video", hf_inputs["video_num_frames"], keep_on_cpu=True),
                           video_num_frames=MultiModalFieldConfig.batched("video", keep_on_cpu=True),
+                          video_frame_indices=MultiModalFieldConfig.flat_from_sizes(
+                              "video", hf_inputs["video_num_indices"], keep_on_cpu=True),
+                          video_num_indices=MultiModalFieldConfig.batched("video", keep_on_cpu=True),
+                          video_source_fps=MultiModalFieldConfig.batched("video", keep_on_cpu=True),
                           video_pruning_rate=MultiModalFieldConfig.batched("video", keep_on_cpu=True),
                           video_pruning_method=MultiModalFieldConfig.batched("video", keep_on_cpu=True))
         if "image_grid_thw" in hf_inputs:
@@ -313,7 +321,7 @@ class QeffEvsProcessor(BaseMultiModalProcessor[QeffEvsProcessingInfo]):
                                         position_span(family, media, k))
             return replacement
 
-        return [PromptReplacement(modality=modality, target=[tokens.media_pad(modality)],
+        return [PromptReplacement(modality=modality, target=list(family.prompt_target(modality)),
                                   replacement=placeholder(modality, tokens.media_pad(modality)))
                 for modality in ("video", "image")]
 

@@ -47,21 +47,35 @@ def stray_media_pads(prompt_ids: Sequence[int], placeholders: Sequence[tuple[int
             "remove the pad tokens from the text")
 
 
-def media_count(prompt_ids: Sequence[int], items: Mapping[str, int], pads: Mapping[str, tuple[int, str]]) -> str | None:
-    """More or fewer media items than the prompt has pad tokens for them.
+def media_count(prompt_ids: Sequence[int], items: Mapping[str, int],
+                pads: Mapping[str, tuple[int | Sequence[int], str]]) -> str | None:
+    """More or fewer media items than the prompt has pad tokens (or pad texts) for them.
 
-    ``items``: modality -> number of items attached; ``pads``: modality -> (pad id, pad text).
+    ``items``: modality -> number of items attached; ``pads``: modality -> (the pad id, or the ids of the text a
+    prompt writes for one item, e.g. ``<video>`` spelled in four tokens; its text).
     """
-    ids = np.asarray(prompt_ids, dtype=np.int64)
+    ids = [int(i) for i in prompt_ids]
     problems = []
-    for modality, (pad, text) in pads.items():
-        given, pads = int(items.get(modality, 0)), int(np.count_nonzero(ids == pad))
-        if given != pads:
-            problems.append(f"{given} {modality}(s) attached but the prompt has {pads} {text}")
+    for modality, (target, text) in pads.items():
+        given, found = int(items.get(modality, 0)), occurrences(ids, target)
+        if given != found:
+            problems.append(f"{given} {modality}(s) attached but the prompt has {found} {text}")
     if not problems:
         return None
     return ("; ".join(problems) + ": give exactly one pad token per attached item (a chat template writes them; "
             "with prompt token ids, write one per item yourself)")
+
+
+def occurrences(ids: Sequence[int], target: int | Sequence[int]) -> int:
+    """How many times ``target`` (an id, or a run of ids) occurs in ``ids``, without overlaps (as vLLM finds them)."""
+    target = [int(target)] if isinstance(target, (int, np.integer)) else [int(t) for t in target]
+    count = at = 0
+    while at + len(target) <= len(ids):
+        if ids[at:at + len(target)] == target:
+            count, at = count + 1, at + len(target)
+        else:
+            at += 1
+    return count
 
 
 def positions_end(prompt_len: int, placeholders: Sequence[tuple[int, int]], spans: Sequence[int]) -> int:

@@ -453,6 +453,13 @@ class FrameRule:
         return num_frames
 
 
+def _never_samples(total: int, source_fps: float, settings: ProcessorSettings) -> np.ndarray:
+    # vLLM 0.32's Nemotron-H processor (nano_nemotron_vl.py) encodes every frame the loader delivered.
+    raise ValueError("vLLM's Nemotron-H processor encodes every frame its video loader delivers and samples none "
+                     "itself; drop do_sample_frames and choose the frames with --media-io-kwargs "
+                     "'{\"video\": {\"num_frames\": N}}'")
+
+
 FRAME_RULES = {
     "Qwen2VLVideoProcessor": FrameRule("Qwen2VLVideoProcessor", "qwen2_vl", keeps_loader_flag=False,
                                        resize_needs_full_patch=False, rounds_num_frames=True,
@@ -460,6 +467,10 @@ FRAME_RULES = {
     "Qwen3VLVideoProcessor": FrameRule("Qwen3VLVideoProcessor", "qwen3_vl", keeps_loader_flag=True,
                                        resize_needs_full_patch=True, rounds_num_frames=False,
                                        positions=_qwen3_positions, stamps=_qwen3_stamps),
+    # vLLM names no loader for it: the generic one (its num_frames, default 32), every delivered frame kept.
+    "NemotronH_Omni_Reasoning_V3VideoProcessor": FrameRule(
+        "NemotronH_Omni_Reasoning_V3VideoProcessor", GENERIC_LOADER, keeps_loader_flag=False,
+        resize_needs_full_patch=False, rounds_num_frames=False, positions=_never_samples),
 }
 
 

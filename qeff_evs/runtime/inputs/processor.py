@@ -19,6 +19,11 @@ Patch order (what the vision tower's ``pixel_values`` rows mean): rows run over
 ``(t, block_row, block_col, row_in_block, col_in_block)`` where a block is the
 ``merge_size x merge_size`` window of patches that the merger fuses into one token; each row is
 ``(channel, frame_in_temporal_patch, y, x)`` flattened.
+
+A family's ``VideoPreprocessing`` may choose otherwise (its docstring): frames resized by torch's antialiased
+bicubic on float pixels (``resampler`` "torch_antialias", what vLLM's and transformers' Nemotron-H processors do), to
+one tile near ``target_patches`` patches (:func:`patch_budget_size`), cut into patches in raster order with each row
+``(frame_in_temporal_patch, channel, y, x)`` (``patch_order`` "raster").
 """
 
 from __future__ import annotations
@@ -58,6 +63,8 @@ from qeff_evs.runtime.inputs.video_io import (
 from qeff_evs.specializations.sets import check_frame_size
 
 PIL_BICUBIC = int(Image.Resampling.BICUBIC)  # 3, what every Qwen-VL checkpoint asks for
+RESAMPLERS = ("pil", "torch_antialias")
+PATCH_ORDERS = ("merge_blocks", "raster")
 MAX_ASPECT_RATIO = 200  # HF refuses frames more elongated than this
 RGB_CHANNELS = 3
 
@@ -113,6 +120,13 @@ class VisionPreprocessSpec(VideoPreprocessing):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.sampling_fps is not None and not self.sampling_fps > 0:
             raise ValueError(f"the processor's fps must be > 0, got {self.sampling_fps!r}")
+        if self.resampler not in RESAMPLERS:
+            raise ValueError(f"resampler must be one of {RESAMPLERS}, got {self.resampler!r}")
+        if self.patch_order not in PATCH_ORDERS:
+            raise ValueError(f"patch_order must be one of {PATCH_ORDERS}, got {self.patch_order!r}")
+        if self.target_patches is not None and (isinstance(self.target_patches, bool)
+                                                or not isinstance(self.target_patches, int) or self.target_patches < 1):
+            raise ValueError(f"target_patches must be a positive integer, got {self.target_patches!r}")
 
     @property
     def in_channels(self) -> int:
@@ -148,6 +162,9 @@ class VisionPreprocessSpec(VideoPreprocessing):
 
     def natural_size(self, height: int, width: int, num_frames: int | None = None) -> tuple[int, int]:
         """The frame size HF's video processor would resize to (before any export constraint)."""
+        if self.target_patches is not None:
+            return patch_budget_size(height, width, self.target_patches, self.keep_aspect, self.patch_size,
+                                     self.merge_size)
         if self.pixel_limits_per_video:
             if num_frames is None:
                 raise ValueError(f"{self.family} bounds pixels over the whole clip: pass num_frames")
@@ -202,10 +219,15 @@ def _family_from(model_config: Any, processor_config: Mapping[str, Any]) -> str:
 
 
 # (spec field, processor-config key, type) read as they are, when the processor config sets them.
-# ``fps`` feeds both today's sampler (target_fps) and HF's sampling rule (sampling_fps).
+# ``fps`` feeds both today's sampler (target_fps) and HF's sampling rule (sampling_fps). Nemotron-H's processor
+# spells mean/std ``norm_mean``/``norm_std`` and its tile ``video_target_num_patches``/``video_maintain_aspect_ratio``.
 _PROCESSOR_FIELDS = (
     ("image_mean", "image_mean", tuple),
     ("image_std", "image_std", tuple),
+    ("image_mean", "norm_mean", tuple),
+    ("image_std", "norm_std", tuple),
+    ("target_patches", "video_target_num_patches", int),
+    ("keep_aspect", "video_maintain_aspect_ratio", bool),
     ("rescale_factor", "rescale_factor", float),
     ("resample", "resample", int),
     ("target_fps", "fps", float),
@@ -348,6 +370,33 @@ def smart_resize_video(
         new_h = math.ceil(height * grow / factor) * factor
         new_w = math.ceil(width * grow / factor) * factor
     return new_h, new_w
+
+
+def patch_budget_size(height: int, width: int, target_patches: int, keep_aspect: bool, patch_size: int,
+                      merge_size: int) -> tuple[int, int]:
+    """One tile of about ``target_patches`` patches, its sides multiples of ``merge_size`` patches (Nemotron-H's rule:
+    vLLM's ``get_video_target_size_and_feature_size``, transformers' ``_compute_target_patches``).
+
+    With ``keep_aspect`` the patch grid follows the frame's aspect (sides rounded half to even), then each side moves
+    to a multiple of ``merge_size``: up when both rounded up stay within the budget, else down (never below one
+    block); without it, the largest square of whole blocks within the budget.
+    """
+    _check_positive(height, width)
+    divisor = merge_size
+    if keep_aspect:
+        aspect = width / max(height, 1)
+        rows = max(round(math.sqrt(target_patches / aspect)), 1)
+        cols = max(round(math.sqrt(target_patches * aspect)), 1)
+        if divisor > 1:
+            rows_up, cols_up = rows + (-rows) % divisor, cols + (-cols) % divisor
+            if rows_up * cols_up <= target_patches:
+                rows, cols = rows_up, cols_up
+            else:
+                rows, cols = max(divisor, rows - rows % divisor), max(divisor, cols - cols % divisor)
+    else:
+        side = max(divisor, (int(math.sqrt(target_patches)) // divisor) * divisor)
+        rows = cols = side
+    return rows * patch_size, cols * patch_size
 
 
 def _check_exported_size(size: Sequence[int], factor: int) -> tuple[int, int]:
@@ -498,6 +547,20 @@ def normalize_frames(frames: np.ndarray, spec: VisionPreprocessSpec) -> np.ndarr
     return np.ascontiguousarray(normalized.transpose(0, 3, 1, 2))
 
 
+def torch_resize_normalize(frames: np.ndarray, size: Sequence[int], spec: VisionPreprocessSpec) -> np.ndarray:
+    """(T, H, W, 3) uint8 -> (T, 3, h, w) float32 as vLLM's and transformers' Nemotron-H processors do it: torch's
+    bicubic with antialiasing on the float pixels (skipped at the same size), then ``(x / 255 - mean) / std`` in
+    float32, nothing rounded between."""
+    pixels = torch.from_numpy(np.ascontiguousarray(frames)).permute(0, 3, 1, 2).to(torch.float32)
+    height, width = (int(v) for v in size)
+    if tuple(pixels.shape[-2:]) != (height, width):
+        pixels = torch.nn.functional.interpolate(pixels, size=(height, width), mode="bicubic", align_corners=False,
+                                                 antialias=True)
+    mean = torch.tensor(spec.image_mean, dtype=torch.float32).reshape(1, 3, 1, 1)
+    std = torch.tensor(spec.image_std, dtype=torch.float32).reshape(1, 3, 1, 1)
+    return ((pixels / (1.0 / spec.rescale_factor) - mean) / std).contiguous().numpy()
+
+
 def pad_to_temporal_multiple(frames: np.ndarray, temporal_patch_size: int) -> np.ndarray:
     """Repeat the last frame until the count divides by ``temporal_patch_size`` (HF's padding)."""
     missing = -frames.shape[0] % temporal_patch_size
@@ -510,7 +573,8 @@ def patchify(frames: np.ndarray, spec: VisionPreprocessSpec) -> tuple[np.ndarray
     """(T, C, H, W) float, T a multiple of temporal_patch_size -> (t*gh*gw, C*tp*p*p) rows and (t, gh, gw).
 
     Rows go over merge windows first (t, block row, block col, row in block, col in block) so the
-    merger's ``merge_size**2`` consecutive rows are one output token.
+    merger's ``merge_size**2`` consecutive rows are one output token; with ``patch_order`` "raster", over
+    (t, patch row, patch col), each row ``(frame in temporal patch, channel, y, x)``.
     """
     num_frames, channels, height, width = frames.shape
     p, m, tp = spec.patch_size, spec.merge_size, spec.temporal_patch_size
@@ -518,6 +582,11 @@ def patchify(frames: np.ndarray, spec: VisionPreprocessSpec) -> tuple[np.ndarray
         raise ValueError(f"{num_frames} frames is not a multiple of temporal_patch_size {tp}; pad first")
     check_frame_size(height, width, p * m)
     grid_t, grid_h, grid_w = num_frames // tp, height // p, width // p
+    if spec.patch_order == "raster":
+        patches = frames.reshape(grid_t, tp, channels, grid_h, p, grid_w, p)
+        # axes: 0 t, 1 frame-in-patch, 2 channel, 3 patch row, 4 y, 5 patch col, 6 x
+        rows = patches.transpose(0, 3, 5, 1, 2, 4, 6).reshape(grid_t * grid_h * grid_w, tp * channels * p * p)
+        return rows, (grid_t, grid_h, grid_w)
     blocks = frames.reshape(grid_t, tp, channels, grid_h // m, m, p, grid_w // m, m, p)
     # axes: 0 t, 1 frame-in-patch, 2 channel, 3 block row, 4 row-in-block, 5 y, 6 block col, 7 col-in-block, 8 x
     ordered = blocks.transpose(0, 3, 6, 4, 7, 2, 1, 5, 8)
@@ -533,8 +602,11 @@ def preprocess_video(frames: np.ndarray, size: Sequence[int], spec: VisionPrepro
     """
     frames = validate_frames(frames)
     height, width = _check_exported_size(size, spec.factor)
-    resized = resize_frames(frames, (height, width), spec.resample)
-    normalized = pad_to_temporal_multiple(normalize_frames(resized, spec), spec.temporal_patch_size)
+    if spec.resampler == "torch_antialias":
+        normalized = torch_resize_normalize(frames, (height, width), spec)
+    else:
+        normalized = normalize_frames(resize_frames(frames, (height, width), spec.resample), spec)
+    normalized = pad_to_temporal_multiple(normalized, spec.temporal_patch_size)
     rows, grid = patchify(normalized, spec)
     return ProcessedVideo(pixel_values=torch.from_numpy(np.ascontiguousarray(rows)), grid_thw=grid)
 

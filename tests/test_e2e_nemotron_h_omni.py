@@ -1,0 +1,332 @@
+"""End to end on a tiny Nemotron-H vision-language checkpoint (RADIO tower, Mamba2 / attention / MoE / MLP layers),
+saved with transformers' own ``NemotronH_Omni_Reasoning_V3`` and read back as a user's checkpoint is.
+
+Against vLLM 0.32's own code for this model (``helpers.nemotron_reference``: its processor's and model's functions,
+read out of the installed files):
+
+* the pixels of a clip equal ``video_to_pixel_values``'s (aspect-kept tile, torch's antialiased bicubic);
+* the prompt before encoding equals vLLM's: the chat template tokenized whole, ``<video>`` (four text tokens here,
+  as the released tokenizer has no such token) replaced by ``_get_prompt_repl_video``'s ids, lumped at q > 0;
+* on our encoder's rows, ``_process_video_input`` keeps the same rows (its EVS over the tubelets, merge 1 after the
+  shuffle), counts the same per tubelet, lays out the same ids and builds the same input embeddings as ours.
+
+Against transformers: the encoder's rows equal ``get_video_features`` (1e-4); at q = 0 our greedy tokens equal
+``generate`` on the pixels (its own merge), prefill logits within 1e-4; at q = 0.75 they equal transformers' language
+model run by hand on vLLM's kept rows in vLLM's layout, chunked by 32 and by 64 (each its own export: the Mamba2
+chunk loop is unrolled for the compiled length), on ONNX Runtime and the torch backend, the chunk boundaries inside
+the video; transformers' own EVS (its forward with a pruning rate, square grids only) gives the same first logits;
+four requests on two rows (each row reused, its Mamba2 state started clean) equal transformers request by request.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from qeff_evs.bench.realistic import realistic_config
+from qeff_evs.export.pipeline import ExportOptions, check_pruning_options
+from qeff_evs.models.nemotron_h_omni import NemotronHOmniFamily, patches_to_frames
+from qeff_evs.models.pruning import VideoPruning
+from qeff_evs.models.tiny import save_tiny_checkpoint
+from qeff_evs.runtime.engine.executor import kept_count
+from qeff_evs.runtime.engine.request import plan_prompt
+from qeff_evs.runtime.engine.scheduler import SchedulerConfig
+from qeff_evs.runtime.engine.serving import ServeRequest, ServingEngine
+from qeff_evs.runtime.engine.single_request import Engine, EngineConfig
+from qeff_evs.runtime.export_bundle import open_export
+from qeff_evs.runtime.inputs.prompt import video_question_pieces
+from qeff_evs.runtime.inputs.synthetic import moving_square_video
+from qeff_evs.runtime.media import video_from_frames
+from qeff_evs.runtime.sessions import sessions_for
+from helpers.exports import export_quietly
+from helpers.top_logits import assert_top_logits_match
+
+nemotron = pytest.importorskip("helpers.nemotron_reference")
+
+ATOL = 1e-4
+Q = 0.75
+STEPS = 16
+QUESTION = "What happens in this video?"
+TEXT_LAYERS = 6  # Mamba2, MoE, attention, Mamba2, MLP, MoE (tiny_layer_kinds)
+RESOLUTIONS = ((64, 96), (64, 64))  # the tiny tile rule's sizes for 64x96 and square clips: 2x3 and 2x2 rows
+CTX_LEN = 512
+EXPORTS = {32: ExportOptions(Q, (8, 16), RESOLUTIONS, prefill_seq_len=32, ctx_len=CTX_LEN, full_batch_size=2),
+           64: ExportOptions(Q, (8, 16), RESOLUTIONS, prefill_seq_len=64, ctx_len=CTX_LEN)}
+# (frames, height, width, seed, source rate, source step): vLLM's loader metadata, int(1000 / fps) ms per frame.
+CLIPS = {"long": (16, 64, 96, 3, 30.0, 15), "odd": (7, 64, 64, 5, 24.0, 12)}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return save_tiny_checkpoint("nemotron_h_omni", tmp_path_factory.mktemp("nemotron_checkpoint"),
+                                text_layers=TEXT_LAYERS)
+
+
+@pytest.fixture(scope="module")
+def bundles(checkpoint, tmp_path_factory) -> dict:
+    return {n: open_export(export_quietly(checkpoint, tmp_path_factory.mktemp(f"nemotron_export_{n}"), options))
+            for n, options in EXPORTS.items()}
+
+
+@pytest.fixture(scope="module")
+def hf_model(checkpoint):
+    return NemotronHOmniFamily.model_class.from_pretrained(checkpoint, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def settings(checkpoint, hf_model):
+    return nemotron.VllmSettings.of(hf_model.config, json.loads((checkpoint / "preprocessor_config.json").read_text()))
+
+
+@pytest.fixture(scope="module")
+def clips(bundles) -> dict:
+    """``{name: (frames, vLLM metadata, MediaInput)}``."""
+    out = {}
+    for name, (count, height, width, seed, fps, step) in CLIPS.items():
+        frames = moving_square_video(count, height, width, seed=seed)
+        metadata = {"total_num_frames": count * step, "fps": fps, "frames_indices": list(range(0, count * step, step))}
+        out[name] = (frames, metadata, video_from_frames(frames, metadata, bundles[32]))
+    return out
+
+
+@pytest.fixture(scope="module")
+def sessions(bundles):
+    return {(n, backend): sessions_for(bundle, backend) for n, bundle in bundles.items() for backend in ("ort", "torch")}
+
+
+@pytest.fixture(scope="module")
+def references(hf_model, bundles, clips):
+    tokenizer = bundles[32].tokenizer
+    return {(name, q): nemotron.hf_reference(hf_model, tokenizer, QUESTION, clips[name][2], q, STEPS)
+            for name in CLIPS for q in (0.0, Q)}
+
+
+def make_engine(bundles, sessions, seq_len: int, backend: str, q: float) -> Engine:
+    m = bundles[seq_len].manifest
+    vision, language = sessions[(seq_len, backend)]
+    config = EngineConfig(m.prefill_seq_len, m.ctx_len, m.user_vision_size, q, max_new_tokens=STEPS)
+    return Engine(bundles[seq_len].family, vision, language, config)
+
+
+# --------------------------------------------------------------------------------------------------
+# the checkpoints: the tiny one saved and read back, the bench's realistic widths
+
+
+def test_tiny_checkpoint_folder_and_realistic_widths(checkpoint, hf_model, bundles):
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "preprocessor_config.json",
+                 "generation_config.json"):
+        assert (checkpoint / name).is_file(), name
+    config = json.loads((checkpoint / "config.json").read_text())
+    assert config["model_type"] == "nemotron_h_omni" and config["architectures"] == ["NemotronH_Omni_Reasoning_V3"]
+    tokenizer = bundles[32].tokenizer
+    assert config["image_token_id"] == tokenizer.convert_tokens_to_ids("<image>")
+    assert len(tokenizer.encode("<video>", add_special_tokens=False)) > 1  # as in the released tokenizer: text
+    assert hf_model.config.text_config.layers_block_type == [
+        "linear_attention", "moe", "full_attention", "linear_attention", "mlp", "moe"]
+    realistic = realistic_config("nemotron_h_omni", text_layers=3, vision_layers=2)
+    text = realistic.text_config
+    assert text.layers_block_type == ["linear_attention", "moe", "full_attention"]
+    assert (text.hidden_size, text.mamba_num_heads, text.mamba_head_dim, text.n_groups, text.ssm_state_size) == (
+        2688, 64, 64, 8, 128)
+    assert (text.n_routed_experts, text.num_experts_per_tok, text.moe_intermediate_size,
+            text.moe_shared_expert_intermediate_size, text.routed_scaling_factor) == (128, 6, 1856, 3712, 2.5)
+    with torch.device("meta"):  # the real class builds (no memory)
+        model = NemotronHOmniFamily.model_class(realistic)
+    assert model.language_model.lm_head.weight.shape == (131072, 2688)
+
+
+# --------------------------------------------------------------------------------------------------
+# the export: the family's pruning, states and positions
+
+
+def test_export_carries_evs_only_and_no_rope_table(bundles):
+    m = bundles[32].manifest
+    assert m.video_pruning_methods == ("evs",) and m.language_shape.rope_positions is None
+    states = {state.name: state for state in m.language_shape.layer_states}
+    assert states["conv_state"].layers == states["ssm_state"].layers == (0, 3)
+    assert states["ssm_state"].precision == "float32" and states["conv_state"].precision == "float16"
+    assert m.language_shape.kv_layers == (2,)
+    node_precision = (bundles[32].export_dir / m.files["language_node_precision"]).read_text()
+    assert "ssm_state" in node_precision  # the SSM state's path, and each MoE router's (sigmoid, bias, top-k)
+    assert all(f"moe.{i}/Sigmoid" in node_precision and f"moe.{i}/GatherElements" in node_precision for i in (1, 5))
+    with pytest.raises(ValueError, match="vLLM prunes nemotron_h_omni videos with evs only"):
+        check_pruning_options(ExportOptions(Q, (8,), RESOLUTIONS, 32, CTX_LEN, video_pruning_methods=("vidcom2",)),
+                              NemotronHOmniFamily.pruning_methods, "nemotron_h_omni")
+    with pytest.raises(ValueError, match="evs only"):
+        bundles[32].family.pruning_ranking("vidcom2")
+
+
+# --------------------------------------------------------------------------------------------------
+# vLLM's processor and model code on the same clip
+
+
+@pytest.mark.parametrize("name", CLIPS)
+def test_pixels_equal_vllm(clips, settings, name):
+    frames, _, video = clips[name]
+    ours = patches_to_frames(torch.as_tensor(video.pixel_values), video.grid_thw, 2, 16)
+    theirs = nemotron.vllm_pixels(frames, settings)
+    assert torch.equal(ours[:len(frames)], theirs)
+    assert torch.equal(ours[len(frames):], theirs[-1:].expand(len(ours) - len(frames), -1, -1, -1))
+
+
+@pytest.mark.parametrize("q", (0.0, Q))
+@pytest.mark.parametrize("name", CLIPS)
+def test_prompt_before_encoding_equals_vllm(bundles, clips, settings, name, q):
+    frames, metadata, video = clips[name]
+    bundle = bundles[32]
+    pieces = video_question_pieces(bundle.tokenizer, QUESTION, bundle.family.token_strings)
+    ours = plan_prompt(pieces, [video], [kept_count(bundle.family, video, VideoPruning("evs", q))], bundle.family)
+    before, after = nemotron.prompt_with_video(bundle.tokenizer, QUESTION)
+    placeholder = nemotron.vllm_placeholder_ids(bundle.tokenizer, frames, metadata, settings, q)
+    assert ours.ids.tolist() == before + placeholder + after
+
+
+@pytest.mark.parametrize("q", (0.0, Q))
+@pytest.mark.parametrize("name", CLIPS)
+def test_kept_rows_layout_and_embeddings_equal_vllm(bundles, sessions, hf_model, clips, settings, name, q):
+    frames, metadata, video = clips[name]
+    bundle = bundles[32]
+    vision, _ = sessions[(32, "ort")]
+    merged = vision.merged_rows(video)
+    kept = vision.prune(video, merged, VideoPruning("evs", q))
+    theirs = nemotron.vllm_video(hf_model, bundle.tokenizer, torch.from_numpy(merged.rows),
+                                 nemotron.vllm_pixels(frames, settings), metadata, settings, q)
+    np.testing.assert_array_equal(kept.kept_indices, torch.nonzero(theirs.mask).reshape(-1).numpy())
+    layout = bundle.family.video_layout(video, kept.kept_indices)
+    assert layout.ids.tolist() == theirs.ids
+    t, h, w = bundle.family.merged_grid(video.grid_thw)
+    assert np.bincount(kept.kept_indices // (h * w), minlength=t).tolist() == theirs.tokens_per_tubelet
+    ids = torch.as_tensor(layout.ids)
+    with torch.no_grad():
+        embeddings = hf_model.get_input_embeddings()(ids)
+    embeddings[ids == hf_model.config.image_token_id] = torch.from_numpy(kept.rows)
+    assert torch.equal(embeddings, theirs.embeddings)
+    if q and name == "long":  # (the odd clip's 4 tubelets keep one frame's rows: its floor)
+        assert len(kept.kept_indices) < t * h * w and sum(c > 0 for c in theirs.tokens_per_tubelet) > 1
+
+
+# --------------------------------------------------------------------------------------------------
+# transformers
+
+
+@pytest.mark.parametrize("name", CLIPS)
+def test_encoder_rows_equal_transformers(sessions, hf_model, clips, name):
+    _, _, video = clips[name]
+    vision, _ = sessions[(32, "ort")]
+    frames = patches_to_frames(torch.as_tensor(video.pixel_values), video.grid_thw, 2, 16)
+    with torch.no_grad():
+        reference = hf_model.get_video_features(frames).pooler_output
+    np.testing.assert_allclose(vision.merged_rows(video).rows, reference.reshape(-1, reference.shape[-1]).numpy(),
+                               rtol=0, atol=ATOL)
+
+
+def transformers_video(hf_model, family, ids, video) -> dict:
+    """transformers' video keyword arguments: its own tower's output as ``mm_encoder_outputs``. (Its forward fails
+    on ``pixel_values_videos`` itself in 5.19: ``torch.cat`` of the one tensor ``get_video_features`` returns; it
+    takes the same features through ``mm_encoder_outputs``, then merges and prunes them itself.)"""
+    frames = family.hf_video_inputs(ids, video)["pixel_values_videos"]
+    with torch.no_grad():
+        features = hf_model.get_video_features(frames)
+    return {"mm_encoder_outputs": {"video": type(features)(pooler_output=(features.pooler_output,))}}
+
+
+def test_q0_equals_transformers_generate(bundles, sessions, hf_model, clips, references):
+    """transformers' ``generate`` on the video (its own tower and merge) against the engine and the hand-run
+    reference at q = 0."""
+    _, _, video = clips["long"]
+    ref = references[("long", 0.0)]
+    family = bundles[32].family
+    ids = torch.tensor([ref.ids])
+    out = hf_model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                            **transformers_video(hf_model, family, ids, video), max_new_tokens=STEPS,
+                            min_new_tokens=STEPS, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    hf_tokens = out.sequences[0, ids.shape[1]:].tolist()
+    assert hf_tokens == ref.tokens and len(set(hf_tokens)) > 3
+    # argmaxes that do not hinge on float noise: the tiny model's greedy steps are well separated
+    assert min(float(step[0].topk(2).values.diff().abs()) for step in out.logits) > 1e-3
+    engine = make_engine(bundles, sessions, 32, "ort", 0.0)
+    prompt = engine.prepare(video_question_pieces(bundles[32].tokenizer, QUESTION, family.token_strings), [video])
+    result = engine.generate(prompt, eos_ids=())
+    assert result.generated_token_ids == hf_tokens
+    assert_top_logits_match(result.prefill_top_logits, out.logits[0][0], ATOL)
+
+
+@pytest.mark.parametrize("backend", ("ort", "torch"))
+@pytest.mark.parametrize("seq_len", sorted(EXPORTS))
+@pytest.mark.parametrize("q", (0.0, Q))
+def test_chunked_prefill_and_decode_equal_transformers(bundles, sessions, clips, references, seq_len, backend, q):
+    _, _, video = clips["long"]
+    ref = references[("long", q)]
+    engine = make_engine(bundles, sessions, seq_len, backend, q)
+    prompt = engine.prepare(video_question_pieces(bundles[seq_len].tokenizer, QUESTION,
+                                                  bundles[seq_len].family.token_strings), [video])
+    assert prompt.ids.tolist() == ref.ids
+    np.testing.assert_array_equal(prompt.encoded[0].kept_indices, ref.kept)
+    placeholder = prompt.placeholders[0]
+    assert any(placeholder.offset < cut < placeholder.offset + placeholder.length
+               for cut in range(seq_len, len(ref.ids), seq_len))
+    result = engine.generate(prompt, eos_ids=())
+    assert result.num_prefill_chunks == -(-len(ref.ids) // seq_len) >= 2
+    assert result.generated_token_ids == ref.tokens
+    assert_top_logits_match(result.prefill_top_logits, ref.first_logits, ATOL)
+
+
+def test_transformers_own_evs_gives_the_same_first_logits(hf_model, bundles, clips, references):
+    """transformers' forward prunes by itself when its model has a rate (square grids only): on the unpruned layout
+    it drops the pruned ``<image>`` tokens, which leaves vLLM's layout; its last logits equal the hand-run
+    reference's on vLLM's choice."""
+    _, _, video = clips["odd"]
+    unpruned = references[("odd", 0.0)].ids
+    family = bundles[32].family
+    ids = torch.tensor([unpruned])
+    hf_model.video_pruning_rate = Q
+    try:
+        with torch.no_grad():
+            logits = hf_model(input_ids=ids, **transformers_video(hf_model, family, ids, video)).logits[0, -1]
+    finally:
+        hf_model.video_pruning_rate = 0.0
+    torch.testing.assert_close(logits, references[("odd", Q)].first_logits, rtol=0, atol=ATOL)
+
+
+def test_continuous_batching_reused_rows_equal_transformers(bundles, sessions, hf_model, clips, references):
+    """Four requests (two clips, two questions) through the serving engine over a 2-row export: the third and
+    fourth start in rows whose Mamba2 states hold a finished request's. Each equals transformers alone."""
+    bundle = bundles[32]
+    m = bundle.manifest
+    vision, language = sessions[(32, "ort")]
+    starts: list[int] = []  # the row of each prefill chunk that holds a request's first token
+
+    class Recording:
+        shape = language.shape
+
+        def prefill(self, cache_row, step):
+            if int(step.position_ids[0, 0, 0]) == 0:
+                starts.append(cache_row)
+            return language.prefill(cache_row, step)
+
+        def decode(self, rows, pad_token_id: int = 0):
+            return language.decode(rows, pad_token_id)
+
+    scheduler = SchedulerConfig(max_num_batched_tokens=2 * m.prefill_seq_len, max_num_seqs=2,
+                                prefill_seq_len=m.prefill_seq_len, ctx_len=m.ctx_len, encoder_compute_budget=512,
+                                encoder_cache_size=512)
+    engine = ServingEngine(bundle.family, vision, Recording(), EngineConfig(m.prefill_seq_len, m.ctx_len,
+                                                                            m.user_vision_size, Q), scheduler)
+    requests = {"a": ("long", QUESTION), "b": ("odd", QUESTION), "c": ("odd", "Describe the video in detail."),
+                "d": ("long", "Where")}
+    expected = {}
+    for request_id, (clip, question) in requests.items():
+        video = clips[clip][2]
+        ref = references.get((clip, Q)) if question == QUESTION else \
+            nemotron.hf_reference(hf_model, bundle.tokenizer, question, video, Q, STEPS)
+        expected[request_id] = ref.tokens
+        engine.add_request(ServeRequest(request_id, video_question_pieces(bundle.tokenizer, question,
+                                                                          bundle.family.token_strings),
+                                        [video], max_new_tokens=STEPS))
+    outputs = engine.run_to_completion()
+    assert len(starts) == 4 and sorted(set(starts)) == [0, 1], starts
+    for request_id, tokens in expected.items():
+        assert outputs[request_id] == tokens, request_id
