@@ -59,6 +59,7 @@ class LanguageSpec:
     max_positions: int  # config.max_position_embeddings: the default RoPE table length
     kv_layers: tuple[int, ...] = ()  # decoder layers with a KV cache (every layer for most families)
     layer_states: tuple[LayerState, ...] = ()  # the other layers' per-row state (a hybrid family's)
+    layer_kinds: tuple[str, ...] = ()  # each decoder layer's kind, as the family names it (ModelFamily.layer_kinds)
 
     @property
     def io_kv_layers(self) -> tuple[int, ...] | None:
@@ -87,6 +88,7 @@ def language_spec(hf_model: nn.Module) -> LanguageSpec:
         max_positions=config.max_positions,
         kv_layers=tuple(family.kv_layers()),
         layer_states=tuple(family.layer_states()),
+        layer_kinds=tuple(family.layer_kinds()),
     )
 
 
