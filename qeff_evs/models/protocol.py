@@ -25,6 +25,7 @@ import torch
 
 from qeff_evs.manifest import LayerState, SpecialTokens
 from qeff_evs.positions import MediaBlock
+from qeff_evs.weights.name_map import NameMap
 
 SAMPLING_FPS = 2.0  # every family qeff-evs serves samples videos at 2 frames per second
 
@@ -227,6 +228,9 @@ class ModelFamily(Protocol):
     token_strings: ClassVar[TokenStrings]
     config_paths: ClassVar[ConfigPaths]  # the config reader
     extra_rows: ClassVar[tuple[ExtraRows, ...]]  # tensors its vision rows carry (empty for most)
+    # How its checkpoints' tensor names (released, or save_pretrained's) become its module's state-dict names:
+    # renames and per-expert tensors fused (``qeff_evs.weights.name_map``); an empty map where they are the same.
+    weight_names: ClassVar[NameMap]
 
     @classmethod
     def tiny_tokenizer(cls):

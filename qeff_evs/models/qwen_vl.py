@@ -32,6 +32,7 @@ from qeff_evs.models.protocol import (
 )
 from qeff_evs.models.pruning import PruningRanking, pruning_symbols
 from qeff_evs.models.vision_common import EncoderWrapper, encoder_host_inputs
+from qeff_evs.weights.name_map import NameMap
 
 # Qwen's added special tokens, in Qwen's relative order; in the tiny tokenizer they take the ids after
 # the BPE vocabulary.
@@ -129,6 +130,7 @@ class QwenVLFamily(abc.ABC):
     token_strings: ClassVar[TokenStrings] = QWEN_TOKENS
     config_paths: ClassVar[ConfigPaths] = QWEN_VL_CONFIG_PATHS
     extra_rows: ClassVar[tuple[ExtraRows, ...]] = ()
+    weight_names: ClassVar[NameMap] = NameMap()  # released names are the module's (Qwen3-VL, Qwen3.5)
     wrapper: ClassVar[type[EncoderWrapper]] = EncoderWrapper
     language_graph_class: ClassVar[type[LanguageGraph]] = LanguageGraph  # the step ``language_graph`` builds
 
