@@ -47,3 +47,34 @@ def peak_above(call) -> float | None:
     call()
     peak = peak_mb()
     return None if peak is None or start is None else peak - start
+
+
+def process_status(pid: int) -> dict[str, float]:
+    """``VmHWM``, ``VmRSS``, ``RssAnon``, ``RssFile`` of process ``pid`` in MiB (empty once it has gone)."""
+    try:
+        lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    except OSError:
+        return {}
+    fields = ("VmHWM", "VmRSS", "RssAnon", "RssFile")
+    return {line.split(":")[0]: int(line.split()[1]) / 1024.0 for line in lines if line.split(":")[0] in fields}
+
+
+def watch_process(process, interval: float = 0.1) -> dict[str, float]:
+    """Wait for ``process`` (a ``subprocess.Popen``), sampling its memory every ``interval`` s, and set its
+    ``returncode``: its peak resident size (``VmHWM``, exact: the kernel's ``ru_maxrss`` of the child) and the largest
+    anonymous and file-backed resident sizes seen (``RssAnon``, ``RssFile``: sampled, so a spike shorter than
+    ``interval`` may be missed), in MiB."""
+    import os
+    import time
+
+    peak = {"VmHWM": 0.0, "RssAnon": 0.0, "RssFile": 0.0}
+    while True:
+        pid, status, usage = os.wait4(process.pid, os.WNOHANG)
+        if pid:
+            process.returncode = os.waitstatus_to_exitcode(status)
+            peak["VmHWM"] = max(peak["VmHWM"], usage.ru_maxrss / 1024.0)  # kB on Linux
+            return peak
+        sample = process_status(process.pid)
+        for key in peak:
+            peak[key] = max(peak[key], sample.get(key, 0.0))
+        time.sleep(interval)

@@ -2,9 +2,10 @@
 
 Disk: every weight as stored (``weights.stored_dtype``: fp32, or fp16 with ``--weight-dtype float16``), a tied
 embedding twice (the embedding's table and the head's transposed copy), plus the graphs themselves (the RoPE tables
-they carry). Memory: what the process holds at its peak: the interpreter and its libraries (``BASE_BYTES``,
-measured), and the largest weight twice in fp32 (read from the checkpoint, then its folded copy, e.g. a transposed
-LM head); nothing else grows with the model. ``check_budget`` refuses, in one line, an export the folder or the
+they carry). Memory: what the process holds at its peak: the interpreter and its libraries with the hollow model and
+the traced graphs (``BASE_BYTES``, measured), and the largest weight being read: its stored bytes and their fp32
+conversion, 1.5x its fp32 bytes for a bf16 checkpoint (the reader's), after which only its fp32 copy and a block of
+what is written stay; nothing else grows with the model. ``check_budget`` refuses, in one line, an export the folder or the
 machine cannot hold.
 """
 
@@ -19,9 +20,10 @@ from torch import nn
 from qeff_evs.export.weights import FLOAT16, stored_dtype
 
 GIB = 1 << 30
-# Resident memory of an export process before its first weight: Python, torch, transformers, onnx, the hollow model
-# and the traced graphs (measured at Qwen3-VL-8B widths, full depth: docs/results/export_memory.md).
-BASE_BYTES = int(1.5 * GIB)
+# Resident memory of an export process besides the weight it reads: Python, torch, transformers, onnx, the hollow
+# model and the traced graphs (measured at Qwen3-VL-8B widths: docs/results/export_scaling.md).
+BASE_BYTES = int(0.75 * GIB)
+READ_FACTOR = 1.5  # the largest weight's fp32 bytes, times this: read as bf16, converted to fp32
 GRAPH_BYTES = 64 << 20  # the graphs' own protos (nodes, small constants), beside the tables counted below
 
 
@@ -49,7 +51,7 @@ def estimate_budget(model: nn.Module, weight_dtype: str, table_bytes: int = 0) -
         disk += count * (2 if kind == FLOAT16 else 4)
         if count > largest:
             largest, largest_name = count, name
-    return ExportBudget(disk=disk + table_bytes + GRAPH_BYTES, memory=BASE_BYTES + 2 * 4 * largest,
+    return ExportBudget(disk=disk + table_bytes + GRAPH_BYTES, memory=BASE_BYTES + int(READ_FACTOR * 4 * largest),
                         largest=largest_name, weight_dtype=weight_dtype)
 
 
@@ -85,6 +87,6 @@ def check_budget(budget: ExportBudget, out_dir: Path, written: int = 0) -> None:
     memory = available_memory()
     if memory is not None and budget.memory > memory:
         raise ValueError(f"the export needs about {budget.memory / GIB:.1f} GiB of memory at its peak (its largest "
-                         f"weight, {budget.largest}, twice in fp32), {memory / GIB:.1f} GiB available: stop other "
+                         f"weight, {budget.largest}, read in fp32), {memory / GIB:.1f} GiB available: stop other "
                          "programs first (the peak does not grow with the number of layers)")
 

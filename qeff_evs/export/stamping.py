@@ -43,7 +43,8 @@ IGNORED_TRACE_MESSAGES = ("Converting a tensor to a Python boolean", "Exporting 
 
 @dataclass
 class TracedPart:
-    """One part traced without weights: its graph (weights undefined) and each weight as a ``WeightExpr``."""
+    """One part traced without weights: its graph (weights undefined) and each weight as a ``WeightExpr`` (its
+    ``sources``: the part's parameter names)."""
 
     model: onnx.ModelProto
     exprs: dict[str, WeightExpr]
@@ -63,13 +64,13 @@ def trace_part(module: torch.nn.Module, inputs: Mapping[str, torch.Tensor], outp
     RMSNorms as ``CustomRMSNorm`` (compiler functions attached later, on the whole graph)."""
     names = list(inputs)
     axes = {name: axes for name, axes in dynamic_axes.items() if name in names or name in output_names}
-    model = trace_without_weights(module, list(inputs.values()), input_names=names, output_names=output_names,
-                                  dynamic_axes=axes, ignore_messages=IGNORED_TRACE_MESSAGES)
+    model, parameters = trace_without_weights(module, list(inputs.values()), input_names=names,
+                                              output_names=output_names, dynamic_axes=axes,
+                                              ignore_messages=IGNORED_TRACE_MESSAGES)
     for node in model.graph.node:
         if any(attr.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for attr in node.attribute):
             raise ValueError(f"{type(module).__name__} traced to a {node.op_type} with a subgraph; a stamped part "
                              "must be a flat graph")
-    parameters = {value.name for value in model.graph.input} - set(names)
     exprs = cut_weights(model, parameters)
     rewrite_rms_norms(model)
     attach_functions(model)  # the compiler functions' domains among its opset imports (a layer function needs them)
@@ -78,8 +79,8 @@ def trace_part(module: torch.nn.Module, inputs: Mapping[str, torch.Tensor], outp
 
 
 def checkpoint_names(module: torch.nn.Module, names: Mapping[int, str]) -> dict[str, str]:
-    """Each parameter of ``module`` (as a trace of it names it) -> its ``state_dict`` name in the model (by identity)."""
-    return {name: names[id(p)] for name, p in module.state_dict(keep_vars=True).items() if id(p) in names}
+    """Each parameter of ``module`` (by its name there) -> its ``state_dict`` name in the model (by identity)."""
+    return {name: names[id(p)] for name, p in module.named_parameters()}
 
 
 def _renamed(nodes: Sequence[onnx.NodeProto], mapping: Mapping[str, str], prefix: str) -> list[onnx.NodeProto]:

@@ -66,12 +66,11 @@ def export_encoder_graph_streamed(wrapper: EncoderWrapper, example_grid_hw: Sequ
     inputs = wrapper.dummy_inputs(example_grid_hw, example_frames)
     say(f"tracing the encoder graph ({len(getattr(wrapper.visual, 'blocks', ()))} blocks, example grid "
         f"{tuple(example_grid_hw)}, {example_frames} frames per call)")
-    model = trace_without_weights(wrapper, list(inputs.values()), input_names=spec.input_names,
-                                  output_names=spec.output_names, dynamic_axes=spec.dynamic_axes)
-    parameters = {value.name for value in model.graph.input} - set(spec.input_names)
+    model, parameters = trace_without_weights(wrapper, list(inputs.values()), input_names=spec.input_names,
+                                              output_names=spec.output_names, dynamic_axes=spec.dynamic_axes)
     exprs = cut_weights(model, parameters)
     rewrite_rms_norms(model)
-    sources = {name: names[id(p)] for name, p in wrapper.state_dict(keep_vars=True).items() if id(p) in names}
+    sources = {name: names[id(p)] for name, p in wrapper.named_parameters()}
     renamed: dict[str, str] = {}
     weights: list[GraphWeight] = rename_weights(exprs, sources, "tower", renamed)
     weights = [GraphWeight(w.name, w.expr, w.sources, block_unit(w.sources[0])) for w in weights]

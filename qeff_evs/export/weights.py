@@ -354,6 +354,36 @@ class WeightStore:
                                       tuple(entry["dims"]), entry["data_type"])
         return True
 
+    def _write_weight(self, out, weight: GraphWeight, reader) -> dict:
+        """Append one weight to ``out`` (aligned), holding the source tensor and at most one computed copy of it: a
+        transposed matrix (every linear layer's) is written a block of columns at a time from its source."""
+        sources = [_fp32(reader.tensor(name)) for name in weight.sources]
+        if _is_transpose_2d(weight.expr):
+            source = sources.pop()
+            dims = source.shape[::-1]
+            kind = np.dtype(_target(dims, source.dtype, self.dtype))
+            step = max(1, (64 << 20) // (source.shape[0] * kind.itemsize))  # output rows per block: ~64 MiB
+            pieces = (_transposed_block(source, start, step, kind) for start in range(0, source.shape[1], step))
+        else:
+            if self.dtype == FLOAT16 and all(node.op_type in LAYOUT_OPS for node in weight.expr.nodes) \
+                    and all(s.ndim >= 2 for s in sources):
+                sources = [s.astype(np.float16) for s in sources]  # a moved copy at half the bytes
+            array = weight.expr.evaluate(sources)
+            del sources
+            dims, kind = array.shape, np.dtype(_target(array.shape, array.dtype, self.dtype))
+            array = np.ascontiguousarray(array, dtype=kind)
+            pieces = _chunks(array)
+        length = int(np.prod(dims)) * kind.itemsize
+        if length >= 1 << 20 and out.tell() % ALIGNMENT:
+            out.write(b"\0" * (ALIGNMENT - out.tell() % ALIGNMENT))
+        offset = out.tell()
+        for piece in pieces:
+            out.write(memoryview(piece).cast("B"))
+        if out.tell() - offset != length:
+            raise AssertionError(f"{weight.name}: wrote {out.tell() - offset} bytes, expected {length}")
+        return dict(key=weight.key, offset=offset, length=length, dims=[int(d) for d in dims],
+                    data_type=helper.np_dtype_to_tensor_dtype(kind))
+
     def write_unit(self, unit: str, weights: Sequence[GraphWeight], reader) -> int:
         """Compute and append every weight of ``unit`` not stored yet; returns the bytes written."""
         data, index = self.unit_paths(unit)
@@ -364,24 +394,9 @@ class WeightStore:
             for weight in weights:
                 if weight.key in self.stored or any(entry["key"] == weight.key for entry in entries):
                     continue
-                sources = [_fp32(reader.tensor(name)) for name in weight.sources]
-                if self.dtype == FLOAT16 and all(node.op_type in LAYOUT_OPS for node in weight.expr.nodes) \
-                        and all(s.ndim >= 2 for s in sources):
-                    sources = [s.astype(np.float16) for s in sources]  # a moved copy at half the bytes
-                array = weight.expr.evaluate(sources)
-                del sources
-                float_weight = np.issubdtype(array.dtype, np.floating)
-                if float_weight:
-                    kind = stored_dtype(array.shape, True, self.dtype)
-                    array = array.astype(np.float16 if kind == FLOAT16 else np.float32, copy=False)
-                raw = np.ascontiguousarray(array).tobytes()
-                if len(raw) >= 1 << 20 and out.tell() % ALIGNMENT:
-                    out.write(b"\0" * (ALIGNMENT - out.tell() % ALIGNMENT))
-                entries.append(dict(key=weight.key, offset=out.tell(), length=len(raw), dims=list(array.shape),
-                                    data_type=helper.np_dtype_to_tensor_dtype(array.dtype)))
-                out.write(raw)
-                written += len(raw)
-                del array, raw
+                entry = self._write_weight(out, weight, reader)
+                entries.append(entry)
+                written += entry["length"]
             out.flush()
             os.fsync(out.fileno())
         os.replace(partial, data)
@@ -391,6 +406,33 @@ class WeightStore:
             self.stored[entry["key"]] = Stored(f"{WEIGHTS_DIR}/{data.name}", entry["offset"], entry["length"],
                                                tuple(entry["dims"]), entry["data_type"])
         return written
+
+
+def _target(dims: Sequence[int], dtype, store_dtype: str):
+    """The numpy dtype a computed weight is stored in (a float one per ``stored_dtype``; others as they are)."""
+    if not np.issubdtype(dtype, np.floating):
+        return dtype
+    return np.float16 if stored_dtype(dims, True, store_dtype) == FLOAT16 else np.float32
+
+
+def _is_transpose_2d(expr: WeightExpr) -> bool:
+    return (len(expr.sources) == 1 and len(expr.nodes) == 1 and expr.nodes[0].op_type == "Transpose"
+            and [helper.get_attribute_value(a) for a in expr.nodes[0].attribute if a.name == "perm"] == [[1, 0]])
+
+
+def _transposed_block(source: np.ndarray, start: int, step: int, kind: np.dtype) -> np.ndarray:
+    """Rows ``start:start + step`` of ``source.T`` in ``kind`` (PyTorch's copy: several times numpy's speed here)."""
+    import torch
+
+    block = torch.from_numpy(source)[:, start:start + step].t()
+    return block.to(torch.float16 if kind == np.float16 else torch.float32).contiguous().numpy()
+
+
+def _chunks(array: np.ndarray, budget: int = 64 << 20):
+    """``array``'s bytes in pieces of about ``budget`` (views: nothing copied)."""
+    flat = array.reshape(-1).view(np.uint8)
+    for start in range(0, flat.size, budget):
+        yield flat[start:start + budget]
 
 
 def _fp32(tensor) -> np.ndarray:
