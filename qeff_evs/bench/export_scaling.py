@@ -24,7 +24,6 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from qeff_evs.bench.checkpoint import write_random_checkpoint
 from qeff_evs.bench.config import Progress
 from qeff_evs.bench.memory import watch_process
 from qeff_evs.bench.phase import fmt, table_head
@@ -38,6 +37,23 @@ STREAMED, IN_MEMORY = "streamed", "in_memory"
 EXPORT_ARGS = ("--height", "224", "--width", "224", "--frames", "4", "--prefill-seq-len", "128", "--ctx-len", "1024",
                "--full-batch-size", "1")
 RUN_QUESTION = "What happens in this video?"
+# A watched ``qeff-evs`` command: the CLI run as ``__main__``, its own peak resident size (VmHWM, exact; the kernel's
+# ru_maxrss of a forked child would start from this process's size) written to the file named first when it ends.
+CHILD = """import json, runpy, sys
+out = sys.argv.pop(1)
+try:
+    runpy.run_module("qeff_evs.cli", run_name="__main__", alter_sys=True)
+finally:
+    status = dict(line.split(":", 1) for line in open("/proc/self/status"))
+    json.dump({key: int(status[key].split()[0]) / 1024 for key in ("VmHWM", "RssAnon", "RssFile")}, open(out, "w"))
+"""
+# The random checkpoint, written by a process of its own (this one stays small while the exports run beside it).
+WRITER = """import sys
+from pathlib import Path
+from qeff_evs.bench.export_scaling import MODELS
+model, text, vision, folder = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4])
+write_random_checkpoint(MODELS[model].config(text, vision), MODELS[model].family, folder, progress=print)
+"""
 
 
 @dataclass(frozen=True)
@@ -146,36 +162,37 @@ def model_sizes(case: ScalingCase) -> dict:
     return {"parameters": total, "layer_parameters": layer, "fp32_bytes": 4 * total, "layer_fp32_bytes": 4 * layer}
 
 
-def _qeff_evs() -> list[str]:
-    return [sys.executable, "-m", "qeff_evs.cli"]
-
-
-def _watched(command: list[str], log: Path) -> dict:
+def _watched(arguments: list[str], log: Path) -> dict:
+    """``qeff-evs ARGUMENTS`` in a process of its own: wall time, its exact peak resident size, its largest
+    anonymous and file-backed resident sizes (sampled)."""
+    peak_file = log.with_suffix(".peak.json")
+    command = [sys.executable, "-c", CHILD, str(peak_file), *arguments]
     started = time.perf_counter()
     with open(log, "w") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
-        peak = watch_process(process)
+        sampled = watch_process(process)
     wall = time.perf_counter() - started
     if process.returncode != 0:
-        raise RuntimeError(f"{' '.join(command)} failed ({process.returncode}); its output: {log}")
-    return {"wall_s": wall, "peak_rss_mib": peak["VmHWM"], "peak_anon_mib": peak["RssAnon"],
-            "peak_file_mib": peak["RssFile"]}
+        raise RuntimeError(f"qeff-evs {' '.join(arguments)} failed ({process.returncode}); its output: {log}")
+    own = json.loads(peak_file.read_text())
+    return {"wall_s": wall, "peak_rss_mib": own["VmHWM"], "peak_anon_mib": sampled["RssAnon"],
+            "peak_file_mib": sampled["RssFile"]}
 
 
 def measure_case(case: ScalingCase, checkpoint: Path, workdir: Path, clip: Path | None, progress: Progress) -> dict:
     export = workdir / "export"
     shutil.rmtree(export, ignore_errors=True)
-    command = [*_qeff_evs(), "export", str(checkpoint), "-o", str(export), *EXPORT_ARGS,
+    command = ["export", str(checkpoint), "-o", str(export), *EXPORT_ARGS,
                *(["--in-memory"] if case.way == IN_MEMORY else ["--weight-dtype", case.weight_dtype]),
                *(["--layer-functions"] if case.functions else [])]
-    progress(f"export scaling: {case.label}: {' '.join(command[2:])}")
+    progress(f"export scaling: {case.label}: qeff-evs {' '.join(command)}")
     reading = {"case": asdict(case), "label": case.label, **model_sizes(case),
                "checkpoint_bytes": folder_bytes(checkpoint), "export": _watched(command, workdir / "export.log")}
     reading["export"]["disk_bytes"] = folder_bytes(export)
     reading["export"]["language_graph_bytes"] = (export / "language" / "language.onnx").stat().st_size
     progress(f"export scaling: {case.label}: {reading['export']}")
     if case.run and clip is not None:
-        command = [*_qeff_evs(), "run", str(export), "--video", str(clip), "--prompt", RUN_QUESTION,
+        command = ["run", str(export), "--video", str(clip), "--prompt", RUN_QUESTION,
                    "--max-new-tokens", "4"]
         reading["run"] = _watched(command, workdir / "run.log")
         reading["run"]["output"] = (workdir / "run.log").read_text().splitlines()[-8:]
@@ -199,8 +216,8 @@ def run_scaling(cases: Sequence[ScalingCase], workdir: Path, output: Path, clip:
         checkpoint = workdir / "checkpoint"
         shutil.rmtree(checkpoint, ignore_errors=True)
         started = time.perf_counter()
-        write_random_checkpoint(MODELS[model].config(text_layers, vision_layers), MODELS[model].family, checkpoint,
-                                progress=progress)
+        subprocess.run([sys.executable, "-c", WRITER, model, str(text_layers), str(vision_layers), str(checkpoint)],
+                       check=True, stdout=subprocess.DEVNULL)
         results["checkpoints"][f"{model} {text_layers}L"] = {"bytes": folder_bytes(checkpoint),
                                                               "write_s": time.perf_counter() - started}
         for case in group:

@@ -60,21 +60,16 @@ def process_status(pid: int) -> dict[str, float]:
 
 
 def watch_process(process, interval: float = 0.1) -> dict[str, float]:
-    """Wait for ``process`` (a ``subprocess.Popen``), sampling its memory every ``interval`` s, and set its
-    ``returncode``: its peak resident size (``VmHWM``, exact: the kernel's ``ru_maxrss`` of the child) and the largest
-    anonymous and file-backed resident sizes seen (``RssAnon``, ``RssFile``: sampled, so a spike shorter than
-    ``interval`` may be missed), in MiB."""
-    import os
+    """Wait for ``process`` (a ``subprocess.Popen``), sampling its memory every ``interval`` s: the largest
+    ``VmHWM``, ``RssAnon`` and ``RssFile`` seen, in MiB (a spike shorter than ``interval`` may be missed; the kernel's
+    ``ru_maxrss`` is no better here: a forked child's starts from its parent's size). A process that reports its own
+    ``VmHWM`` when it ends is exact (``bench.export_scaling``)."""
     import time
 
     peak = {"VmHWM": 0.0, "RssAnon": 0.0, "RssFile": 0.0}
-    while True:
-        pid, status, usage = os.wait4(process.pid, os.WNOHANG)
-        if pid:
-            process.returncode = os.waitstatus_to_exitcode(status)
-            peak["VmHWM"] = max(peak["VmHWM"], usage.ru_maxrss / 1024.0)  # kB on Linux
-            return peak
+    while process.poll() is None:
         sample = process_status(process.pid)
         for key in peak:
             peak[key] = max(peak[key], sample.get(key, 0.0))
         time.sleep(interval)
+    return peak
