@@ -50,6 +50,7 @@ finally:
 # The random checkpoint, written by a process of its own (this one stays small while the exports run beside it).
 WRITER = """import sys
 from pathlib import Path
+from qeff_evs.bench.checkpoint import write_random_checkpoint
 from qeff_evs.bench.export_scaling import MODELS
 model, text, vision, folder = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4])
 write_random_checkpoint(MODELS[model].config(text, vision), MODELS[model].family, folder, progress=print)
