@@ -285,6 +285,9 @@ class Manifest:
     # Shorter prefill lengths a chunk that holds fewer tokens runs in (``Prefill<n>`` specializations); absent in
     # manifests written before them: every chunk runs at prefill_seq_len.
     short_prefill_lens: tuple[int, ...] = ()
+    # The dtype the graphs store their weights in: float32, or float16 (each weight cast to fp32 where the graph reads
+    # it; ONNX Runtime must then not fold those casts into fp32 copies, ``runtime.backends.ort``). Absent: float32.
+    weight_dtype: str = "float32"
     version: int = MANIFEST_VERSION
 
     def __post_init__(self) -> None:

@@ -143,6 +143,14 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                              "$QEFF_EVS_QEFFICIENT_PYTHON; none: qeff-evs is measured alone, and the report says so)")
     versus.add_argument("--new-tokens", type=int, default=8, help="greedy tokens compared per side (default 8)")
     versus.add_argument("--question", default="What happens in this video?")
+    scaling = parser.add_argument_group(
+        "export scaling (--export-scaling): qeff-evs export's peak memory, time and disk against depth at released "
+        "widths, streamed and in memory; takes -o, --workdir (the random checkpoints, up to 18 GB each) and --clip "
+        "(the video a case marked 'run' answers a question about)")
+    scaling.add_argument("--export-scaling", action="store_true", help="run the export scaling measurement instead")
+    scaling.add_argument("--scaling-cases", type=_names, default=None, metavar="CASES",
+                         help="MODEL:TEXT_LAYERS[:streamed|in_memory[:float32|float16[:run]]], comma separated "
+                              "(default: Qwen3-VL-8B at 2, 6 and 36 layers, Qwen3-VL-30B-A3B at 2, 6 and 12)")
     versus.add_argument("--accounting-frames", type=_ints, default=(64,), metavar="FRAMES",
                         help="frame counts whose vision bytes per chunk are counted from the shapes (default 64)")
 
@@ -227,8 +235,26 @@ def run_vs_qefficient(args: argparse.Namespace, progress) -> int:
     return 0
 
 
+def run_export_scaling(args: argparse.Namespace, progress) -> int:
+    import sys
+    import tempfile
+
+    from qeff_evs.bench.export_scaling import DEFAULT_CASES, ScalingCase, markdown, run_scaling
+
+    cases = [ScalingCase.parse(text) for text in (args.scaling_cases or DEFAULT_CASES)]
+    if args.clip is not None and not args.clip.exists():
+        raise ValueError(f"--clip {args.clip}: not found")
+    with tempfile.TemporaryDirectory(prefix="qeff_evs_export_scaling_") as scratch:
+        results = run_scaling(cases, Path(args.workdir or scratch), args.output, args.clip, progress,
+                              command=" ".join(["qeff-evs", *sys.argv[1:]]))
+    print("\n".join(markdown(results)))
+    return 0
+
+
 def run_bench(args: argparse.Namespace, progress) -> int:
     require_plotting()
+    if args.export_scaling:
+        return run_export_scaling(args, progress)
     if args.serving:
         return run_serving(args, progress)
     if args.vs_qefficient is not None:

@@ -47,3 +47,29 @@ def peak_above(call) -> float | None:
     call()
     peak = peak_mb()
     return None if peak is None or start is None else peak - start
+
+
+def process_status(pid: int) -> dict[str, float]:
+    """``VmHWM``, ``VmRSS``, ``RssAnon``, ``RssFile`` of process ``pid`` in MiB (empty once it has gone)."""
+    try:
+        lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    except OSError:
+        return {}
+    fields = ("VmHWM", "VmRSS", "RssAnon", "RssFile")
+    return {line.split(":")[0]: int(line.split()[1]) / 1024.0 for line in lines if line.split(":")[0] in fields}
+
+
+def watch_process(process, interval: float = 0.1) -> dict[str, float]:
+    """Wait for ``process`` (a ``subprocess.Popen``), sampling its memory every ``interval`` s: the largest
+    ``VmHWM``, ``RssAnon`` and ``RssFile`` seen, in MiB (a spike shorter than ``interval`` may be missed; the kernel's
+    ``ru_maxrss`` is no better here: a forked child's starts from its parent's size). A process that reports its own
+    ``VmHWM`` when it ends is exact (``bench.export_scaling``)."""
+    import time
+
+    peak = {"VmHWM": 0.0, "RssAnon": 0.0, "RssFile": 0.0}
+    while process.poll() is None:
+        sample = process_status(process.pid)
+        for key in peak:
+            peak[key] = max(peak[key], sample.get(key, 0.0))
+        time.sleep(interval)
+    return peak

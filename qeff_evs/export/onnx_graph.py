@@ -7,6 +7,7 @@ whose output shape depends on data.
 
 from __future__ import annotations
 
+import io
 import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -38,6 +39,70 @@ def legacy_export(module: torch.nn.Module, inputs: Sequence[torch.Tensor], path:
     finally:
         module.train(was_training)
     add_compiler_functions(path)
+
+
+PARAMETER_PREFIX = "param:"  # graph input name of a parameter in ``trace_without_weights``
+
+
+class _ParametersAsInputs(torch.nn.Module):
+    """``module`` called with its parameters passed in as inputs: a trace of it sees them as graph inputs with no
+    value, where a parameter the exporter knows as one has its value read by its shape inference (a dense copy of each
+    stand-in: the memory and the time of the real model). Each parameter slot of ``module`` (a tied one in each of its
+    modules) holds the input for the call only, and its parameter again after it (``torch.func.functional_call`` does
+    this too, but refuses to run under a trace)."""
+
+    def __init__(self, module: torch.nn.Module, inputs: int):
+        super().__init__()
+        self._module = (module,)  # not a submodule: its parameters come in as inputs
+        self.parameters_in = dict(module.named_parameters())  # name -> parameter, tied ones once
+        at = {id(parameter): index for index, parameter in enumerate(self.parameters_in.values())}
+        self.slots = [(owner, name, at[id(parameter)]) for owner in module.modules(remove_duplicate=False)
+                      for name, parameter in owner._parameters.items() if parameter is not None]
+        self.inputs = inputs
+
+    def forward(self, *args: torch.Tensor):
+        values = args[self.inputs:]
+        kept = [(owner, name, owner._parameters[name]) for owner, name, _ in self.slots]
+        try:
+            for owner, name, index in self.slots:
+                owner._parameters[name] = values[index]
+            return self._module[0](*args[: self.inputs])
+        finally:
+            for owner, name, parameter in kept:
+                owner._parameters[name] = parameter
+
+
+def trace_without_weights(module: torch.nn.Module, inputs: Sequence[torch.Tensor], *, input_names: Sequence[str],
+                          output_names: Sequence[str], dynamic_axes: Mapping[str, Mapping[int, str]],
+                          ignore_messages: Sequence[str] = ()) -> tuple[onnx.ModelProto, set[str]]:
+    """``torch.onnx.export`` as ``legacy_export`` does it, but with ``module``'s parameters as graph inputs named as in
+    ``module``: no weight is serialized or folded. Returns the graph and the names of the parameters it reads. The
+    streamed export traces hollow modules (``qeff_evs.models.hollow``)
+    this way and writes the weights itself (``qeff_evs.export.weights``). No compiler functions are attached yet."""
+    wrapper = _ParametersAsInputs(module, len(inputs))
+    parameters = list(wrapper.parameters_in.values())
+    names = {PARAMETER_PREFIX + name: name for name in wrapper.parameters_in}
+    was_training = module.training
+    module.eval()
+    buffer = io.BytesIO()
+    try:
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", category=DeprecationWarning)
+            for message in ignore_messages:
+                warnings.filterwarnings("ignore", message=message)
+            torch.onnx.export(wrapper, (*inputs, *parameters), buffer, input_names=[*input_names, *names],
+                              output_names=list(output_names),
+                              dynamic_axes={k: dict(v) for k, v in dynamic_axes.items()}, opset_version=ONNX_OPSET,
+                              dynamo=False, do_constant_folding=False)
+    finally:
+        module.train(was_training)
+    model = onnx.load_from_string(buffer.getvalue())
+    for node in model.graph.node:
+        for index, name in enumerate(node.input):
+            node.input[index] = names.get(name, name)
+    for value in model.graph.input:
+        value.name = names.get(value.name, value.name)
+    return model, {names[name] for name in names if names[name] in {value.name for value in model.graph.input}}
 
 
 def add_compiler_functions(path: Path) -> None:

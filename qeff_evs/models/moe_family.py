@@ -9,6 +9,18 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
+from qeff_evs.weights.name_map import EXPERT, FusedExperts
+
+
+def expert_tensors(stored_transposed: bool = False) -> tuple[FusedExperts, ...]:
+    """The sparse MLP's two expert tensors as transformers holds them, ``mlp.experts.gate_up_proj`` (experts,
+    2 * moe, hidden: each expert's gate rows, then its up rows) and ``mlp.experts.down_proj`` (experts, hidden, moe),
+    from per-expert linears ``mlp.experts.<e>.{gate,up,down}_proj.weight`` where a checkpoint stores them so."""
+    per_expert = f"mlp.experts.{EXPERT}"
+    return (FusedExperts("mlp.experts.gate_up_proj", (f"{per_expert}.gate_proj.weight", f"{per_expert}.up_proj.weight"),
+                         stored_transposed),
+            FusedExperts("mlp.experts.down_proj", (f"{per_expert}.down_proj.weight",), stored_transposed))
+
 
 class SparseMlpFamily:
     """The MoE half of a MoE family's class; the dense family it is mixed with comes after it."""

@@ -25,6 +25,7 @@ import torch
 
 from qeff_evs.manifest import LayerState, SpecialTokens
 from qeff_evs.positions import MediaBlock
+from qeff_evs.weights.name_map import NameMap
 
 SAMPLING_FPS = 2.0  # every family qeff-evs serves samples videos at 2 frames per second
 
@@ -243,6 +244,9 @@ class ModelFamily(Protocol):
     extra_rows: ClassVar[tuple[ExtraRows, ...]]  # tensors its vision rows carry (empty for most)
     pruning_methods: ClassVar[tuple[str, ...]]  # the pruning methods vLLM runs for it (an export carries only these)
     rope: ClassVar[bool]  # whether its attention reads positions (RoPE tables); False: positions are KV slots only
+    # How its checkpoints' tensor names (released, or save_pretrained's) become its module's state-dict names:
+    # renames and per-expert tensors fused (``qeff_evs.weights.name_map``); an empty map where they are the same.
+    weight_names: ClassVar[NameMap]
 
     @classmethod
     def tiny_tokenizer(cls):
@@ -308,6 +312,12 @@ class ModelFamily(Protocol):
 
     def layer_states(self) -> tuple[LayerState, ...]:
         """The per-row state the other layers keep in the language graph (a hybrid family's); empty for most."""
+
+    def layer_kinds(self) -> tuple[str, ...]:
+        """Each decoder layer's kind, e.g. ``full_attention`` / ``linear_attention``: a streamed export traces one
+        layer per kind and stamps the others from its graph (``models.language_parts``). Layers whose parameters
+        differ in name, shape or dtype, or that add different extra-row levels, are told apart without it; name here
+        what the weights cannot tell (a computation chosen by the config alone)."""
 
     def encoder_host_inputs(self, grid_hw: Sequence[int], frames: int) -> dict[str, np.ndarray]:
         """Every encoder input except ``pixel_values``, for calls of ``frames`` patches of grid ``(H, W)``."""

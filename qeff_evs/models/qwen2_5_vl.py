@@ -56,6 +56,7 @@ from qeff_evs.models.vision_common import (
     grid_tensor,
 )
 from qeff_evs.positions import MediaBlock
+from qeff_evs.weights.name_map import NameMap, Rename
 
 # The released checkpoints' video preprocessing: 14-px patches, CLIP mean/std, HF's video-processor
 # pixel limits per frame.
@@ -66,6 +67,14 @@ PREPROCESS_DEFAULTS = VideoPreprocessing(
     min_pixels=128 * 28 * 28, max_pixels=768 * 28 * 28, pixel_limits_per_video=False,
     video_processor="Qwen2VLVideoProcessor", do_sample_frames=False, sampling_fps=None,
 )
+
+# The released checkpoints (and save_pretrained's) name the vision tower ``visual.*`` and the decoder ``model.*``;
+# transformers' module holds them as ``model.visual.*`` and ``model.language_model.*`` (its conversion mapping for
+# Qwen2-VL). A name already in the module's form is left as it is.
+WEIGHT_NAMES = NameMap(renames=(
+    Rename(r"^visual\.", "model.visual."),
+    Rename(r"^model\.(?!language_model\.|visual\.)", "model.language_model."),
+))
 
 # ---------------------------------------------------------------------------------------------
 # Encoder graph
@@ -201,6 +210,7 @@ class Qwen2_5_VLFamily(QwenVLFamily):
     config_class = Qwen2_5_VLConfig
     model_class = Qwen2_5_VLForConditionalGeneration
     preprocessing = PREPROCESS_DEFAULTS
+    weight_names = WEIGHT_NAMES
     wrapper = Qwen2_5_VLEncoder
 
     # ---- tiny test checkpoints and realistic bench configs ----------------------------------------

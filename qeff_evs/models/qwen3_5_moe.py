@@ -13,13 +13,18 @@ from typing import Any
 
 from transformers import Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration
 
-from qeff_evs.models.moe_family import SparseMlpFamily
+from qeff_evs.models.moe_family import SparseMlpFamily, expert_tensors
 from qeff_evs.models.moe_language import SparseMlpGraph
 from qeff_evs.models.qwen3_5 import Qwen3_5Family, Qwen3_5LanguageGraph, released_layer_types
 from qeff_evs.models.registry import register_family
+from qeff_evs.weights.name_map import NameMap
 
 # The tiny test models' experts: 4 of them, 2 per token, and a shared expert.
 TINY_EXPERTS = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, shared_expert_intermediate_size=48)
+
+
+# Released (and save_pretrained) checkpoints store the experts one by one (transformers fuses them on load).
+WEIGHT_NAMES = NameMap(experts=expert_tensors())
 
 
 class Qwen3_5MoeLanguageGraph(SparseMlpGraph, Qwen3_5LanguageGraph):
@@ -37,6 +42,7 @@ class Qwen3_5MoeFamily(SparseMlpFamily, Qwen3_5Family):
     model_class = Qwen3_5MoeForConditionalGeneration
     language_graph_class = Qwen3_5MoeLanguageGraph
     tiny_experts = TINY_EXPERTS
+    weight_names = WEIGHT_NAMES
 
     @classmethod
     def realistic_widths(cls, text_layers: int, vision_layers: int) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -14,14 +14,20 @@ from typing import Any
 from transformers import Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
 
 from qeff_evs.models.language import LanguageGraph
-from qeff_evs.models.moe_family import SparseMlpFamily
+from qeff_evs.models.moe_family import SparseMlpFamily, expert_tensors
 from qeff_evs.models.moe_language import SparseMlpGraph
 from qeff_evs.models.qwen3_vl import Qwen3_VLFamily
 from qeff_evs.models.registry import register_family
+from qeff_evs.weights.name_map import NameMap
 
 # The tiny test models' experts: 4 of them, 2 per token (the least that still routes), the last decoder layer
 # kept dense (mlp_only_layers) so both kinds of layer run.
 TINY_EXPERTS = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, decoder_sparse_step=1)
+
+
+# The bf16 release stores each layer's experts fused as (experts, hidden, 2 * moe) and (experts, moe, hidden), the
+# transpose of transformers' module (its conversion mapping swaps them); the FP8 release stores them per expert.
+WEIGHT_NAMES = NameMap(experts=expert_tensors(stored_transposed=True))
 
 
 class Qwen3_VLMoeLanguageGraph(SparseMlpGraph, LanguageGraph):
@@ -39,6 +45,7 @@ class Qwen3_VLMoeFamily(SparseMlpFamily, Qwen3_VLFamily):
     model_class = Qwen3VLMoeForConditionalGeneration
     language_graph_class = Qwen3_VLMoeLanguageGraph
     tiny_experts = TINY_EXPERTS
+    weight_names = WEIGHT_NAMES
 
     @classmethod
     def tiny_widths(cls, text: dict[str, Any], vision: dict[str, Any], vision_layers: int) -> None:

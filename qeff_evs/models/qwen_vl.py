@@ -32,6 +32,7 @@ from qeff_evs.models.protocol import (
 )
 from qeff_evs.models.pruning import PRUNING_METHODS, PruningRanking, pruning_symbols
 from qeff_evs.models.vision_common import EncoderWrapper, encoder_host_inputs
+from qeff_evs.weights.name_map import NameMap
 
 # Qwen's added special tokens, in Qwen's relative order; in the tiny tokenizer they take the ids after
 # the BPE vocabulary.
@@ -131,6 +132,7 @@ class QwenVLFamily(abc.ABC):
     extra_rows: ClassVar[tuple[ExtraRows, ...]] = ()
     pruning_methods: ClassVar[tuple[str, ...]] = PRUNING_METHODS
     rope: ClassVar[bool] = True
+    weight_names: ClassVar[NameMap] = NameMap()  # released names are the module's (Qwen3-VL, Qwen3.5)
     wrapper: ClassVar[type[EncoderWrapper]] = EncoderWrapper
     language_graph_class: ClassVar[type[LanguageGraph]] = LanguageGraph  # the step ``language_graph`` builds
 
@@ -267,6 +269,9 @@ class QwenVLFamily(abc.ABC):
 
     def layer_states(self) -> tuple[LayerState, ...]:
         return ()
+
+    def layer_kinds(self) -> tuple[str, ...]:
+        return ("decoder",) * self.normalized_config.num_layers
 
     def encoder_host_inputs(self, grid_hw: Sequence[int], frames: int) -> dict[str, np.ndarray]:
         return encoder_host_inputs(self.vision_config, self.wrapper.frame_inputs_fn, grid_hw, frames)

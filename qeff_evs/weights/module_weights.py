@@ -1,0 +1,78 @@
+"""A checkpoint's weights under a module's state-dict names: what the in-memory load and the streamed export read.
+
+``ModuleWeights`` answers, for every name of the module's ``state_dict`` (tied names included): its shape (from the
+safetensors headers, no data read) and its tensor, fp32, exact, in the module's layout, read when asked and held by no
+one else (bf16 and fp16 converted, a quantized weight dequantized, per-expert tensors fused, a transposed fused
+expert tensor swapped). ``quantization`` is the folder's quantization record (None for a float checkpoint).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from qeff_evs.weights.name_map import NameMap, PerExpert, Source, Stored, Transposed, plan, source_shape
+from qeff_evs.weights.quantization import QuantizationRecord
+from qeff_evs.weights.stored import StoredWeights
+
+
+class ModuleWeights:
+    """See the module docstring. Built by ``qeff_evs.models.checkpoint.open_weights``."""
+
+    def __init__(self, stored: StoredWeights, module_shapes: Mapping[str, Sequence[int]],
+                 tied: Mapping[str, Sequence[str]], name_map: NameMap) -> None:
+        self.stored = stored
+        self._shapes = stored.shapes()
+        self._sources: dict[str, Source] = plan(name_map, {n: tuple(s) for n, s in module_shapes.items()}, tied,
+                                                self._shapes, where=str(stored.shards.model_dir))
+
+    @property
+    def quantization(self) -> QuantizationRecord | None:
+        return self.stored.quantization
+
+    def names(self) -> tuple[str, ...]:
+        return tuple(self._sources)
+
+    def source(self, name: str) -> Source:
+        try:
+            return self._sources[name]
+        except KeyError:
+            raise KeyError(f"the model has no tensor {name!r}") from None
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return source_shape(self.source(name), self._shapes)
+
+    def tensor(self, name: str) -> torch.Tensor:
+        source = self.source(name)
+        if isinstance(source, Stored):
+            return self.stored.read(source.name)
+        if isinstance(source, Transposed):
+            return self.stored.read(source.name).transpose(1, 2).contiguous()
+        assert isinstance(source, PerExpert)
+        fused = torch.empty(self.shape(name), dtype=torch.float32)
+        for expert, names in enumerate(source.names):
+            row = 0
+            for part in names:
+                rows = self._shapes[part][0]
+                fused[expert, row:row + rows] = self.stored.read(part)
+                row += rows
+        return fused
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Every tensor at once (the in-memory load's; tied names share one tensor)."""
+        read: dict[Source, torch.Tensor] = {}
+        for name, source in self._sources.items():
+            if source not in read:
+                read[source] = self.tensor(name)
+        return {name: read[source] for name, source in self._sources.items()}
+
+    def close(self) -> None:
+        """Close the checkpoint's files (nothing stays mapped or open)."""
+        self.stored.close()
+
+    def __enter__(self) -> ModuleWeights:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

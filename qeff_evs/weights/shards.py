@@ -1,0 +1,135 @@
+"""The safetensors files of a checkpoint folder, read one tensor at a time by its stored name.
+
+A folder holds ``model.safetensors``, or shards listed by ``model.safetensors.index.json``'s ``weight_map`` (else every
+``*.safetensors`` file in it). Each file starts with an 8-byte little-endian header length and a JSON header naming
+every tensor's dtype, shape and byte range; names and shapes come from the headers alone. A tensor is read with one
+positioned read into a fresh buffer: no file is memory-mapped, so nothing but the tensor being read counts in the
+process's resident memory, and ``close`` closes the files.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO
+
+import torch
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+# safetensors' dtype names -> torch's.
+DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "F8_E8M0": torch.float8_e8m0fnu,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64, "BOOL": torch.bool,
+}
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    """Where one tensor lies: its file, dtype, shape and absolute byte range."""
+
+    file: Path
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    start: int  # absolute offset of its first byte in ``file``
+    end: int
+
+
+def read_header(path: Path) -> dict[str, StoredTensor]:
+    """Every tensor of one safetensors file, from its header (no tensor data read)."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) != 8:
+            raise ValueError(f"{path} is not a safetensors file (shorter than its 8-byte header length)")
+        (length,) = struct.unpack("<Q", head)
+        header = json.loads(f.read(length))
+    base = 8 + length
+    tensors = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        if entry["dtype"] not in DTYPES:
+            raise ValueError(f"{path}: tensor {name} has dtype {entry['dtype']}, which qeff-evs does not read "
+                             f"(it reads {', '.join(DTYPES)})")
+        begin, end = entry["data_offsets"]
+        tensors[name] = StoredTensor(path, DTYPES[entry["dtype"]], tuple(int(d) for d in entry["shape"]),
+                                     base + int(begin), base + int(end))
+    return tensors
+
+
+def shard_files(model_dir: Path) -> tuple[Path, ...]:
+    """The folder's safetensors files: its index's, else ``model.safetensors``, else every ``*.safetensors``."""
+    index = model_dir / INDEX_FILE
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        missing = [name for name in names if not (model_dir / name).is_file()]
+        if missing:
+            raise ValueError(f"{index} names {', '.join(missing)}, missing from {model_dir}; download every shard")
+        return tuple(model_dir / name for name in names)
+    if (model_dir / SINGLE_FILE).is_file():
+        return (model_dir / SINGLE_FILE,)
+    files = tuple(sorted(model_dir.glob("*.safetensors")))
+    if not files:
+        raise ValueError(f"{model_dir} holds no *.safetensors file; qeff-evs reads safetensors checkpoints "
+                         "(convert a .bin checkpoint with save_pretrained(..., safe_serialization=True))")
+    return files
+
+
+class Shards:
+    """The tensors of a checkpoint folder by stored name: dtype and shape from the headers, data on request."""
+
+    def __init__(self, model_dir: str | Path) -> None:
+        self.model_dir = Path(model_dir)
+        self._tensors: dict[str, StoredTensor] = {}
+        for path in shard_files(self.model_dir):
+            for name, tensor in read_header(path).items():
+                if name in self._tensors:
+                    raise ValueError(f"tensor {name} is stored twice, in {self._tensors[name].file.name} and "
+                                     f"{path.name}; remove the stale shard from {self.model_dir}")
+                self._tensors[name] = tensor
+        self._open: dict[Path, BinaryIO] = {}
+
+    def names(self) -> tuple[str, ...]:
+        return tuple(self._tensors)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._tensors
+
+    def entry(self, name: str) -> StoredTensor:
+        try:
+            return self._tensors[name]
+        except KeyError:
+            raise KeyError(f"{self.model_dir} stores no tensor {name!r}") from None
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.entry(name).shape
+
+    def dtype(self, name: str) -> torch.dtype:
+        return self.entry(name).dtype
+
+    def read(self, name: str) -> torch.Tensor:
+        """The tensor as stored (its dtype and shape), in memory of its own."""
+        entry = self.entry(name)
+        data = torch.empty(entry.end - entry.start, dtype=torch.uint8)
+        f = self._open.get(entry.file)
+        if f is None:
+            f = self._open[entry.file] = open(entry.file, "rb", buffering=0)
+        view, done = memoryview(data.numpy()), 0
+        f.seek(entry.start)
+        while done < len(view):
+            count = f.readinto(view[done:])
+            if not count:
+                raise ValueError(f"{entry.file} ends inside tensor {name}; the file is truncated (download it again)")
+            done += count
+        return data.view(entry.dtype).reshape(entry.shape)
+
+    def close(self) -> None:
+        """Close every file this reader opened (reading again reopens them)."""
+        for f in self._open.values():
+            f.close()
+        self._open.clear()
