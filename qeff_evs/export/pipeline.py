@@ -25,7 +25,6 @@ Layout of the export folder::
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import json
 import os
@@ -56,7 +55,7 @@ from qeff_evs.manifest import (
     graph_role,
     pruning_graph,
 )
-from qeff_evs.models.checkpoint import load_checkpoint
+from qeff_evs.models.checkpoint import float_config, load_checkpoint
 from qeff_evs.models.language import language_spec
 from qeff_evs.models.protocol import ModelFamily
 from qeff_evs.models.pruning import PRUNING_METHODS, pruning_method
@@ -114,7 +113,7 @@ def save_serving_config(checkpoint, family: ModelFamily, eos: list[int], ctx_len
     """
     from transformers import GenerationConfig
 
-    config = copy.deepcopy(checkpoint.config)
+    config = float_config(checkpoint.config)  # the graphs hold float weights: vLLM must not set up its quantized kernels
     config.architectures = [family.serving_architecture]
     getattr(config, "text_config", config).max_position_embeddings = int(ctx_len)
     config.save_pretrained(folder)  # EXPORT_FILES["serving_config"]
@@ -123,7 +122,7 @@ def save_serving_config(checkpoint, family: ModelFamily, eos: list[int], ctx_len
 
 def save_model_config(checkpoint, folder: Path) -> None:
     """The config and preprocessor files the ORT/QAIC runtime needs, without the weights."""
-    checkpoint.config.save_pretrained(folder)
+    float_config(checkpoint.config).save_pretrained(folder)
     for name in PREPROCESSOR_FILES:
         source = Path(checkpoint.model_dir) / name
         if source.is_file():
@@ -384,6 +383,7 @@ def export_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, 
         max_video_pruning_rate=max_rate,
         kv_precision=options.kv_precision,
         short_prefill_lens=short_lens,
+        source_quantization=None if checkpoint.quantization is None else checkpoint.quantization.to_json(),
     )
     manifest.write(out)
     progress(f"export written to {out}")
