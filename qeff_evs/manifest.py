@@ -289,6 +289,9 @@ class Manifest:
     # The checkpoint's quantization record, ``{"method", "source", "config"}`` as its folder wrote it, when the export
     # read a quantized release (its weights dequantized to fp32 on export); None for a float checkpoint.
     source_quantization: dict[str, Any] | None = None
+    # The dtype the graphs store their weights in: float32, or float16 (each weight cast to fp32 where the graph reads
+    # it; ONNX Runtime must then not fold those casts into fp32 copies, ``runtime.backends.ort``). Absent: float32.
+    weight_dtype: str = "float32"
     version: int = MANIFEST_VERSION
 
     def __post_init__(self) -> None:

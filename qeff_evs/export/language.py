@@ -10,6 +10,8 @@ decode specializations.
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Sequence
 
@@ -18,6 +20,8 @@ import torch
 from torch import nn
 
 from qeff_evs.export.onnx_graph import check_named_axes, check_static_ops, legacy_export
+from qeff_evs.export.stamping import stamped_language_graph
+from qeff_evs.export.weights import WeightStore, attach_weights, write_weights
 from qeff_evs.models.graph_io import BATCH_INDEX, COMP_CTX_LENGTHS, LOGITS_ROWS, LanguageGraphIO
 from qeff_evs.models.language import ExportableLanguageGraph, LanguageSpec
 from qeff_evs.models.registry import family_for_config
@@ -107,12 +111,38 @@ def export_language_graph(
     the ``comp_ctx_lengths`` input (an export with compute context lengths, docs/design.md#specializations).
     ``logits_rows``: the graph takes the ``logits_rows`` input (a call may compute no logits).
     """
-    family = family_for_config(hf_model.config)
-    graph = family.language_graph(hf_model, media_token_ids, rope_positions, prefill_seq_len)
-    module = ExportableLanguageGraph(graph, continuous_batching, comp_ctx_lengths, logits_rows)
+    module, inputs = _traced_step(hf_model, media_token_ids, continuous_batching, rope_positions, prefill_seq_len,
+                                  comp_ctx_lengths, logits_rows, ctx_len_example, seq_len_example,
+                                  vision_size_example, batch_size_example, full_batch_size_example)
     io = module.io
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    _LOG.info(
+        "exporting language graph (%d layers, extra rows %s, layer states %s, continuous_batching=%s) with "
+        "example seq_len=%d -> %s",
+        module.spec.num_layers, list(io.extras), [state.name for state in io.layer_states], continuous_batching,
+        inputs["input_ids"].shape[1], path,
+    )
+    legacy_export(module, list(inputs.values()), path, input_names=io.input_names, output_names=io.output_names,
+                  dynamic_axes=io.dynamic_axes, ignore_messages=(
+                      # transformers' sdpa turns `q_len > 1` into a Python bool while tracing; the step always
+                      # passes a mask, which makes is_causal False whatever that bool is, so the trace is exact.
+                      "Converting a tensor to a Python boolean",
+                      # Our advanced-indexing gathers only ever see non-negative indices (argmax, clamped rows).
+                      "Exporting aten::index operator"))
+    check_language_graph(onnx.load(str(path), load_external_data=False), io)
+    _LOG.info("language graph written: %s (%.2f MB)", path, path.stat().st_size / 1e6)
+    return path
+
+
+def _traced_step(hf_model: nn.Module, media_token_ids, continuous_batching: bool, rope_positions, prefill_seq_len,
+                 comp_ctx_lengths: bool, logits_rows: bool, ctx_len_example: int, seq_len_example: int,
+                 vision_size_example: int, batch_size_example: int, full_batch_size_example: int
+                 ) -> tuple[ExportableLanguageGraph, dict[str, torch.Tensor]]:
+    """The module a language graph is traced from and its example inputs (``export_language_graph``'s arguments)."""
+    family = family_for_config(hf_model.config)
+    graph = family.language_graph(hf_model, media_token_ids, rope_positions, prefill_seq_len)
+    module = ExportableLanguageGraph(graph, continuous_batching, comp_ctx_lengths, logits_rows)
     dtype = next(hf_model.parameters()).dtype
     if graph.trace_seq_len is not None:
         seq_len_example = graph.trace_seq_len
@@ -130,21 +160,44 @@ def export_language_graph(
         comp_ctx_len=(seq_len_example + ctx_len_example) // 2 if comp_ctx_lengths else None,
         logits_rows=logits_rows,
     )
-    _LOG.info(
-        "exporting language graph (%d layers, extra rows %s, layer states %s, continuous_batching=%s) with "
-        "example seq_len=%d ctx_len=%d -> %s",
-        module.spec.num_layers, list(io.extras), [state.name for state in io.layer_states], continuous_batching,
-        seq_len_example, ctx_len_example, path,
-    )
-    legacy_export(module, list(inputs.values()), path, input_names=io.input_names, output_names=io.output_names,
-                  dynamic_axes=io.dynamic_axes, ignore_messages=(
-                      # transformers' sdpa turns `q_len > 1` into a Python bool while tracing; the step always
-                      # passes a mask, which makes is_causal False whatever that bool is, so the trace is exact.
-                      "Converting a tensor to a Python boolean",
-                      # Our advanced-indexing gathers only ever see non-negative indices (argmax, clamped rows).
-                      "Exporting aten::index operator"))
+    return module, inputs
+
+
+def export_language_graph_stamped(
+    hollow: nn.Module,
+    path: str | Path,
+    names: Mapping[int, str],
+    store: WeightStore,
+    reader,
+    *,
+    media_token_ids: Sequence[int] | None = None,
+    continuous_batching: bool = False,
+    rope_positions: int | None = None,
+    prefill_seq_len: int | None = None,
+    comp_ctx_lengths: bool = False,
+    logits_rows: bool = False,
+    functions: bool = False,
+    progress: Callable[[str], None] | None = None,
+) -> Path:
+    """``export_language_graph`` of a hollow model (``models.hollow``), stamped layer by layer
+    (``export.stamping``), its weights written from ``reader`` (a checkpoint's ``ModuleWeights``; ``names``: each
+    parameter's name there) into ``store``, one decoder layer at a time. ``functions``: each kind of decoder layer an
+    ONNX local function, each layer a call of it."""
+    say = progress or _LOG.info
+    module, inputs = _traced_step(hollow, media_token_ids, continuous_batching, rope_positions, prefill_seq_len,
+                                  comp_ctx_lengths, logits_rows, 32, 8, 6, 1, 4)
+    io = module.io
+    path = Path(path)
+    started = time.perf_counter()
+    stamped = stamped_language_graph(module.graph, inputs, io, names, functions)
+    say(f"language graph {path.name}: {io.num_layers} decoder layers stamped from {stamped.kinds} traced kinds in "
+        f"{time.perf_counter() - started:.1f} s")
+    write_weights(stamped.weights, store, reader, say, label=f"{path.name} weights")
+    attach_weights(stamped.model, stamped.weights, store)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    onnx.save(stamped.model, str(path))
     check_language_graph(onnx.load(str(path), load_external_data=False), io)
-    _LOG.info("language graph written: %s (%.2f MB)", path, path.stat().st_size / 1e6)
+    say(f"language graph written: {path} ({path.stat().st_size / 1e6:.2f} MB of graph, weights in {store.folder})")
     return path
 
 

@@ -232,9 +232,11 @@ def custom_functions() -> dict[tuple[str, str], onnx.FunctionProto]:
 
 
 def attach_functions(model: onnx.ModelProto) -> onnx.ModelProto:
-    """Add the function bodies (and their domains' opset imports) for every custom node the graph uses."""
+    """Add the function bodies (and their domains' opset imports) for every custom node the graph (or a function of
+    it) uses."""
     available = custom_functions()
-    used = {(node.domain, node.op_type) for node in model.graph.node if (node.domain, node.op_type) in available}
+    nodes = [*model.graph.node, *(node for function in model.functions for node in function.node)]
+    used = {(node.domain, node.op_type) for node in nodes if (node.domain, node.op_type) in available}
     present = {(f.domain, f.name) for f in model.functions}
     for key in sorted(used - present):
         model.functions.append(available[key])

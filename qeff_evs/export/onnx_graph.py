@@ -7,6 +7,7 @@ whose output shape depends on data.
 
 from __future__ import annotations
 
+import io
 import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -38,6 +39,31 @@ def legacy_export(module: torch.nn.Module, inputs: Sequence[torch.Tensor], path:
     finally:
         module.train(was_training)
     add_compiler_functions(path)
+
+
+def trace_without_weights(module: torch.nn.Module, inputs: Sequence[torch.Tensor], *, input_names: Sequence[str],
+                          output_names: Sequence[str], dynamic_axes: Mapping[str, Mapping[int, str]],
+                          ignore_messages: Sequence[str] = ()) -> onnx.ModelProto:
+    """``torch.onnx.export`` as ``legacy_export`` does it, but with ``module``'s parameters left as graph inputs named
+    by their ``state_dict`` names: no weight is serialized, none folded, none merged with an equal one. The streamed
+    export traces hollow modules (``qeff_evs.models.hollow``) this way and writes the weights itself
+    (``qeff_evs.export.weights``). No compiler functions are attached yet."""
+    was_training = module.training
+    module.eval()
+    buffer = io.BytesIO()
+    try:
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", category=DeprecationWarning)
+            for message in ignore_messages:
+                warnings.filterwarnings("ignore", message=message)
+            torch.onnx.export(module, tuple(inputs), buffer, input_names=list(input_names),
+                              output_names=list(output_names),
+                              dynamic_axes={k: dict(v) for k, v in dynamic_axes.items()}, opset_version=ONNX_OPSET,
+                              dynamo=False, export_params=False, keep_initializers_as_inputs=True,
+                              do_constant_folding=False)
+    finally:
+        module.train(was_training)
+    return onnx.load_from_string(buffer.getvalue())
 
 
 def add_compiler_functions(path: Path) -> None:

@@ -37,9 +37,11 @@ import onnx
 
 from qeff_evs import evs
 from qeff_evs.positions import rope_table_length
-from qeff_evs.export.language import export_language_graph
+from qeff_evs.export.budget import check_budget, estimate_budget
+from qeff_evs.export.language import export_language_graph, export_language_graph_stamped
 from qeff_evs.export.node_precision import node_precision_yaml, router_paths, state_path
-from qeff_evs.export.vision import export_encoder_graph, export_pruning_graph
+from qeff_evs.export.vision import export_encoder_graph, export_encoder_graph_streamed, export_pruning_graph
+from qeff_evs.export.weights import FLOAT16 as WEIGHTS_FP16, WEIGHT_DTYPES, WEIGHTS_DIR, WeightStore, fingerprint
 from qeff_evs.manifest import (
     EXPORT_FILES,
     LANGUAGE_DECODE,
@@ -55,11 +57,15 @@ from qeff_evs.manifest import (
     graph_role,
     pruning_graph,
 )
-from qeff_evs.models.checkpoint import float_config, load_checkpoint
+from qeff_evs.models.checkpoint import (
+    LoadedCheckpoint, _load_preprocessor_config, _load_tokenizer, detect_family, float_config, load_checkpoint,
+    load_config, open_weights,
+)
+from qeff_evs.models.hollow import hollow_model, parameter_names
 from qeff_evs.models.language import language_spec
 from qeff_evs.models.protocol import ModelFamily
 from qeff_evs.models.pruning import PRUNING_METHODS, pruning_method
-from qeff_evs.models.registry import family_for_config
+from qeff_evs.models.registry import family_class, family_for_config
 from qeff_evs.specializations import (
     DEFAULT_FRAMES_PER_CALL,
     DEFAULT_MAX_FRAMES,
@@ -155,6 +161,14 @@ class ExportOptions:
     # The default ladder's step (ctx_len / step**k) where ctx_lengths is None: 4 for the card, 2 for a CPU export
     # (specializations.sets.TARGETS).
     comp_ctx_step: int = COMP_CTX_STEP
+    # The dtype the graphs store their weights in (--weight-dtype): float32 (ONNX Runtime on a CPU computes in it), or
+    # float16 (what the card compiles; half the disk; the graph casts each weight to fp32 where it reads it).
+    weight_dtype: str = FLOAT32
+    # Load the whole checkpoint and trace the language step at once (--in-memory): the export before streaming, the
+    # tests' reference; it holds the model in fp32 (about 1.7x its fp32 bytes at its peak) and stores fp32 weights.
+    in_memory: bool = False
+    # Each kind of decoder layer as an ONNX local function, each layer a call of it (--layer-functions).
+    layer_functions: bool = False
 
     @property
     def effective_user_vision_size(self) -> int:
@@ -273,7 +287,11 @@ def save_video_processor_config(checkpoint, family: ModelFamily, folder: Path) -
 
 
 def export_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, options: ExportOptions,
-                      progress: Progress = lambda message: None) -> Manifest:
+                      progress: Progress = lambda message: None, weights=None) -> Manifest:
+    """Export the checkpoint in ``model_dir`` to ``out_dir``. Streamed (the default): the model is built without its
+    weights, each graph traced from it (the language graph a decoder layer per kind, stamped per layer) and the weights
+    written from the checkpoint one tensor at a time; ``weights``: where to read them (the checkpoint's
+    ``ModuleWeights``, by default ``open_weights(model_dir)``). ``options.in_memory``: load the model and trace it."""
     q, max_rate, methods = check_pruning_options(options)
     ctx_lengths = comp_ctx_lengths(options.ctx_lengths, options.ctx_len, options.prefill_seq_len, options.comp_ctx_step)
     short_lens = short_prefill_lens(options.short_prefill_lens, options.prefill_seq_len)
@@ -284,8 +302,52 @@ def export_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, 
         raise ValueError(f"--rope-positions {rope_positions} is below --ctx-len {options.ctx_len}; the RoPE tables "
                          "must cover at least every KV slot's position")
     out = Path(out_dir)
-    progress(f"loading checkpoint {model_dir}")
-    checkpoint = load_checkpoint(model_dir)
+    check_weight_options(options)
+    reader = None
+    if options.in_memory:
+        progress(f"loading checkpoint {model_dir}")
+        checkpoint = load_checkpoint(model_dir)
+    else:
+        checkpoint = hollow_checkpoint(model_dir)
+        reader = weights if weights is not None else open_weights(model_dir)
+    try:
+        return _export(checkpoint, reader, out, options, progress, q, max_rate, methods, ctx_lengths, short_lens,
+                       rope_positions)
+    finally:
+        if reader is not None and weights is None:
+            reader.close()
+
+
+def check_weight_options(options: ExportOptions) -> None:
+    if options.weight_dtype not in WEIGHT_DTYPES:
+        raise ValueError(f"--weight-dtype {options.weight_dtype!r}: choose one of {', '.join(WEIGHT_DTYPES)}")
+    if options.in_memory and (options.weight_dtype != FLOAT32 or options.layer_functions):
+        raise ValueError("--in-memory traces the loaded model as it is (fp32 weights, no layer functions); drop "
+                         "--weight-dtype/--layer-functions or --in-memory")
+
+
+def hollow_checkpoint(model_dir: str | os.PathLike) -> LoadedCheckpoint:
+    """The checkpoint's config, tokenizer and generation config around a hollow model (``models.hollow``): what a
+    streamed export traces; its weights are read later, one tensor at a time."""
+    from transformers import GenerationConfig
+
+    model_dir = Path(model_dir)
+    family = detect_family(model_dir)
+    config = float_config(load_config(model_dir))
+    model = hollow_model(family_class(family).model_class, config)
+    if (model_dir / "generation_config.json").is_file():
+        model.generation_config = GenerationConfig.from_pretrained(model_dir, local_files_only=True)
+    return LoadedCheckpoint(family=family, config=model.config, model=model, tokenizer=_load_tokenizer(model_dir),
+                            model_dir=model_dir, preprocessor_config=_load_preprocessor_config(model_dir))
+
+
+def _weights_written(out: Path) -> int:
+    """Bytes of weight files an earlier run of the export already wrote to ``out`` (a resumed export's)."""
+    return sum(path.stat().st_size for path in out.glob(f"*/{WEIGHTS_DIR}/*.data"))
+
+
+def _export(checkpoint: LoadedCheckpoint, reader, out: Path, options: ExportOptions, progress: Progress, q: float,
+            max_rate: float, methods: tuple[str, ...], ctx_lengths, short_lens, rope_positions: int) -> Manifest:
     family = family_for_config(checkpoint.config, checkpoint.tokenizer)
     vc = family.normalized_config
     check_frame_sizes(options, vc.patch_size, vc.merge_size, vc.temporal_patch_size)
@@ -319,25 +381,44 @@ def export_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, 
     (out / "vision").mkdir(parents=True, exist_ok=True)
     (out / "language").mkdir(parents=True, exist_ok=True)
     _, example_hw = encoder_targets[0]
+    streamed = reader is not None
+    if streamed:
+        rope_bytes = 2 * rope_positions * spec.head_dim * 4 * (2 if spec.layer_states else 1)
+        budget = estimate_budget(checkpoint.model, options.weight_dtype, rope_bytes)
+        progress(f"the export needs {budget.describe()}")
+        check_budget(budget, out, _weights_written(out))
+        names = parameter_names(checkpoint.model)
+        stamp = fingerprint(checkpoint.model_dir, options.weight_dtype)
+        stores = {folder: WeightStore(out / folder / WEIGHTS_DIR, options.weight_dtype, stamp)
+                  for folder in ("vision", "language")}
+        # the graphs' external-data files, unit by unit (weights.WeightStore)
+        files.update(encoder_weights=f"vision/{WEIGHTS_DIR}", language_weights=f"language/{WEIGHTS_DIR}")
     # Traced with 2+ frames so the per-frame tiling is in the graph (F stays a symbol either way).
-    export_encoder_graph(family.encoder(checkpoint.model), example_hw, max(2, options.frames_per_call),
-                         out / files["encoder"], progress=progress)
+    if streamed:
+        export_encoder_graph_streamed(family.encoder(checkpoint.model), example_hw, max(2, options.frames_per_call),
+                                      out / files["encoder"], names, stores["vision"], reader, progress=progress)
+    else:
+        export_encoder_graph(family.encoder(checkpoint.model), example_hw, max(2, options.frames_per_call),
+                             out / files["encoder"], progress=progress)
     for method in methods:
         export_pruning_graph(family.pruning_ranking(method), vc.vision_hidden, out / files[pruning_graph(method)],
                              progress=progress)
     progress("exporting language graph")
-    export_language_graph(checkpoint.model, out / files["language"],
-                          media_token_ids=family.special_tokens().media_pads,
-                          continuous_batching=options.full_batch_size is not None, rope_positions=rope_positions,
-                          prefill_seq_len=options.prefill_seq_len, comp_ctx_lengths=bool(ctx_lengths),
-                          logits_rows=True)
+    graphs = [(files["language"], options.prefill_seq_len)]
     if spec.layer_states:  # an unrolled prefill graph: a decode-only twin for ONNX Runtime (manifest.LANGUAGE_DECODE)
-        progress("exporting the decode-only language graph")
         files[LANGUAGE_DECODE] = LANGUAGE_DECODE_FILE
-        export_language_graph(checkpoint.model, out / LANGUAGE_DECODE_FILE,
-                              media_token_ids=family.special_tokens().media_pads,
-                              continuous_batching=options.full_batch_size is not None, rope_positions=rope_positions,
-                              prefill_seq_len=1, comp_ctx_lengths=bool(ctx_lengths), logits_rows=True)
+        graphs.append((LANGUAGE_DECODE_FILE, 1))
+    for file, prefill_len in graphs:
+        if prefill_len == 1:
+            progress("exporting the decode-only language graph")
+        settings = dict(media_token_ids=family.special_tokens().media_pads,
+                        continuous_batching=options.full_batch_size is not None, rope_positions=rope_positions,
+                        prefill_seq_len=prefill_len, comp_ctx_lengths=bool(ctx_lengths), logits_rows=True)
+        if streamed:
+            export_language_graph_stamped(checkpoint.model, out / file, names, stores["language"], reader,
+                                          functions=options.layer_functions, progress=progress, **settings)
+        else:
+            export_language_graph(checkpoint.model, out / file, **settings)
 
     progress("checking specializations against the graphs and writing compile inputs")
     node_precision = write_node_precision(out, spec.layer_states)
@@ -354,9 +435,11 @@ def export_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, 
     save_video_processor_config(checkpoint, family, out)
 
     specials = family.special_tokens()
+    # A quantized release's record, from the reader that dequantized it (streamed) or the in-memory load's.
+    source_quantization = reader.quantization if streamed else checkpoint.quantization
     manifest = Manifest(
         family=family.name,
-        model_dir=str(Path(model_dir).resolve()),
+        model_dir=str(Path(checkpoint.model_dir).resolve()),
         video_pruning_rate=q,
         prefill_seq_len=options.prefill_seq_len,
         sampled_frame_buckets=buckets,
@@ -383,7 +466,8 @@ def export_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, 
         max_video_pruning_rate=max_rate,
         kv_precision=options.kv_precision,
         short_prefill_lens=short_lens,
-        source_quantization=None if checkpoint.quantization is None else checkpoint.quantization.to_json(),
+        source_quantization=None if source_quantization is None else source_quantization.to_json(),
+        weight_dtype=options.weight_dtype,
     )
     manifest.write(out)
     progress(f"export written to {out}")

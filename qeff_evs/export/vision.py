@@ -16,7 +16,9 @@ from pathlib import Path
 import onnx
 import torch
 
-from qeff_evs.export.onnx_graph import check_named_axes, check_static_ops, legacy_export
+from qeff_evs.export.onnx_functions import attach_functions, rewrite_rms_norms
+from qeff_evs.export.onnx_graph import check_named_axes, check_static_ops, legacy_export, trace_without_weights
+from qeff_evs.export.weights import GraphWeight, WeightStore, attach_weights, cut_weights, rename_weights, write_weights
 from qeff_evs.models.graph_io import VisionGraphSpec
 from qeff_evs.models.pruning import PruningRanking
 from qeff_evs.models.vision_common import EncoderWrapper
@@ -39,6 +41,64 @@ def export_encoder_graph(
     inputs = wrapper.dummy_inputs(example_grid_hw, example_frames)
     label = f"encoder graph (example grid {tuple(example_grid_hw)}, {example_frames} frames per call)"
     return _export(wrapper, wrapper.graph_spec, inputs, Path(path), label, progress)
+
+
+def block_unit(name: str) -> str:
+    """The weights file a vision weight goes to: its block's (``blocks.3``), else ``tower`` (embeddings, merger)."""
+    parts = name.split(".")
+    for at, part in enumerate(parts[:-1]):
+        if part in ("blocks", "layers") and parts[at + 1].isdigit():
+            return f"{part}.{parts[at + 1]}"
+    return "tower"
+
+
+def export_encoder_graph_streamed(wrapper: EncoderWrapper, example_grid_hw: Sequence[int], example_frames: int,
+                                  path: str | Path, names: Mapping[int, str], store: WeightStore, reader,
+                                  progress: Callable[[str], None] | None = None) -> Path:
+    """``export_encoder_graph`` of a hollow tower (``models.hollow``), its weights written from ``reader`` (a
+    checkpoint's ``ModuleWeights``; ``names``: each parameter's name there) into ``store``, block by block.
+
+    transformers' tower runs its own loop over the blocks, so the tower is traced whole, at full depth: its stand-in
+    parameters cost no memory, and tracing a block costs what running it on the example costs (a few frames)."""
+    say = progress or _LOG.info
+    path = Path(path)
+    spec = wrapper.graph_spec
+    inputs = wrapper.dummy_inputs(example_grid_hw, example_frames)
+    say(f"tracing the encoder graph ({len(getattr(wrapper.visual, 'blocks', ()))} blocks, example grid "
+        f"{tuple(example_grid_hw)}, {example_frames} frames per call)")
+    model = trace_without_weights(wrapper, list(inputs.values()), input_names=spec.input_names,
+                                  output_names=spec.output_names, dynamic_axes=spec.dynamic_axes)
+    parameters = {value.name for value in model.graph.input} - set(spec.input_names)
+    exprs = cut_weights(model, parameters)
+    rewrite_rms_norms(model)
+    sources = {name: names[id(p)] for name, p in wrapper.state_dict(keep_vars=True).items() if id(p) in names}
+    renamed: dict[str, str] = {}
+    weights: list[GraphWeight] = rename_weights(exprs, sources, "tower", renamed)
+    weights = [GraphWeight(w.name, w.expr, w.sources, block_unit(w.sources[0])) for w in weights]
+    weights.sort(key=lambda w: _unit_order(w.unit))
+    _rename_values(model, renamed)
+    write_weights(weights, store, reader, say, label="encoder weights")
+    attach_weights(model, weights, store)
+    attach_functions(model)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    onnx.save(model, str(path))
+    check_vision_graph(onnx.load(str(path), load_external_data=False), spec)
+    say(f"written: {path} ({path.stat().st_size / 1e6:.2f} MB of graph, weights in {store.folder})")
+    return path
+
+
+def _unit_order(unit: str) -> tuple[int, int]:
+    kind, _, index = unit.partition(".")
+    return (0, 0) if kind == "tower" else (1, int(index))
+
+
+def _rename_values(model: onnx.ModelProto, renamed: Mapping[str, str]) -> None:
+    """Every node input and graph output named in ``renamed`` takes its new name."""
+    for node in model.graph.node:
+        for index, name in enumerate(node.input):
+            node.input[index] = renamed.get(name, name)
+    for value in model.graph.output:
+        value.name = renamed.get(value.name, value.name)
 
 
 def export_pruning_graph(

@@ -28,6 +28,8 @@ whatever row it names: vllm-qaic's ``batch_index = -1`` as well as a row another
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from qeff_evs.models.ctx_ops import SKIP_INDEX, ctx_gather, ctx_gather_cb, ctx_scatter, ctx_scatter_cb
@@ -77,6 +79,26 @@ def slot_attention_mask(
     return torch.where(visible, zero, hidden)
 
 
+class CacheAddressing(NamedTuple):
+    """Where one step writes and reads the KV caches: the same for every layer with a cache, so computed once
+    per step (``cache_addressing``) and handed to each layer (a stamped layer's graph takes it as its inputs)."""
+
+    write_slots: torch.Tensor  # (B, S) int64: each token's slot, SKIP_INDEX for padding (scatter_slots)
+    read_indices: torch.Tensor  # (B, 1, keys) int64: the slots read, SKIP_INDEX past each row's last position
+    read_length: torch.Tensor  # () int64: how many slots a read covers (QEfficient's comp_ctx_len operand)
+    skipped: torch.Tensor  # (B, 1, keys, head_dim) bool: reads to zero
+
+
+def cache_addressing(position_slots: torch.Tensor, key_slots: torch.Tensor, head_dim: int) -> CacheAddressing:
+    """The step's writes (``position_slots (B, S)``) and reads (``key_slots``: ``arange`` of the slots read)."""
+    read_indices, skipped = read_slots(position_slots, key_slots)
+    # (B, 1, keys, head_dim): as wide as a read's rows, so that the Where zeroing them runs over long contiguous
+    # spans (ONNX Runtime's Where is ~2.5x slower broadcasting a width-1 last axis).
+    return CacheAddressing(scatter_slots(position_slots), read_indices,
+                           key_slots.max() + 1,  # from the shape, so a symbol under tracing
+                           skipped[..., None].expand(-1, -1, -1, head_dim))
+
+
 class SlotKVCache:
     """The ``past_key_values`` handed to a transformers text model for one graph step.
 
@@ -85,12 +107,12 @@ class SlotKVCache:
     skipped reads zeroed. The written per-layer caches are what the graph returns as ``*_RetainedState``.
     With ``batch_index`` (continuous batching) the caches hold ``full_batch_size`` rows, batch row
     ``b`` writes and reads row ``batch_index[b, 0]`` and every other row passes through unchanged.
-    ``layers`` names the decoder layer of each cache (default: cache ``i`` is layer ``i``). ``key_slots``: the
-    slots a read covers, ``arange(comp_ctx_len)`` (default: every slot of the cache).
+    ``layers`` names the decoder layer of each cache (default: cache ``i`` is layer ``i``). ``addressing``: the step's
+    writes and reads (``cache_addressing``; its key slots are ``arange(comp_ctx_len)`` or every slot of the cache).
     """
 
-    def __init__(self, past_keys, past_values, position_slots: torch.Tensor, batch_index: torch.Tensor | None = None,
-                 layers=None, key_slots: torch.Tensor | None = None):
+    def __init__(self, past_keys, past_values, addressing: CacheAddressing, batch_index: torch.Tensor | None = None,
+                 layers=None):
         if len(past_keys) != len(past_values):
             raise ValueError(
                 f"got {len(past_keys)} past keys but {len(past_values)} past values; "
@@ -104,13 +126,10 @@ class SlotKVCache:
             raise ValueError(f"{len(self.keys)} KV caches for the {len(layers)} cached layers {list(layers)}")
         self.slot_of_layer = {int(layer): at for at, layer in enumerate(layers)}
         self.batch_index = batch_index
-        self.write_slots = scatter_slots(position_slots)
-        key_slots = cache_slots(past_keys[0]) if key_slots is None else key_slots
-        self.read_indices, skipped = read_slots(position_slots, key_slots)
-        self.ctx_len = key_slots.max() + 1  # QEfficient's comp_ctx_len operand; from the shape, so a symbol
-        # (B, 1, comp_ctx_len, head_dim): as wide as a read's rows, so that the Where zeroing them runs over
-        # long contiguous spans (ONNX Runtime's Where is ~2.5x slower broadcasting a width-1 last axis).
-        self.skipped = skipped[..., None].expand(-1, -1, -1, past_keys[0].shape[3])
+        self.write_slots = addressing.write_slots
+        self.read_indices = addressing.read_indices
+        self.ctx_len = addressing.read_length
+        self.skipped = addressing.skipped
 
     def _write(self, cache: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
         new = new.to(cache.dtype)

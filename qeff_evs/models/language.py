@@ -40,7 +40,7 @@ from torch import nn
 
 from qeff_evs.manifest import LayerState
 from qeff_evs.models.graph_io import BATCH_INDEX, COMP_CTX_LENGTHS, LOGITS_ROWS, LanguageGraphIO, check_batch_index
-from qeff_evs.models.kv_cache import SlotKVCache, cache_slots, slot_attention_mask
+from qeff_evs.models.kv_cache import CacheAddressing, SlotKVCache, cache_addressing, cache_slots, slot_attention_mask
 from qeff_evs.models.registry import family_for_config
 from qeff_evs.models.rope import RopeTable
 
@@ -59,6 +59,7 @@ class LanguageSpec:
     max_positions: int  # config.max_position_embeddings: the default RoPE table length
     kv_layers: tuple[int, ...] = ()  # decoder layers with a KV cache (every layer for most families)
     layer_states: tuple[LayerState, ...] = ()  # the other layers' per-row state (a hybrid family's)
+    layer_kinds: tuple[str, ...] = ()  # each decoder layer's kind, as the family names it (ModelFamily.layer_kinds)
 
     @property
     def io_kv_layers(self) -> tuple[int, ...] | None:
@@ -87,6 +88,7 @@ def language_spec(hf_model: nn.Module) -> LanguageSpec:
         max_positions=config.max_positions,
         kv_layers=tuple(family.kv_layers()),
         layer_states=tuple(family.layer_states()),
+        layer_kinds=tuple(family.layer_kinds()),
     )
 
 
@@ -152,6 +154,20 @@ class LayerStep(NamedTuple):
     states: dict[str, torch.Tensor]  # layer states by input name, replaced as layers run
 
 
+class StepStart(NamedTuple):
+    """What the step computes before its first decoder layer (``LanguageGraph.prologue``): the layers' input and what
+    every layer reads from the step. A stamped export traces this part on its own, so these are the tensors a layer's
+    traced graph takes from it (``qeff_evs.models.language_parts``)."""
+
+    hidden: torch.Tensor  # (B, S, hidden): embedded tokens with the chunk's vision rows merged in
+    attention_mask: torch.Tensor | None  # (B, 1, S, keys) additive; None without KV layers
+    slots: torch.Tensor  # (B, S) int64 KV slot of each token
+    addressing: CacheAddressing | None  # KV writes and reads; None without KV layers
+    rotary: tuple[torch.Tensor, torch.Tensor]  # M-RoPE cos, sin (B, S, head_dim)
+    merge: MediaMerge  # where the media tokens are (a family's extra rows are added there)
+    image_idx_output: torch.Tensor  # (1, 1) int64
+
+
 class LanguageGraph(nn.Module):
     """One language-model step over a slot KV cache; the module the language ONNX is traced from.
 
@@ -198,6 +214,21 @@ class LanguageGraph(nn.Module):
         self._check_inputs(position_ids, past_keys, past_values, extras, batch_index, states)
         self._check_comp_ctx_len(position_ids, past_keys, comp_ctx_lengths)
         self._check_logits_rows(logits_rows)
+        start = self.prologue(input_ids, vision_embeds, position_ids, image_idx,
+                              past_keys[0] if past_keys else None, comp_ctx_lengths)
+        cache = SlotKVCache(past_keys, past_values, start.addressing, batch_index, self.spec.kv_layers)
+        step = LayerStep(start.attention_mask, start.slots, cache, start.rotary, batch_index, states)
+        hidden = start.hidden
+        for layer_idx in range(len(self.text_model.layers)):
+            hidden = self.layer(layer_idx, hidden, step, start.merge, extras)
+        logits = self.epilogue(hidden, start.slots, logits_rows)
+        return LanguageGraphOutput(logits, start.image_idx_output, cache.keys, cache.values, step.states)
+
+    def prologue(self, input_ids: torch.Tensor, vision_embeds: torch.Tensor, position_ids: torch.Tensor,
+                 image_idx: torch.Tensor, first_cache: torch.Tensor | None,
+                 comp_ctx_lengths: torch.Tensor | None = None) -> StepStart:
+        """Everything before the first decoder layer: embed the chunk, merge its vision rows, address the KV
+        caches (``first_cache``: any layer's, for ``ctx_len``), look up the rotary tables."""
         text = self.text_model
         # Padding rows may carry id -1 (vllm-qaic); their embedding is never used, it only has to exist.
         hidden = text.embed_tokens(torch.where(input_ids < 0, 0, input_ids))
@@ -209,27 +240,34 @@ class LanguageGraph(nn.Module):
         # media pad has no vision row of its own. A Range over the shape keeps seq_len a graph symbol.
         is_prefill = torch.arange(input_ids.shape[1], device=input_ids.device).max() > 0
         merge = media_rows(input_ids, slots, image_idx, self.media_token_ids, last_vision_row, is_prefill)
-        media_mask = merge.is_media[..., None]
         vision_rows = vision_embeds[0][merge.rows].to(hidden.dtype)  # (B, S, hidden)
-        hidden = torch.where(media_mask, vision_rows, hidden)
+        hidden = torch.where(merge.is_media[..., None], vision_rows, hidden)
 
         # A Range over comp_ctx_lengths' shape keeps comp_ctx_len a graph symbol.
         key_slots = None if comp_ctx_lengths is None else torch.arange(comp_ctx_lengths.shape[0], device=hidden.device)
-        cache = SlotKVCache(past_keys, past_values, slots, batch_index, self.spec.kv_layers, key_slots)
-        if past_keys:
-            read = cache_slots(past_keys[0]) if key_slots is None else key_slots
+        attention_mask = addressing = None
+        if first_cache is not None:
+            read = cache_slots(first_cache) if key_slots is None else key_slots
+            addressing = cache_addressing(slots, read, first_cache.shape[3])
             attention_mask = slot_attention_mask(slots, read, hidden.dtype)
-        else:
-            attention_mask = None
-        step = LayerStep(attention_mask, slots, cache, self.rope(position_ids[1:], hidden.dtype), batch_index, states)
+        image_idx_output = (image_idx.reshape(()) + merge.count.max()).reshape(1, 1)
+        return StepStart(hidden, attention_mask, slots, addressing, self.rope(position_ids[1:], hidden.dtype), merge,
+                         image_idx_output)
 
-        for layer_idx, layer in enumerate(text.layers):
-            hidden = self.decoder_layer(layer_idx, layer, hidden, step)
-            for name in self.spec.extras:
-                if layer_idx < extras[name].shape[0]:
-                    extra = extras[name][layer_idx, 0][merge.rows].to(hidden.dtype)
-                    hidden = torch.where(media_mask, hidden + extra, hidden)
+    def layer(self, layer_idx: int, hidden: torch.Tensor, step: LayerStep, merge: MediaMerge,
+              extras: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """Decoder layer ``layer_idx`` (``decoder_layer``), then the level ``layer_idx`` of each of the family's extra
+        rows added to the media tokens (``extras``: by name, ``(levels, 1, vision_size, hidden)``)."""
+        hidden = self.decoder_layer(layer_idx, self.text_model.layers[layer_idx], hidden, step)
+        for name in self.spec.extras:
+            if layer_idx < extras[name].shape[0]:
+                extra = extras[name][layer_idx, 0][merge.rows].to(hidden.dtype)
+                hidden = torch.where(merge.is_media[..., None], hidden + extra, hidden)
+        return hidden
 
+    def epilogue(self, hidden: torch.Tensor, slots: torch.Tensor, logits_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """After the last decoder layer: the logits of each row's last valid token (``(B, 1, vocab)`` fp32; none with
+        a ``logits_rows`` of length 0)."""
         # Only each row's last valid token (largest slot; padding is -1) needs logits.
         last = slots.argmax(dim=1)
         batch_rows = torch.arange(hidden.shape[0], device=hidden.device)
@@ -237,10 +275,7 @@ class LanguageGraph(nn.Module):
         last_hidden = hidden[batch_rows, last].unsqueeze(1)
         if logits_rows is not None:  # a Slice to the input's length keeps num_logits a graph symbol
             last_hidden = last_hidden[:, : logits_rows.shape[0]]
-        logits = self.lm_head(text.norm(last_hidden)).float()
-
-        image_idx_output = (image_idx.reshape(()) + merge.count.max()).reshape(1, 1)
-        return LanguageGraphOutput(logits, image_idx_output, cache.keys, cache.values, step.states)
+        return self.lm_head(self.text_model.norm(last_hidden)).float()
 
     def decoder_layer(self, layer_idx: int, layer: nn.Module, hidden: torch.Tensor, step: LayerStep) -> torch.Tensor:
         """One decoder layer of the step: transformers' own layer over the slot KV cache (a hybrid

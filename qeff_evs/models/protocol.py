@@ -293,6 +293,12 @@ class ModelFamily(Protocol):
     def layer_states(self) -> tuple[LayerState, ...]:
         """The per-row state the other layers keep in the language graph (a hybrid family's); empty for most."""
 
+    def layer_kinds(self) -> tuple[str, ...]:
+        """Each decoder layer's kind, e.g. ``full_attention`` / ``linear_attention``: a streamed export traces one
+        layer per kind and stamps the others from its graph (``models.language_parts``). Layers whose parameters
+        differ in name, shape or dtype, or that add different extra-row levels, are told apart without it; name here
+        what the weights cannot tell (a computation chosen by the config alone)."""
+
     def encoder_host_inputs(self, grid_hw: Sequence[int], frames: int) -> dict[str, np.ndarray]:
         """Every encoder input except ``pixel_values``, for calls of ``frames`` patches of grid ``(H, W)``."""
 

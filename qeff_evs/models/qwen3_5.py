@@ -224,6 +224,9 @@ class Qwen3_5Family(Qwen3_VLFamily):
                              "slots in the full-attention layers' caches, so give layer_types at least one")
         return layers
 
+    def layer_kinds(self) -> tuple[str, ...]:
+        return tuple(layer_types(self.config))
+
     def layer_states(self) -> tuple[LayerState, ...]:
         text = self.config.text_config
         linear = tuple(i for i, kind in enumerate(layer_types(self.config)) if kind == LINEAR)

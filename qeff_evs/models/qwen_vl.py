@@ -265,6 +265,9 @@ class QwenVLFamily(abc.ABC):
     def layer_states(self) -> tuple[LayerState, ...]:
         return ()
 
+    def layer_kinds(self) -> tuple[str, ...]:
+        return ("decoder",) * self.normalized_config.num_layers
+
     def encoder_host_inputs(self, grid_hw: Sequence[int], frames: int) -> dict[str, np.ndarray]:
         return encoder_host_inputs(self.vision_config, self.wrapper.frame_inputs_fn, grid_hw, frames)
 

@@ -1,0 +1,469 @@
+"""The weights of a streamed export: what each initializer of a traced graph is, and how it reaches its file.
+
+A graph traced from a hollow module (``onnx_graph.trace_without_weights``) takes the module's parameters as inputs
+and keeps every op on them that constant folding would have folded (the ``Transpose`` in front of each ``MatMul``, a
+``Reshape`` of a convolution kernel, Qwen3.5's ``1 + w`` norm scale). ``cut_weights`` takes those ops out of the graph:
+each value they produce that the rest of the graph reads becomes an initializer described by a ``WeightExpr`` (the
+ops, and the parameters they start from). ``write_weights`` later computes each one from the checkpoint's tensors,
+one at a time, and appends it to an external-data file (``WeightStore``); ``attach_weights`` points the graph at
+them. So the graph holds what the in-memory export's constant folding would have given it, and no weight is ever in
+memory twice.
+
+Weights are written in units (the embedding, one decoder layer, a vision block...), one file each, in order. A unit
+whose file and index are complete and were written from the same checkpoint and settings is not written again: an
+interrupted export resumes at the first unit not yet written.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper, shape_inference
+
+FLOAT32, FLOAT16 = "float32", "float16"
+WEIGHT_DTYPES = (FLOAT32, FLOAT16)
+_STORED = {FLOAT32: TensorProto.FLOAT, FLOAT16: TensorProto.FLOAT16}
+# Weights below this many elements (norm scales, biases, small gates) stay fp32 whatever the weight dtype: they
+# weigh nothing, and keeping them saves a Cast per use.
+SMALL_WEIGHT = 1 << 16
+ALIGNMENT = 1 << 16  # file offset of each weight of 1 MiB or more (the page size any runtime maps files with)
+WEIGHTS_DIR = "weights"
+# The ops torch.onnx's constant folding folds when their inputs are all constants or parameters (its
+# ``runTorchBackendForOnnx``), and only those: a weight or constant computed by anything else (an ``Exp``) is computed by
+# the runtime in the in-memory export too, so it is here.
+FOLDED_OPS = {"Constant", "Slice", "Concat", "Sqrt", "Div", "Mul", "Sub", "Add", "Unsqueeze", "Squeeze", "Transpose",
+              "Cast", "Reshape", "Shape", "ReduceProd", "Gather", "Range", "Where", "Equal", "Greater", "Less", "Neg",
+              "Not", "Size", "Softmax"}
+# Ops that only move elements: a weight made by these alone may be cast to its stored dtype before them.
+LAYOUT_OPS = {"Constant", "Transpose", "Reshape", "Squeeze", "Unsqueeze"}
+
+Progress = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class WeightExpr:
+    """An initializer of a traced graph as a function of module parameters.
+
+    ``nodes`` (standard ONNX ops, in graph order, with the constants they read) applied to the parameter inputs
+    ``sources`` give ``output``; with no nodes, ``output`` is the one source itself.
+    """
+
+    output: str
+    sources: tuple[str, ...]
+    nodes: tuple[onnx.NodeProto, ...] = ()
+
+    def signature(self) -> str:
+        """The ops, with value names replaced by positions: equal for two weights computed alike."""
+        names = {name: f"s{at}" for at, name in enumerate(self.sources)}
+        canonical = []
+        for node in self.nodes:
+            copy = onnx.NodeProto()
+            copy.CopyFrom(node)
+            copy.name = ""
+            for index, name in enumerate(copy.input):
+                copy.input[index] = names.get(name, name)
+            for index, name in enumerate(copy.output):
+                names.setdefault(name, f"v{len(names)}")
+                copy.output[index] = names[name]
+            canonical.append(copy.SerializeToString(deterministic=True))
+        return hashlib.sha256(b"|".join(canonical)).hexdigest()[:16] if canonical else ""
+
+    @property
+    def ops(self) -> str:
+        """``Transpose``, ``Cast+Add``...: the op chain of a computed weight (empty for a parameter itself)."""
+        return "+".join(node.op_type for node in self.nodes if node.op_type != "Constant")
+
+    def evaluate(self, sources: Sequence[np.ndarray]) -> np.ndarray:
+        """The weight computed from the sources' arrays (in ``sources`` order), with PyTorch's kernels where it has
+        them (``_TORCH_OPS``): the in-memory export's constant folding ran those, and ``exp`` differs by an ulp
+        between libraries."""
+        if not self.nodes:
+            return sources[0]
+        if all(node.op_type in _TORCH_OPS for node in self.nodes):
+            import torch
+
+            values = {name: torch.from_numpy(np.asarray(array)) for name, array in zip(self.sources, sources)}
+            for node in self.nodes:
+                args = [values[name] if name else None for name in node.input]
+                attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+                values[node.output[0]] = _TORCH_OPS[node.op_type](*args, **attrs)
+            return values[self.output].contiguous().numpy()
+        from onnx.reference import ReferenceEvaluator
+
+        inputs = [helper.make_tensor_value_info(name, helper.np_dtype_to_tensor_dtype(array.dtype), list(array.shape))
+                  for name, array in zip(self.sources, sources)]
+        graph = helper.make_graph(list(self.nodes), "weight", inputs,
+                                  [helper.make_empty_tensor_value_info(self.output)])
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+        return np.asarray(ReferenceEvaluator(model).run(None, dict(zip(self.sources, sources)))[0])
+
+
+def _torch_ops() -> dict:
+    """ONNX op -> the PyTorch computation of it (opset 17), for the ops a weight's expression holds."""
+    import torch
+
+    def ints(tensor) -> list[int]:
+        return [int(v) for v in tensor.reshape(-1).tolist()]
+
+    def reshape(data, shape, allowzero=0):
+        dims = ints(shape)
+        dims = [data.shape[i] if d == 0 and not allowzero else d for i, d in enumerate(dims)]
+        return data.reshape(dims)
+
+    def slice_(data, starts, ends, axes=None, steps=None):
+        axes = ints(axes) if axes is not None else list(range(len(ints(starts))))
+        steps = ints(steps) if steps is not None else [1] * len(axes)
+        index = [slice(None)] * data.dim()
+        for axis, start, end, step in zip(axes, ints(starts), ints(ends), steps):
+            size = data.shape[axis]
+            start, end = max(min(start, size), -size), max(min(end, size), -size - 1)
+            index[axis] = slice(start, end, step)
+        return data[tuple(index)]
+
+    def gather(data, indices, axis=0):
+        if indices.dim() == 0:
+            return data.select(axis, int(indices))
+        return data.index_select(axis, indices.reshape(-1)).reshape(
+            *data.shape[:axis], *indices.shape, *data.shape[axis + 1:])
+
+    def squeeze(data, axes=None):
+        return data.squeeze() if axes is None else data.squeeze(tuple(ints(axes)))
+
+    def unsqueeze(data, axes):
+        for axis in sorted(a % (data.dim() + len(ints(axes))) for a in ints(axes)):
+            data = data.unsqueeze(axis)
+        return data
+
+    def cast(data, to):
+        return data.to(_TORCH_DTYPES[to])
+
+    def div(a, b):  # as torch.onnx's folding: integer division keeps the integer type
+        out = torch.div(a, b)
+        return out.to(a.dtype) if a.dtype == b.dtype else out
+
+    def reduce_prod(data, axes=None, keepdims=1):
+        axes = sorted((a % data.dim() for a in axes) if axes is not None else range(data.dim()), reverse=True)
+        for axis in axes:
+            data = torch.prod(data, axis, keepdim=bool(keepdims))
+        return data
+
+    return {
+        "Constant": lambda value: torch.from_numpy(numpy_helper.to_array(value).copy()),
+        "Cast": cast, "Neg": torch.neg, "Sqrt": torch.sqrt, "Add": torch.add, "Sub": torch.sub, "Mul": torch.mul,
+        "Div": div, "Transpose": lambda data, perm: data.permute(perm),
+        "Reshape": reshape, "Slice": slice_, "Gather": gather, "Squeeze": squeeze, "Unsqueeze": unsqueeze,
+        "Concat": lambda *parts, axis: torch.cat(parts, dim=axis), "ReduceProd": reduce_prod,
+        "Range": lambda start, limit, delta: torch.arange(start.item(), limit.item(), delta.item(), dtype=start.dtype),
+        "Where": torch.where, "Equal": torch.eq, "Greater": torch.greater, "Less": torch.less,
+        "Not": torch.logical_not, "Softmax": lambda data, axis=-1: torch.softmax(data, axis),
+        "Shape": lambda data, start=0, end=None: torch.tensor(list(data.shape)[start:end], dtype=torch.int64),
+        "Size": lambda data: torch.tensor(data.numel(), dtype=torch.int64),
+    }
+
+
+_TORCH_DTYPES: dict = {}
+_TORCH_OPS: dict = {}
+
+
+def _init_torch_ops() -> None:
+    import torch
+
+    _TORCH_DTYPES.update({TensorProto.FLOAT: torch.float32, TensorProto.FLOAT16: torch.float16,
+                          TensorProto.BFLOAT16: torch.bfloat16, TensorProto.DOUBLE: torch.float64,
+                          TensorProto.INT64: torch.int64, TensorProto.INT32: torch.int32, TensorProto.BOOL: torch.bool})
+    _TORCH_OPS.update(_torch_ops())
+
+
+_init_torch_ops()
+
+
+def _static_shapes(model: onnx.ModelProto) -> dict[str, list[int]]:
+    inferred = shape_inference.infer_shapes(model)
+    shapes = {}
+    for value in [*inferred.graph.value_info, *inferred.graph.input, *inferred.graph.output]:
+        dims = value.type.tensor_type.shape.dim
+        if value.type.tensor_type.HasField("shape") and all(d.HasField("dim_value") for d in dims):
+            shapes[value.name] = [d.dim_value for d in dims]
+    return shapes
+
+
+def _shape_constant(node: onnx.NodeProto, dims: list[int]) -> onnx.NodeProto:
+    """``node`` (a ``Shape`` or ``Size`` of a weight) as the ``Constant`` it is once the weight's shape is known."""
+    if node.op_type == "Size":
+        value = np.asarray(int(np.prod(dims)), dtype=np.int64)
+    else:
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        start, end = attrs.get("start", 0), attrs.get("end", len(dims))
+        value = np.asarray(dims[start:end], dtype=np.int64)
+    return helper.make_node("Constant", [], [node.output[0]], name=node.name,
+                            value=numpy_helper.from_array(value, node.output[0]))
+
+
+def _rank(node: onnx.NodeProto | None) -> int | None:
+    """The rank of a ``Constant`` node's value (None for anything else)."""
+    if node is None or node.op_type != "Constant" or not node.attribute or node.attribute[0].name != "value":
+        return None
+    return len(node.attribute[0].t.dims)
+
+
+def cut_weights(model: onnx.ModelProto, parameters: Iterable[str]) -> dict[str, WeightExpr]:
+    """Take the ops on ``parameters`` (graph inputs) out of ``model``, in place; return each value they produced that
+    the graph still reads, by name, as a ``WeightExpr``. Those values and the parameters are left undefined in the
+    graph (``attach_weights`` defines them); a ``Shape`` of a weight becomes a constant."""
+    graph = model.graph
+    parameters = {name for name in parameters}
+    shapes = None
+    depends: dict[str, frozenset[str]] = {init.name: frozenset() for init in graph.initializer}
+    depends.update({name: frozenset({name}) for name in parameters})
+    producer: dict[str, onnx.NodeProto] = {}
+    nodes = []
+    for node in graph.node:
+        inputs = [name for name in node.input if name]
+        static = node.op_type == "Constant" or (
+            node.domain in ("", "ai.onnx") and node.op_type in FOLDED_OPS and all(name in depends for name in inputs)
+            and not (node.op_type == "Gather" and _rank(producer.get(node.input[1])) not in (0, 1))
+            and not (node.op_type == "Transpose" and not any(a.name == "perm" for a in node.attribute)))
+        if static:
+            deps = frozenset().union(*(depends[name] for name in inputs)) if inputs else frozenset()
+            if deps and node.op_type in ("Shape", "Size"):
+                shapes = _static_shapes(model) if shapes is None else shapes
+                if node.input[0] not in shapes:
+                    raise ValueError(f"the shape of {node.input[0]!r} is not static; a weight's shape must be")
+                node, deps = _shape_constant(node, shapes[node.input[0]]), frozenset()
+            for name in node.output:
+                depends[name] = deps
+                producer[name] = node
+        nodes.append(node)
+    # Every op on constants alone is folded: on the parameters into the weights, the rest into Constants, as the
+    # in-memory export's constant folding does (with the same PyTorch kernels, WeightExpr.evaluate).
+    folded = {id(producer[name]) for name in depends if name in producer and producer[name].op_type != "Constant"}
+    read = {name for node in nodes if id(node) not in folded for name in node.input}
+    read |= {value.name for value in graph.output}
+
+    def closure_of(name: str) -> tuple[onnx.NodeProto, ...]:
+        closure, frontier = {}, [name]
+        while frontier:
+            node = producer.get(frontier.pop())
+            if node is None or id(node) in closure:
+                continue
+            closure[id(node)] = node
+            frontier += [value for value in node.input if value]
+        return tuple(node for node in nodes if id(node) in closure)
+
+    exprs, constants = {}, {}
+    for name in sorted(read):
+        if name not in depends or (name in producer and producer[name].op_type == "Constant"):
+            continue
+        if depends[name]:
+            exprs[name] = WeightExpr(name, tuple(sorted(depends[name])), closure_of(name))
+        elif name in producer:
+            value = WeightExpr(name, (), closure_of(name)).evaluate([])
+            constants[id(producer[name])] = constants.get(id(producer[name]), []) + [
+                helper.make_node("Constant", [], [name], name=f"{name}/folded",
+                                 value=numpy_helper.from_array(np.asarray(value), name))]
+    kept = []
+    for node in nodes:
+        if id(node) in folded:
+            kept += constants.get(id(node), [])
+        else:
+            kept.append(node)
+    # Constants only folded ops read are read no more.
+    read = {name for node in kept for name in node.input} | {value.name for value in graph.output}
+    kept = [node for node in kept if node.op_type != "Constant" or node.output[0] in read]
+    del graph.node[:]
+    graph.node.extend(kept)
+    kept = [value for value in graph.input if value.name not in parameters]
+    del graph.input[:]
+    graph.input.extend(kept)
+    return exprs
+
+
+@dataclass(frozen=True)
+class GraphWeight:
+    """One initializer of a graph, and where it comes from: ``expr`` over the checkpoint tensors ``sources`` (module
+    ``state_dict`` names, one per ``expr.sources``), written with the weights of ``unit``."""
+
+    name: str
+    expr: WeightExpr
+    sources: tuple[str, ...]
+    unit: str
+
+    @property
+    def key(self) -> str:
+        """What the stored bytes are: equal for two graphs' weights computed alike from the same tensors."""
+        return "|".join([*self.sources, self.expr.signature()])
+
+
+def weight_name(sources: Sequence[str], expr: WeightExpr) -> str:
+    """An initializer's name: its checkpoint tensor's, with the ops that made it (``...q_proj.weight:Transpose``)."""
+    base = "+".join(sources)
+    return f"{base}:{expr.ops}" if expr.ops else base
+
+
+@dataclass(frozen=True)
+class Stored:
+    """Where a weight's bytes are: ``location`` (relative to the graph's folder), offset, length, dims, ONNX type."""
+
+    location: str
+    offset: int
+    length: int
+    dims: tuple[int, ...]
+    data_type: int
+
+
+def stored_dtype(dims: Sequence[int], float_weight: bool, dtype: str) -> str:
+    """The dtype a float weight is stored in: ``dtype``, except small ones (``SMALL_WEIGHT``), which stay fp32."""
+    if not float_weight or dtype == FLOAT32 or int(np.prod(dims)) < SMALL_WEIGHT:
+        return FLOAT32
+    return dtype
+
+
+@dataclass
+class WeightStore:
+    """The weight files of one export folder (``folder``, a graph's ``weights/``): written unit by unit, each weight
+    once (``key``), whatever graphs read it. ``fingerprint`` identifies the checkpoint and the settings; a unit
+    written under another is written again."""
+
+    folder: Path
+    dtype: str
+    fingerprint: str
+    stored: dict[str, Stored] = field(default_factory=dict)
+
+    def unit_paths(self, unit: str) -> tuple[Path, Path]:
+        return self.folder / f"{unit}.data", self.folder / f"{unit}.json"
+
+    def resume(self, unit: str, keys: Sequence[str]) -> bool:
+        """Take a complete earlier write of ``unit`` holding ``keys``; whether there was one."""
+        data, index = self.unit_paths(unit)
+        if not (data.is_file() and index.is_file()):
+            return False
+        record = json.loads(index.read_text())
+        tensors = {entry["key"]: entry for entry in record.get("tensors", [])}
+        if record.get("fingerprint") != self.fingerprint or set(keys) - set(tensors) \
+                or data.stat().st_size != record.get("size"):
+            return False
+        for key in keys:
+            entry = tensors[key]
+            self.stored[key] = Stored(f"{WEIGHTS_DIR}/{data.name}", entry["offset"], entry["length"],
+                                      tuple(entry["dims"]), entry["data_type"])
+        return True
+
+    def write_unit(self, unit: str, weights: Sequence[GraphWeight], reader) -> int:
+        """Compute and append every weight of ``unit`` not stored yet; returns the bytes written."""
+        data, index = self.unit_paths(unit)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        partial = data.with_suffix(".data.partial")
+        entries, written = [], 0
+        with open(partial, "wb") as out:
+            for weight in weights:
+                if weight.key in self.stored or any(entry["key"] == weight.key for entry in entries):
+                    continue
+                sources = [_fp32(reader.tensor(name)) for name in weight.sources]
+                if self.dtype == FLOAT16 and all(node.op_type in LAYOUT_OPS for node in weight.expr.nodes) \
+                        and all(s.size >= SMALL_WEIGHT for s in sources):
+                    sources = [s.astype(np.float16) for s in sources]  # a moved copy at half the bytes
+                array = weight.expr.evaluate(sources)
+                del sources
+                float_weight = np.issubdtype(array.dtype, np.floating)
+                if float_weight:
+                    kind = stored_dtype(array.shape, True, self.dtype)
+                    array = array.astype(np.float16 if kind == FLOAT16 else np.float32, copy=False)
+                raw = np.ascontiguousarray(array).tobytes()
+                if len(raw) >= 1 << 20 and out.tell() % ALIGNMENT:
+                    out.write(b"\0" * (ALIGNMENT - out.tell() % ALIGNMENT))
+                entries.append(dict(key=weight.key, offset=out.tell(), length=len(raw), dims=list(array.shape),
+                                    data_type=helper.np_dtype_to_tensor_dtype(array.dtype)))
+                out.write(raw)
+                written += len(raw)
+                del array, raw
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(partial, data)
+        index.write_text(json.dumps({"fingerprint": self.fingerprint, "size": data.stat().st_size,
+                                     "tensors": entries}, indent=1) + "\n")
+        for entry in entries:
+            self.stored[entry["key"]] = Stored(f"{WEIGHTS_DIR}/{data.name}", entry["offset"], entry["length"],
+                                               tuple(entry["dims"]), entry["data_type"])
+        return written
+
+
+def _fp32(tensor) -> np.ndarray:
+    """A reader's tensor (fp32 torch, exact) as a numpy array, without a copy."""
+    return tensor.detach().numpy() if hasattr(tensor, "detach") else np.asarray(tensor)
+
+
+def write_weights(weights: Sequence[GraphWeight], store: WeightStore, reader, progress: Progress,
+                  label: str = "weights") -> None:
+    """Write every unit of ``weights`` (in first-use order) not already stored, with progress and a time estimate."""
+    units: dict[str, list[GraphWeight]] = {}
+    for weight in weights:
+        units.setdefault(weight.unit, []).append(weight)
+    pending = [unit for unit, members in units.items()
+               if not all(w.key in store.stored for w in members) and not store.resume(unit, [w.key for w in members])]
+    if len(pending) < len(units):
+        progress(f"{label}: {len(units) - len(pending)} of {len(units)} units already written, resuming at "
+                 f"{pending[0] if pending else 'the end'}")
+    started = time.perf_counter()
+    for done, unit in enumerate(pending, start=1):
+        written = store.write_unit(unit, units[unit], reader)
+        elapsed = time.perf_counter() - started
+        left = elapsed / done * (len(pending) - done)
+        progress(f"{label}: {unit} written ({written / 2**20:,.0f} MiB), {done}/{len(pending)}, "
+                 f"{elapsed:,.0f} s so far, about {left:,.0f} s left")
+
+
+def attach_weights(model: onnx.ModelProto, weights: Sequence[GraphWeight], store: WeightStore) -> None:
+    """Define each weight of ``model`` as an initializer in the store's files; a weight stored in fp16 where the graph
+    reads fp32 is read through a ``Cast`` (which the card's fp16 conversion drops)."""
+    casts = []
+    for weight in weights:
+        stored = store.stored[weight.key]
+        tensor = TensorProto(name=weight.name, data_type=stored.data_type, dims=list(stored.dims))
+        if stored.data_type == TensorProto.FLOAT16:
+            tensor.name = f"{weight.name}:fp16"
+            casts.append(helper.make_node("Cast", [tensor.name], [weight.name], name=f"{weight.name}:Cast",
+                                          to=TensorProto.FLOAT))
+        tensor.data_location = TensorProto.EXTERNAL
+        for key, value in (("location", stored.location), ("offset", str(stored.offset)),
+                           ("length", str(stored.length))):
+            entry = tensor.external_data.add()
+            entry.key, entry.value = key, value
+        model.graph.initializer.append(tensor)
+    if casts:
+        nodes = casts + list(model.graph.node)
+        del model.graph.node[:]
+        model.graph.node.extend(nodes)
+
+
+def rename_weights(exprs: Mapping[str, WeightExpr], sources: Mapping[str, str], unit: str,
+                   names: dict[str, str] | None = None) -> list[GraphWeight]:
+    """The ``GraphWeight`` of each of a traced part's weights, its parameters named by the checkpoint (``sources``:
+    parameter input name -> ``state_dict`` name). ``names`` (filled here): each weight's value name in the part ->
+    its initializer name."""
+    weights, used = [], {}
+    for value, expr in exprs.items():
+        checkpoint = tuple(sources[name] for name in expr.sources)
+        name = weight_name(checkpoint, expr)
+        used[name] = used.get(name, 0) + 1
+        if used[name] > 1:  # the same ops on the same tensor with other constants (a Gather of another row)
+            name = f"{name}#{used[name] - 1}"
+        weight = GraphWeight(name, expr, checkpoint, unit)
+        if names is not None:
+            names[value] = weight.name
+        weights.append(weight)
+    return weights
+
+
+def fingerprint(model_dir: Path, dtype: str, extra: str = "") -> str:
+    """The checkpoint's weight files (names, sizes, times) and the weight dtype: what a resumed write must match."""
+    files = sorted(p for p in Path(model_dir).iterdir() if p.suffix in (".safetensors", ".bin", ".json"))
+    text = "|".join(f"{p.name}:{p.stat().st_size}:{int(p.stat().st_mtime)}" for p in files)
+    return hashlib.sha256(f"{text}|{dtype}|{extra}".encode()).hexdigest()[:16]
