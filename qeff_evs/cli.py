@@ -96,6 +96,9 @@ def cmd_export(args: argparse.Namespace) -> int:
         full_batch_size=args.full_batch_size,
         rope_positions=args.rope_positions,
         frames_per_call=args.frames_per_call,
+        weight_dtype=args.weight_dtype or ("float32" if args.in_memory else TARGETS[args.target].weight_dtype),
+        in_memory=args.in_memory,
+        layer_functions=args.layer_functions,
     )
     manifest = export_checkpoint(args.model_dir, args.output, options, progress=_progress)
     print(json.dumps({"export_dir": str(args.output), "family": manifest.family,
@@ -334,6 +337,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--frames-per-call", type=int, default=DEFAULT_FRAMES_PER_CALL,
                    help="temporal patches per encoder call (one encoder specialization per resolution serves "
                         f"every video length; default {DEFAULT_FRAMES_PER_CALL}, see docs/performance.md)")
+    p.add_argument("--weight-dtype", choices=("float32", "float16"), default=None,
+                   help="the dtype the graphs store their weights in (default: float16 for --target card, which "
+                        "compiles fp16 from them; float32 for --target cpu, where ONNX Runtime computes from them)")
+    p.add_argument("--in-memory", action="store_true",
+                   help="load the whole model and trace it at once (the export before streaming, about 1.7x the "
+                        "model's fp32 bytes of memory; fp32 weights), instead of a decoder layer per kind, stamped")
+    p.add_argument("--layer-functions", action="store_true",
+                   help="each kind of decoder layer as an ONNX local function, each layer a call of it (QEfficient's "
+                        "use_onnx_subfunctions; see docs/export-compile.md)")
     p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("compile", help="run qaic-compile where the SDK is installed, else print the commands")

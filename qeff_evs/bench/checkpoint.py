@@ -14,6 +14,7 @@ from __future__ import annotations
 import gc
 import json
 import math
+import zlib
 from pathlib import Path
 
 import torch
@@ -77,4 +78,61 @@ def save_checkpoint(config: BenchConfig, folder: Path, hf_config=None) -> Path:
         json.dumps(preprocessor_config(config.family, model.config), indent=2) + "\n")
     del model
     gc.collect()  # the export loads the folder again: do not hold two copies of the weights
+    return folder
+
+
+SHARD_BYTES = 2 << 30  # a random checkpoint's shard size, as released checkpoints shard (a few GB each)
+
+
+def _random_tensor(name: str, shape: tuple[int, ...], seed: int, dtype: torch.dtype) -> torch.Tensor:
+    """One tensor of a random checkpoint: matrices uniform with ``WEIGHT_STD``, biases 0, other vectors (norm scales,
+    gates) 1. Seeded by the checkpoint's seed and the tensor's name, so it does not depend on the order written."""
+    if len(shape) < 2:
+        return torch.full(shape, 0.0 if name.endswith("bias") else 1.0, dtype=dtype)
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+    bound = WEIGHT_STD * math.sqrt(3.0)
+    return torch.empty(shape, dtype=torch.float32).uniform_(-bound, bound, generator=generator).to(dtype)
+
+
+def write_random_checkpoint(hf_config, family: str, folder: Path, seed: int = 0, dtype: torch.dtype = torch.bfloat16,
+                            shard_bytes: int = SHARD_BYTES, progress=lambda message: None) -> Path:
+    """A checkpoint folder as released (config, safetensors shards in ``dtype`` with their index, tokenizer,
+    preprocessor config) of random weights (``_random_tensor``), written shard by shard: it never holds more than one
+    shard, so writing it needs no more memory than exporting it. Tied tensors are stored once, under their first name,
+    as ``save_pretrained`` stores them."""
+    from safetensors.torch import save_file
+
+    from qeff_evs.models.hollow import parameter_names
+    from qeff_evs.models.tiny import build_tokenizer, preprocessor_config
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    with torch.device("meta"):
+        model = family_class(family).model_class(hf_config)
+    shapes = {name: tuple(model.get_parameter(name).shape) for name in parameter_names(model).values()}
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name, shape in shapes.items():
+        count = math.prod(shape) * torch.finfo(dtype).bits // 8
+        if shards[-1] and size + count > shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += count
+    weight_map, total = {}, 0
+    for index, names in enumerate(shards, start=1):
+        file = f"model-{index:05d}-of-{len(shards):05d}.safetensors"
+        tensors = {name: _random_tensor(name, shapes[name], seed, dtype) for name in names}
+        total += sum(t.numel() * t.element_size() for t in tensors.values())
+        save_file(tensors, str(folder / file), metadata={"format": "pt"})
+        weight_map.update({name: file for name in names})
+        del tensors
+        progress(f"random checkpoint: shard {index}/{len(shards)} written ({file})")
+    (folder / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")
+    hf_config.dtype = dtype
+    hf_config.save_pretrained(folder)
+    build_tokenizer(family).save_pretrained(folder)
+    (folder / "preprocessor_config.json").write_text(
+        json.dumps(preprocessor_config(family, hf_config), indent=2) + "\n")
     return folder

@@ -33,7 +33,7 @@ def vision_pipeline(bundle: ExportBundle, backend: str, device: str | None = Non
         raise ValueError(problem)
     methods = runnable_methods(bundle, backend, method)
     if backend == "ort":
-        encoder = OrtEncoderSession(m.path(root, "encoder"))
+        encoder = OrtEncoderSession(m.path(root, "encoder"), m.weight_dtype)
         pruning = {name: OrtPruningSession(m.path(root, pruning_graph(name))) for name in methods}
     elif backend == "torch":
         from qeff_evs.models.checkpoint import load_checkpoint
@@ -100,7 +100,7 @@ def language_session(bundle: ExportBundle, backend: str, device: str | None = No
     _check_device_ids(backend, device_ids)
     if backend == "ort":
         decode = m.path(root, LANGUAGE_DECODE) if LANGUAGE_DECODE in m.files else None
-        return OrtLanguageSession(m.path(root, "language"), bundle.language_shape, decode)
+        return OrtLanguageSession(m.path(root, "language"), bundle.language_shape, decode, m.weight_dtype)
     if backend == "torch":
         from qeff_evs.models.checkpoint import load_checkpoint
 

@@ -60,10 +60,12 @@ DEFAULT_SHORT_PREFILL_LEN = 32
 
 @dataclass(frozen=True)
 class TargetDefaults:
-    """What ``export --target`` changes: the default prefill length and the step of the compute context ladder."""
+    """What ``export --target`` changes: the default prefill length, the step of the compute context ladder and the
+    dtype the weights are stored in."""
 
     prefill_seq_len: int
     comp_ctx_step: int
+    weight_dtype: str = "float32"
 
 
 # The card's programs run chunks of 128 (QEfficient's default) and each compute context length is a program to
@@ -72,8 +74,10 @@ class TargetDefaults:
 # prompt or tail still runs in the short lengths (halved down to 32), and a length costs nothing to add, so steps of
 # 2 (a 64-token tail at slot 2048 read 4096 slots in 0.36-0.48 s instead of 8192 in 0.64-1.09 s); see
 # docs/performance.md, time to first token.
-TARGETS = {"card": TargetDefaults(prefill_seq_len=128, comp_ctx_step=COMP_CTX_STEP),
-           "cpu": TargetDefaults(prefill_seq_len=2048, comp_ctx_step=2)}
+# The card compiles fp16 (-convert-to-fp16) from whatever the graph stores, so a card export stores fp16 weights: half
+# the disk and the load. ONNX Runtime computes in fp32 from fp32 weights.
+TARGETS = {"card": TargetDefaults(prefill_seq_len=128, comp_ctx_step=COMP_CTX_STEP, weight_dtype="float16"),
+           "cpu": TargetDefaults(prefill_seq_len=2048, comp_ctx_step=2, weight_dtype="float32")}
 
 
 

@@ -20,7 +20,15 @@ from qeff_evs.models.graph_io import RETAINED_SUFFIX, state_shapes
 from qeff_evs.runtime.backends.base import MergedRows, RetainedStateSession, merged_rows, ranking
 
 
-def open_ort_session(path: Path):
+FLOAT16_WEIGHTS = "float16"
+
+
+def open_ort_session(path: Path, weight_dtype: str = "float32"):
+    """An ONNX Runtime session of the graph at ``path``. A graph storing its weights in fp16 (``weight_dtype``, the
+    manifest's) casts each to fp32 where it reads it: left to itself ONNX Runtime would fold every such cast into an
+    fp32 copy at load (twice the weights' bytes, in anonymous memory), so its session runs without constant folding
+    (at the extended level, which also leaves the weights memory-mapped from their files): the casts run on every call
+    instead (docs/export-compile.md, "Weights in fp16")."""
     import onnxruntime as ort
 
     if not Path(path).is_file():
@@ -28,19 +36,24 @@ def open_ort_session(path: Path):
 
     options = ort.SessionOptions()
     options.log_severity_level = 3
-    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    extra = {}
+    if weight_dtype == FLOAT16_WEIGHTS:
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
+        extra["disabled_optimizers"] = ["ConstantFolding"]
+    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"], **extra)
 
 
-def _session(graph):
+def _session(graph, weight_dtype: str = "float32"):
     """An ``InferenceSession`` as given, or one opened on the graph file at ``graph``."""
-    return open_ort_session(graph) if isinstance(graph, (str, Path)) else graph
+    return open_ort_session(graph, weight_dtype) if isinstance(graph, (str, Path)) else graph
 
 
 class OrtGraph:
-    """One graph in ONNX Runtime, fed by input name; ``graph`` is its path or an opened ``InferenceSession``."""
+    """One graph in ONNX Runtime, fed by input name; ``graph`` is its path or an opened ``InferenceSession``
+    (``weight_dtype``: the export's, ``open_ort_session``)."""
 
-    def __init__(self, graph, label: str):
-        self.session = _session(graph)
+    def __init__(self, graph, label: str, weight_dtype: str = "float32"):
+        self.session = _session(graph, weight_dtype)
         self.label = label
         self.input_names = [i.name for i in self.session.get_inputs()]
         self.output_names = [o.name for o in self.session.get_outputs()]
@@ -55,8 +68,8 @@ class OrtGraph:
 class OrtEncoderSession(OrtGraph):
     """The encoder graph: one call of F temporal patches."""
 
-    def __init__(self, graph):
-        super().__init__(graph, "encoder graph")
+    def __init__(self, graph, weight_dtype: str = "float32"):
+        super().__init__(graph, "encoder graph", weight_dtype)
 
     def encode(self, pixel_values: np.ndarray, host_inputs: dict[str, np.ndarray]) -> MergedRows:
         return merged_rows(self.run({"pixel_values": np.asarray(pixel_values, dtype=np.float32), **host_inputs}))
@@ -84,9 +97,9 @@ class OrtLanguageSession(RetainedStateSession):
     calls instead of a graph that computes its prefill path there too; it is bound to the same buffers.
     """
 
-    def __init__(self, graph, shape: LanguageShape, decode_graph=None):
-        self.session = _session(graph)
-        self.decode_session = None if decode_graph is None else _session(decode_graph)
+    def __init__(self, graph, shape: LanguageShape, decode_graph=None, weight_dtype: str = "float32"):
+        self.session = _session(graph, weight_dtype)
+        self.decode_session = None if decode_graph is None else _session(decode_graph, weight_dtype)
         self._dtypes = {i.name: _numpy_dtype(i.type) for i in self.session.get_inputs()}
         if self.decode_session is not None:
             names = ([i.name for i in self.decode_session.get_inputs()],
