@@ -9,9 +9,10 @@ weights dequantized to fp32 by the packer from the codes and scales it chose (ne
   divide the shape, scales in bf16/fp16/fp32; compressed-tensors per tensor, channel and block; AWQ; GPTQ sym and
   asym, act-order ``g_idx``, both zero conventions, 2/4/8 bits), and the unquantized tensors beside them read as
   stored (``modules_to_not_convert`` / ``ignore``);
-* end to end, each format on each family (dense and MoE, per-expert tensors): the quantized folder exported by
-  ``qeff-evs export`` and the float reference exported from transformers' own load run the same clip at q 0 and
-  0.5: ids, kept tokens and greedy tokens equal, prefill top logits within 1e-5; the export records the source
+* end to end, each format on each family (dense and MoE, per-expert tensors): the quantized folder through
+  ``qeff-evs export``'s streamed export (weights dequantized tensor by tensor; once also through the in-memory
+  export) and the float reference through transformers' own load and the in-memory export run the same clip at q 0
+  and 0.5: ids, kept tokens and greedy tokens equal, prefill top logits within 1e-5; the export records the source
   quantization in its manifest, and its config.json carries no quantization record, so vLLM sets up no quantized
   kernel for it (vLLM's own config builder says so, and does set one up when the record is put back);
 * a format we do not read is refused in one line naming its quant_method and the ones we read;
@@ -105,10 +106,16 @@ REFUSED = {
 }
 
 
+@pytest.fixture(scope="module")
+def small_checkpoint(tmp_path_factory) -> Path:
+    return save_tiny_checkpoint("qwen3_vl", tmp_path_factory.mktemp("refused") / "ck", seed=0, text_layers=1,
+                                vision_layers=1)
+
+
 @pytest.mark.parametrize("case", REFUSED)
-def test_a_format_we_do_not_read_is_refused_in_one_line(case, tmp_path):
+def test_a_format_we_do_not_read_is_refused_in_one_line(case, small_checkpoint, tmp_path):
     config, named = REFUSED[case]
-    folder = save_tiny_checkpoint("qwen3_vl", tmp_path / "ck", seed=0, text_layers=1, vision_layers=1)
+    folder = shutil.copytree(small_checkpoint, tmp_path / "ck")
     record = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**record, "quantization_config": config}))
     with pytest.raises(ValueError) as refused:
@@ -135,20 +142,25 @@ ROTATION = {
     "awq": ("awq",),
     "gptq": ("gptq_asym_act_order", "gptq_sym", "gptq_asym_v2", "gptq_8bit_sym_act_order"),
 }
-CASES = [(family, fmt, ROTATION[fmt][i % len(ROTATION[fmt])])
+CASES = [(family, fmt, ROTATION[fmt][i % len(ROTATION[fmt])], False)
          for i, family in enumerate(FAMILIES) for fmt in FORMATS]
+# The in-memory path as well (load_checkpoint builds the model from the reader), once: a per-expert FP8 MoE release.
+CASES.append(("qwen3_vl_moe", "fp8", "fp8_block_not_dividing_bf16", True))
 
 
-def export_options(family: str) -> ExportOptions:
+def export_options(family: str, in_memory: bool) -> ExportOptions:
     side = family_class(family).preprocessing.patch_size * 2 * 2  # 2x2 merged tokens per temporal patch
     return ExportOptions(0.5, (4,), ((side, side),), prefill_seq_len=16, ctx_len=64,
-                         video_pruning_methods=("evs",), full_batch_size=1)  # one KV row: vLLM serves it
+                         video_pruning_methods=("evs",), full_batch_size=1,  # one KV row: vLLM serves it
+                         in_memory=in_memory)
 
 
-def export_quietly(checkpoint: Path, out: Path, family: str) -> Path:
+def export_quietly(checkpoint: Path, out: Path, family: str, in_memory: bool = False) -> Path:
+    """The streamed export (the default: weights read by ``open_weights``), or the in-memory one (the model loaded
+    by ``load_checkpoint``: transformers' own load for a float checkpoint)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
-        export_checkpoint(checkpoint, out, export_options(family))
+        export_checkpoint(checkpoint, out, export_options(family, in_memory))
     return out
 
 
@@ -182,24 +194,27 @@ def runs(export: Path, clip: Path) -> list:
 
 @pytest.fixture(scope="module")
 def exported(saved, tmp_path_factory):
-    """``exported(family, variant)``: (quantized export, reference export, clip), made once per case."""
+    """``exported(family, variant, in_memory=False)``: (quantized export, reference export, clip), made once per
+    case. The quantized checkpoint goes through the streamed export (or, ``in_memory``, through ``load_checkpoint``'s
+    model built from the reader); its reference through transformers' own load and the in-memory export."""
     made = {}
 
-    def get(family: str, variant: str):
-        if (family, variant) not in made:
+    def get(family: str, variant: str, in_memory: bool = False):
+        if (family, variant, in_memory) not in made:
             checkpoint, clip = saved(family)
             folder = tmp_path_factory.mktemp(f"{family}_{variant}")
             quantized, reference = quantize_checkpoint(checkpoint, VARIANTS[variant], folder / "quantized",
                                                        folder / "reference")
-            made[family, variant] = (export_quietly(quantized, folder / "quantized_export", family),
-                                     export_quietly(reference, folder / "reference_export", family), clip)
-        return made[family, variant]
+            made[family, variant, in_memory] = (
+                export_quietly(quantized, folder / "quantized_export", family, in_memory),
+                export_quietly(reference, folder / "reference_export", family, in_memory=True), clip)
+        return made[family, variant, in_memory]
     return get
 
 
-@pytest.mark.parametrize("family, fmt, variant", CASES)
-def test_a_quantized_release_exports_and_runs_as_its_dequantized_weights(exported, family, fmt, variant):
-    quantized, reference, clip = exported(family, variant)
+@pytest.mark.parametrize("family, fmt, variant, in_memory", CASES)
+def test_a_quantized_release_exports_and_runs_as_its_dequantized_weights(exported, family, fmt, variant, in_memory):
+    quantized, reference, clip = exported(family, variant, in_memory)
     manifest = json.loads((quantized / "manifest.json").read_text())
     assert manifest["source_quantization"]["config"] == VARIANTS[variant].quantization_config
     assert json.loads((reference / "manifest.json").read_text())["source_quantization"] is None
