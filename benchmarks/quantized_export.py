@@ -6,8 +6,8 @@ layers, written twice by the bench's seeded generator (``qeff_evs.bench.checkpoi
 by shard, as released): in bf16, and as Qwen's "-FP8" release (the same weights, the decoder's linears in e4m3 blocks
 of 128 x 128 with bf16 ``weight_scale_inv``, ``quantization_config`` in config.json). Each is exported by
 ``qeff-evs export`` (the streamed export; the FP8 weights dequantized tensor by tensor) in a fresh process, one after
-the other, the same options; measured: the process's peak resident memory, wall time, the checkpoint's and the
-export's bytes on disk.
+the other, the same options; measured: the process's peak resident memory, wall and CPU time, the checkpoint's and
+the export's bytes on disk.
 
     flock /tmp/qeff-heavy.lock python benchmarks/quantized_export.py OUT_DIR --work WORK_DIR [--text-layers 6]
 
@@ -37,9 +37,10 @@ VISION_8B = dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=1
                  deepstack_visual_indexes=[8, 16, 24])
 EXPORT_ARGS = ["--video-pruning-rate", "0.5", "--frames", "16", "--height", "448", "--width", "448",
                "--ctx-len", "8192", "--full-batch-size", "1"]
-# Runs one export and prints the process's peak resident memory (KiB) last.
+# Runs one export and prints the process's peak resident memory (KiB) and CPU seconds last.
 CHILD = ("import resource, sys; from qeff_evs import cli; code = cli.main(sys.argv[1:]); "
-         "print('peak_kib', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss); sys.exit(code)")
+         "usage = resource.getrusage(resource.RUSAGE_SELF); "
+         "print('peak_kib', usage.ru_maxrss, usage.ru_utime + usage.ru_stime); sys.exit(code)")
 
 
 def config_8b(text_layers: int):
@@ -62,8 +63,9 @@ def export(checkpoint: Path, out: Path, weight_dtype: str) -> dict:
     wall = time.perf_counter() - start
     if done.returncode:
         raise RuntimeError(f"export of {checkpoint} failed: {done.stderr[-3000:]}")
-    peak = int(done.stdout.strip().splitlines()[-1].split()[1])
-    return {"wall_s": round(wall, 1), "peak_rss_gib": round(peak / 2**20, 2), "export_gib": round(disk_bytes(out) / 2**30, 2)}
+    _, peak, cpu = done.stdout.strip().splitlines()[-1].split()
+    return {"wall_s": round(wall, 1), "cpu_s": round(float(cpu), 1), "peak_rss_gib": round(int(peak) / 2**20, 2),
+            "export_gib": round(disk_bytes(out) / 2**30, 2)}
 
 
 def markdown(result: dict) -> str:
@@ -71,11 +73,11 @@ def markdown(result: dict) -> str:
              f"layers, 27 vision blocks)", "",
              f"Options: `{' '.join(EXPORT_ARGS)} --weight-dtype {result['weight_dtype']}`; one process per export, "
              "under the heavy-job lock.", "",
-             "| checkpoint | on disk GiB | write s | export wall s | export peak RSS GiB | export on disk GiB |",
-             "|---|---|---|---|---|---|"]
+             "| checkpoint | on disk GiB | write s | export wall s | export CPU s | export peak RSS GiB | export on disk GiB |",
+             "|---|---|---|---|---|---|---|"]
     for name, row in result["checkpoints"].items():
-        lines.append(f"| {name} | {row['checkpoint_gib']} | {row['write_s']} | {row['wall_s']} | {row['peak_rss_gib']} "
-                     f"| {row['export_gib']} |")
+        lines.append(f"| {name} | {row['checkpoint_gib']} | {row['write_s']} | {row['wall_s']} | {row['cpu_s']} | "
+                     f"{row['peak_rss_gib']} | {row['export_gib']} |")
     return "\n".join(lines) + "\n"
 
 
