@@ -25,6 +25,7 @@ from qeff_evs.export.weights import WeightStore, attach_weights, write_weights
 from qeff_evs.models.graph_io import BATCH_INDEX, COMP_CTX_LENGTHS, LOGITS_ROWS, LanguageGraphIO
 from qeff_evs.models.language import ExportableLanguageGraph, LanguageSpec
 from qeff_evs.models.registry import family_for_config
+from qeff_evs.models.sparse_moe import is_sparse_block
 
 _LOG = logging.getLogger(__name__)
 
@@ -188,6 +189,10 @@ def export_language_graph_stamped(
                                   comp_ctx_lengths, logits_rows, 32, 8, 6, 1, 4)
     io = module.io
     path = Path(path)
+    if functions and (io.layer_states or any(is_sparse_block(layer.mlp) for layer in module.graph.text_model.layers)):
+        raise ValueError("--layer-functions: this model's graph keeps some ops in fp32 on the card (its layer states' "
+                         "or MoE routers' paths), which its node-precision file names as nodes of the graph, not of a "
+                         "function; export it without --layer-functions")
     started = time.perf_counter()
     stamped = stamped_language_graph(module.graph, inputs, io, names, functions)
     say(f"language graph {path.name}: {io.num_layers} decoder layers stamped from {stamped.kinds} traced kinds in "

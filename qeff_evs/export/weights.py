@@ -31,9 +31,6 @@ from onnx import TensorProto, helper, numpy_helper, shape_inference
 FLOAT32, FLOAT16 = "float32", "float16"
 WEIGHT_DTYPES = (FLOAT32, FLOAT16)
 _STORED = {FLOAT32: TensorProto.FLOAT, FLOAT16: TensorProto.FLOAT16}
-# Weights below this many elements (norm scales, biases, small gates) stay fp32 whatever the weight dtype: they
-# weigh nothing, and keeping them saves a Cast per use.
-SMALL_WEIGHT = 1 << 16
 ALIGNMENT = 1 << 16  # file offset of each weight of 1 MiB or more (the page size any runtime maps files with)
 WEIGHTS_DIR = "weights"
 # The ops torch.onnx's constant folding folds when their inputs are all constants or parameters (its
@@ -320,8 +317,9 @@ class Stored:
 
 
 def stored_dtype(dims: Sequence[int], float_weight: bool, dtype: str) -> str:
-    """The dtype a float weight is stored in: ``dtype``, except small ones (``SMALL_WEIGHT``), which stay fp32."""
-    if not float_weight or dtype == FLOAT32 or int(np.prod(dims)) < SMALL_WEIGHT:
+    """The dtype a float weight is stored in: ``dtype`` for matrices and larger; vectors (norm scales, biases, gates)
+    stay fp32 whatever the weight dtype: they weigh nothing, and keeping them saves a Cast per use."""
+    if not float_weight or dtype == FLOAT32 or len(dims) < 2:
         return FLOAT32
     return dtype
 
@@ -368,7 +366,7 @@ class WeightStore:
                     continue
                 sources = [_fp32(reader.tensor(name)) for name in weight.sources]
                 if self.dtype == FLOAT16 and all(node.op_type in LAYOUT_OPS for node in weight.expr.nodes) \
-                        and all(s.size >= SMALL_WEIGHT for s in sources):
+                        and all(s.ndim >= 2 for s in sources):
                     sources = [s.astype(np.float16) for s in sources]  # a moved copy at half the bytes
                 array = weight.expr.evaluate(sources)
                 del sources
