@@ -10,6 +10,7 @@ import json
 import math
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 from qeff_evs import evs
 from qeff_evs.positions import rope_table_length
@@ -285,6 +286,9 @@ class Manifest:
     # Shorter prefill lengths a chunk that holds fewer tokens runs in (``Prefill<n>`` specializations); absent in
     # manifests written before them: every chunk runs at prefill_seq_len.
     short_prefill_lens: tuple[int, ...] = ()
+    # The checkpoint's quantization record, ``{"method", "source", "config"}`` as its folder wrote it, when the export
+    # read a quantized release (its weights dequantized to fp32 on export); None for a float checkpoint.
+    source_quantization: dict[str, Any] | None = None
     # The dtype the graphs store their weights in: float32, or float16 (each weight cast to fp32 where the graph reads
     # it; ONNX Runtime must then not fold those casts into fp32 copies, ``runtime.backends.ort``). Absent: float32.
     weight_dtype: str = "float32"

@@ -94,12 +94,47 @@ def _random_tensor(name: str, shape: tuple[int, ...], seed: int, dtype: torch.dt
     return torch.empty(shape, dtype=torch.float32).uniform_(-bound, bound, generator=generator).to(dtype)
 
 
+# Qwen's "-FP8" releases (fine-grained FP8, blocks of 128 x 128) convert the decoder's linear layers and keep in bf16
+# what their config's modules_to_not_convert lists: the vision tower, embeddings, lm_head, MoE routers, the shared
+# expert's gate, Gated DeltaNet's small projections.
+FP8_BLOCK = (128, 128)
+FP8_NOT_CONVERTED = ("lm_head", "model.visual", "embed_tokens", "mlp.gate", "shared_expert_gate", "in_proj_a",
+                     "in_proj_b", "conv1d")
+FP8_MAX = 448.0  # float8_e4m3fn's largest value
+
+
+def fp8_converted(name: str, shape: tuple[int, ...]) -> bool:
+    """Whether an FP8 release stores tensor ``name`` in FP8 (a decoder linear's weight)."""
+    return (len(shape) == 2 and name.endswith(".weight") and ".layers." in name
+            and not any(f"{kept}." in name for kept in FP8_NOT_CONVERTED))
+
+
+def fp8_blocks(weight: torch.Tensor, block: tuple[int, int] = FP8_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(float8_e4m3fn weight, bf16 weight_scale_inv)`` as an FP8 release stores a linear: one scale per block (the
+    block's largest magnitude over e4m3's largest value), the weight divided by it."""
+    rows, cols = weight.shape
+    grid = (math.ceil(rows / block[0]), math.ceil(cols / block[1]))
+    padded = torch.zeros(grid[0] * block[0], grid[1] * block[1])
+    padded[:rows, :cols] = weight.float().abs()
+    largest = padded.reshape(grid[0], block[0], grid[1], block[1]).amax(dim=(1, 3))
+    scale = (largest.clamp(min=1e-12) / FP8_MAX).to(torch.bfloat16)
+    spread = scale.float().repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)[:rows, :cols]
+    return (weight.float() / spread).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
+
+
+def fp8_quantization_config(block: tuple[int, int] = FP8_BLOCK) -> dict:
+    return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": list(block),
+            "modules_to_not_convert": list(FP8_NOT_CONVERTED)}
+
+
 def write_random_checkpoint(hf_config, family: str, folder: Path, seed: int = 0, dtype: torch.dtype = torch.bfloat16,
-                            shard_bytes: int = SHARD_BYTES, progress=lambda message: None) -> Path:
+                            shard_bytes: int = SHARD_BYTES, progress=lambda message: None, fp8: bool = False) -> Path:
     """A checkpoint folder as released (config, safetensors shards in ``dtype`` with their index, tokenizer,
     preprocessor config) of random weights (``_random_tensor``), written shard by shard: it never holds more than one
     shard, so writing it needs no more memory than exporting it. Tied tensors are stored once, under their first name,
-    as ``save_pretrained`` stores them."""
+    as ``save_pretrained`` stores them. ``fp8``: as Qwen's "-FP8" releases, the decoder's linears in FP8 blocks with
+    their bf16 scales (``fp8_blocks``, the same random weights before quantization) and ``quantization_config`` in
+    config.json."""
     from safetensors.torch import save_file
 
     from qeff_evs.models.hollow import parameter_names
@@ -113,7 +148,7 @@ def write_random_checkpoint(hf_config, family: str, folder: Path, seed: int = 0,
     shards: list[list[str]] = [[]]
     size = 0
     for name, shape in shapes.items():
-        count = math.prod(shape) * torch.finfo(dtype).bits // 8
+        count = math.prod(shape) * (1 if fp8 and fp8_converted(name, shape) else torch.finfo(dtype).bits // 8)
         if shards[-1] and size + count > shard_bytes:
             shards.append([])
             size = 0
@@ -122,16 +157,26 @@ def write_random_checkpoint(hf_config, family: str, folder: Path, seed: int = 0,
     weight_map, total = {}, 0
     for index, names in enumerate(shards, start=1):
         file = f"model-{index:05d}-of-{len(shards):05d}.safetensors"
-        tensors = {name: _random_tensor(name, shapes[name], seed, dtype) for name in names}
+        tensors = {}
+        for name in names:
+            tensor = _random_tensor(name, shapes[name], seed, dtype)
+            if fp8 and fp8_converted(name, shapes[name]):
+                tensors[name], tensors[f"{name}_scale_inv"] = fp8_blocks(tensor)
+            else:
+                tensors[name] = tensor
         total += sum(t.numel() * t.element_size() for t in tensors.values())
         save_file(tensors, str(folder / file), metadata={"format": "pt"})
-        weight_map.update({name: file for name in names})
+        weight_map.update({name: file for name in tensors})
         del tensors
         progress(f"random checkpoint: shard {index}/{len(shards)} written ({file})")
     (folder / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")
     hf_config.dtype = dtype
     hf_config.save_pretrained(folder)
+    if fp8:
+        config = json.loads((folder / "config.json").read_text())
+        config["quantization_config"] = fp8_quantization_config()
+        (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     build_tokenizer(family).save_pretrained(folder)
     (folder / "preprocessor_config.json").write_text(
         json.dumps(preprocessor_config(family, hf_config), indent=2) + "\n")

@@ -25,7 +25,6 @@ Layout of the export folder::
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import json
 import os
@@ -121,7 +120,7 @@ def save_serving_config(checkpoint, family: ModelFamily, eos: list[int], ctx_len
     """
     from transformers import GenerationConfig
 
-    config = copy.deepcopy(checkpoint.config)
+    config = float_config(checkpoint.config)  # the graphs hold float weights: vLLM must not set up its quantized kernels
     config.architectures = [family.serving_architecture]
     getattr(config, "text_config", config).max_position_embeddings = int(ctx_len)
     config.save_pretrained(folder)  # EXPORT_FILES["serving_config"]
@@ -130,7 +129,7 @@ def save_serving_config(checkpoint, family: ModelFamily, eos: list[int], ctx_len
 
 def save_model_config(checkpoint, folder: Path) -> None:
     """The config and preprocessor files the ORT/QAIC runtime needs, without the weights."""
-    checkpoint.config.save_pretrained(folder)
+    float_config(checkpoint.config).save_pretrained(folder)
     for name in PREPROCESSOR_FILES:
         source = Path(checkpoint.model_dir) / name
         if source.is_file():
@@ -452,6 +451,8 @@ def _export(checkpoint: LoadedCheckpoint, reader, out: Path, options: ExportOpti
     save_video_processor_config(checkpoint, family, out)
 
     specials = family.special_tokens()
+    # A quantized release's record, from the reader that dequantized it (streamed) or the in-memory load's.
+    source_quantization = reader.quantization if streamed else checkpoint.quantization
     manifest = Manifest(
         family=family.name,
         model_dir=str(Path(checkpoint.model_dir).resolve()),
@@ -481,6 +482,7 @@ def _export(checkpoint: LoadedCheckpoint, reader, out: Path, options: ExportOpti
         max_video_pruning_rate=max_rate,
         kv_precision=options.kv_precision,
         short_prefill_lens=short_lens,
+        source_quantization=None if source_quantization is None else source_quantization.to_json(),
         weight_dtype=options.weight_dtype,
     )
     manifest.write(out)

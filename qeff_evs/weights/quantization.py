@@ -84,4 +84,7 @@ def linear_format(record: QuantizationRecord, where: str = "the checkpoint") -> 
         raise ValueError(f"{where} is quantized with quant_method {record.method!r} ({record.source}), which qeff-evs "
                          f"does not read; it reads {', '.join(READ_METHODS)}: use one of those releases or the "
                          "unquantized (bf16) one")
-    return module.linear_format(record.config)
+    try:
+        return module.linear_format(record.config)
+    except ValueError as error:  # a variant of the method we do not read: say whose
+        raise ValueError(f"{where} ({record.source}): {error}") from None

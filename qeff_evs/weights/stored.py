@@ -63,7 +63,7 @@ class StoredWeights:
     def open(cls, model_dir: str | Path) -> StoredWeights:
         """The folder's weights, its quantization record read from its config (refused if we do not read it)."""
         record = read_record(Path(model_dir))
-        return cls(Shards(model_dir), None if record is None else linear_format(record), record)
+        return cls(Shards(model_dir), None if record is None else linear_format(record, str(model_dir)), record)
 
     def names(self) -> tuple[str, ...]:
         return tuple(self._shapes)
