@@ -494,6 +494,9 @@ class NemotronHOmniFamily:
                        rope_positions: int | None = None, prefill_seq_len: int | None = None) -> NemotronHLanguageGraph:
         return NemotronHLanguageGraph(model, media_token_ids, rope_positions, prefill_seq_len)
 
+    def layer_kinds(self) -> tuple[str, ...]:
+        return tuple(layer_kinds(self.config))
+
     def kv_layers(self) -> tuple[int, ...]:
         layers = tuple(i for i, kind in enumerate(layer_kinds(self.config)) if kind == ATTENTION)
         if not layers:
