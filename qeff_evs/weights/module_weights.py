@@ -3,7 +3,7 @@
 ``ModuleWeights`` answers, for every name of the module's ``state_dict`` (tied names included): its shape (from the
 safetensors headers, no data read) and its tensor, fp32, exact, in the module's layout, read when asked and held by no
 one else (bf16 and fp16 converted, a quantized weight dequantized, per-expert tensors fused, a transposed fused
-expert tensor swapped). ``quantization`` is the folder's quantization record (None for a float checkpoint).
+expert tensor swapped, one part of a stored fused tensor cut out of it). ``quantization`` is the folder's quantization record (None for a float checkpoint).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from qeff_evs.weights.name_map import NameMap, PerExpert, Source, Stored, Transposed, plan, source_shape
+from qeff_evs.weights.name_map import Chunk, NameMap, PerExpert, Source, Stored, Transposed, plan, source_shape
 from qeff_evs.weights.quantization import QuantizationRecord
 from qeff_evs.weights.stored import StoredWeights
 
@@ -49,6 +49,8 @@ class ModuleWeights:
             return self.stored.read(source.name)
         if isinstance(source, Transposed):
             return self.stored.read(source.name).transpose(1, 2).contiguous()
+        if isinstance(source, Chunk):  # a copy: the whole stored tensor is not kept alive by its part
+            return self.stored.read(source.name).chunk(source.count, dim=0)[source.index].clone()
         assert isinstance(source, PerExpert)
         fused = torch.empty(self.shape(name), dtype=torch.float32)
         for expert, names in enumerate(source.names):

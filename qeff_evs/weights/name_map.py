@@ -1,9 +1,11 @@
 """From a checkpoint's stored names to a module's state-dict names, as a model family declares it (data, not code).
 
 A family's ``NameMap`` says how its released (or ``save_pretrained``) names differ from the names its transformers
-module holds: ``Rename`` rules (regular expressions, applied in order to every stored name), and ``FusedExperts``:
+module holds: ``Rename`` rules (regular expressions, applied in order to every stored name); ``FusedExperts``:
 a module's 3-D expert tensor ``<prefix>.<fused>`` of shape ``(experts, out, in)`` that a checkpoint stores either
-fused (possibly as ``(experts, in, out)``) or per expert, expert ``e``'s ``parts`` concatenated along ``out``.
+fused (possibly as ``(experts, in, out)``) or per expert, expert ``e``'s ``parts`` concatenated along ``out``; and
+``SplitTensors``: module tensors that a checkpoint stores as one, concatenated along the first axis in equal chunks
+(RADIO's fused ``qkv`` projection, which transformers' module holds as ``q_proj``, ``k_proj``, ``v_proj``).
 ``plan`` turns the map, the module's names and shapes and the stored names and shapes into one ``Source`` per module
 name, checking every shape from headers alone.
 """
@@ -41,11 +43,27 @@ class FusedExperts:
 
 
 @dataclass(frozen=True)
+class SplitTensors:
+    """Module tensors ``<prefix><part>.<tail>``, one per ``parts``, that a checkpoint stores as the one tensor
+    ``<prefix><fused>.<tail>`` (its name after the renames): the parts in order along its first axis, equal chunks (as
+    transformers' ``Chunk(dim=0)`` splits them). ``tail`` is anything (``weight``, ``bias``).
+
+    Example (RADIO): ``fused="attn.qkv"``, ``parts=("attention.q_proj", "attention.k_proj", "attention.v_proj")``:
+    the module's ``encoder.layer.0.attention.k_proj.bias`` is the second third of the stored
+    ``encoder.layer.0.attn.qkv.bias``.
+    """
+
+    fused: str
+    parts: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class NameMap:
     """How a family's checkpoints name its module's tensors (empty: stored names are the module's)."""
 
     renames: tuple[Rename, ...] = ()
     experts: tuple[FusedExperts, ...] = ()
+    splits: tuple[SplitTensors, ...] = ()
 
     def rename(self, stored: str) -> str:
         for rule in self.renames:
@@ -75,7 +93,16 @@ class PerExpert:
     names: tuple[tuple[str, ...], ...]
 
 
-Source = Stored | Transposed | PerExpert
+@dataclass(frozen=True)
+class Chunk:
+    """Chunk ``index`` of ``count`` equal chunks of a stored tensor along its first axis."""
+
+    name: str
+    index: int
+    count: int
+
+
+Source = Stored | Transposed | PerExpert | Chunk
 
 
 def _swap(shape: Sequence[int]) -> tuple[int, ...]:
@@ -90,6 +117,18 @@ def _fused_rule(name_map: NameMap, name: str) -> tuple[FusedExperts, str] | None
     return None
 
 
+def _split_rule(name_map: NameMap, name: str) -> tuple[SplitTensors, int, str] | None:
+    """``(rule, part index, the stored tensor's name after the renames)`` of the ``SplitTensors`` rule one of whose
+    parts ``name`` is, if one is."""
+    for rule in name_map.splits:
+        for index, part in enumerate(rule.parts):
+            at = 0 if name.startswith(part + ".") else name.find("." + part + ".") + 1
+            if at == 0 and not name.startswith(part + "."):
+                continue
+            return rule, index, f"{name[:at]}{rule.fused}.{name[at + len(part) + 1:]}"
+    return None
+
+
 def plan(name_map: NameMap, module_shapes: Mapping[str, tuple[int, ...]], tied: Mapping[str, Sequence[str]],
          stored_shapes: Mapping[str, tuple[int, ...]], where: str = "the checkpoint") -> dict[str, Source]:
     """One ``Source`` per module name, every shape checked against the module's.
@@ -101,7 +140,7 @@ def plan(name_map: NameMap, module_shapes: Mapping[str, tuple[int, ...]], tied: 
         stored_shapes: the checkpoint's (float, dequantized) tensor names -> shapes.
         where: how errors name the checkpoint.
     Returns:
-        module name -> ``Stored`` | ``Transposed`` | ``PerExpert``. Stored names no module name reads are ignored
+        module name -> ``Stored`` | ``Transposed`` | ``PerExpert`` | ``Chunk``. Stored names no module name reads are ignored
         (as transformers ignores them: a release's multi-token-prediction head, say).
     Raises:
         ValueError naming the module tensors the checkpoint lacks, or a shape that differs from the module's.
@@ -118,6 +157,7 @@ def plan(name_map: NameMap, module_shapes: Mapping[str, tuple[int, ...]], tied: 
     for name, shape in module_shapes.items():
         shape = tuple(shape)
         fused = _fused_rule(name_map, name)
+        split = _split_rule(name_map, name)
         stored = next((renamed[n] for n in (name, *tied.get(name, ())) if n in renamed), None)
         if stored is not None:
             found = tuple(stored_shapes[stored])
@@ -146,6 +186,15 @@ def plan(name_map: NameMap, module_shapes: Mapping[str, tuple[int, ...]], tied: 
                     raise ValueError(f"{where} stores {', '.join(names)} as {[list(r) for r in rows]}; together they "
                                      f"do not make one expert of the model's {name} {list(shape)}")
             sources[name] = PerExpert(tuple(per_expert))
+        elif split is not None and split[2] in renamed:
+            rule, index, target = split
+            whole = renamed[target]
+            found = tuple(stored_shapes[whole])
+            if not shape or found != (len(rule.parts) * shape[0], *shape[1:]):
+                raise ValueError(f"{where} stores {whole} as {list(found)}, but the model's {name} is {list(shape)}, "
+                                 f"one of {len(rule.parts)} equal parts of it along its first axis; the checkpoint "
+                                 "does not match its config.json")
+            sources[name] = Chunk(whole, index, len(rule.parts))
         else:
             missing.append(name)
     if missing:
@@ -161,5 +210,8 @@ def source_shape(source: Source, stored_shapes: Mapping[str, tuple[int, ...]]) -
         return tuple(stored_shapes[source.name])
     if isinstance(source, Transposed):
         return _swap(stored_shapes[source.name])
+    if isinstance(source, Chunk):
+        whole = stored_shapes[source.name]
+        return (whole[0] // source.count, *whole[1:])
     first = [stored_shapes[n] for n in source.names[0]]
     return (len(source.names), sum(r[0] for r in first), first[0][1])
