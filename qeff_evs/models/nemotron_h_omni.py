@@ -70,6 +70,7 @@ from qeff_evs.models.radio import RadioEncoder, encoder_host_inputs, encoder_sym
 from qeff_evs.models.registry import register_family
 from qeff_evs.models.sparse_moe import DEFAULT_EXPERT_FORM, FORMS, ExpertWeights, Routing, check_expert_form
 from qeff_evs.positions import MediaBlock
+from qeff_evs.weights.name_map import EXPERT, FusedExperts, NameMap, Rename, SplitTensors
 
 MAMBA, ATTENTION, MOE, MLP = "linear_attention", "full_attention", "moe", "mlp"
 LAYER_KINDS = (MAMBA, ATTENTION, MOE, MLP)
@@ -117,6 +118,36 @@ PREPROCESS_DEFAULTS = VideoPreprocessing(
     image_std=tuple(OPENAI_CLIP_STD), min_pixels=4 * 16 * 16, max_pixels=TARGET_PATCHES * 16 * 16,
     video_processor=VIDEO_PROCESSOR, do_sample_frames=False, resampler="torch_antialias", patch_order="raster",
     target_patches=TARGET_PATCHES, keep_aspect=True,
+)
+
+# How the releases name the module's tensors (save_pretrained writes the same names back): transformers' conversion
+# mappings for the checkpoint (``NemotronH_Omni_Reasoning_V3``), its language model (``nemotron_h``: ``backbone`` ->
+# ``model``, experts stored one by one, stacked without concatenation) and its vision tower (``radio``, whose fused
+# ``attn.qkv`` the module holds as q, k and v projections), each scoped to where its submodel sits; and the vision
+# tower's final norm under the name vLLM also reads (``vision_projector.vision_final_layernorm``).
+_PATCH_GENERATOR = r"^vision_model\.radio_model\.model\.patch_generator\."
+WEIGHT_NAMES = NameMap(
+    renames=(
+        Rename(r"^language_model\.backbone\.", "language_model.model."),
+        Rename(_PATCH_GENERATOR + r"video_embedder\.", "vision_model.embeddings.video_patch_projection."),
+        Rename(_PATCH_GENERATOR + r"embedder\.", "vision_model.embeddings.patch_projection."),
+        Rename(_PATCH_GENERATOR + r"pos_embed$", "vision_model.embeddings.position_embedding"),
+        Rename(_PATCH_GENERATOR + r"cls_token\.token$", "vision_model.embeddings.cls_register_token"),
+        Rename(r"^vision_model\.radio_model\.model\.blocks\.", "vision_model.encoder.layer."),
+        Rename(r"^(vision_model\.encoder\.layer\.\d+)\.attn\.proj\.", r"\1.attention.o_proj."),
+        Rename(r"^vision_model\.radio_model\.(input_conditioner\.|summary_idxs$)", r"vision_model.\1"),
+        Rename(r"^vision_projector\.vision_final_layernorm\.", "vision_final_layernorm."),
+        Rename(r"^mlp1\.0\.", "multi_modal_projector.layer_norm."),
+        Rename(r"^mlp1\.1\.", "multi_modal_projector.linear_1."),
+        Rename(r"^mlp1\.3\.", "multi_modal_projector.linear_2."),
+        Rename(r"^sound_encoder\.encoder\.", "audio_tower."),
+        Rename(r"^sound_projection\.norm\.", "embed_audio.layer_norm."),
+        Rename(r"^sound_projection\.linear1\.", "embed_audio.linear_1."),
+        Rename(r"^sound_projection\.linear2\.", "embed_audio.linear_2."),
+    ),
+    experts=tuple(FusedExperts(f"mixer.experts.{kind}", (f"mixer.experts.{EXPERT}.{kind}.weight",))
+                  for kind in ("up_proj", "down_proj")),
+    splits=(SplitTensors("attn.qkv", ("attention.q_proj", "attention.k_proj", "attention.v_proj")),),
 )
 
 # Tiny test models: widths, and Mamba2 steps that stay clear of transformers' prefill clamp (see mamba2.py).
@@ -342,6 +373,7 @@ class NemotronHOmniFamily:
     extra_rows: ClassVar[tuple[ExtraRows, ...]] = ()
     pruning_methods: ClassVar[tuple[str, ...]] = ("evs",)  # vLLM refuses VidCom2 for this model
     rope: ClassVar[bool] = False
+    weight_names: ClassVar[NameMap] = WEIGHT_NAMES
 
     def __init__(self, config, tokenizer=None) -> None:
         self.config = config

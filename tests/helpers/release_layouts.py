@@ -69,6 +69,11 @@ def module_names_qwen2_5(tensors: Tensors) -> Tensors:
     return {name(n): t for n, t in tensors.items()}
 
 
+def rename(pattern: str, replacement: str) -> Callable[[Tensors], Tensors]:
+    """Every name matching ``pattern`` (``re.sub``) written as ``replacement``."""
+    return lambda tensors: {re.sub(pattern, replacement, n): t for n, t in tensors.items()}
+
+
 FUSED = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 
 
