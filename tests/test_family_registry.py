@@ -87,6 +87,16 @@ def test_registration_refuses_taken_or_missing_names(synthetic_family):
         register_family(Nameless)
     assert "nameless_vl" not in family_names()
 
+    class Kindless(SyntheticVLFamily):  # a protocol method missing (what the streamed export stamps layers by)
+        model_type = "kindless_vl"
+        serving_architecture = "QeffEvsKindless"
+        layer_kinds = None
+        weight_names = None
+
+    with pytest.raises(TypeError, match="does not declare weight_names, layer_kinds;"):
+        register_family(Kindless)
+    assert "kindless_vl" not in family_names()
+
 
 def test_checkpoint_loads_through_the_registry(synthetic_checkpoint, tiny_checkpoint):
     """config.json's model_type picks the family, whose own classes read the folder (no Auto mapping)."""

@@ -11,6 +11,7 @@ one never imports them by name (no import circle).
 from __future__ import annotations
 
 import importlib
+import inspect
 from types import ModuleType
 from typing import TypeVar
 
@@ -28,7 +29,11 @@ _REGISTERED: dict[str, type[ModelFamily]] = {}
 
 # What every family class must declare (``ModelFamily``'s class attributes).
 _DECLARATIONS = ("model_type", "hf_architectures", "serving_architecture", "hf_processor", "config_class",
-                 "model_class", "preprocessing", "token_strings", "config_paths", "extra_rows", "pruning_methods")
+                 "model_class", "preprocessing", "token_strings", "config_paths", "extra_rows", "pruning_methods",
+                 "rope", "weight_names")
+# ... and every method it must implement (``ModelFamily``'s methods and class methods).
+_METHODS = tuple(name for name, value in vars(ModelFamily).items()
+                 if not name.startswith("_") and (inspect.isfunction(value) or isinstance(value, classmethod)))
 
 F = TypeVar("F", bound=type)
 
@@ -59,6 +64,7 @@ def register_family(family: F) -> F:
     ``model_type`` or the serving architecture name (re-registering the same class is a no-op).
     """
     missing = [name for name in _DECLARATIONS if getattr(family, name, None) in (None, "")]
+    missing += [name for name in _METHODS if not callable(getattr(family, name, None))]
     if missing:
         raise TypeError(f"{family.__name__} does not declare {', '.join(missing)}; every model family must "
                         "(see qeff_evs.models.protocol.ModelFamily)")
