@@ -43,13 +43,15 @@ from qeff_evs.specializations import read_specializations_json
 
 FAMILIES = shipped_family_names()
 RESOLUTIONS = {"qwen2_5_vl": ((112, 112),), "qwen3_vl": ((128, 128),), "qwen3_5": ((128, 128),),
-               "qwen3_vl_moe": ((128, 128),), "qwen3_5_moe": ((128, 128),)}
+               "qwen3_vl_moe": ((128, 128),), "qwen3_5_moe": ((128, 128),), "nemotron_h_omni": ((64, 64),)}
+# Families whose language graph is unrolled for one prefill length (layer states): no shorter one.
+HYBRID = ("qwen3_5", "qwen3_5_moe", "nemotron_h_omni")
 PREFILL, CTX_LEN, LADDER, SHORT = 16, 128, (64,), (8,)
 GRAPH_TOLERANCE = 1e-6
 
 
 def options(family: str, **changes) -> ExportOptions:
-    hybrid = family.startswith("qwen3_5")  # a graph unrolled for one prefill length takes no shorter one
+    hybrid = family in HYBRID
     return ExportOptions(0.5, (2, 4), RESOLUTIONS[family], PREFILL, CTX_LEN, full_batch_size=3, ctx_lengths=LADDER,
                          short_prefill_lens=None if hybrid else SHORT, **changes)
 

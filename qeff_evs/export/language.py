@@ -144,7 +144,7 @@ def _traced_step(hf_model: nn.Module, media_token_ids, continuous_batching: bool
     family = family_for_config(hf_model.config)
     graph = family.language_graph(hf_model, media_token_ids, rope_positions, prefill_seq_len)
     module = ExportableLanguageGraph(graph, continuous_batching, comp_ctx_lengths, logits_rows)
-    dtype = next(hf_model.parameters()).dtype
+    dtype = next(p.dtype for p in hf_model.parameters() if p.is_floating_point())  # not an index buffer's
     if graph.trace_seq_len is not None:
         seq_len_example = graph.trace_seq_len
         ctx_len_example = max(ctx_len_example, 2 * seq_len_example)

@@ -44,10 +44,11 @@ def export_encoder_graph(
 
 
 def block_unit(name: str) -> str:
-    """The weights file a vision weight goes to: its block's (``blocks.3``), else ``tower`` (embeddings, merger)."""
+    """The weights file a vision weight goes to: its block's (``blocks.3``; RADIO's ``encoder.layer.3``:
+    ``layer.3``), else ``tower`` (embeddings, merger)."""
     parts = name.split(".")
     for at, part in enumerate(parts[:-1]):
-        if part in ("blocks", "layers") and parts[at + 1].isdigit():
+        if part in ("blocks", "layers", "layer") and parts[at + 1].isdigit():
             return f"{part}.{parts[at + 1]}"
     return "tower"
 
@@ -64,7 +65,8 @@ def export_encoder_graph_streamed(wrapper: EncoderWrapper, example_grid_hw: Sequ
     path = Path(path)
     spec = wrapper.graph_spec
     inputs = wrapper.dummy_inputs(example_grid_hw, example_frames)
-    say(f"tracing the encoder graph ({len(getattr(wrapper.visual, 'blocks', ()))} blocks, example grid "
+    blocks = {block_unit(name) for name, _ in wrapper.named_parameters()} - {"tower"}
+    say(f"tracing the encoder graph ({len(blocks)} blocks, example grid "
         f"{tuple(example_grid_hw)}, {example_frames} frames per call)")
     model, parameters = trace_without_weights(wrapper, list(inputs.values()), input_names=spec.input_names,
                                               output_names=spec.output_names, dynamic_axes=spec.dynamic_axes)

@@ -3,9 +3,12 @@
 The model is constructed on the meta device (no memory), then each parameter gets a stand-in that costs nothing
 whatever its shape: one element broadcast to it (``torch.full((), k).expand(shape)``), with ``k`` distinct per
 parameter, so that no pass comparing tensor values (the ONNX exporter merges equal initializers) can take two of them
-for one. Tied parameters stay one object. The buffers a checkpoint does not hold (the rotary embeddings'
-``inv_freq``) are computed by transformers' own initialisation of their modules, as ``from_pretrained`` computes
-them, so what a traced graph bakes in from them (the RoPE tables) is exact.
+for one. Tied parameters stay one object. A buffer the checkpoint holds (a persistent one, in the state dict:
+Nemotron-H's MoE ``e_score_correction_bias``, RADIO's ``summary_idxs``) is data like a parameter: it becomes a
+stand-in parameter of the same name (its own dtype if an integer one), so a trace takes it as an input and the
+streamed export writes it from the checkpoint, as it writes the weights. The buffers a checkpoint does not hold (the
+rotary embeddings' ``inv_freq``) are computed by transformers' own initialisation of their modules, as
+``from_pretrained`` computes them, so what a traced graph bakes in from them (the RoPE tables) is exact.
 
 Running the hollow model computes garbage at a real model's cost for the example sizes (a matrix product may copy
 one stand-in into a dense matrix for as long as the product runs); nothing holds more than one such copy at a time.
@@ -17,17 +20,24 @@ import torch
 from torch import nn
 
 
-def _stand_in(parameter: nn.Parameter, value: int, dtype: torch.dtype) -> nn.Parameter:
-    return nn.Parameter(torch.full((), float(value), dtype=dtype).expand(parameter.shape), requires_grad=False)
+def _stand_in(tensor: torch.Tensor, value: int, dtype: torch.dtype) -> nn.Parameter:
+    dtype = dtype if tensor.is_floating_point() else tensor.dtype  # an index buffer keeps its integer dtype
+    return nn.Parameter(torch.full((), value, dtype=dtype).expand(tensor.shape), requires_grad=False)
 
 
 def hollow_model(model_class: type, config, dtype: torch.dtype = torch.float32) -> nn.Module:
-    """``model_class(config)`` in eval mode with zero-cost parameter stand-ins (``dtype``) and real buffers."""
+    """``model_class(config)`` in eval mode with zero-cost stand-ins (``dtype``) for its parameters and the buffers
+    its checkpoint holds, and its computed buffers real."""
     with torch.device("meta"):
         model = model_class(config)
     stand_ins: dict[int, nn.Parameter] = {}
     rebuilt: list[nn.Module] = []
     for module in model.modules():
+        for name in [name for name, buffer in module._buffers.items()
+                     if buffer is not None and name not in module._non_persistent_buffers_set]:
+            held = module._buffers.pop(name)  # held by the checkpoint: a stand-in parameter (module docstring)
+            module._parameters[name] = _stand_in(held, len(stand_ins) + 1, dtype)
+            stand_ins[id(module._parameters[name])] = module._parameters[name]
         for name, parameter in list(module._parameters.items()):
             if parameter is None:
                 continue

@@ -163,7 +163,7 @@ class StepStart(NamedTuple):
     attention_mask: torch.Tensor | None  # (B, 1, S, keys) additive; None without KV layers
     slots: torch.Tensor  # (B, S) int64 KV slot of each token
     addressing: CacheAddressing | None  # KV writes and reads; None without KV layers
-    rotary: tuple[torch.Tensor, torch.Tensor]  # M-RoPE cos, sin (B, S, head_dim)
+    rotary: tuple[torch.Tensor, torch.Tensor] | None  # M-RoPE cos, sin (B, S, head_dim); None without RoPE
     merge: MediaMerge  # where the media tokens are (a family's extra rows are added there)
     image_idx_output: torch.Tensor  # (1, 1) int64
 

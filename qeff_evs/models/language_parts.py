@@ -5,7 +5,8 @@ becomes a module here whose inputs and outputs are named tensors, so that each c
 traced graphs chained by name (``qeff_evs.export.stamping``):
 
 * ``StepPrologue``: the graph inputs it reads -> ``hidden_states`` and the tensors every layer reads from the step
-  (``SHARED``: the attention mask, the KV addressing, the rotary cos/sin, where the media tokens are), and
+  (``SHARED``: the attention mask, the KV addressing, the rotary cos/sin where the family's attention rotates by
+  position, where the media tokens are), and
   ``image_idx_output``;
 * ``LayerPart``: one decoder layer (and the family's extra rows added after it): ``hidden_states`` + ``SHARED`` [+
   ``batch_index``] [+ the extra rows] + the layer's own retained inputs under generic names (``past_key`` /
@@ -35,9 +36,15 @@ from qeff_evs.specializations import RETAINED_SUFFIX
 HIDDEN, HIDDEN_OUT = "hidden_states", "hidden_states_out"
 SHARED = ("attention_mask", "slots", "write_slots", "read_indices", "read_length", "read_skipped", "rope_cos",
           "rope_sin", "media_tokens", "media_rows")
+ROTARY = ("rope_cos", "rope_sin")  # not among a step's tensors where the model has no RoPE (Nemotron-H)
 IMAGE_IDX_OUTPUT = "image_idx_output"
 KEY, VALUE = "past_key", "past_value"
 KEYS = "key_slots"  # the slots a step reads: comp_ctx_len with compute context lengths, else ctx_len
+
+
+def shared_names(graph: LanguageGraph) -> tuple[str, ...]:
+    """The ``SHARED`` tensors of ``graph``'s step: the rotary cos/sin only where it has RoPE tables."""
+    return SHARED if graph.rope is not None else tuple(name for name in SHARED if name not in ROTARY)
 
 
 def shared_axes(comp_ctx_lengths: bool) -> dict[str, dict[int, str]]:
@@ -64,7 +71,7 @@ class StepPrologue(nn.Module):
         wanted = {"input_ids", "vision_embeds", "position_ids", "image_idx", first_cache, "comp_ctx_lengths"}
         self.input_names = [name for name in input_names if name in wanted]
         self.first_cache = first_cache
-        self.output_names = [HIDDEN, *SHARED, IMAGE_IDX_OUTPUT]
+        self.output_names = [HIDDEN, *shared_names(graph), IMAGE_IDX_OUTPUT]
 
     def forward(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         named = dict(zip(self.input_names, inputs))
@@ -72,8 +79,8 @@ class StepPrologue(nn.Module):
                                         named["image_idx"], named[self.first_cache], named.get("comp_ctx_lengths"))
         addressing = start.addressing
         return (start.hidden, start.attention_mask, start.slots, addressing.write_slots, addressing.read_indices,
-                addressing.read_length, addressing.skipped, *start.rotary, start.merge.is_media, start.merge.rows,
-                start.image_idx_output)
+                addressing.read_length, addressing.skipped, *(start.rotary or ()), start.merge.is_media,
+                start.merge.rows, start.image_idx_output)
 
 
 class LayerPart(nn.Module):
@@ -90,7 +97,7 @@ class LayerPart(nn.Module):
         own = ([KEY, VALUE] if self.has_kv else []) + [state.name for state in self.states]
         self.own = tuple(own)
         cb = [BATCH_INDEX] if continuous_batching else []
-        self.input_names = [HIDDEN, *SHARED, *cb, *spec.extras, *own]
+        self.input_names = [HIDDEN, *shared_names(graph), *cb, *spec.extras, *own]
         self.output_names = [HIDDEN_OUT, *(f"{name}{RETAINED_SUFFIX}" for name in own)]
 
     def graph_names(self) -> dict[str, str]:
@@ -123,7 +130,8 @@ class LayerPart(nn.Module):
         kv = ([named[KEY]], [named[VALUE]], [i]) if self.has_kv else ([], [], [])
         cache = SlotKVCache(kv[0], kv[1], addressing, batch_index, kv[2])
         states = {state.input_name(i): named[state.name] for state in self.states}
-        step = LayerStep(named["attention_mask"], named["slots"], cache, (named["rope_cos"], named["rope_sin"]),
+        rotary = (named["rope_cos"], named["rope_sin"]) if ROTARY[0] in named else None
+        step = LayerStep(named["attention_mask"], named["slots"], cache, rotary,
                          batch_index, states)
         merge = MediaMerge(named["media_tokens"], named["media_rows"], None)
         hidden = graph.layer(i, named[HIDDEN], step, merge, {name: named[name] for name in graph.spec.extras})

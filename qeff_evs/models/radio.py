@@ -200,7 +200,7 @@ class RadioEncoder(nn.Module):
     def dummy_inputs(self, grid_hw: Sequence[int], frames: int, seed: int = 0) -> dict[str, torch.Tensor]:
         """Random ``pixel_values`` plus the host inputs, as tensors in graph order (export examples)."""
         symbols = self.symbols(grid_hw, frames)
-        dtype = next(self.radio.parameters()).dtype
+        dtype = self.radio.embeddings.video_patch_projection.weight.dtype
         generator = torch.Generator().manual_seed(seed)
         pixels = torch.randn(symbols[PATCH_ROWS], symbols[PATCH_WIDTH], generator=generator).to(dtype)
         host = {name: torch.from_numpy(array) for name, array in self.host_inputs(grid_hw, frames).items()}
