@@ -26,6 +26,7 @@ import torch
 
 from helpers.exports import export_quietly
 from qeff_evs.export import budget
+from qeff_evs.export import weights as export_weights
 from qeff_evs.export.pipeline import ExportOptions, export_checkpoint
 from qeff_evs.manifest import LANGUAGE_DECODE, read_manifest
 from qeff_evs.models.checkpoint import open_weights
@@ -213,6 +214,52 @@ def test_fp16_weights_equal_the_in_memory_export_of_fp16_rounded_weights(tmp_pat
     assert_graphs_equal(half, reference, roles=("language",))
     # The fp32-kept router ops stay listed, the same nodes as in the fp32 export's file.
     assert (half / "language" / "node_precision.yaml").read_text().count("- ") > 0
+
+
+class RowCountingReader:
+    """A checkpoint reader that counts the tensors read by rows (``rows``) and whole (``whole``)."""
+
+    def __init__(self, inner):
+        self.inner, self.rows, self.whole = inner, set(), set()
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def tensor(self, name: str):
+        self.whole.add(name)
+        return self.inner.tensor(name)
+
+    def read_rows(self, name: str, start: int, stop: int):
+        self.rows.add(name)
+        return self.inner.read_rows(name, start, stop)
+
+
+@pytest.mark.parametrize("family", ["qwen3_vl", "nemotron_h_omni"])
+def test_matrices_read_by_rows_write_the_same_weights(pair, family, tmp_path, monkeypatch):
+    """A matrix over ``ROW_BLOCK`` (at full size: the embedding and the LM head) is read and written a block of rows
+    at a time. With a block of 1 KiB every matrix of the tiny model goes that way (Nemotron-H's attention projections
+    from a part of the fused ``qkv``): the same graphs as the in-memory export, and in fp16 byte for byte the weight
+    files of the export that reads each matrix whole."""
+    checkpoint, _, in_memory = pair(family)
+    whole = export_quietly(checkpoint, tmp_path / "whole", options(family, weight_dtype="float16"))
+    monkeypatch.setattr(export_weights, "ROW_BLOCK", 1 << 10)
+    for dtype in ("float32", "float16"):
+        with open_weights(checkpoint) as inner:
+            reader = RowCountingReader(inner)
+            export = export_checkpoint(checkpoint, tmp_path / dtype, options(family, weight_dtype=dtype),
+                                       weights=reader)
+        assert any(".embed" in name for name in reader.rows) and any("lm_head" in name for name in reader.rows)
+        if family == "nemotron_h_omni":
+            assert any("q_proj" in name for name in reader.rows)
+        if dtype == "float32":
+            assert_graphs_equal(tmp_path / dtype, in_memory)
+            continue
+        for folder in ("vision", "language"):
+            files = sorted(p.name for p in (whole / folder / "weights").iterdir())
+            assert files == sorted(p.name for p in (tmp_path / dtype / folder / "weights").iterdir())
+            for name in files:
+                assert (whole / folder / "weights" / name).read_bytes() == \
+                    (tmp_path / dtype / folder / "weights" / name).read_bytes(), name
 
 
 class FailingReader:

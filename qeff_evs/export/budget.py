@@ -3,21 +3,23 @@
 Disk: every weight as stored (``weights.stored_dtype``: fp32, or fp16 with ``--weight-dtype float16``), a tied
 embedding twice (the embedding's table and the head's transposed copy), plus the graphs themselves (the RoPE tables
 they carry). Memory: what the process holds at its peak: the interpreter and its libraries with the hollow model and
-the traced graphs (``BASE_BYTES``, measured), and the largest weight being read: its stored bytes and their fp32
-conversion, 1.5x its fp32 bytes for a bf16 checkpoint (the reader's), after which only its fp32 copy and a block of
-what is written stay; nothing else grows with the model. ``check_budget`` refuses, in one line, an export the folder or the
+the traced graphs (``BASE_BYTES``, measured), and the largest weight being read whole: its stored bytes and their
+fp32 conversion, 1.5x its fp32 bytes for a bf16 checkpoint (the reader's), after which only its fp32 copy and a block
+of what is written stay (a matrix read by rows, as the embedding and the LM head are, holds a block of rows three
+times at most); nothing else grows with the model. ``check_budget`` refuses, in one line, an export the folder or the
 machine cannot hold.
 """
 
 from __future__ import annotations
 
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from torch import nn
 
-from qeff_evs.export.weights import FLOAT16, stored_dtype
+from qeff_evs.export.weights import FLOAT16, ROW_BLOCK, stored_dtype
 
 GIB = 1 << 30
 # Resident memory of an export process besides the weight it reads: Python, torch, transformers, onnx, the hollow
@@ -41,17 +43,22 @@ class ExportBudget:
                 f"{self.memory / GIB:.1f} GiB of memory at its peak")
 
 
-def estimate_budget(model: nn.Module, weight_dtype: str, table_bytes: int = 0) -> ExportBudget:
+def estimate_budget(model: nn.Module, weight_dtype: str, table_bytes: int = 0,
+                    by_rows: Callable[[str], bool] = lambda name: False) -> ExportBudget:
     """The budget of exporting ``model`` (a hollow model: shapes only) with ``weight_dtype``; ``table_bytes``: the
-    RoPE tables (and other constants) the graphs carry."""
+    RoPE tables (and other constants) the graphs carry; ``by_rows(name)``: whether the reader reads that tensor by rows
+    (a matrix over ``ROW_BLOCK`` is then never whole in memory: its block, in fp32 and transposed)."""
     disk, largest, largest_name = 0, 0, ""
     for name, parameter in model.named_parameters(remove_duplicate=False):
         count = parameter.numel()
         kind = stored_dtype(tuple(parameter.shape), parameter.is_floating_point(), weight_dtype)
         disk += count * (2 if kind == FLOAT16 else 4)
-        if count > largest:
-            largest, largest_name = count, name
-    return ExportBudget(disk=disk + table_bytes + GRAPH_BYTES, memory=BASE_BYTES + int(READ_FACTOR * 4 * largest),
+        held = READ_FACTOR * 4 * count
+        if parameter.dim() == 2 and 4 * count > ROW_BLOCK and by_rows(name):
+            held = 3 * ROW_BLOCK
+        if held > largest:
+            largest, largest_name = held, name
+    return ExportBudget(disk=disk + table_bytes + GRAPH_BYTES, memory=BASE_BYTES + int(largest),
                         largest=largest_name, weight_dtype=weight_dtype)
 
 

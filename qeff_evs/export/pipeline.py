@@ -41,7 +41,7 @@ from qeff_evs.export.budget import check_budget, estimate_budget
 from qeff_evs.export.language import export_language_graph, export_language_graph_stamped
 from qeff_evs.export.node_precision import node_precision_yaml, router_paths, state_path
 from qeff_evs.export.vision import export_encoder_graph, export_encoder_graph_streamed, export_pruning_graph
-from qeff_evs.export.weights import FLOAT16 as WEIGHTS_FP16, WEIGHT_DTYPES, WEIGHTS_DIR, WeightStore, fingerprint
+from qeff_evs.export.weights import WEIGHT_DTYPES, WEIGHTS_DIR, WeightStore, fingerprint
 from qeff_evs.manifest import (
     EXPORT_FILES,
     LANGUAGE_DECODE,
@@ -400,7 +400,8 @@ def _export(checkpoint: LoadedCheckpoint, reader, out: Path, options: ExportOpti
     streamed = reader is not None
     if streamed:
         rope_bytes = 0 if rope_positions is None else 2 * rope_positions * spec.head_dim * 4 * (2 if spec.layer_states else 1)
-        budget = estimate_budget(checkpoint.model, options.weight_dtype, rope_bytes)
+        budget = estimate_budget(checkpoint.model, options.weight_dtype, rope_bytes,
+                                 by_rows=lambda name: reader.row_range(name) is not None)
         progress(f"the export needs {budget.describe()}")
         check_budget(budget, out, _weights_written(out))
         names = parameter_names(checkpoint.model)

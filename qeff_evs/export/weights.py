@@ -33,6 +33,9 @@ WEIGHT_DTYPES = (FLOAT32, FLOAT16)
 _STORED = {FLOAT32: TensorProto.FLOAT, FLOAT16: TensorProto.FLOAT16}
 ALIGNMENT = 1 << 16  # file offset of each weight of 1 MiB or more (the page size any runtime maps files with)
 WEIGHTS_DIR = "weights"
+# A matrix larger than this (fp32 bytes) is read and written this many bytes of rows at a time (an embedding, an
+# LM head: a vocabulary's rows would otherwise be in memory twice, as stored and in fp32, ~3.5 GiB at 8B widths).
+ROW_BLOCK = 128 << 20
 # The ops torch.onnx's constant folding folds when their inputs are all constants or parameters (its
 # ``runTorchBackendForOnnx``), and only those: a weight or constant computed by anything else (an ``Exp``) is computed by
 # the runtime in the in-memory export too, so it is here.
@@ -356,7 +359,10 @@ class WeightStore:
 
     def _write_weight(self, out, weight: GraphWeight, reader) -> dict:
         """Append one weight to ``out`` (aligned), holding the source tensor and at most one computed copy of it: a
-        transposed matrix (every linear layer's) is written a block of columns at a time from its source."""
+        transposed matrix (every linear layer's) is written a block of columns at a time from its source; a matrix
+        over ``ROW_BLOCK`` stored as it is (an embedding, an LM head) is read and written a block of rows at a time."""
+        if _by_rows(weight, reader):
+            return self._write_by_rows(out, weight, reader)
         sources = [_fp32(reader.tensor(name)) for name in weight.sources]
         if _is_transpose_2d(weight.expr):
             source = sources.pop()
@@ -382,6 +388,38 @@ class WeightStore:
         if out.tell() - offset != length:
             raise AssertionError(f"{weight.name}: wrote {out.tell() - offset} bytes, expected {length}")
         return dict(key=weight.key, offset=offset, length=length, dims=[int(d) for d in dims],
+                    data_type=helper.np_dtype_to_tensor_dtype(kind))
+
+    def _write_by_rows(self, out, weight: GraphWeight, reader) -> dict:
+        """``_write_weight`` of a large matrix, its source read ``ROW_BLOCK`` bytes of rows at a time: copied as it
+        is, or (transposed) each block's rows become columns of the written matrix, placed row by row with positioned
+        writes; neither the source nor the result is ever whole in memory."""
+        (name,) = weight.sources
+        rows, cols = reader.shape(name)
+        transposed = _is_transpose_2d(weight.expr)
+        dims = (cols, rows) if transposed else (rows, cols)
+        kind = np.dtype(_target(dims, np.float32, self.dtype))
+        length = rows * cols * kind.itemsize
+        if length >= 1 << 20 and out.tell() % ALIGNMENT:  # as _write_weight aligns: the same file either way
+            out.write(b"\0" * (ALIGNMENT - out.tell() % ALIGNMENT))
+        offset = out.tell()
+        step = max(1, ROW_BLOCK // (cols * 4))
+        out.flush()
+        fd = out.fileno()
+        for start in range(0, rows, step):
+            block = reader.read_rows(name, start, min(start + step, rows))
+            block = block.to(_torch_dtype(kind))
+            if not transposed:
+                _pwrite(fd, block.numpy(), offset + start * cols * kind.itemsize)
+                continue
+            columns = block.t().contiguous().numpy()  # (cols, block rows): a piece of each written row
+            for row, piece in enumerate(columns):
+                _pwrite(fd, piece, offset + (row * rows + start) * kind.itemsize)
+            del columns
+        out.seek(offset + length)
+        if os.fstat(fd).st_size != offset + length:
+            raise AssertionError(f"{weight.name}: the file ends at {os.fstat(fd).st_size}, expected {offset + length}")
+        return dict(key=weight.key, offset=offset, length=length, dims=list(dims),
                     data_type=helper.np_dtype_to_tensor_dtype(kind))
 
     def write_unit(self, unit: str, weights: Sequence[GraphWeight], reader) -> int:
@@ -413,6 +451,32 @@ def _target(dims: Sequence[int], dtype, store_dtype: str):
     if not np.issubdtype(dtype, np.floating):
         return dtype
     return np.float16 if stored_dtype(dims, True, store_dtype) == FLOAT16 else np.float32
+
+
+def _by_rows(weight: GraphWeight, reader) -> bool:
+    """Whether ``weight`` is written by ``WeightStore._write_by_rows``: a matrix of more than ``ROW_BLOCK`` fp32
+    bytes, one checkpoint tensor as it is or transposed, that the reader reads by rows."""
+    if len(weight.sources) != 1 or not (not weight.expr.nodes or _is_transpose_2d(weight.expr)):
+        return False
+    (name,) = weight.sources
+    if not hasattr(reader, "row_range") or reader.row_range(name) is None:
+        return False
+    shape = reader.shape(name)
+    return len(shape) == 2 and shape[0] * shape[1] * 4 > ROW_BLOCK
+
+
+def _pwrite(fd: int, array: np.ndarray, offset: int) -> None:
+    """``array``'s bytes at ``offset`` of ``fd`` (a positioned write may write part of them: the rest follows)."""
+    view = memoryview(np.ascontiguousarray(array)).cast("B")
+    while len(view):
+        count = os.pwrite(fd, view, offset)
+        view, offset = view[count:], offset + count
+
+
+def _torch_dtype(kind: np.dtype):
+    import torch
+
+    return torch.float16 if kind == np.float16 else torch.float32
 
 
 def _is_transpose_2d(expr: WeightExpr) -> bool:

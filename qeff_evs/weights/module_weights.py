@@ -61,6 +61,28 @@ class ModuleWeights:
                 row += rows
         return fused
 
+    def row_range(self, name: str) -> tuple[str, int] | None:
+        """Where ``name``'s rows (first axis) lie in a stored float tensor read by rows: its stored name and the row
+        its first row is; None where it is made otherwise (dequantized, fused, transposed: read it whole)."""
+        source = self.source(name)
+        if isinstance(source, Stored) and self.stored.reads_rows(source.name):
+            return source.name, 0
+        if isinstance(source, Chunk) and self.stored.reads_rows(source.name):
+            rows = self._shapes[source.name][0]
+            if rows % source.count == 0:  # equal chunks (the plan checked the shape)
+                return source.name, source.index * (rows // source.count)
+        return None
+
+    def read_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows ``start:stop`` of ``name``'s tensor, fp32, exact (a tensor ``row_range`` places)."""
+        placed = self.row_range(name)
+        if placed is None:
+            raise ValueError(f"{name} is not read by rows; read it whole with tensor()")
+        stored, first = placed
+        if not 0 <= start <= stop <= self.shape(name)[0]:
+            raise IndexError(f"rows {start}:{stop} of {name}, which has {self.shape(name)[0]}")
+        return self.stored.read_rows(stored, first + start, first + stop)
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Every tensor at once (the in-memory load's; tied names share one tensor)."""
         read: dict[Source, torch.Tensor] = {}

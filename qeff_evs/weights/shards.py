@@ -115,18 +115,32 @@ class Shards:
     def read(self, name: str) -> torch.Tensor:
         """The tensor as stored (its dtype and shape), in memory of its own."""
         entry = self.entry(name)
-        data = torch.empty(entry.end - entry.start, dtype=torch.uint8)
+        return self._read_bytes(name, entry, entry.start, entry.end).view(entry.dtype).reshape(entry.shape)
+
+    def read_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows ``start:stop`` of the tensor along its first axis, as stored (rows lie contiguously in the file: one
+        read of their bytes alone)."""
+        entry = self.entry(name)
+        rows = entry.shape[0] if entry.shape else 0
+        if not 0 <= start <= stop <= rows:
+            raise IndexError(f"rows {start}:{stop} of {name}, which has {rows}")
+        row_bytes = (entry.end - entry.start) // rows if rows else 0
+        data = self._read_bytes(name, entry, entry.start + start * row_bytes, entry.start + stop * row_bytes)
+        return data.view(entry.dtype).reshape(stop - start, *entry.shape[1:])
+
+    def _read_bytes(self, name: str, entry: StoredTensor, begin: int, end: int) -> torch.Tensor:
+        data = torch.empty(end - begin, dtype=torch.uint8)
         f = self._open.get(entry.file)
         if f is None:
             f = self._open[entry.file] = open(entry.file, "rb", buffering=0)
         view, done = memoryview(data.numpy()), 0
-        f.seek(entry.start)
+        f.seek(begin)
         while done < len(view):
             count = f.readinto(view[done:])
             if not count:
                 raise ValueError(f"{entry.file} ends inside tensor {name}; the file is truncated (download it again)")
             done += count
-        return data.view(entry.dtype).reshape(entry.shape)
+        return data
 
     def close(self) -> None:
         """Close every file this reader opened (reading again reopens them)."""

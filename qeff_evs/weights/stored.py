@@ -88,5 +88,16 @@ class StoredWeights:
                              "values; its config.json's quantization_config does not describe this checkpoint")
         return tensor.float() if tensor.is_floating_point() else tensor
 
+    def reads_rows(self, name: str) -> bool:
+        """Whether ``read_rows`` reads ``name`` (a float tensor stored as it is: not quantized, not fp8)."""
+        return (name not in self._quantized and name in self.shards and self.shards.dtype(name).is_floating_point
+                and self.shards.dtype(name) not in FLOAT8 and len(self.shards.shape(name)) >= 1)
+
+    def read_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows ``start:stop`` (first axis) of a tensor ``reads_rows`` takes, fp32, exact."""
+        if not self.reads_rows(name):
+            raise ValueError(f"{name} is not a float tensor stored as it is; read it whole")
+        return self.shards.read_rows(name, start, stop).float()
+
     def close(self) -> None:
         self.shards.close()
