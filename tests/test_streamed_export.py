@@ -236,13 +236,14 @@ class RowCountingReader:
 
 @pytest.mark.parametrize("family", ["qwen3_vl", "nemotron_h_omni"])
 def test_matrices_read_by_rows_write_the_same_weights(pair, family, tmp_path, monkeypatch):
-    """A matrix over ``ROW_BLOCK`` (at full size: the embedding and the LM head) is read and written a block of rows
-    at a time. With a block of 1 KiB every matrix of the tiny model goes that way (Nemotron-H's attention projections
+    """A matrix over ``BY_ROWS_ABOVE`` (at full size: the embedding and the LM head) is read and written a block of
+    rows at a time. With both at 1 KiB every matrix of the tiny model goes that way (Nemotron-H's attention projections
     from a part of the fused ``qkv``): the same graphs as the in-memory export, and in fp16 byte for byte the weight
     files of the export that reads each matrix whole."""
     checkpoint, _, in_memory = pair(family)
     whole = export_quietly(checkpoint, tmp_path / "whole", options(family, weight_dtype="float16"))
     monkeypatch.setattr(export_weights, "ROW_BLOCK", 1 << 10)
+    monkeypatch.setattr(export_weights, "BY_ROWS_ABOVE", 1 << 10)
     for dtype in ("float32", "float16"):
         with open_weights(checkpoint) as inner:
             reader = RowCountingReader(inner)

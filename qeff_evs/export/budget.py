@@ -19,7 +19,7 @@ from pathlib import Path
 
 from torch import nn
 
-from qeff_evs.export.weights import FLOAT16, ROW_BLOCK, stored_dtype
+from qeff_evs.export.weights import BY_ROWS_ABOVE, FLOAT16, ROW_BLOCK, stored_dtype
 
 GIB = 1 << 30
 # Resident memory of an export process besides the weight it reads: Python, torch, transformers, onnx, the hollow
@@ -47,14 +47,14 @@ def estimate_budget(model: nn.Module, weight_dtype: str, table_bytes: int = 0,
                     by_rows: Callable[[str], bool] = lambda name: False) -> ExportBudget:
     """The budget of exporting ``model`` (a hollow model: shapes only) with ``weight_dtype``; ``table_bytes``: the
     RoPE tables (and other constants) the graphs carry; ``by_rows(name)``: whether the reader reads that tensor by rows
-    (a matrix over ``ROW_BLOCK`` is then never whole in memory: its block, in fp32 and transposed)."""
+    (a matrix over ``BY_ROWS_ABOVE`` is then never whole in memory: its block, in fp32 and transposed)."""
     disk, largest, largest_name = 0, 0, ""
     for name, parameter in model.named_parameters(remove_duplicate=False):
         count = parameter.numel()
         kind = stored_dtype(tuple(parameter.shape), parameter.is_floating_point(), weight_dtype)
         disk += count * (2 if kind == FLOAT16 else 4)
         held = READ_FACTOR * 4 * count
-        if parameter.dim() == 2 and 4 * count > ROW_BLOCK and by_rows(name):
+        if parameter.dim() == 2 and 4 * count > BY_ROWS_ABOVE and by_rows(name):
             held = 3 * ROW_BLOCK
         if held > largest:
             largest, largest_name = held, name

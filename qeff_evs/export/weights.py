@@ -33,9 +33,11 @@ WEIGHT_DTYPES = (FLOAT32, FLOAT16)
 _STORED = {FLOAT32: TensorProto.FLOAT, FLOAT16: TensorProto.FLOAT16}
 ALIGNMENT = 1 << 16  # file offset of each weight of 1 MiB or more (the page size any runtime maps files with)
 WEIGHTS_DIR = "weights"
-# A matrix larger than this (fp32 bytes) is read and written this many bytes of rows at a time (an embedding, an
-# LM head: a vocabulary's rows would otherwise be in memory twice, as stored and in fp32, ~3.5 GiB at 8B widths).
+# A matrix of more than BY_ROWS_ABOVE fp32 bytes (an embedding, an LM head: a vocabulary's rows, read whole, would be
+# in memory as stored and in fp32, ~3.5 GiB at 8B widths) is read and written ROW_BLOCK bytes of rows at a time.
+# Below it a whole read holds no more than three blocks would, and writes in long runs.
 ROW_BLOCK = 128 << 20
+BY_ROWS_ABOVE = 4 * ROW_BLOCK
 # The ops torch.onnx's constant folding folds when their inputs are all constants or parameters (its
 # ``runTorchBackendForOnnx``), and only those: a weight or constant computed by anything else (an ``Exp``) is computed by
 # the runtime in the in-memory export too, so it is here.
@@ -360,7 +362,7 @@ class WeightStore:
     def _write_weight(self, out, weight: GraphWeight, reader) -> dict:
         """Append one weight to ``out`` (aligned), holding the source tensor and at most one computed copy of it: a
         transposed matrix (every linear layer's) is written a block of columns at a time from its source; a matrix
-        over ``ROW_BLOCK`` stored as it is (an embedding, an LM head) is read and written a block of rows at a time."""
+        over ``BY_ROWS_ABOVE`` stored as it is (an embedding, an LM head) is read and written a block of rows at a time."""
         if _by_rows(weight, reader):
             return self._write_by_rows(out, weight, reader)
         sources = [_fp32(reader.tensor(name)) for name in weight.sources]
@@ -454,7 +456,7 @@ def _target(dims: Sequence[int], dtype, store_dtype: str):
 
 
 def _by_rows(weight: GraphWeight, reader) -> bool:
-    """Whether ``weight`` is written by ``WeightStore._write_by_rows``: a matrix of more than ``ROW_BLOCK`` fp32
+    """Whether ``weight`` is written by ``WeightStore._write_by_rows``: a matrix of more than ``BY_ROWS_ABOVE`` fp32
     bytes, one checkpoint tensor as it is or transposed, that the reader reads by rows."""
     if len(weight.sources) != 1 or not (not weight.expr.nodes or _is_transpose_2d(weight.expr)):
         return False
@@ -462,7 +464,7 @@ def _by_rows(weight: GraphWeight, reader) -> bool:
     if not hasattr(reader, "row_range") or reader.row_range(name) is None:
         return False
     shape = reader.shape(name)
-    return len(shape) == 2 and shape[0] * shape[1] * 4 > ROW_BLOCK
+    return len(shape) == 2 and shape[0] * shape[1] * 4 > BY_ROWS_ABOVE
 
 
 def _pwrite(fd: int, array: np.ndarray, offset: int) -> None:
