@@ -148,7 +148,8 @@ CASES = [(family, fmt, ROTATION[fmt][i % len(ROTATION[fmt])]) for i, family in e
 
 def export_options(family: str, in_memory: bool) -> ExportOptions:
     side = family_class(family).preprocessing.patch_size * 2 * 2  # 2x2 merged tokens per temporal patch
-    return ExportOptions(0.5, (4,), ((side, side),), prefill_seq_len=16, ctx_len=64,
+    ctx_len = 192 if family == "nemotron_h_omni" else 64  # its prompt carries more template tokens per frame
+    return ExportOptions(0.5, (4,), ((side, side),), prefill_seq_len=16, ctx_len=ctx_len,
                          video_pruning_methods=("evs",), full_batch_size=1,  # one KV row: vLLM serves it
                          in_memory=in_memory)
 

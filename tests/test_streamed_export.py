@@ -27,6 +27,7 @@ import torch
 from helpers.exports import export_quietly
 from qeff_evs.export import budget
 from qeff_evs.export import weights as export_weights
+from qeff_evs.export.compile import compile_export
 from qeff_evs.export.pipeline import ExportOptions, export_checkpoint
 from qeff_evs.manifest import LANGUAGE_DECODE, read_manifest
 from qeff_evs.models.checkpoint import open_weights
@@ -40,6 +41,7 @@ from qeff_evs.runtime.inputs.prompt import video_question_pieces
 from qeff_evs.runtime.inputs.synthetic import moving_square_video
 from qeff_evs.runtime.media import video_from_file
 from qeff_evs.runtime.sessions import sessions_for
+from qeff_evs.specializations import CompileOptions
 from qeff_evs.specializations import read_specializations_json
 
 FAMILIES = shipped_family_names()
@@ -180,6 +182,12 @@ def test_layers_as_functions_compute_the_same(pair, tmp_path):
     calls = [node for node in model.graph.node if node.domain == "qeff_evs.layers"]
     assert len(calls) == 3 and len({node.op_type for node in calls}) == 2  # deepstack level 0, then plain layers
     assert_graphs_equal(export, in_memory, roles=("language",))
+    # qaic-compile is told (QEfficient's -sub-functions), on the language graph's line alone; -mxfp6-matmul refused
+    lines = [line for line in (export / "compile.sh").read_text().splitlines() if line.startswith('"$QAIC_COMPILE"')]
+    assert [("-sub-functions" in line) for line in lines] == [("language.onnx" in line) for line in lines]
+    assert any("language.onnx" in line for line in lines)
+    with pytest.raises(ValueError, match="whose weights -mxfp6-matmul cannot compress"):
+        compile_export(export, CompileOptions(mxfp6_matmul=True))
     with pytest.raises(ValueError, match="--layer-functions: this model's graph keeps some ops in fp32"):
         export_checkpoint(pair("qwen3_vl_moe")[0], tmp_path / "moe", options("qwen3_vl_moe", layer_functions=True))
 

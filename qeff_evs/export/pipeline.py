@@ -40,6 +40,7 @@ from qeff_evs.positions import rope_table_length
 from qeff_evs.export.budget import check_budget, estimate_budget
 from qeff_evs.export.language import export_language_graph, export_language_graph_stamped
 from qeff_evs.export.node_precision import node_precision_yaml, router_paths, state_path
+from qeff_evs.export.stamping import LAYER_DOMAIN
 from qeff_evs.export.vision import export_encoder_graph, export_encoder_graph_streamed, export_pruning_graph
 from qeff_evs.export.weights import WEIGHT_DTYPES, WEIGHTS_DIR, WeightStore, fingerprint
 from qeff_evs.manifest import (
@@ -88,7 +89,7 @@ from qeff_evs.specializations import (
     write_compile_script,
     write_specializations_json,
 )
-from qeff_evs.specializations.compile_command import NODE_PRECISION_FLAG
+from qeff_evs.specializations.compile_command import NODE_PRECISION_FLAG, SUB_FUNCTIONS_FLAG
 from qeff_evs.specializations.sets import COMP_CTX_STEP, check_frame_size, check_frames_per_call
 from qeff_evs.specializations.placement import PerGraph, write_placement_record
 
@@ -240,6 +241,15 @@ def write_node_precision(export_dir: Path, layer_states: Sequence[LayerState]) -
     return path
 
 
+def _has_layer_functions(language_graph: Path) -> bool:
+    """Whether the language graph calls layer functions (``--layer-functions``): its compile line then takes
+    ``-sub-functions``, as QEfficient's does for its ``use_onnx_subfunctions`` graphs."""
+    if not language_graph.is_file():
+        return False
+    model = onnx.load(str(language_graph), load_external_data=False)
+    return any(function.domain == LAYER_DOMAIN for function in model.functions)
+
+
 def compile_commands(export_dir: Path, options: CompileOptions, kv_precision: str,
                      specs: Mapping[str, Sequence[Specialization]],
                      embedding_names: Sequence[str], layer_states: Sequence[LayerState] = (),
@@ -258,6 +268,11 @@ def compile_commands(export_dir: Path, options: CompileOptions, kv_precision: st
         options = dataclasses.replace(options, extra_flags=(*options.extra_flags, flag))
     commands = []
     cores, devices = options.cores, options.devices
+    sub_functions = _has_layer_functions(export_dir / EXPORT_FILES["language"])
+    if sub_functions and options.mxfp6_matmul:
+        raise ValueError("the language graph's layers are ONNX functions (exported with --layer-functions), whose "
+                         "weights -mxfp6-matmul cannot compress (it needs them as the graph's constants): compile "
+                         "without --mxfp6, or export again without --layer-functions")
     files = export_files(tuple(graph[len(PRUNING_ROLE) + 1:] for graph in specs if graph_role(graph) == PRUNING_ROLE))
     programs = options.language_programs  # one side of prefill/decode disaggregation: its own specializations
     for graph in specs:
@@ -273,7 +288,9 @@ def compile_commands(export_dir: Path, options: CompileOptions, kv_precision: st
         commands.append(prepare_graph_compile(
             onnx_path, graph_dir, graph_specs, graph=role, kv_precision=kv_precision,
             style=options.specializations_layout, num_cores=cores[role],
-            mxfp6_matmul=options.mxfp6_matmul, extra_flags=options.flags_for(role), relative_to=export_dir,
+            mxfp6_matmul=options.mxfp6_matmul,
+            extra_flags=(*options.flags_for(role), *([SUB_FUNCTIONS_FLAG] if sub_functions and role == "language"
+                                                     else [])), relative_to=export_dir,
             aic_hw_version=options.aic_hw_version, num_devices=devices[role], stem=stem,
             embedding_names=embedding_names, state_precisions=state_precisions(layer_states)))
         if stem is None or graph != "language":
@@ -337,6 +354,9 @@ def check_weight_options(options: ExportOptions) -> None:
     if options.in_memory and (options.weight_dtype != FLOAT32 or options.layer_functions):
         raise ValueError("--in-memory traces the loaded model as it is (fp32 weights, no layer functions); drop "
                          "--weight-dtype/--layer-functions or --in-memory")
+    if options.layer_functions and options.mxfp6_matmul:
+        raise ValueError("--layer-functions with --mxfp6: a layer function takes its weights as inputs, which "
+                         "-mxfp6-matmul cannot compress (it needs them as the graph's constants); drop one of them")
 
 
 def hollow_checkpoint(model_dir: str | os.PathLike) -> LoadedCheckpoint:

@@ -62,6 +62,7 @@ HW_VERSIONS: tuple[str, ...] = ("ai100", "ai200")
 DEFAULT_NUM_CORES = 16
 QAIC_UTIL_PATH = Path("/opt/qti-aic/tools/qaic-util")
 NODE_PRECISION_FLAG = "-node-precision-info="  # names nodes of one graph: passed to the language graph only
+SUB_FUNCTIONS_FLAG = "-sub-functions"  # the graph's layers are ONNX functions (export --layer-functions)
 
 
 def detect_aic_hw_version(qaic_util: Path = QAIC_UTIL_PATH, timeout_s: float = 10.0) -> str:

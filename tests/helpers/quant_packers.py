@@ -155,6 +155,9 @@ class Release:
     quantization_config: dict
     float_dtype: torch.dtype
     pack: Callable[[torch.Tensor], Packed]
+    # Whether a linear of this (out, in) shape packs (a quantizer leaves one that does not in float: a tiny Mamba
+    # in_proj's 100 outputs fill no whole 32-bit word of 4-bit codes).
+    fits: Callable[[tuple[int, ...]], bool] = lambda shape: True
 
 
 def fp8_release(block=(32, 48), scale_dtype=torch.bfloat16) -> Release:
@@ -181,7 +184,7 @@ def compressed_release(strategy="channel", scale_dtype=torch.float32) -> Release
 def awq_release(group=16) -> Release:
     config = {"quant_method": "awq", "bits": 4, "group_size": group, "version": "gemm", "zero_point": True,
               "modules_to_not_convert": ["visual"]}
-    return Release("awq", config, torch.float16, lambda w: awq(w, group))
+    return Release("awq", config, torch.float16, lambda w: awq(w, group), packs_int(4, group))
 
 
 def gptq_release(group=16, bits=4, sym=True, desc_act=False, checkpoint_format="gptq") -> Release:
@@ -189,7 +192,13 @@ def gptq_release(group=16, bits=4, sym=True, desc_act=False, checkpoint_format="
               "checkpoint_format": checkpoint_format}
     name = f"gptq_{bits}bit_{'sym' if sym else 'asym'}{'_act' if desc_act else ''}_{checkpoint_format}"
     return Release(name, config, torch.float16,
-                   lambda w: gptq(w, group, bits=bits, sym=sym, desc_act=desc_act, checkpoint_format=checkpoint_format))
+                   lambda w: gptq(w, group, bits=bits, sym=sym, desc_act=desc_act, checkpoint_format=checkpoint_format),
+                   packs_int(bits, group))
+
+
+def packs_int(bits: int, group: int) -> Callable[[tuple[int, ...]], bool]:
+    """Whether an (out, in) linear packs as ``bits``-bit codes in int32 words with groups of ``group`` inputs."""
+    return lambda shape: shape[0] % (32 // bits) == 0 and shape[1] % group == 0 and shape[1] % (32 // bits) == 0
 
 
 # The linears a release quantizes: the decoder's, but not the routers, the shared expert's gate or Gated DeltaNet's
@@ -225,7 +234,7 @@ def quantize_checkpoint(saved: Path, release: Release, quantized: Path, referenc
     per_expert = experts_split(original)  # releases store experts one by one (a no-op where they already are)
     stored, dequantized = {}, {}
     for name, tensor in per_expert.items():
-        if quantized_linear(name, tensor):
+        if quantized_linear(name, tensor) and release.fits(tuple(tensor.shape)):
             packed = release.pack(tensor.float())
             prefix = name[: -len(".weight")]
             stored.update({f"{prefix}.{suffix}": t for suffix, t in packed.stored.items()})
