@@ -242,16 +242,18 @@ class RowCountingReader:
         return self.inner.read_rows(name, start, stop)
 
 
-@pytest.mark.parametrize("family", ["qwen3_vl", "nemotron_h_omni"])
+@pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_5", "nemotron_h_omni"])
 def test_matrices_read_by_rows_write_the_same_weights(pair, family, tmp_path, monkeypatch):
     """A matrix over ``BY_ROWS_ABOVE`` (at full size: the embedding and the LM head) is read and written a block of
     rows at a time. With both at 1 KiB every matrix of the tiny model goes that way (Nemotron-H's attention projections
     from a part of the fused ``qkv``): the same graphs as the in-memory export, and in fp16 byte for byte the weight
-    files of the export that reads each matrix whole."""
+    files of the export that reads each matrix whole. The RoPE tables (over ``TABLE_BYTES``, here also 1 KiB) leave
+    each language graph's file for a tables file of its own (Qwen3.5's decode twin has its own)."""
     checkpoint, _, in_memory = pair(family)
     whole = export_quietly(checkpoint, tmp_path / "whole", options(family, weight_dtype="float16"))
     monkeypatch.setattr(export_weights, "ROW_BLOCK", 1 << 10)
     monkeypatch.setattr(export_weights, "BY_ROWS_ABOVE", 1 << 10)
+    monkeypatch.setattr(export_weights, "TABLE_BYTES", 1 << 10)
     for dtype in ("float32", "float16"):
         with open_weights(checkpoint) as inner:
             reader = RowCountingReader(inner)
@@ -262,10 +264,17 @@ def test_matrices_read_by_rows_write_the_same_weights(pair, family, tmp_path, mo
             assert any("q_proj" in name for name in reader.rows)
         if dtype == "float32":
             assert_graphs_equal(tmp_path / dtype, in_memory)
+            graphs = sorted((tmp_path / dtype / "language").glob("*.onnx"))
+            tables = sorted(p.name for p in (tmp_path / dtype / "language" / "weights").glob("*.tables.data"))
+            assert tables == ([f"{graph.stem}.tables.data" for graph in graphs] if family != "nemotron_h_omni" else [])
+            for graph in graphs:
+                model = onnx.load(str(graph), load_external_data=False)
+                assert not [n for n in model.graph.node if n.op_type == "Constant" and n.attribute[0].t.ByteSize() > 2048]
             continue
         for folder in ("vision", "language"):
             files = sorted(p.name for p in (whole / folder / "weights").iterdir())
-            assert files == sorted(p.name for p in (tmp_path / dtype / folder / "weights").iterdir())
+            assert files == sorted(p.name for p in (tmp_path / dtype / folder / "weights").iterdir()
+                                   if ".tables." not in p.name)
             for name in files:
                 assert (whole / folder / "weights" / name).read_bytes() == \
                     (tmp_path / dtype / folder / "weights" / name).read_bytes(), name

@@ -21,7 +21,7 @@ from torch import nn
 
 from qeff_evs.export.onnx_graph import check_named_axes, check_static_ops, legacy_export
 from qeff_evs.export.stamping import stamped_language_graph
-from qeff_evs.export.weights import WeightStore, attach_weights, write_weights
+from qeff_evs.export.weights import WeightStore, attach_weights, store_tables, write_weights
 from qeff_evs.models.graph_io import BATCH_INDEX, COMP_CTX_LENGTHS, LOGITS_ROWS, LanguageGraphIO
 from qeff_evs.models.language import ExportableLanguageGraph, LanguageSpec
 from qeff_evs.models.registry import family_for_config
@@ -199,6 +199,7 @@ def export_language_graph_stamped(
         f"{time.perf_counter() - started:.1f} s")
     write_weights(stamped.weights, store, reader, say, label=f"{path.name} weights")
     attach_weights(stamped.model, stamped.weights, store)
+    store_tables(stamped.model, store, f"{path.stem}.tables")
     path.parent.mkdir(parents=True, exist_ok=True)
     onnx.save(stamped.model, str(path))
     check_language_graph(onnx.load(str(path), load_external_data=False), io)

@@ -526,6 +526,15 @@ def write_weights(weights: Sequence[GraphWeight], store: WeightStore, reader, pr
                  f"{elapsed:,.0f} s so far, about {left:,.0f} s left")
 
 
+def _external(tensor: TensorProto, location: str, offset: int, length: int) -> TensorProto:
+    """``tensor`` pointed at ``length`` bytes at ``offset`` of ``location`` (relative to the graph's folder)."""
+    tensor.data_location = TensorProto.EXTERNAL
+    for key, value in (("location", location), ("offset", str(offset)), ("length", str(length))):
+        entry = tensor.external_data.add()
+        entry.key, entry.value = key, value
+    return tensor
+
+
 def attach_weights(model: onnx.ModelProto, weights: Sequence[GraphWeight], store: WeightStore) -> None:
     """Define each weight of ``model`` as an initializer in the store's files; a weight stored in fp16 where the graph
     reads fp32 is read through a ``Cast`` (which the card's fp16 conversion drops)."""
@@ -537,16 +546,49 @@ def attach_weights(model: onnx.ModelProto, weights: Sequence[GraphWeight], store
             tensor.name = f"{weight.name}:fp16"
             casts.append(helper.make_node("Cast", [tensor.name], [weight.name], name=f"{weight.name}:Cast",
                                           to=TensorProto.FLOAT))
-        tensor.data_location = TensorProto.EXTERNAL
-        for key, value in (("location", stored.location), ("offset", str(stored.offset)),
-                           ("length", str(stored.length))):
-            entry = tensor.external_data.add()
-            entry.key, entry.value = key, value
-        model.graph.initializer.append(tensor)
+        model.graph.initializer.append(_external(tensor, stored.location, stored.offset, stored.length))
     if casts:
         nodes = casts + list(model.graph.node)
         del model.graph.node[:]
         model.graph.node.extend(nodes)
+
+
+TABLE_BYTES = 1 << 20  # a constant of at least this many bytes goes to the graph's tables file
+
+
+def store_tables(model: onnx.ModelProto, store: WeightStore, unit: str, threshold: int | None = None) -> int:
+    """Move each ``Constant`` of the main graph holding ``threshold`` bytes or more (the RoPE tables, whose size
+    follows ``--rope-positions``) to an initializer in the store's file ``unit`` (the graph's own, rewritten by
+    every export): the graph file stays small whatever the context (protobuf caps it at 2 GiB). Returns the bytes
+    moved."""
+    data, _ = store.unit_paths(unit)
+    threshold = TABLE_BYTES if threshold is None else threshold
+    kept, moved = [], []
+    for node in model.graph.node:
+        value = node.attribute[0].t if node.op_type == "Constant" and len(node.attribute) == 1 \
+            and node.attribute[0].name == "value" else None
+        if value is None or int(np.prod(value.dims)) * helper.tensor_dtype_to_np_dtype(value.data_type).itemsize \
+                < threshold:
+            kept.append(node)
+            continue
+        moved.append((node.output[0], numpy_helper.to_array(value)))
+    if not moved:
+        return 0
+    store.folder.mkdir(parents=True, exist_ok=True)
+    written = 0
+    with open(data, "wb") as out:
+        for name, array in moved:
+            if out.tell() % ALIGNMENT:
+                out.write(b"\0" * (ALIGNMENT - out.tell() % ALIGNMENT))
+            offset = out.tell()
+            out.write(np.ascontiguousarray(array).tobytes())
+            tensor = TensorProto(name=name, data_type=helper.np_dtype_to_tensor_dtype(array.dtype),
+                                 dims=list(array.shape))
+            model.graph.initializer.append(_external(tensor, f"{WEIGHTS_DIR}/{data.name}", offset, array.nbytes))
+            written += array.nbytes
+    del model.graph.node[:]
+    model.graph.node.extend(kept)
+    return written
 
 
 def rename_weights(exprs: Mapping[str, WeightExpr], sources: Mapping[str, str], unit: str,
