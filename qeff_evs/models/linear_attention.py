@@ -104,6 +104,29 @@ class LinearAttentionOutput(NamedTuple):
     recurrent_state: torch.Tensor  # (rows, Hv, dk, dv) fp32
 
 
+def check_step_slots(hidden_states: torch.Tensor, slots: torch.Tensor, prefill_seq_len: int | None) -> None:
+    """A state layer's step: ``slots`` int64 ``(batch, seq_len)`` of ``hidden_states``, a chunk no longer than the
+    graph's prefill length, right padding only."""
+    batch, seq_len = hidden_states.shape[:2]
+    if slots.shape != (batch, seq_len) or slots.dtype != torch.int64:
+        raise ValueError(f"slots must be int64 (batch, seq_len) = ({batch}, {seq_len}), got "
+                         f"{slots.dtype} {tuple(slots.shape)}; pass position_ids[0]")
+    if prefill_seq_len is not None and seq_len > prefill_seq_len:
+        raise ValueError(f"a chunk of {seq_len} tokens exceeds this graph's prefill_seq_len "
+                         f"{prefill_seq_len}; split it into chunks of at most that length")
+    check_right_padding(slots)
+
+
+def check_state_rows(rows: int, slots: torch.Tensor, batch_index: torch.Tensor | None) -> None:
+    """A state of ``rows`` rows for the step's batch: one per batch row without ``batch_index``, else a valid index."""
+    batch = slots.shape[0]
+    if batch_index is None and rows != batch:
+        raise ValueError(f"states have {rows} rows for a batch of {batch}; without batch_index every batch "
+                         "row owns the state row of its index")
+    if batch_index is not None:
+        check_batch_index(batch_index, slots[None], cache_rows=rows)
+
+
 def check_right_padding(slots: torch.Tensor) -> None:
     """Valid tokens must come first in each row (right padding): the conv state is read at the valid count."""
     valid = slots >= 0
@@ -218,25 +241,14 @@ class GatedDeltaNetStep(nn.Module):
     def _check_inputs(self, hidden_states, slots, conv_state, recurrent_state, batch_index) -> None:
         if torch.jit.is_tracing():
             return
-        batch, seq_len = hidden_states.shape[:2]
-        if slots.shape != (batch, seq_len) or slots.dtype != torch.int64:
-            raise ValueError(f"slots must be int64 (batch, seq_len) = ({batch}, {seq_len}), got "
-                             f"{slots.dtype} {tuple(slots.shape)}; pass position_ids[0]")
-        if self.prefill_seq_len is not None and seq_len > self.prefill_seq_len:
-            raise ValueError(f"a chunk of {seq_len} tokens exceeds this graph's prefill_seq_len "
-                             f"{self.prefill_seq_len}; split it into chunks of at most that length")
-        check_right_padding(slots)
+        check_step_slots(hidden_states, slots, self.prefill_seq_len)
         rows = conv_state.shape[0]
         spec = self.spec
         if tuple(conv_state.shape) != spec.conv_shape(rows) or tuple(recurrent_state.shape) != spec.recurrent_shape(rows):
             raise ValueError(
                 f"states must be conv {spec.conv_shape(rows)} and recurrent {spec.recurrent_shape(rows)}, got "
                 f"{tuple(conv_state.shape)} and {tuple(recurrent_state.shape)}")
-        if batch_index is None and rows != batch:
-            raise ValueError(f"states have {rows} rows for a batch of {batch}; without batch_index every batch "
-                             "row owns the state row of its index")
-        if batch_index is not None:
-            check_batch_index(batch_index, slots[None], cache_rows=rows)
+        check_state_rows(rows, slots, batch_index)
 
 
 def _zero(like: torch.Tensor) -> torch.Tensor:

@@ -48,9 +48,8 @@ from transformers.activations import ACT2FN
 
 from qeff_evs.models.gated_delta import causal_conv, decay, softplus
 from qeff_evs.models.linear_attention import (
-    CONV_STATE, check_right_padding, gather_state_rows, scatter_state_rows,
+    CONV_STATE, check_state_rows, check_step_slots, gather_state_rows, scatter_state_rows,
 )
-from qeff_evs.models.graph_io import check_batch_index
 
 SSM_STATE = "ssm_state"
 MAX_CHUNK = 128  # the released checkpoints' Mamba2 chunk_size
@@ -243,20 +242,9 @@ class Mamba2Step(nn.Module):
     def _check_inputs(self, hidden_states, slots, conv_state, ssm_state, batch_index) -> None:
         if torch.jit.is_tracing():
             return
-        batch, seq_len = hidden_states.shape[:2]
-        if slots.shape != (batch, seq_len) or slots.dtype != torch.int64:
-            raise ValueError(f"slots must be int64 (batch, seq_len) = ({batch}, {seq_len}), got "
-                             f"{slots.dtype} {tuple(slots.shape)}; pass position_ids[0]")
-        if self.prefill_seq_len is not None and seq_len > self.prefill_seq_len:
-            raise ValueError(f"a chunk of {seq_len} tokens exceeds this graph's prefill_seq_len "
-                             f"{self.prefill_seq_len}; split it into chunks of at most that length")
-        check_right_padding(slots)
+        check_step_slots(hidden_states, slots, self.prefill_seq_len)
         rows, spec = conv_state.shape[0], self.spec
         if tuple(conv_state.shape) != spec.conv_shape(rows) or tuple(ssm_state.shape) != spec.ssm_shape(rows):
             raise ValueError(f"states must be conv {spec.conv_shape(rows)} and ssm {spec.ssm_shape(rows)}, got "
                              f"{tuple(conv_state.shape)} and {tuple(ssm_state.shape)}")
-        if batch_index is None and rows != batch:
-            raise ValueError(f"states have {rows} rows for a batch of {batch}; without batch_index every batch "
-                             "row owns the state row of its index")
-        if batch_index is not None:
-            check_batch_index(batch_index, slots[None], cache_rows=rows)
+        check_state_rows(rows, slots, batch_index)
