@@ -112,3 +112,27 @@ def test_a_row_is_reused_only_when_its_whole_history_is_a_prefix(server, export)
         expected = engine.generate(engine.prepare([PromptPiece(ids=tuple(ids))], []), eos_ids=stop_ids(bundle))
         assert response.choices[0].token_ids == expected.generated_token_ids
         assert (response.usage.prompt_tokens_details.cached_tokens or 0) == reused
+
+
+def test_a_video_follow_up_reuses_the_row_of_a_one_token_turn(server, export, tmp_path):
+    """A turn about a video answered with one token leaves its row holding exactly its prompt (a Mamba2 state is
+    whole), so the follow-up (the video, that answer, a new question) reuses the row past the video: the video item
+    is wholly inside the reused prefix, is planned without its pixels and is not encoded again. Tokens equal our
+    engine on the whole conversation, alone."""
+    from test_vllm_serve import follow_up
+
+    from qeff_evs.runtime.inputs.prompt import conversation_pieces
+
+    bundle = open_export(export)
+    clip = write_mkv(tmp_path / "clip.mkv", moving_square_video(6, 120, 120, seed=7), fps=2)
+    first = chat(server, video_message(clip), max_tokens=1)
+    question = "And what colour is the square?"
+    second = chat(server, follow_up(clip, first.choices[0].message.content, question), max_tokens=NEW_TOKENS)
+    pieces = conversation_pieces(bundle.tokenizer, follow_up(None, first.choices[0].message.content, question),
+                                 bundle.family.token_strings)
+    engine = build_engine(bundle, "ort", max_new_tokens=NEW_TOKENS, pruning=VideoPruning("evs", Q))
+    expected = engine.generate(engine.prepare(pieces, [video_from_file(clip, bundle)]), eos_ids=stop_ids(bundle))
+    assert second.prompt_token_ids == expected.prompt_token_ids
+    assert second.prompt_token_ids[:len(first.prompt_token_ids)] == first.prompt_token_ids
+    assert second.usage.prompt_tokens_details.cached_tokens == len(first.prompt_token_ids)
+    assert second.choices[0].token_ids == expected.generated_token_ids

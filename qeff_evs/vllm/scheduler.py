@@ -58,6 +58,10 @@ def row_reuse_on(vllm_config) -> bool:
 class QeffEvsScheduler(Scheduler):
     def __init__(self, vllm_config, kv_cache_config, *args, **kwargs):
         super().__init__(vllm_config, kv_cache_config, *args, **kwargs)
+        # vLLM strips a media item wholly inside the computed prefix (a reused row, a pulled hand-over) of its data,
+        # keeping the keep_on_cpu fields (all but the pixels) for M-RoPE models only. The worker plans every item
+        # from those fields, on every family: Nemotron-H's 1-D positions included.
+        self.model_uses_mrope = True
         reuse = row_reuse_on(vllm_config)
         # The worker declares one block per KV row plus vLLM's null block (QeffEvsWorker.determine_available_memory).
         # Linear-attention state (Qwen3.5's layer_states) cannot be rewound: such rows are reused only whole.
