@@ -4,12 +4,12 @@ One encoder instance (``ec_role: ec_producer``: encoder + pruning graphs) and on
 (``ec_consumer``: the language graph) serve the tiny Qwen3-VL export with qeff-evs's EC connector over a shared
 folder, behind the protocol of vLLM's disaggregated-encoder proxy (``disagg_epd_proxy.py``): each media item
 alone, text removed, to an encoder instance; once every encoder request answered, the original request to the
-prefill/decode instance. Checks:
+prefill/decode instance; the same for the Nemotron-H export. Checks:
 
 * greedy tokens equal our single-request engine on the same file (what one instance gives: ``test_vllm_serve``);
 * each video ships exactly its K kept rows (K = vLLM's ``compute_retained_tokens_count``), their indices, per-frame
-  counts and deepstack rows, bit-equal to the ORT vision pipeline's on the same pixels, and nothing else: the
-  bytes are K/(T*h*w) of the unpruned rows vLLM's disaggregation would ship;
+  counts and extra rows (Qwen3-VL: deepstack), bit-equal to the ORT vision pipeline's on the same pixels, and
+  nothing else: the bytes are K/(T*h*w) of the unpruned rows vLLM's disaggregation would ship;
 * the consumer never runs a vision graph: it serves from a copy of the export without them (under the same
   path, as on its own host: vLLM hashes the model path into ``mm_hash``), and says it loaded the language
   graph only; a video already shipped is not encoded again;
@@ -226,24 +226,25 @@ def clips(tmp_path_factory):
             for n, (frames, width) in enumerate([(8, 130), (4, 200), (8, 200), (4, 130)])]
 
 
-@pytest.fixture(scope="module")
-def epd(served_export, tmp_path_factory):
-    """An encoder and a prefill/decode instance of the Qwen3-VL export, each on its own "host" folder where the
-    export sits at the same relative path; the prefill/decode host's copy has no vision graphs."""
+@pytest.fixture(scope="module", params=["qwen3_vl", "nemotron_h_omni"])
+def epd(request, served_export, tmp_path_factory):
+    """An encoder and a prefill/decode instance of one family's export (Qwen3-VL: deepstack rows ride with the kept
+    rows; Nemotron-H: EVS only, a video-only family), each on its own "host" folder where the export sits at the same
+    relative path; the prefill/decode host's copy has no vision graphs."""
     pytest.importorskip("uvicorn", reason="vLLM's server packages are missing: run bash scripts/install.sh --test")
     from helpers.vllm_server import vllm_servers
 
     from conftest import SERVED_FULL_BATCH
     from qeff_evs.manifest import read_manifest
 
-    export = served_export("qwen3_vl")[1]
-    root = tmp_path_factory.mktemp("epd")
+    export = served_export(request.param)[1]
+    root = tmp_path_factory.mktemp(f"epd_{request.param}")
     storage = root / "ec_storage"
     encoder_host, pd_host = root / "encoder_host", root / "pd_host"
     shutil.copytree(export, encoder_host / "export")
     shutil.copytree(export, pd_host / "export")
     manifest = read_manifest(export)
-    for graph in ("encoder", "pruning_evs", "pruning_vidcom2"):
+    for graph in [name for name in ("encoder", "pruning_evs", "pruning_vidcom2") if name in manifest.files]:
         for path in manifest.path(pd_host / "export", graph).parent.glob(manifest.files[graph].split("/")[-1] + "*"):
             path.unlink()
     assert not manifest.path(pd_host / "export", "encoder").exists()
@@ -312,12 +313,12 @@ def test_each_video_ships_only_its_kept_rows(epd, answers):
         reference = vision.encode(media, VideoPruning("evs", 0.5))  # the encoder and pruning graphs, here
         np.testing.assert_array_equal(arrays["rows"], reference.rows)
         np.testing.assert_array_equal(arrays["kept_indices"], reference.kept_indices)
-        assert sorted(reference.extras) == ["deepstack_features"]
+        assert sorted(reference.extras) == sorted(bundle.family.extras)  # Qwen3-VL: deepstack_features
         for name, rows in reference.extras.items():
             np.testing.assert_array_equal(arrays[f"extra.{name}"], rows)
         np.testing.assert_array_equal(arrays["kept_per_frame"], np.bincount(reference.kept_indices // (h * w),
                                                                             minlength=t))
-        row_bytes = shape.hidden * 4 * (1 + sum(shape.extras.values()))  # fp32 rows and their deepstack rows
+        row_bytes = shape.hidden * 4 * (1 + sum(shape.extras.values()))  # fp32 rows and their extra rows
         assert kept_rows.nbytes(arrays) == k * row_bytes + k * 8 + t * 8
         assert path.stat().st_size - kept_rows.nbytes(arrays) < 1024  # the safetensors header
         assert kept_rows.unpruned_nbytes(arrays, t * h * w) == t * h * w * row_bytes

@@ -372,6 +372,7 @@ class NemotronHOmniFamily:
     config_paths: ClassVar[ConfigPaths] = CONFIG_PATHS
     extra_rows: ClassVar[tuple[ExtraRows, ...]] = ()
     pruning_methods: ClassVar[tuple[str, ...]] = ("evs",)  # vLLM refuses VidCom2 for this model
+    modalities: ClassVar[tuple[str, ...]] = ("video",)  # images: vLLM's dynamic tiler, not built (_check_video)
     rope: ClassVar[bool] = False
     weight_names: ClassVar[NameMap] = WEIGHT_NAMES
 

@@ -243,6 +243,7 @@ class ModelFamily(Protocol):
     config_paths: ClassVar[ConfigPaths]  # the config reader
     extra_rows: ClassVar[tuple[ExtraRows, ...]]  # tensors its vision rows carry (empty for most)
     pruning_methods: ClassVar[tuple[str, ...]]  # the pruning methods vLLM runs for it (an export carries only these)
+    modalities: ClassVar[tuple[str, ...]]  # the media it serves ("video", "image"); another is refused per request
     rope: ClassVar[bool]  # whether its attention reads positions (RoPE tables); False: positions are KV slots only
     # How its checkpoints' tensor names (released, or save_pretrained's) become its module's state-dict names:
     # renames and per-expert tensors fused (``qeff_evs.weights.name_map``); an empty map where they are the same.

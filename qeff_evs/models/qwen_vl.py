@@ -131,6 +131,7 @@ class QwenVLFamily(abc.ABC):
     config_paths: ClassVar[ConfigPaths] = QWEN_VL_CONFIG_PATHS
     extra_rows: ClassVar[tuple[ExtraRows, ...]] = ()
     pruning_methods: ClassVar[tuple[str, ...]] = PRUNING_METHODS
+    modalities: ClassVar[tuple[str, ...]] = ("video", "image")
     rope: ClassVar[bool] = True
     weight_names: ClassVar[NameMap] = NameMap()  # released names are the module's (Qwen3-VL, Qwen3.5)
     wrapper: ClassVar[type[EncoderWrapper]] = EncoderWrapper

@@ -30,7 +30,7 @@ _REGISTERED: dict[str, type[ModelFamily]] = {}
 # What every family class must declare (``ModelFamily``'s class attributes).
 _DECLARATIONS = ("model_type", "hf_architectures", "serving_architecture", "hf_processor", "config_class",
                  "model_class", "preprocessing", "token_strings", "config_paths", "extra_rows", "pruning_methods",
-                 "rope", "weight_names")
+                 "modalities", "rope", "weight_names")
 # ... and every method it must implement (``ModelFamily``'s methods and class methods).
 _METHODS = tuple(name for name, value in vars(ModelFamily).items()
                  if not name.startswith("_") and (inspect.isfunction(value) or isinstance(value, classmethod)))

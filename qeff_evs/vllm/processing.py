@@ -220,11 +220,14 @@ class QeffEvsProcessingInfo(BaseProcessingInfo):
 
     def get_mm_max_tokens_per_item(self, seq_len: int, mm_counts: Mapping[str, int]) -> Mapping[str, int]:
         """Encoder rows of the largest item the export serves (vLLM sizes its encoder cache with them): a request may
-        choose rate 0, so the longest video unpruned."""
+        choose rate 0, so the longest video unpruned. A modality the family does not serve has none: vLLM then never
+        builds one to profile or measure (an EC producer encodes one dummy item of each listed modality), and a
+        request with one still reaches the family's own refusal."""
         m, factor = self.bundle.manifest, self.bundle.preprocess.factor
         images = [(h // factor) * (w // factor) for h, w in m.resolutions]
         unpruned = VideoPruning(self.pruning.method, 0.0)
-        return {"video": largest_item_rows(self.bundle, unpruned), "image": max(images)}
+        rows = {"video": largest_item_rows(self.bundle, unpruned), "image": max(images)}
+        return {modality: n for modality, n in rows.items() if modality in self.bundle.family.modalities}
 
 
 class QeffEvsDummyInputs(BaseDummyInputsBuilder[QeffEvsProcessingInfo]):
