@@ -3,11 +3,10 @@
 A request's KV row holds, per layer, keys and values at the slots its tokens took (``past_key.{i}`` /
 ``past_value.{i}``, ``(rows, kv_heads, ctx_len, head_dim)``) and, for a family whose layers keep other per-row
 state (Qwen3.5's linear attention: ``conv_state.{i}``, ``recurrent_state.{i}``; Nemotron-H's Mamba2: its conv and
-SSM states), that state whole. A hand-over
-carries slots ``[0, n)`` of every KV layer (the kept video tokens and the text: nothing past the prompt, nothing
-pruned) and every layer state, after exactly ``n`` tokens. ``n`` is the prompt's length less one: the decode
-instance computes the last prompt token itself, as vLLM's scheduler makes every full remote hit do, so a
-recurrent state is never fed that token twice.
+SSM states), that state whole. A hand-over carries slots ``[0, n)`` of every KV layer (the kept video tokens and the
+text: nothing past the prompt, nothing pruned) and every layer state, after exactly ``n`` tokens. ``n`` is the
+prompt's length less one: the decode instance computes the last prompt token itself, as vLLM's scheduler makes
+every full remote hit do, so a recurrent state is never fed that token twice.
 
 The hand-over also carries the ``n`` token ids the slots hold (vLLM's prompt ids, placeholders as vLLM holds
 them): the decode instance checks them against its own request before it writes anything, which catches a
