@@ -1,9 +1,11 @@
 """vLLM data parallel over an export (issue 17 item 3): ``vllm serve EXPORT --data-parallel-size N``.
 
-Through the real server (a child process): two ranks over the tiny Qwen2.5-VL ORT export serve 16 concurrent
-video requests from the OpenAI client, each one's greedy tokens equal to our single-request engine on the same
-file (the reference ``test_vllm_serve`` holds the one-rank server to), and both ranks served: vLLM's own
-``/metrics`` counts requests per rank (``engine="0"``, ``engine="1"``) and each rank logs its own process.
+Through the real server (a child process): two ranks over a tiny ORT export serve 16 concurrent video requests from
+the OpenAI client (Qwen2.5-VL, whose ranks vLLM runs apart; Qwen3-VL-MoE and Nemotron-H, whose configs name experts,
+so vLLM steps the ranks in lockstep and a rank without requests runs a dummy batch), each one's greedy tokens equal
+to our single-request engine on the same file (the reference ``test_vllm_serve`` holds the one-rank server to), and
+both ranks served: vLLM's own ``/metrics`` counts requests per rank (``engine="0"``, ``engine="1"``) and each rank
+logs its own process.
 
 Without a server: device groups per rank (``QEFF_EVS_DEVICE_IDS='0;1'``) parsed, chosen by the rank vLLM
 starts, and refused when missing on QAIC, miscounted, or over-subscribing a device across ranks; on the fake
@@ -162,15 +164,15 @@ def clips(tmp_path_factory):
             for n, (frames, width) in enumerate([(8, 120), (4, 170), (8, 170), (4, 120)])]
 
 
-@pytest.fixture(scope="module")
-def two_ranks(served_export, tmp_path_factory):
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl_moe", "nemotron_h_omni"])
+def two_ranks(request, served_export, tmp_path_factory):
     pytest.importorskip("uvicorn", reason="vLLM's server packages are missing: run bash scripts/install.sh --test")
     from helpers.vllm_server import vllm_servers
 
     from conftest import SERVED_FULL_BATCH
 
-    export = served_export("qwen2_5_vl")[1]
-    log = tmp_path_factory.mktemp("dp_log") / "server.log"
+    export = served_export(request.param)[1]
+    log = tmp_path_factory.mktemp(f"dp_{request.param}") / "server.log"
     arguments = [str(export), "--video-pruning-rate", "0.5", "--max-num-seqs", str(SERVED_FULL_BATCH),
                  "--served-model-name", "tiny", "--data-parallel-size", "2", "--api-server-count", "1"]
     with vllm_servers([(arguments, {"QEFF_EVS_BACKEND": "ort"}, log, None)]) as (server,):

@@ -148,6 +148,12 @@ class QeffEvsWorker(WorkerBase):
         self.driver.admit(new.req_id, plan, media, features, max_new_tokens=new.sampling_params.max_tokens,
                           row=row)
 
+    def execute_dummy_batch(self) -> None:
+        # vLLM steps the data-parallel ranks of a MoE model (config with experts: Qwen3-VL-MoE, Qwen3.5-MoE,
+        # Nemotron-H) in lockstep, and a rank without requests runs a dummy batch so that the others' expert
+        # collectives find it. An export's ranks share no collective: there is nothing to run.
+        return
+
     def check_health(self) -> None:
         return
 
