@@ -31,7 +31,10 @@ from onnx import TensorProto, helper, numpy_helper, shape_inference
 FLOAT32, FLOAT16 = "float32", "float16"
 WEIGHT_DTYPES = (FLOAT32, FLOAT16)
 _STORED = {FLOAT32: TensorProto.FLOAT, FLOAT16: TensorProto.FLOAT16}
-ALIGNMENT = 1 << 16  # file offset of each weight of 1 MiB or more (the page size any runtime maps files with)
+# The file offset of each weight of ALIGNED_FROM bytes or more is a multiple of ALIGNMENT (the page size any runtime
+# maps files with).
+ALIGNMENT = 1 << 16
+ALIGNED_FROM = 1 << 20
 WEIGHTS_DIR = "weights"
 # A matrix of more than BY_ROWS_ABOVE fp32 bytes (an embedding, an LM head: a vocabulary's rows, read whole, would be
 # in memory as stored and in fp32, ~3.5 GiB at 8B widths) is read and written ROW_BLOCK bytes of rows at a time.
@@ -362,7 +365,8 @@ class WeightStore:
     def _write_weight(self, out, weight: GraphWeight, reader) -> dict:
         """Append one weight to ``out`` (aligned), holding the source tensor and at most one computed copy of it: a
         transposed matrix (every linear layer's) is written a block of columns at a time from its source; a matrix
-        over ``BY_ROWS_ABOVE`` stored as it is (an embedding, an LM head) is read and written a block of rows at a time."""
+        over ``BY_ROWS_ABOVE`` stored as it is (an embedding, an LM head) is read and written a block of rows at a
+        time."""
         if _by_rows(weight, reader):
             return self._write_by_rows(out, weight, reader)
         sources = [_fp32(reader.tensor(name)) for name in weight.sources]
@@ -382,9 +386,7 @@ class WeightStore:
             array = np.ascontiguousarray(array, dtype=kind)
             pieces = _chunks(array)
         length = int(np.prod(dims)) * kind.itemsize
-        if length >= 1 << 20 and out.tell() % ALIGNMENT:
-            out.write(b"\0" * (ALIGNMENT - out.tell() % ALIGNMENT))
-        offset = out.tell()
+        offset = _start_weight(out, length)
         for piece in pieces:
             out.write(memoryview(piece).cast("B"))
         if out.tell() - offset != length:
@@ -402,9 +404,7 @@ class WeightStore:
         dims = (cols, rows) if transposed else (rows, cols)
         kind = np.dtype(_target(dims, np.float32, self.dtype))
         length = rows * cols * kind.itemsize
-        if length >= 1 << 20 and out.tell() % ALIGNMENT:  # as _write_weight aligns: the same file either way
-            out.write(b"\0" * (ALIGNMENT - out.tell() % ALIGNMENT))
-        offset = out.tell()
+        offset = _start_weight(out, length)  # as _write_weight aligns: the same file either way
         step = max(1, ROW_BLOCK // (cols * 4))
         out.flush()
         fd = out.fileno()
@@ -455,10 +455,17 @@ def _target(dims: Sequence[int], dtype, store_dtype: str):
     return np.float16 if stored_dtype(dims, True, store_dtype) == FLOAT16 else np.float32
 
 
+def _start_weight(out, length: int) -> int:
+    """Pad ``out`` to ``ALIGNMENT`` for a weight of ``length`` bytes of ``ALIGNED_FROM`` or more; its offset."""
+    if length >= ALIGNED_FROM and out.tell() % ALIGNMENT:
+        out.write(b"\0" * (ALIGNMENT - out.tell() % ALIGNMENT))
+    return out.tell()
+
+
 def _by_rows(weight: GraphWeight, reader) -> bool:
     """Whether ``weight`` is written by ``WeightStore._write_by_rows``: a matrix of more than ``BY_ROWS_ABOVE`` fp32
     bytes, one checkpoint tensor as it is or transposed, that the reader reads by rows."""
-    if len(weight.sources) != 1 or not (not weight.expr.nodes or _is_transpose_2d(weight.expr)):
+    if len(weight.sources) != 1 or (weight.expr.nodes and not _is_transpose_2d(weight.expr)):
         return False
     (name,) = weight.sources
     if not hasattr(reader, "row_range") or reader.row_range(name) is None:
@@ -578,9 +585,7 @@ def store_tables(model: onnx.ModelProto, store: WeightStore, unit: str, threshol
     written = 0
     with open(data, "wb") as out:
         for name, array in moved:
-            if out.tell() % ALIGNMENT:
-                out.write(b"\0" * (ALIGNMENT - out.tell() % ALIGNMENT))
-            offset = out.tell()
+            offset = _start_weight(out, max(array.nbytes, ALIGNED_FROM))  # every table aligned, whatever its size
             out.write(np.ascontiguousarray(array).tobytes())
             tensor = TensorProto(name=name, data_type=helper.np_dtype_to_tensor_dtype(array.dtype),
                                  dims=list(array.shape))

@@ -131,8 +131,7 @@ class LayerPart(nn.Module):
         cache = SlotKVCache(kv[0], kv[1], addressing, batch_index, kv[2])
         states = {state.input_name(i): named[state.name] for state in self.states}
         rotary = (named["rope_cos"], named["rope_sin"]) if ROTARY[0] in named else None
-        step = LayerStep(named["attention_mask"], named["slots"], cache, rotary,
-                         batch_index, states)
+        step = LayerStep(named["attention_mask"], named["slots"], cache, rotary, batch_index, states)
         merge = MediaMerge(named["media_tokens"], named["media_rows"], None)
         hidden = graph.layer(i, named[HIDDEN], step, merge, {name: named[name] for name in graph.spec.extras})
         retained = ([cache.keys[0], cache.values[0]] if self.has_kv else []) + \

@@ -3,7 +3,8 @@
 ``ModuleWeights`` answers, for every name of the module's ``state_dict`` (tied names included): its shape (from the
 safetensors headers, no data read) and its tensor, fp32, exact, in the module's layout, read when asked and held by no
 one else (bf16 and fp16 converted, a quantized weight dequantized, per-expert tensors fused, a transposed fused
-expert tensor swapped, one part of a stored fused tensor cut out of it). ``quantization`` is the folder's quantization record (None for a float checkpoint).
+expert tensor swapped, one part of a stored fused tensor cut out of it). ``quantization`` is the folder's
+quantization record (None for a float checkpoint).
 """
 
 from __future__ import annotations

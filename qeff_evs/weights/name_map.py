@@ -122,10 +122,9 @@ def _split_rule(name_map: NameMap, name: str) -> tuple[SplitTensors, int, str] |
     parts ``name`` is, if one is."""
     for rule in name_map.splits:
         for index, part in enumerate(rule.parts):
-            at = 0 if name.startswith(part + ".") else name.find("." + part + ".") + 1
-            if at == 0 and not name.startswith(part + "."):
-                continue
-            return rule, index, f"{name[:at]}{rule.fused}.{name[at + len(part) + 1:]}"
+            at = 0 if name.startswith(part + ".") else name.find("." + part + ".") + 1  # also 0 when not found
+            if at or name.startswith(part + "."):
+                return rule, index, f"{name[:at]}{rule.fused}.{name[at + len(part) + 1:]}"
     return None
 
 
@@ -140,8 +139,8 @@ def plan(name_map: NameMap, module_shapes: Mapping[str, tuple[int, ...]], tied: 
         stored_shapes: the checkpoint's (float, dequantized) tensor names -> shapes.
         where: how errors name the checkpoint.
     Returns:
-        module name -> ``Stored`` | ``Transposed`` | ``PerExpert`` | ``Chunk``. Stored names no module name reads are ignored
-        (as transformers ignores them: a release's multi-token-prediction head, say).
+        module name -> ``Stored`` | ``Transposed`` | ``PerExpert`` | ``Chunk``. Stored names no module name reads
+        are ignored (as transformers ignores them: a release's multi-token-prediction head, say).
     Raises:
         ValueError naming the module tensors the checkpoint lacks, or a shape that differs from the module's.
     """
