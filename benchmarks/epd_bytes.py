@@ -93,7 +93,7 @@ def measure(pairs: list[tuple[Path, float]], videos: list[Path], max_num_seqs: i
     from qeff_evs.runtime.engine import kept_rows
     from qeff_evs.runtime.export_bundle import open_export
     from qeff_evs.runtime.media import video_from_file
-    from qeff_evs.vllm.ec_connector import payload_path
+    from qeff_evs.vllm.ec_connector.connector import payload_path
 
     rows = []
     with tempfile.TemporaryDirectory(prefix="epd_bytes_") as scratch:

@@ -250,7 +250,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_epd_proxy(args: argparse.Namespace) -> int:
-    from qeff_evs.vllm.epd_proxy import serve
+    from qeff_evs.vllm.ec_connector.epd_proxy import serve
 
     serve([url.rstrip("/") for url in args.encoder], args.language, args.host, args.port)
     return 0

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Render docs/settings.md's tables and counts again from qeff_evs/vllm/settings.py's rows, after changing a row.
+"""Render docs/settings.md's tables and counts again from qeff_evs/vllm/settings/table.py's rows, after changing a row.
 
     .venv/bin/python scripts/render_settings_page.py
 
@@ -8,7 +8,7 @@ tests/test_vllm_settings.py fails while the page and the rows differ.
 
 from pathlib import Path
 
-from qeff_evs.vllm.settings import settings_page
+from qeff_evs.vllm.settings.table import settings_page
 
 PAGE = Path(__file__).resolve().parent.parent / "docs" / "settings.md"
 

@@ -140,7 +140,7 @@ def test_a_video_runs_as_through_the_family_it_copies(synthetic_export, tiny_exp
 
 def test_vllm_gets_an_interface_class_per_family(synthetic_family):
     pytest.importorskip("vllm")
-    from qeff_evs.vllm.model import interface_class
+    from qeff_evs.vllm.processing.model import interface_class
 
     cls = interface_class(SyntheticVLFamily)
     assert cls.__name__ == "QeffEvsSyntheticVLForConditionalGeneration" and cls.family is SyntheticVLFamily

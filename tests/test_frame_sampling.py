@@ -588,7 +588,7 @@ def test_sample_clip_is_pure_over_metadata():
 
 
 # ------------------------------------------------------------------------------------------------
-# the plugin's video_url loader (qeff_evs.vllm.video_loader) against vLLM's own
+# the plugin's video_url loader (qeff_evs.vllm.processing.video_loader) against vLLM's own
 
 
 PLUGIN_LOADER_CASES = [{}, {"num_frames": 8}, {"num_frames": -1}, {"fps": 1}, {"fps": 6, "max_frames": 10},
@@ -608,7 +608,7 @@ def test_plugin_loader_equals_vllm_loader_where_it_works(clips, backend):
     """vLLM's ``VideoMediaIO`` with its own loader, and the same call with ours: bit-equal frames and an equal
     metadata dict on every clip and kwargs where vLLM's loader delivers frames; the one-frame file, where it
     fails or delivers none, delivers its one frame with ours."""
-    from qeff_evs.vllm.video_loader import LOADERS
+    from qeff_evs.vllm.processing.video_loader import LOADERS
 
     compared = 0
     for name, path in clips.items():
@@ -637,7 +637,7 @@ def test_plugin_loader_refuses_undecodable_bytes_by_name(clips, what):
     the video_url and, for an image, says to send it as image_url."""
     from vllm.exceptions import VLLMValidationError
 
-    from qeff_evs.vllm.video_loader import LOADERS
+    from qeff_evs.vllm.processing.video_loader import LOADERS
 
     data = {"png": lambda: _image_bytes("PNG"), "jpeg": lambda: _image_bytes("JPEG"),
             "garbage": lambda: b"\x00\x01 not a video " * 100,

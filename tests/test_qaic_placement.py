@@ -166,7 +166,7 @@ def test_run_command_places_by_device_ids_and_releases(build, device, video_npy,
 
 def test_vllm_worker_places_by_config_and_releases_on_shutdown(build, device, monkeypatch):
     pytest.importorskip("vllm.v1.worker.worker_base")
-    from qeff_evs.vllm.worker import QeffEvsWorker, configured_device_ids
+    from qeff_evs.vllm.engine.worker import QeffEvsWorker, configured_device_ids
 
     monkeypatch.setenv("QEFF_EVS_BACKEND", "qaic")
     monkeypatch.delenv("QEFF_EVS_DEVICE_IDS", raising=False)

@@ -22,7 +22,7 @@ from qeff_evs.models.registry import family_for_config
 from qeff_evs.models.tiny import tiny_config
 from qeff_evs.runtime.engine.scheduler import RequestSpec, Scheduler, SchedulerConfig
 from qeff_evs.runtime.engine.window import Placeholder, window_slices
-from qeff_evs.vllm import adapters
+from qeff_evs.vllm.processing import adapters
 
 vllm_inputs = pytest.importorskip("vllm.multimodal.inputs")
 vllm_utils = pytest.importorskip("vllm.multimodal.utils")

@@ -23,7 +23,7 @@ import pytest
 
 from qeff_evs.manifest import GRAPHS
 from qeff_evs.specializations.placement import CompiledGraph, DEFAULT_GRAPH_CORES
-from qeff_evs.vllm.data_parallel import (
+from qeff_evs.vllm.engine.data_parallel import (
     RANKS_KEY,
     configured_device_ids,
     data_parallel_refusals,
@@ -104,7 +104,7 @@ def test_placements_that_fit_pass():
 
 
 def test_the_platform_reads_ranks_and_groups_from_vllm_config(build, monkeypatch):  # noqa: F811
-    from qeff_evs.vllm.data_parallel import data_parallel_problems
+    from qeff_evs.vllm.engine.data_parallel import data_parallel_problems
 
     def serve(size: int, local: int | None = None, **additional):
         parallel = types.SimpleNamespace(data_parallel_size=size, data_parallel_size_local=local or size,
@@ -130,7 +130,7 @@ def test_the_platform_reads_ranks_and_groups_from_vllm_config(build, monkeypatch
 
 def test_two_ranks_load_every_program_each_on_its_own_device(build, device, monkeypatch):  # noqa: F811
     pytest.importorskip("vllm.v1.worker.worker_base")
-    from qeff_evs.vllm.worker import QeffEvsWorker
+    from qeff_evs.vllm.engine.worker import QeffEvsWorker
 
     monkeypatch.setenv("QEFF_EVS_BACKEND", "qaic")
     monkeypatch.setenv("QEFF_EVS_DEVICE_IDS", "0;1")

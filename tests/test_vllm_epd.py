@@ -95,12 +95,12 @@ def vllm_config(role: str | None, connector: str = "QeffEvsECConnector", encoder
 
 def test_what_encoder_disaggregation_cannot_serve_is_refused_one_line_each():
     pytest.importorskip("vllm.config")
-    from qeff_evs.vllm.ec_config import ec_refusals, ec_worker_class
+    from qeff_evs.vllm.ec_connector.config import ec_refusals, ec_worker_class
 
     assert ec_refusals(vllm_config("ec_producer", encoder_only=True)) == []
     assert ec_refusals(vllm_config("ec_consumer")) == []
     assert ec_refusals(vllm_config(None)) == [] and ec_worker_class(vllm_config(None)) is None
-    assert ec_worker_class(vllm_config("ec_consumer")) == "qeff_evs.vllm.ec_worker.QeffEvsECWorker"
+    assert ec_worker_class(vllm_config("ec_consumer")) == "qeff_evs.vllm.ec_connector.worker.QeffEvsECWorker"
     [line] = ec_refusals(vllm_config("ec_producer", connector="ECExampleConnector"))
     assert line.startswith("ec_connector 'ECExampleConnector': qeff-evs instances ship each video's kept rows")
     [line] = ec_refusals(vllm_config(None, encoder_only=True))
@@ -122,7 +122,7 @@ def test_a_consumer_waits_for_kept_rows_then_fails_the_request(tmp_path):
     pytest.importorskip("vllm.distributed.ec_transfer")
     from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
 
-    from qeff_evs.vllm.ec_connector import QeffEvsECConnector
+    from qeff_evs.vllm.ec_connector.connector import QeffEvsECConnector
 
     consumer = QeffEvsECConnector(vllm_config("ec_consumer", storage=str(tmp_path), wait_s=0.3),
                                   ECConnectorRole.SCHEDULER)
@@ -151,7 +151,7 @@ def test_each_payload_records_what_chose_its_own_rows(tmp_path):
     from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
 
     from qeff_evs.models.pruning import VideoPruning
-    from qeff_evs.vllm.ec_connector import QeffEvsECConnector, payload_path, read_header, read_payload
+    from qeff_evs.vllm.ec_connector.connector import QeffEvsECConnector, payload_path, read_header, read_payload
 
     producer = QeffEvsECConnector(vllm_config("ec_producer", storage=str(tmp_path)), ECConnectorRole.WORKER)
     items = {"q75": (encoded(5), "video", VideoPruning("evs", 0.75)),
@@ -296,7 +296,7 @@ def test_each_video_ships_only_its_kept_rows(epd, answers):
     from qeff_evs.runtime.export_bundle import open_export
     from qeff_evs.runtime.media import video_from_file
     from qeff_evs.runtime.sessions import vision_pipeline
-    from qeff_evs.vllm.ec_connector import payload_path
+    from qeff_evs.vllm.ec_connector.connector import payload_path
 
     from vllm.multimodal.video_prune.evs import compute_retained_tokens_count
 

@@ -1,4 +1,4 @@
-"""The plugin scheduler's book of KV rows (``qeff_evs/vllm/kv_rows.py``) over the engine's row choice
+"""The plugin scheduler's book of KV rows (``qeff_evs/vllm/engine/kv_rows.py``) over the engine's row choice
 (``tests/test_row_history.py`` tests the choice itself): rows chosen for vLLM's requests, claims that lapse when
 vLLM does not schedule them, histories left by freed requests (what they computed; nothing after a failure or with
 reuse off), ``cache_salt`` and ``skip_reading_prefix_cache``. ``test_vllm_serve.py`` holds it to the tokens through
@@ -9,7 +9,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from qeff_evs.runtime.engine.row_history import RowChoice
-from qeff_evs.vllm.kv_rows import RowBook, media_spans
+from qeff_evs.vllm.engine.kv_rows import RowBook, media_spans
 
 V = 9  # a media pad id: equal for any two videos of the same size
 

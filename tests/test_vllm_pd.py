@@ -31,7 +31,8 @@ import pytest
 
 from qeff_evs.manifest import LanguageShape, LayerState
 from qeff_evs.models.graph_io import state_shapes
-from qeff_evs.vllm import kv_handover, kv_transport
+from qeff_evs.vllm.kv_connector import handover as kv_handover
+from qeff_evs.vllm.kv_connector import transport as kv_transport
 
 FAMILIES = ("qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_vl_moe", "qwen3_5_moe", "nemotron_h_omni")
 RATES = (0.0, 0.75)
@@ -123,7 +124,7 @@ def vllm_config(connector: str = "QeffEvsKVConnector", role: str = "kv_producer"
 
 
 def test_what_prefill_decode_disaggregation_cannot_serve_is_refused_one_line_each():
-    from qeff_evs.vllm.kv_config import kv_refusals
+    from qeff_evs.vllm.kv_connector.config import kv_refusals
 
     assert kv_refusals(vllm_config(), "ort") == [] and kv_refusals(vllm_config(role="kv_consumer"), "torch") == []
     assert kv_refusals(types.SimpleNamespace(kv_transfer_config=None), "qaic") == []
@@ -141,7 +142,7 @@ def test_what_prefill_decode_disaggregation_cannot_serve_is_refused_one_line_eac
 def test_each_side_refuses_what_it_cannot_run_per_request():
     from vllm import SamplingParams
 
-    from qeff_evs.vllm.platform import kv_role_refusals
+    from qeff_evs.vllm.engine.platform import kv_role_refusals
 
     asked = {"do_remote_decode": True}
     assert kv_role_refusals("kv_producer", SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": asked})) == []
@@ -218,7 +219,7 @@ class Request(types.SimpleNamespace):
 def connector(role: str, rows=None):
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
-    from qeff_evs.vllm.kv_connector import QeffEvsKVConnector
+    from qeff_evs.vllm.kv_connector.connector import QeffEvsKVConnector
 
     kv = types.SimpleNamespace(kv_connector="QeffEvsKVConnector", kv_role=role, engine_id="engine-p",
                                is_kv_producer=role == "kv_producer", kv_connector_extra_config={"kv_port": 4242})
@@ -233,7 +234,7 @@ def test_the_scheduler_side_speaks_the_routers_kv_transfer_params():
     Decode side: the hit is N-1 tokens, loaded asynchronously into the row the scheduler claimed (held there), once."""
     from vllm.v1.request import RequestStatus
 
-    from qeff_evs.vllm.kv_rows import RowBook
+    from qeff_evs.vllm.engine.kv_rows import RowBook
 
     p = connector("kv_producer")
     asked = Request(request_id="a", num_prompt_tokens=40, kv_transfer_params={"do_remote_decode": True},

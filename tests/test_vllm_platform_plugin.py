@@ -15,7 +15,7 @@ import pytest
 
 from qeff_evs.manifest import read_manifest
 from qeff_evs.vllm import plugin
-from qeff_evs.vllm.limits import ServingSettings, refusals
+from qeff_evs.vllm.engine.limits import ServingSettings, refusals
 
 
 def test_entry_points_are_installed():

@@ -1,6 +1,6 @@
 """The frontend's request checks (issue 15), on their own: what they refuse, what they let through.
 
-``qeff_evs.vllm.request_checks`` decides on what vLLM's frontend knows before any graph runs. The RoPE check
+``qeff_evs.vllm.engine.request_checks`` decides on what vLLM's frontend knows before any graph runs. The RoPE check
 needs where a prompt's unpruned M-RoPE positions end, which the processor computes per media item
 (``position_span``) and sums; here that sum is held to the worker's own prompt plan (``plan_prompt``'s
 ``decode_start``) for both families, videos of several lengths, images and prompts with several items.
@@ -19,8 +19,8 @@ from qeff_evs.runtime.inputs.prompt import chat_pieces  # noqa: E402
 from qeff_evs.runtime.inputs.synthetic import moving_square_video  # noqa: E402
 from qeff_evs.runtime.export_bundle import open_export  # noqa: E402
 from qeff_evs.runtime.media import image_from_array, video_from_frames  # noqa: E402
-from qeff_evs.vllm.processing import position_span  # noqa: E402
-from qeff_evs.vllm.request_checks import (  # noqa: E402
+from qeff_evs.vllm.processing.processor import position_span  # noqa: E402
+from qeff_evs.vllm.engine.request_checks import (  # noqa: E402
     RequestLimits,
     media_count,
     positions_end,

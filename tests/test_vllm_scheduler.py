@@ -39,7 +39,7 @@ from qeff_evs.runtime.export_bundle import open_export  # noqa: E402
 from qeff_evs.runtime.media import video_from_file  # noqa: E402
 from qeff_evs.runtime.sessions import sessions_for  # noqa: E402
 from qeff_evs.runtime.inputs.synthetic import moving_square_video  # noqa: E402
-from qeff_evs.vllm.driver import VllmDriver  # noqa: E402
+from qeff_evs.vllm.engine.driver import VllmDriver  # noqa: E402
 
 FULL_BATCH = 4
 PREFILL = 16
@@ -241,13 +241,13 @@ def test_an_aborted_request_frees_its_row_and_encoder_entries_follow_vllms_cache
 
 
 def test_a_request_the_worker_cannot_run_fails_alone(served, stand_in_architecture):
-    """The second line (``qeff_evs.vllm.scheduler``): should the worker fail on one request anyway (here: pixel rows
+    """The second line (``qeff_evs.vllm.engine.scheduler``): should the worker fail on one request anyway (here: pixel rows
     of the wrong width, which the frontend would never let through, make ONNX Runtime raise), that request finishes
     with finish_reason "error" through vLLM's own FINISHED_ERROR path, and the others generate what they would alone."""
     from vllm.v1.engine import FinishReason
 
     from qeff_evs.models.protocol import MediaInput
-    from qeff_evs.vllm.scheduler import QeffEvsScheduler, RunnerOutput
+    from qeff_evs.vllm.engine.scheduler import QeffEvsScheduler, RunnerOutput
 
     bundle, m = served.bundle, served.bundle.manifest
     config = export_config(m, max_new_tokens=NEW_TOKENS)
@@ -304,7 +304,7 @@ def test_a_row_cut_inside_a_video_is_reused_up_to_the_cut(served, stand_in_archi
     The same prompt about another video of the same size starts before that video."""
     from vllm.v1.request import RequestStatus
 
-    from qeff_evs.vllm.scheduler import QeffEvsScheduler
+    from qeff_evs.vllm.engine.scheduler import QeffEvsScheduler
 
     bundle, m = served.bundle, served.bundle.manifest
     config = export_config(m, max_new_tokens=NEW_TOKENS)

@@ -1,6 +1,6 @@
 """Every vLLM engine argument and sampling parameter is honoured or refused, one line each (issue 15).
 
-``qeff_evs.vllm.settings`` holds one row per ``EngineArgs`` field and per ``SamplingParams`` field; these
+``qeff_evs.vllm.settings.table`` holds one row per ``EngineArgs`` field and per ``SamplingParams`` field; these
 tests hold every row to what it says:
 
 * the rows are exactly vLLM 0.32's arguments and parameters, and docs/settings.md's tables are rendered from them;
@@ -44,8 +44,8 @@ from qeff_evs.runtime.inputs.prompt import chat_pieces  # noqa: E402
 from qeff_evs.runtime.inputs.synthetic import moving_square_video  # noqa: E402
 from qeff_evs.runtime.export_bundle import open_export  # noqa: E402
 from qeff_evs.runtime.media import video_from_file  # noqa: E402
-from qeff_evs.vllm import settings  # noqa: E402
-from qeff_evs.vllm.settings import ENGINE_SETTINGS, HONOURED, NO_EFFECT, REFUSED, SAMPLING_SETTINGS, VLLM_REFUSES  # noqa: E402
+from qeff_evs.vllm.settings import table as settings  # noqa: E402
+from qeff_evs.vllm.settings.table import ENGINE_SETTINGS, HONOURED, NO_EFFECT, REFUSED, SAMPLING_SETTINGS, VLLM_REFUSES  # noqa: E402
 
 TESTS = Path(__file__).parent
 SETTINGS_PAGE = TESTS.parent / "docs" / "settings.md"

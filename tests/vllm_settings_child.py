@@ -1,7 +1,7 @@
 """Builds vLLM's engine config over an export once per setting, in a fresh process, and writes what happened.
 
 vLLM resolves its platform once per process (see ``vllm_child.py``), so the start-up checks of every
-engine argument in ``qeff_evs.vllm.settings`` run here with ``QEFF_EVS_BACKEND`` set: for each row with an
+engine argument in ``qeff_evs.vllm.settings.table`` run here with ``QEFF_EVS_BACKEND`` set: for each row with an
 example value, ``EngineArgs(model=export, <base>, name=example).create_engine_config()`` (the config vLLM
 builds before it starts an engine, with the platform's ``check_and_update_config``), recording the error's
 text or "ok". Building a config takes a few tens of milliseconds: no engine starts.
@@ -22,7 +22,7 @@ def main(export: str, base_path: str, result_path: str) -> None:
     os.environ["QEFF_EVS_BACKEND"] = "ort"
     from vllm.engine.arg_utils import EngineArgs
 
-    from qeff_evs.vllm.settings import ENGINE_SETTINGS, _UNSET
+    from qeff_evs.vllm.settings.table import ENGINE_SETTINGS, _UNSET
 
     base = json.loads(open(base_path).read())
     export_values = {"CHECKPOINT": base.pop("checkpoint")}

@@ -17,11 +17,11 @@ from qeff_evs.vllm.activation import BACKEND_ENV, active_backend, logger
 # the same under "device_ids" in --additional-config (a string, a list of ids, or a mapping of graph to ids).
 DEVICE_IDS_ENV = "QEFF_EVS_DEVICE_IDS"
 DEVICE_IDS_KEY = "device_ids"
-RANKS_KEY = "qeff_evs_local_ranks"  # additional_config: the data-parallel ranks on this host (data_parallel.py)
-# Every key of --additional-config the qeff-evs platform reads; settings.py refuses any other (add new keys here).
+RANKS_KEY = "qeff_evs_local_ranks"  # additional_config: the data-parallel ranks on this host (engine/data_parallel.py)
+# Every key of --additional-config the qeff-evs platform reads; settings/table.py refuses any other (add new keys here).
 ADDITIONAL_CONFIG_KEYS = (DEVICE_IDS_KEY, RANKS_KEY)
 PLATFORM_PLUGIN_NAME = "qeff_evs"
-PLATFORM_CLASS = "qeff_evs.vllm.platform.QeffEvsPlatform"
+PLATFORM_CLASS = "qeff_evs.vllm.engine.platform.QeffEvsPlatform"
 
 
 def other_platform_plugins() -> list[str]:
@@ -53,9 +53,10 @@ def register() -> None:
     video loaders, only while active."""
     if active_backend() is None:
         return
-    from qeff_evs.vllm import ec_config, kv_config
-    from qeff_evs.vllm.model import register_models
-    from qeff_evs.vllm.video_loader import register_video_loaders
+    from qeff_evs.vllm.ec_connector import config as ec_config
+    from qeff_evs.vllm.kv_connector import config as kv_config
+    from qeff_evs.vllm.processing.model import register_models
+    from qeff_evs.vllm.processing.video_loader import register_video_loaders
 
     register_models()
     ec_config.register_connector()

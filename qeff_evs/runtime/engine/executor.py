@@ -1,6 +1,6 @@
 """Runs what a scheduler decided, on the vision and language sessions: the one executor every engine shares.
 
-A scheduler (ours in ``serving.py``, vLLM's through ``qeff_evs.vllm.driver``) decides per step which
+A scheduler (ours in ``serving.py``, vLLM's through ``qeff_evs.vllm.engine.driver``) decides per step which
 media items to encode, which prefill chunks and which decodes to run. The executor keeps each
 request's prompt plan, media, content hashes, KV cache row and sampled tokens; encodes an item
 once per content hash; fills an item's placeholder when the first chunk reaches it; runs each

@@ -1,12 +1,12 @@
 """The vLLM worker that runs a qeff-evs export: vLLM's ``SchedulerOutput`` in, ``ModelRunnerOutput`` out.
 
-Per step (``execute_model``): vLLM's persistent batch is updated (:mod:`qeff_evs.vllm.sampling`), new
+Per step (``execute_model``): vLLM's persistent batch is updated (:mod:`qeff_evs.vllm.sampling.vllm_sampler`), new
 requests are admitted to the driver with their prompt plan (rebuilt from vLLM's prompt ids and the media
 our processor prepared), and the driver runs the scheduled encoder items, prefill chunks (window rows,
 int64 positions, the request's KV row) and decodes over the backend's sessions. Then (``sample_tokens``,
 as vLLM's GPU runner) vLLM's structured-output bitmask is applied to the logits and vLLM's sampler picks
 the tokens. Encoder outputs are dropped when vLLM's encoder cache frees them, KV rows when vLLM finishes
-or aborts a request. Each new request runs in the KV row the scheduler chose (``scheduler.py``), from the
+or aborts a request. Each new request runs in the KV row the scheduler chose (``engine/scheduler.py``), from the
 first token the row does not already hold.
 
 The frontend has refused whatever a request could get wrong; the checks here assert what it guaranteed.
@@ -15,7 +15,7 @@ in ``RunnerOutput.failed``; the scheduler finishes it with an error) and the eng
 
 On the qaic backend every program of the export is loaded once, on the devices ``QEFF_EVS_DEVICE_IDS`` or
 ``--additional-config '{"device_ids": ...}'`` name (refused before loading if they over-subscribe a device;
-with ``--data-parallel-size``, one group per rank: ``data_parallel.py``), stays active while the engine
+with ``--data-parallel-size``, one group per rank: ``engine/data_parallel.py``), stays active while the engine
 serves, and is released when vLLM shuts the worker down.
 """
 
@@ -31,13 +31,13 @@ from qeff_evs.runtime.engine.request import PromptPiece
 from qeff_evs.runtime.builders import engine_config
 from qeff_evs.runtime.export_bundle import open_export
 from qeff_evs.runtime.sessions import sessions_for
-from qeff_evs.vllm.data_parallel import configured_device_ids, log_rank
-from qeff_evs.vllm.driver import VllmDriver
-from qeff_evs.vllm.limits import served_pruning
+from qeff_evs.vllm.engine.data_parallel import configured_device_ids, log_rank
+from qeff_evs.vllm.engine.driver import VllmDriver
+from qeff_evs.vllm.engine.limits import served_pruning
 from qeff_evs.vllm.activation import active_backend, logger
-from qeff_evs.vllm.processing import media_from_fields
-from qeff_evs.vllm.sampling import VllmSampling
-from qeff_evs.vllm.scheduler import RunnerOutput
+from qeff_evs.vllm.processing.processor import media_from_fields
+from qeff_evs.vllm.sampling.vllm_sampler import VllmSampling
+from qeff_evs.vllm.engine.scheduler import RunnerOutput
 
 # vLLM's block accounting needs a layer name; the real KV state lives in our sessions.
 KV_LAYER = "qeff_evs.kv_rows"
@@ -141,7 +141,7 @@ class QeffEvsWorker(WorkerBase):
         features = sorted(new.mm_features or [], key=lambda f: f.mm_position.offset)
         media = [media_from_fields(f.data.get_data(), f.modality) for f in features]
         plan = self.driver.plan(prompt_pieces(list(new.prompt_token_ids), features), media)
-        # Assertions of what the frontend guaranteed (request_checks.py, the processor and validate_request).
+        # Assertions of what the frontend guaranteed (engine/request_checks.py, the processor and validate_request).
         if not np.array_equal(plan.ids, np.asarray(new.prompt_token_ids)):
             raise AssertionError(f"request {new.req_id}: vLLM's prompt ids differ from the export's layout of the "
                                  "same media; the prompt was not made by the qeff-evs processor")

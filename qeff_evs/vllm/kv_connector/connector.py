@@ -43,9 +43,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from qeff_evs.vllm import kv_handover, kv_transport
+from qeff_evs.vllm.kv_connector import handover as kv_handover
+from qeff_evs.vllm.kv_connector import transport as kv_transport
 from qeff_evs.vllm.activation import logger
-from qeff_evs.vllm.kv_config import REMOTE_KEYS
+from qeff_evs.vllm.kv_connector.config import REMOTE_KEYS
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request

@@ -19,7 +19,7 @@ from vllm.multimodal import MULTIMODAL_REGISTRY
 
 from qeff_evs.models.protocol import ModelFamily
 from qeff_evs.models.registry import family_classes
-from qeff_evs.vllm.processing import QeffEvsDummyInputs, QeffEvsProcessingInfo, QeffEvsProcessor
+from qeff_evs.vllm.processing.processor import QeffEvsDummyInputs, QeffEvsProcessingInfo, QeffEvsProcessor
 
 _with_our_processor = MULTIMODAL_REGISTRY.register_processor(
     QeffEvsProcessor, info=QeffEvsProcessingInfo, dummy_inputs=QeffEvsDummyInputs)

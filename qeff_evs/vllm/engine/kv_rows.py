@@ -1,7 +1,7 @@
 """Which KV row a request vLLM schedules runs in, and how much of it the row already holds (row reuse).
 
 An export's KV rows are not vLLM's blocks: vLLM's block pool only counts them (one block per row, see
-``platform.py``), so the row is chosen here, in the scheduler's process, when vLLM asks for a new request's
+``engine/platform.py``), so the row is chosen here, in the scheduler's process, when vLLM asks for a new request's
 prefix-cache hit (``QeffEvsScheduler``), and handed to the worker with the step's output. What a row holds and how
 much of a request it holds are the engine's (``runtime/engine/row_history.py``: its ``RowHistory``,
 ``reusable_prefix`` and ``choose_row``, the policy included); this module feeds them vLLM's requests. Each media

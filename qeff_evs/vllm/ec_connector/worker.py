@@ -1,6 +1,6 @@
 """The worker of an encoder-disaggregation instance: it loads only the graphs its EC role runs.
 
-With ``--ec-transfer-config`` (qeff-evs's connector, ``ec_connector.py``) one export is served by instances
+With ``--ec-transfer-config`` (qeff-evs's connector, ``ec_connector/connector.py``) one export is served by instances
 of two roles, each loading its share of the export's programs:
 
 ===============  ===============================  ==============================================================
@@ -30,9 +30,9 @@ from vllm.v1.worker.ec_connector_model_runner_mixin import ECConnectorModelRunne
 from qeff_evs.manifest import LanguageShape
 from qeff_evs.runtime.engine.executor import media_pruning
 from qeff_evs.runtime.sessions import language_session, vision_pipeline
-from qeff_evs.vllm.data_parallel import configured_device_ids
+from qeff_evs.vllm.engine.data_parallel import configured_device_ids
 from qeff_evs.vllm.activation import active_backend, logger
-from qeff_evs.vllm.worker import QeffEvsWorker
+from qeff_evs.vllm.engine.worker import QeffEvsWorker
 
 
 @dataclass(frozen=True)

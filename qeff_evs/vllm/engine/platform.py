@@ -2,16 +2,16 @@
 
 vLLM's scheduler, API server, detokenizer and sampler run unchanged; this platform points vLLM at our
 worker (which runs the export's sessions on the chosen backend) and at vLLM's scheduler with one addition
-(``scheduler.py``), turns off what only applies to torch models (compilation, CUDA graphs), refuses at
-start-up any setting the export cannot serve (``limits.py``, ``settings.py``), and refuses per request, as
-an HTTP 400, what a request asks that the worker cannot do (``validate_request``: ``settings.py`` for
-sampling parameters, ``request_checks.py`` for the prompt).
+(``engine/scheduler.py``), turns off what only applies to torch models (compilation, CUDA graphs), refuses at
+start-up any setting the export cannot serve (``engine/limits.py``, ``settings/table.py``), and refuses per request, as
+an HTTP 400, what a request asks that the worker cannot do (``validate_request``: ``settings/table.py`` for
+sampling parameters, ``engine/request_checks.py`` for the prompt).
 
 KV accounting: the worker declares one KV block per exported KV row, each as long as the model
 (``block_size = max_model_len``), so vLLM's block pool admits at most as many running requests as the
 export has rows, a request never asks for a second block, and vLLM therefore never preempts one (a
 preemption would need a block that cannot exist). Blocks are never shared: vLLM's ``--enable-prefix-caching``
-(on by default) turns on row reuse instead, the scheduler's own (``scheduler.py``: a follow-up runs in the row
+(on by default) turns on row reuse instead, the scheduler's own (``engine/scheduler.py``: a follow-up runs in the row
 that holds its conversation so far, and only its tail is computed).
 """
 
@@ -24,15 +24,15 @@ import torch
 from vllm.platforms.interface import Platform, PlatformEnum
 
 from qeff_evs.manifest import read_manifest
-from qeff_evs.vllm.data_parallel import data_parallel_problems, record_local_ranks
-from qeff_evs.vllm.ec_config import ec_refusals, ec_worker_class
-from qeff_evs.vllm.kv_config import CONSUMER, PRODUCER, REMOTE_KEYS, kv_refusals, kv_role, kv_worker_class
-from qeff_evs.vllm.limits import ServingSettings, refusals, served_pruning
+from qeff_evs.vllm.engine.data_parallel import data_parallel_problems, record_local_ranks
+from qeff_evs.vllm.ec_connector.config import ec_refusals, ec_worker_class
+from qeff_evs.vllm.kv_connector.config import CONSUMER, PRODUCER, REMOTE_KEYS, kv_refusals, kv_role, kv_worker_class
+from qeff_evs.vllm.engine.limits import ServingSettings, refusals, served_pruning
 from qeff_evs.vllm.activation import BACKEND_ENV, active_backend, logger
-from qeff_evs.vllm.request_checks import RequestLimits, positions_problem, stray_media_pads
-from qeff_evs.vllm.settings import engine_refusals, sampling_refusals
+from qeff_evs.vllm.engine.request_checks import RequestLimits, positions_problem, stray_media_pads
+from qeff_evs.vllm.settings.table import engine_refusals, sampling_refusals
 
-WORKER_CLASS = "qeff_evs.vllm.worker.QeffEvsWorker"
+WORKER_CLASS = "qeff_evs.vllm.engine.worker.QeffEvsWorker"
 ROUTER_PD = "send requests through vllm-router --vllm-pd-disaggregation (or a proxy speaking its kv_transfer_params)"
 
 
@@ -51,7 +51,7 @@ def kv_role_refusals(role: str | None, params) -> list[str]:
                 f"computes no prompt; it needs a prefill instance's answer (do_remote_prefill with "
                 f"{', '.join(REMOTE_KEYS)}); {ROUTER_PD}"]
     return []
-SCHEDULER_CLASS = "qeff_evs.vllm.scheduler.QeffEvsScheduler"
+SCHEDULER_CLASS = "qeff_evs.vllm.engine.scheduler.QeffEvsScheduler"
 
 
 class QeffEvsPlatform(Platform):
@@ -107,7 +107,7 @@ class QeffEvsPlatform(Platform):
             max_num_seqs=scheduler.max_num_seqs, max_model_len=model_config.max_model_len,
             video_pruning_rate=None if mm is None else mm.video_pruning_rate,
             video_pruning_method=served_pruning(mm).method)
-        # Before record_local_ranks: settings.py reads --device-ids only where the config is made (see there).
+        # Before record_local_ranks: settings/table.py reads --device-ids only where the config is made (see there).
         ours = [f"{line} (the qeff-evs platform)" for line in engine_refusals(vllm_config)]
         record_local_ranks(vllm_config)
         problems = (refusals(settings, manifest) + ec_refusals(vllm_config) + kv_refusals(vllm_config, active_backend())
@@ -156,7 +156,7 @@ class QeffEvsPlatform(Platform):
         from vllm.exceptions import VLLMValidationError
         from vllm.sampling_params import SamplingParams
 
-        from qeff_evs.vllm.processing import POSITIONS_END
+        from qeff_evs.vllm.processing.processor import POSITIONS_END
 
         if not isinstance(params, SamplingParams):
             raise VLLMValidationError("qeff-evs exports generate text; pooling requests are not supported")

@@ -4,7 +4,7 @@ An exception inside the worker would stop vLLM's engine for every user, so every
 wrong is checked on what the frontend knows before any graph runs: the prompt's token ids, its media
 placeholders, the M-RoPE positions its *unpruned* layout reaches (known from the media grids alone, before
 the encoder), and ``max_tokens``. Each check returns the one line the client gets back with HTTP 400, or
-None; our multimodal processor (``processing.py``) and the platform's ``validate_request`` raise it. The
+None; our multimodal processor (``processing/processor.py``) and the platform's ``validate_request`` raise it. The
 worker keeps the same checks as assertions of what the frontend guaranteed. Pure: no vLLM import.
 """
 

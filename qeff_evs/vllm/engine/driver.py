@@ -28,7 +28,7 @@ from qeff_evs.models.protocol import ModelFamily, MediaInput
 from qeff_evs.runtime.backends.base import LanguageSession, VisionSession
 from qeff_evs.runtime.engine.executor import EngineConfig, Executor, ExecutorRequest
 from qeff_evs.runtime.engine.request import PromptPiece, PromptPlan
-from qeff_evs.vllm.adapters import to_placeholder_range
+from qeff_evs.vllm.processing.adapters import to_placeholder_range
 
 
 class VllmDriver:
@@ -38,7 +38,7 @@ class VllmDriver:
                  config: EngineConfig):
         self.config = config
         self.executor = Executor(family, vision, language, config)
-        # Prefill/decode disaggregation (kv_worker.py). A prefill instance: request id -> the token count after which
+        # Prefill/decode disaggregation (kv_connector/worker.py). A prefill instance: request id -> the token count after which
         # its row is handed over (one call ends there), and what is called then with (request id, count).
         self.handover_at: dict[str, int] = {}
         self.on_handover = None

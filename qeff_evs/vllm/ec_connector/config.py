@@ -1,7 +1,7 @@
 """Encoder disaggregation through the plugin: its names, and which settings an export serves with it.
 
-qeff-evs serves vLLM's encoder disaggregation through its own EC connector (``ec_connector.py``: kept rows,
-indices, per-frame counts and extras in, the same out) and its EC worker (``ec_worker.py``: each role loads
+qeff-evs serves vLLM's encoder disaggregation through its own EC connector (``ec_connector/connector.py``: kept rows,
+indices, per-frame counts and extras in, the same out) and its EC worker (``ec_connector/worker.py``: each role loads
 only its graphs). This module names them for vLLM and checks the settings before the engine starts; it reads
 ``VllmConfig`` attributes and imports neither.
 """
@@ -9,8 +9,8 @@ only its graphs). This module names them for vLLM and checks the settings before
 from __future__ import annotations
 
 CONNECTOR_NAME = "QeffEvsECConnector"
-CONNECTOR_MODULE = "qeff_evs.vllm.ec_connector"
-EC_WORKER_CLASS = "qeff_evs.vllm.ec_worker.QeffEvsECWorker"
+CONNECTOR_MODULE = "qeff_evs.vllm.ec_connector.connector"
+EC_WORKER_CLASS = "qeff_evs.vllm.ec_connector.worker.QeffEvsECWorker"
 
 
 def register_connector() -> None:

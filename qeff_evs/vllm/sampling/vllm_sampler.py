@@ -22,7 +22,7 @@ from vllm.v1.sample.sampler import Sampler
 from vllm.v1.structured_output.utils import apply_grammar_bitmask
 from vllm.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
 
-from qeff_evs.vllm.scheduler import RunnerOutput
+from qeff_evs.vllm.engine.scheduler import RunnerOutput
 
 CPU = torch.device("cpu")
 

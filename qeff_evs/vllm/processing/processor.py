@@ -47,9 +47,9 @@ from qeff_evs.runtime.builders import largest_item_rows, video_pruning
 from qeff_evs.runtime.export_bundle import ExportBundle, open_export
 from qeff_evs.runtime.media import image_from_array, video_from_frames
 from qeff_evs.runtime.inputs.video_io import DEFAULT_ARRAY_FPS
-from qeff_evs.vllm.limits import served_pruning
+from qeff_evs.vllm.engine.limits import served_pruning
 from qeff_evs.vllm.activation import active_backend
-from qeff_evs.vllm.request_checks import media_count, positions_end
+from qeff_evs.vllm.engine.request_checks import media_count, positions_end
 
 # Key of the processed input (vLLM's ``MultiModalInput``) that carries the first M-RoPE position after the
 # prompt to the platform's ``validate_request``: per-item fields do not reach it for items vLLM's processor

@@ -1,8 +1,8 @@
 """Prefill/decode disaggregation through the plugin: its names, and which settings an export serves with it.
 
-qeff-evs serves vLLM's prefill/decode disaggregation through its own KV connector (``kv_connector.py``: the used
+qeff-evs serves vLLM's prefill/decode disaggregation through its own KV connector (``kv_connector/connector.py``: the used
 part of a request's KV row, from a prefill instance's outbox to a decode instance, over TCP) and its KV worker
-(``kv_worker.py``: a prefill instance loads the prefill programs, a decode instance the decode ones). This module
+(``kv_connector/worker.py``: a prefill instance loads the prefill programs, a decode instance the decode ones). This module
 names them for vLLM and checks the settings before the engine starts; it reads ``VllmConfig`` attributes and
 imports neither.
 """
@@ -10,8 +10,8 @@ imports neither.
 from __future__ import annotations
 
 CONNECTOR_NAME = "QeffEvsKVConnector"
-CONNECTOR_MODULE = "qeff_evs.vllm.kv_connector"
-KV_WORKER_CLASS = "qeff_evs.vllm.kv_worker.QeffEvsKVWorker"
+CONNECTOR_MODULE = "qeff_evs.vllm.kv_connector.connector"
+KV_WORKER_CLASS = "qeff_evs.vllm.kv_connector.worker.QeffEvsKVWorker"
 HOST_BACKENDS = ("ort", "torch")  # where a row's state is host memory the connector reads and writes
 PRODUCER, CONSUMER = "kv_producer", "kv_consumer"
 # What a decode instance needs of the prefill instance's answer to pull its hand-over.

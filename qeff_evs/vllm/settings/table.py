@@ -26,8 +26,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from qeff_evs.vllm.ec_config import EC_WORKER_CLASS
-from qeff_evs.vllm.kv_config import KV_WORKER_CLASS
+from qeff_evs.vllm.ec_connector.config import EC_WORKER_CLASS
+from qeff_evs.vllm.kv_connector.config import KV_WORKER_CLASS
 from qeff_evs.vllm.plugin import ADDITIONAL_CONFIG_KEYS, RANKS_KEY
 
 HONOURED, REFUSED, VLLM_REFUSES, NO_EFFECT = "honoured", "refused", "vllm refuses", "no effect"
@@ -206,7 +206,7 @@ ENGINE_SETTINGS: tuple[Setting, ...] = (
     _r("kv_cache_dtype", "cache_config.cache_dtype", KV, "fp8", unused=("auto",)),
     _h("seed", "vLLM's seeding: the worker seeds torch with it for unseeded sampled requests (vLLM's set_random_seed, "
        "as its GPU workers do); per-request seeds through vLLM's sampler", example=7),
-    _h("max_model_len", "up to the export's ctx_len and its RoPE tables (limits.py refuses more)",
+    _h("max_model_len", "up to the export's ctx_len and its RoPE tables (engine/limits.py refuses more)",
        "test_vllm_platform_plugin.py::test_each_unservable_setting_is_one_line", 128),
     _r("cudagraph_capture_sizes", "compilation_config.cudagraph_capture_sizes", RUNNER, [1, 2]),
     _n("max_cudagraph_capture_size", "vLLM resolves it with the CUDA-graph sizes; no CUDA graph is captured: the "
@@ -237,7 +237,7 @@ ENGINE_SETTINGS: tuple[Setting, ...] = (
     _r("dcp_kv_cache_interleave_size", "parallel_config.dcp_kv_cache_interleave_size", ONE_WORKER, 2, unused=(1,)),
     _r("cp_kv_cache_interleave_size", "parallel_config.cp_kv_cache_interleave_size", ONE_WORKER, 2, unused=(1,)),
     _h("data_parallel_size", "one engine core per rank, each a whole replica on its own sessions and devices "
-       "(data_parallel.py; device groups per rank on the card)",
+       "(engine/data_parallel.py; device groups per rank on the card)",
        "test_vllm_data_parallel.py::test_two_ranks_serve_16_concurrent_videos_with_single_request_tokens"),
     _v("data_parallel_rank", "vLLM: 'data_parallel_external_lb can only be set when data_parallel_size > 1'", 1),
     _h("data_parallel_start_rank", DATA_PARALLEL),
@@ -300,7 +300,7 @@ ENGINE_SETTINGS: tuple[Setting, ...] = (
     _h("max_num_scheduled_tokens", SCHEDULER, example=32),
     _h("long_prefill_token_threshold", SCHEDULER, example=8),
     _h("long_prefill_token_threshold_adaptive", SCHEDULER, example=True),
-    _h("max_num_seqs", "up to the export's KV rows (--full-batch-size; limits.py refuses more)",
+    _h("max_num_seqs", "up to the export's KV rows (--full-batch-size; engine/limits.py refuses more)",
        "test_vllm_platform_plugin.py::test_each_unservable_setting_is_one_line", 2),
     _h("max_num_active_seqs", SCHEDULER, example=2),
     _h("max_num_queued_reqs", SCHEDULER, example=10),
@@ -361,7 +361,7 @@ ENGINE_SETTINGS: tuple[Setting, ...] = (
        example="sha256"),
     _v("mm_shm_cache_max_object_size_mb", "vLLM: only with --mm-processor-cache-type shm (refused)", 64),
     _h("mm_encoder_only", "an encoder instance of encoder disaggregation (with --ec-transfer-config, ec_producer; "
-       "ec_config.py refuses it alone)", EPD_REFUSALS_TEST),
+       "ec_connector/config.py refuses it alone)", EPD_REFUSALS_TEST),
     _n("mm_encoder_tp_mode", "vLLM reads it only with tensor parallelism (--tensor-parallel-size, refused)"),
     _r("mm_encoder_attn_backend", "model_config.multimodal_config.mm_encoder_attn_backend", RUNNER, "TORCH_SDPA"),
     _r("mm_encoder_attn_dtype", "model_config.multimodal_config.mm_encoder_attn_dtype", RUNNER, "fp8"),
@@ -374,10 +374,10 @@ ENGINE_SETTINGS: tuple[Setting, ...] = (
     _h("renderer_num_workers", FRONTEND, example=2),
     _h("skip_mm_profiling", "the worker profiles nothing (its KV rows are the export's); nothing to skip",
        example=True),
-    _h("video_pruning_rate", "any rate the export's RoPE tables cover, chosen at start-up (limits.py refuses others, "
+    _h("video_pruning_rate", "any rate the export's RoPE tables cover, chosen at start-up (engine/limits.py refuses others, "
        "naming the largest); the default of a request's own mm_processor_kwargs video_pruning_rate / "
        "max_video_tokens", "test_vllm_serve.py::test_rate_and_method_chosen_at_serve_time"),
-    _h("video_pruning_method", "a method the export carries (evs, vidcom2 by default; limits.py refuses others, "
+    _h("video_pruning_method", "a method the export carries (evs, vidcom2 by default; engine/limits.py refuses others, "
        "naming them); the default of a request's own mm_processor_kwargs video_pruning_method",
        "test_vllm_serve.py::test_rate_and_method_chosen_at_serve_time"),
     _v("mm_tensor_ipc", "vLLM: 'torch_shm is known to fail without VLLM_WORKER_MULTIPROC_METHOD set to spawn'",
@@ -450,7 +450,7 @@ ENGINE_SETTINGS: tuple[Setting, ...] = (
     _r("scheduler_cls", "scheduler_config.scheduler_cls",
        "the plugin runs vLLM's scheduler with one addition (a request the worker could not run finishes with an "
        "error instead of stopping the engine); remove --scheduler-cls", "vllm.v1.core.sched.scheduler.Scheduler",
-       unused=(None, "qeff_evs.vllm.scheduler.QeffEvsScheduler")),
+       unused=(None, "qeff_evs.vllm.engine.scheduler.QeffEvsScheduler")),
     _r("pooler_config", lambda c: c.model_config.pooler_config if c.model_config.runner_type == "generate" else None,
        "an export generates text; pooling is not served; remove it", {"seq_pooling_type": "LAST"}),
     _n("compilation_config", "vLLM resolves the compilation mode before qeff-evs sees it; the plugin compiles "
@@ -463,7 +463,7 @@ ENGINE_SETTINGS: tuple[Setting, ...] = (
        "kernel runs"),
     _n("enable_flashinfer_autotune", "vLLM resolves it before qeff-evs sees it; no FlashInfer kernel runs"),
     _r("worker_cls", "parallel_config.worker_cls", "the plugin's worker runs the export's graphs; remove "
-       "--worker-cls", "x.Worker", unused=(None, "auto", "qeff_evs.vllm.worker.QeffEvsWorker", EC_WORKER_CLASS,
+       "--worker-cls", "x.Worker", unused=(None, "auto", "qeff_evs.vllm.engine.worker.QeffEvsWorker", EC_WORKER_CLASS,
                                            KV_WORKER_CLASS)),
     _r("worker_extension_cls", "parallel_config.worker_extension_cls", "extends vLLM's GPU worker, which the "
        "plugin replaces; remove it", "x.Extension", unused=(None, "")),
@@ -473,12 +473,12 @@ ENGINE_SETTINGS: tuple[Setting, ...] = (
     _h("log_config_file", OBSERVE),
     _h("kv_transfer_config", "prefill/decode disaggregation through qeff-evs's KV connector (QeffEvsKVConnector): a "
        "kv_producer computes prompts and hands each KV row's used part to a kv_consumer, which decodes "
-       "(kv_config.py refuses other connectors, kv_both and the qaic backend, one line each)", PD_TEST),
+       "(kv_connector/config.py refuses other connectors, kv_both and the qaic backend, one line each)", PD_TEST),
     _r("kv_events_config", lambda c: None if c.kv_events_config is None else c.kv_events_config.enable_kv_cache_events,
        "KV cache events describe vLLM's block pool, which holds placeholders for the export's KV rows; remove it",
        {"enable_kv_cache_events": True}, unused=(None, False)),
     _h("ec_transfer_config", "encoder disaggregation through qeff-evs's EC connector: an ec_producer encodes and "
-       "prunes, ec_consumers run the language graph on the kept rows (ec_config.py refuses other connectors and "
+       "prunes, ec_consumers run the language graph on the kept rows (ec_connector/config.py refuses other connectors and "
        "roles, one line each)", "test_vllm_epd.py::test_tokens_equal_a_single_instance"),
     _h("ec_manager_config", "vLLM's encoder-cache manager options for EC connectors, unchanged"),
     _h("reasoning_config", "vLLM's thinking-budget state in the plugin's sampler: after the budget, the end string's "

@@ -1,6 +1,6 @@
 """The worker of a prefill/decode-disaggregation instance: it loads its side's programs and moves KV rows.
 
-With ``--kv-transfer-config`` (qeff-evs's connector, ``kv_connector.py``) one export is served by instances of two
+With ``--kv-transfer-config`` (qeff-evs's connector, ``kv_connector/connector.py``) one export is served by instances of two
 roles:
 
 ===============  ==========================================  ==============================================
@@ -28,12 +28,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.v1.outputs import KVConnectorOutput
 
 from qeff_evs.runtime.sessions import language_session, vision_pipeline
-from qeff_evs.vllm import kv_handover
+from qeff_evs.vllm.kv_connector import handover as kv_handover
 from qeff_evs.vllm.activation import active_backend, logger
-from qeff_evs.vllm.data_parallel import configured_device_ids
-from qeff_evs.vllm.ec_worker import NotLoaded
-from qeff_evs.vllm.kv_config import PRODUCER, kv_role
-from qeff_evs.vllm.worker import QeffEvsWorker
+from qeff_evs.vllm.engine.data_parallel import configured_device_ids
+from qeff_evs.vllm.ec_connector.worker import NotLoaded
+from qeff_evs.vllm.kv_connector.config import PRODUCER, kv_role
+from qeff_evs.vllm.engine.worker import QeffEvsWorker
 
 IDLE_WAIT_S = 0.02
 

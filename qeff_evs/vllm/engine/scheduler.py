@@ -2,14 +2,14 @@
 not run finishing with an error, alone.
 
 Rows: an export's KV rows are not vLLM's blocks, so :class:`QeffEvsScheduler` chooses each new request's row
-where vLLM looks up its prefix-cache hit (``kv_rows.py``): the row's reusable prefix is vLLM's local hit, so vLLM's
+where vLLM looks up its prefix-cache hit (``engine/kv_rows.py``): the row's reusable prefix is vLLM's local hit, so vLLM's
 own accounting follows it (``num_computed_tokens`` starts there, only the tail is scheduled, encoder inputs wholly
 inside the prefix are not, and ``usage.prompt_tokens_details.cached_tokens`` counts it). The rows chosen travel to
 the worker in the step's output (:class:`RowsSchedulerOutput`); a row keeps what its request computed when vLLM
 frees the request (finished, stopped or aborted), nothing when the worker failed it. With
 ``--no-enable-prefix-caching`` rows are still chosen here and nothing is reused.
 
-Failures: the frontend refuses everything a request can get wrong (``request_checks.py``), so the worker's own
+Failures: the frontend refuses everything a request can get wrong (``engine/request_checks.py``), so the worker's own
 checks are assertions. Should one still fail (a bug, a backend error on one item), raising in the worker
 would stop vLLM's engine core and every request with it. vLLM 0.32 has no worker-side way to fail one
 request: its scheduler finishes requests with ``finish_reason="error"`` (``RequestStatus.FINISHED_ERROR``;
@@ -30,7 +30,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.outputs import ModelRunnerOutput
 
 from qeff_evs.manifest import read_manifest
-from qeff_evs.vllm.kv_rows import RowBook
+from qeff_evs.vllm.engine.kv_rows import RowBook
 
 
 @dataclass

@@ -33,7 +33,7 @@ from vllm.distributed.ec_transfer.ec_connector.example_connector import ECExampl
 
 from qeff_evs.models.pruning import VideoPruning
 from qeff_evs.runtime.engine import kept_rows
-from qeff_evs.vllm.ec_config import CONNECTOR_NAME
+from qeff_evs.vllm.ec_connector.config import CONNECTOR_NAME
 from qeff_evs.vllm.activation import logger
 
 if TYPE_CHECKING:

@@ -1,0 +1,1 @@
+"""vLLM's EC connector interface: an encoder instance ships kept rows to prefill instances."""

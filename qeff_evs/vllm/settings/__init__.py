@@ -1,0 +1,1 @@
+"""Every vLLM engine argument and sampling parameter: honoured or refused, one line each."""
