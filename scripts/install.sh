@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Creates .venv and installs qeff-evs with the CPU build of torch (pinned in constraints.txt).
-#   --vllm  also vLLM 0.32.0 for `QEFF_EVS_BACKEND=... vllm serve <export>` (qeff-evs's platform plugin):
+#   --vllm  also vLLM 0.34.0 for `QEFF_EVS_BACKEND=... vllm serve <export>` (qeff-evs's platform plugin):
 #           vllm and xgrammar without their dependency trees (CUDA packages, triton), plus the light
 #           packages vLLM's engine and server import (the "vllm" extra).
 #           With it vllm-router (the "router" extra), the front of every multi-instance deployment.
@@ -24,7 +24,7 @@ esac
 [[ -x .venv/bin/python ]] || python3 -m venv .venv
 if ((${#extras[@]})); then
     pip_quiet -c constraints.txt -e ".[$(IFS=,; echo "${extras[*]}")]"
-    pip_quiet -c constraints.txt --no-deps vllm==0.32.0 xgrammar==0.2.8
+    pip_quiet -c constraints.txt --no-deps vllm==0.34.0 xgrammar==0.2.8
 else
     pip_quiet -c constraints.txt -e .
 fi

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The test command: install (test tools, and vLLM 0.32.0 as oracle and server), build the docs site strictly
+# The test command: install (test tools, and vLLM 0.34.0 as oracle and server), build the docs site strictly
 # (a broken link, anchor or missing page fails it) and run the whole suite.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -71,7 +71,7 @@ def test_nothing_is_reused_after_a_failure_with_reuse_off_or_skipping_the_cache(
     assert off.claim(request("x", TURN_1[:8] + (7,), "a")).prefix == 0
     skip = RowBook(1, rewindable=True, reuse=True)
     finished_turn(skip)
-    assert skip.claim(request("x", TURN_1[:8] + (7,), "a"), read_history=False).prefix == 0
+    assert skip.claim(request("x", TURN_1[:8] + (7,), "a"), limit=0).prefix == 0
 
 
 def test_a_row_that_cannot_rewind_is_reused_only_whole():

@@ -284,7 +284,7 @@ def test_a_request_the_worker_cannot_run_fails_alone(served, stand_in_architectu
         for r, tokens in sampled.items():
             driver.accept(r, tokens)
         req_ids = list(out.num_scheduled_tokens)
-        runner_output = RunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
+        runner_output = RunnerOutput(req_ids=req_ids,
                                      sampled_token_ids=[sampled.get(r, []) for r in req_ids], failed=failed)
         for engine_outputs in scheduler.update_from_output(out, runner_output).values():
             for o in engine_outputs.outputs:

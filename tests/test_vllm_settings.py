@@ -181,7 +181,7 @@ def test_every_engine_argument_is_honoured_or_refused_at_start_up(start_up):
 
 def test_the_issue_list_at_start_up(start_up):
     """The settings the issue names: each refused with a line that says why and what to do."""
-    assert "enable_lora='enabled': LoRA adapters need the torch model's layers" in start_up["enable_lora"]
+    assert "LoRA is not supported for QeffEvs" in start_up["enable_lora"]  # vLLM's own refusal (0.34)
     assert "enable_prompt_embeds=True: the language graph embeds token ids itself" in start_up["enable_prompt_embeds"]
     assert "num_gpu_blocks_override=3: the KV cache lives in the export's graphs" in start_up["num_gpu_blocks_override"]
     assert "kv_cache_dtype='fp8': the KV cache lives in the export's graphs" in start_up["kv_cache_dtype"]
@@ -285,6 +285,7 @@ def cases(world, plain):
 # Run one at a time after the batch: refused ones, and logprob_token_ids (vLLM 0.32's sampler gives the whole batch
 # the specific-token logprobs once one request asks for them, whatever the others asked: the same on a GPU).
 ALONE = {"prompt_logprobs": dict(prompt_logprobs=1), "prompt_logprob_start": dict(prompt_logprob_start=1),
+         "prompt_logprob_token_ids": dict(prompt_logprob_token_ids=[[1]]),
          "logprob_token_ids": dict(logprobs=2, logprob_token_ids=[5, 17], max_tokens=3),
          "max_logprobs": dict(logprobs=25, max_tokens=2), "mm_processor_kwargs": dict(max_tokens=2)}
 
@@ -499,7 +500,11 @@ def test_beam_search_keeps_the_best_cumulative_logprobs(world, answers):
 def test_refused_sampling_parameters_fail_alone_with_their_line(answers):
     assert "prompt_logprobs=1: the language graph returns the last position's logits only" in \
         answers["alone"]["prompt_logprobs"]["error"]
-    assert "prompt_logprob_start requires prompt_logprob_token_ids" in answers["alone"]["prompt_logprob_start"]["error"]
+    assert "prompt_logprob_token_ids=[[1]]: the language graph returns the last position's logits only" in \
+        answers["alone"]["prompt_logprob_token_ids"]["error"]
+    # vLLM's own refusal (0.34's message)
+    assert "prompt_logprob_start requires prompt_logprobs or prompt_logprob_token_ids" in \
+        answers["alone"]["prompt_logprob_start"]["error"]
     assert "greater than max allowed: 20" in answers["alone"]["max_logprobs"]["error"]  # --max-logprobs 20
     # request kwargs reach the family's HF sampling rule, which refuses these two together as HF does
     assert "num_frames and fps are mutually exclusive" in answers["alone"]["mm_processor_kwargs"]["error"]

@@ -4,7 +4,9 @@ vLLM calls every installed ``vllm.platform_plugins`` function in every process t
 and every ``vllm.general_plugins`` function before it builds a model. Both stay inert unless the user
 asked for qeff-evs (``QEFF_EVS_BACKEND=ort|qaic|torch``), so installing qeff-evs never changes any other
 vLLM use. vLLM refuses two active out-of-tree platforms (vllm-qaic is one); with qeff-evs switched on
-beside another, one log line names both before vLLM stops.
+beside another, one log line names both before vLLM stops. Under any vLLM release but the one the plugin supports
+(``surface.SUPPORTED_VLLM``) an active plugin stops the process at once with one line naming both versions and the
+pip command (a ``SystemExit``: vLLM's plugin loader logs and swallows ordinary exceptions).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 from importlib.metadata import entry_points
 
 from qeff_evs.vllm.activation import BACKEND_ENV, active_backend, logger
+from qeff_evs.vllm.surface import installed_vllm, version_refusal
 
 # The devices each graph's program opens on (qaic): "0", "encoder=1,evs=1,language=0+2" (placement.py), or
 # the same under "device_ids" in --additional-config (a string, a list of ids, or a mapping of graph to ids).
@@ -30,6 +33,13 @@ def other_platform_plugins() -> list[str]:
                   if ep.name != PLATFORM_PLUGIN_NAME)
 
 
+def refuse_other_vllm() -> None:
+    """Stop here, in one line, under a vLLM release the plugin does not support."""
+    line = version_refusal(installed_vllm())
+    if line is not None:
+        raise SystemExit(f"{BACKEND_ENV}={active_backend()}: {line}")
+
+
 def platform_plugin() -> str | None:
     """``vllm.platform_plugins`` entry point: our Platform class path while active, else None."""
     try:
@@ -40,6 +50,7 @@ def platform_plugin() -> str | None:
         return None
     if backend is None:
         return None
+    refuse_other_vllm()
     others = other_platform_plugins()
     if others:
         logger.warning("qeff-evs (%s=%s) is active beside other out-of-tree vLLM platform plugins %s; vLLM "
@@ -53,6 +64,7 @@ def register() -> None:
     video loaders, only while active."""
     if active_backend() is None:
         return
+    refuse_other_vllm()
     from qeff_evs.vllm.ec_connector import config as ec_config
     from qeff_evs.vllm.kv_connector import config as kv_config
     from qeff_evs.vllm.processing.model import register_models

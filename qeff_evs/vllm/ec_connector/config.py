@@ -15,7 +15,7 @@ EC_WORKER_CLASS = "qeff_evs.vllm.ec_connector.worker.QeffEvsECWorker"
 
 def register_connector() -> None:
     """Make ``QeffEvsECConnector`` a name ``--ec-transfer-config`` accepts (in every process vLLM starts)."""
-    from vllm.distributed.ec_transfer.ec_connector.factory import ECConnectorFactory
+    from qeff_evs.vllm.surface import ECConnectorFactory
 
     try:
         ECConnectorFactory.register_connector(CONNECTOR_NAME, CONNECTOR_MODULE, CONNECTOR_NAME)

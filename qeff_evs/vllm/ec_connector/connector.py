@@ -29,7 +29,7 @@ import os
 import time
 from typing import TYPE_CHECKING
 
-from vllm.distributed.ec_transfer.ec_connector.example_connector import ECExampleConnector
+from qeff_evs.vllm.surface import ECExampleConnector
 
 from qeff_evs.models.pruning import VideoPruning
 from qeff_evs.runtime.engine import kept_rows
@@ -37,7 +37,7 @@ from qeff_evs.vllm.ec_connector.config import CONNECTOR_NAME
 from qeff_evs.vllm.activation import logger
 
 if TYPE_CHECKING:
-    from vllm.v1.request import Request
+    from qeff_evs.vllm.surface import Request
 
 FILE_NAME = "kept_rows.safetensors"
 STORAGE_KEY = "shared_storage_path"

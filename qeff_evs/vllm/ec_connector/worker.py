@@ -20,12 +20,13 @@ from an export folder without vision graphs, and anything that reached for them 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
-from vllm.distributed.ec_transfer import ensure_ec_transfer_initialized, ensure_ec_transfer_shutdown, get_ec_transfer
-from vllm.v1.outputs import ModelRunnerOutput, make_empty_encoder_model_runner_output
-from vllm.v1.worker.ec_connector_model_runner_mixin import ECConnectorModelRunnerMixin
+from qeff_evs.vllm.surface import ensure_ec_transfer_initialized, ensure_ec_transfer_shutdown, get_ec_transfer
+from qeff_evs.vllm.surface import make_empty_encoder_model_runner_output, ModelRunnerOutput
 
 from qeff_evs.manifest import LanguageShape
 from qeff_evs.runtime.engine.executor import media_pruning
@@ -33,6 +34,35 @@ from qeff_evs.runtime.sessions import language_session, vision_pipeline
 from qeff_evs.vllm.engine.data_parallel import configured_device_ids
 from qeff_evs.vllm.activation import active_backend, logger
 from qeff_evs.vllm.engine.worker import QeffEvsWorker
+
+
+def ec_connector_output(scheduler_output, encoder_cache: dict):
+    """The EC connector's part of one step, as vLLM's model runner runs it around the step's work: bind the step's
+    metadata, start saving (a producer) or loading (a consumer: the shipped items land in ``encoder_cache``), and
+    afterwards collect what finished. Ours, not vLLM 0.34's runner helper, which also saves every entry new to the
+    cache after the step: an encoder instance saves each item itself, with the header that says how it was pruned."""
+    from qeff_evs.vllm.surface import has_ec_transfer
+
+    return _ec_step(scheduler_output, encoder_cache) if has_ec_transfer() else nullcontext()
+
+
+@contextmanager
+def _ec_step(scheduler_output, encoder_cache: dict) -> Iterator:
+    from qeff_evs.vllm.surface import ECConnectorOutput
+
+    output = ECConnectorOutput()
+    connector = get_ec_transfer()
+    connector.bind_connector_metadata(scheduler_output.ec_connector_metadata)
+    if connector.is_producer:
+        connector.start_save_caches(encoder_cache=encoder_cache)
+    if connector.is_consumer:
+        connector.start_load_caches(encoder_cache)
+    try:
+        yield output
+    finally:
+        output.finished_sending, output.finished_recving = connector.get_finished(scheduler_output.finished_req_ids)
+        output.ec_connector_worker_meta = connector.build_connector_worker_meta()
+        connector.clear_connector_metadata()
 
 
 @dataclass(frozen=True)
@@ -86,10 +116,7 @@ class QeffEvsECWorker(QeffEvsWorker):
         if self.encoder_only:
             # vLLM measures a producer's encoder width through its pipeline-parallel group
             # (``get_pp_group``); set up its process groups, one rank, as its own workers do.
-            from vllm.distributed.parallel_state import (
-                ensure_model_parallel_initialized,
-                init_distributed_environment,
-            )
+            from qeff_evs.vllm.surface import ensure_model_parallel_initialized, init_distributed_environment
 
             init_distributed_environment(1, 0, self.distributed_init_method, 0, "gloo")
             ensure_model_parallel_initialized(1, 1)
@@ -128,8 +155,7 @@ class QeffEvsECWorker(QeffEvsWorker):
         if scheduler_output.scheduled_encoder_inputs and not self.encoder_only:
             raise AssertionError(f"media items {dict(scheduler_output.scheduled_encoder_inputs)} were scheduled for "
                                  "encoding on an ec_consumer instance; its connector keeps such requests waiting")
-        with ECConnectorModelRunnerMixin.maybe_get_ec_connector_output(
-                scheduler_output, encoder_cache=executor.encoder_outputs) as ec_output:
+        with ec_connector_output(scheduler_output, executor.encoder_outputs) as ec_output:
             # A consumer's connector has loaded the step's shipped items into the encoder cache by now.
             output = self._encode(scheduler_output) if self.encoder_only else super().execute_model(scheduler_output)
         if output is None:  # a language step: it samples in sample_tokens (vLLM calls it next), which carries this

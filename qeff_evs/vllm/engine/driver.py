@@ -54,9 +54,9 @@ class VllmDriver:
     def make_request(self, request_id: str, pieces: Sequence[PromptPiece], media: Sequence[MediaInput],
                      max_new_tokens: int):
         """A vLLM ``Request`` (greedy, EOS ignored) whose features carry our EVS placeholders."""
-        from vllm.multimodal.inputs import MultiModalFeatureSpec
-        from vllm.sampling_params import SamplingParams
-        from vllm.v1.request import Request
+        from qeff_evs.vllm.surface import MultiModalFeatureSpec
+        from qeff_evs.vllm.surface import SamplingParams
+        from qeff_evs.vllm.surface import Request
 
         self.executor.check_new(request_id)
         plan = self.plan(pieces, media)
@@ -95,13 +95,13 @@ class VllmDriver:
     # -- one step ---------------------------------------------------------------------------------
     def execute(self, out: Any):
         """Run one vLLM ``SchedulerOutput``, greedily; the ``ModelRunnerOutput`` for ``update_from_output``."""
-        from vllm.v1.outputs import ModelRunnerOutput
+        from qeff_evs.vllm.surface import ModelRunnerOutput
 
         sampled = {request_id: [int(np.argmax(row))] for request_id, row in self.step(out).items()}
         for request_id, tokens in sampled.items():
             self.accept(request_id, tokens)
         req_ids = list(out.num_scheduled_tokens)
-        return ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
+        return ModelRunnerOutput(req_ids=req_ids,
                                  sampled_token_ids=[sampled.get(r, []) for r in req_ids])
 
     def step(self, out: Any, failed: dict[str, str] | None = None) -> dict[str, np.ndarray]:

@@ -59,18 +59,22 @@ class RowBook:
     pulling: set[str] = field(default_factory=set)  # held rows a KV hand-over is being written into (kv_connector)
     clock: int = 0
 
-    def claim(self, request, scheduled: Collection[str] = (), read_history: bool = True) -> RowChoice | None:
+    def claim(self, request, scheduled: Collection[str] = (), limit: int | None = None) -> RowChoice | None:
         """Choose a row for a vLLM ``Request`` about to be scheduled for the first time (it may still not be); None
         when no row is free (vLLM then has no block for it either). ``scheduled``: the requests vLLM has scheduled
         so far (its running list): vLLM places waiting requests one at a time, so an earlier claim of a request not
-        among them was passed over and lapses."""
+        among them was passed over and lapses. ``limit``: the longest prefix the request may reuse (vLLM's bound; 0
+        for a request that reads no history); a row that cannot be rewound to it is reused for nothing."""
         self.claimed = {r: c for r, c in self.claimed.items() if r in scheduled and r != request.request_id}
         salt = request.cache_salt
+        read_history = limit is None or limit > 0
         free = {row: self.histories[row].offered_to(salt, read_history) if row in self.histories else None
                 for row in self._free_rows()}
         if not free:
             return None
         choice = choose_row(free, tuple(request.all_token_ids), media_spans(request))
+        if limit is not None and choice.prefix > limit:
+            choice = RowChoice(choice.row, limit if self.rewindable else 0)
         self.claimed[request.request_id] = choice
         return choice
 

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import ClassVar
 
 import torch
-from vllm.platforms.interface import Platform, PlatformEnum
+from qeff_evs.vllm.surface import Platform, PlatformEnum
 
 from qeff_evs.manifest import read_manifest
 from qeff_evs.vllm.engine.data_parallel import data_parallel_problems, record_local_ranks
@@ -110,13 +110,16 @@ class QeffEvsPlatform(Platform):
         # Before record_local_ranks: settings/table.py reads --device-ids only where the config is made (see there).
         ours = [f"{line} (the qeff-evs platform)" for line in engine_refusals(vllm_config)]
         record_local_ranks(vllm_config)
+        if model_config.return_sampling_mask:  # vLLM accepts it with --logprobs-mode processed_logprobs
+            ours.append("return_sampling_mask=True: the host sampler returns no sampling masks (vLLM's sampling-"
+                        "distribution replay); remove it (the qeff-evs platform)")
         problems = (refusals(settings, manifest) + ec_refusals(vllm_config) + kv_refusals(vllm_config, active_backend())
                     + data_parallel_problems(vllm_config) + ours)
         if problems:
             raise ValueError(f"{BACKEND_ENV}={active_backend()}: the export {export_dir} cannot serve these settings:\n"
                              + "\n".join(f"  - {p}" for p in problems))
 
-        from vllm.config import CompilationMode, CUDAGraphMode
+        from qeff_evs.vllm.surface import CompilationMode, CUDAGraphMode
 
         parallel.worker_cls = ec_worker_class(vllm_config) or kv_worker_class(vllm_config) or WORKER_CLASS
         cls.kv_role = kv_role(vllm_config)
@@ -153,8 +156,8 @@ class QeffEvsPlatform(Platform):
         vLLM calls this in its frontend after its renderer and our processor made the prompt, before the
         request reaches the engine; nothing a request carries may raise in the worker.
         """
-        from vllm.exceptions import VLLMValidationError
-        from vllm.sampling_params import SamplingParams
+        from qeff_evs.vllm.surface import VLLMValidationError
+        from qeff_evs.vllm.surface import SamplingParams
 
         from qeff_evs.vllm.processing.processor import POSITIONS_END
 

@@ -25,9 +25,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from vllm.v1.core.sched.output import SchedulerOutput
-from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.outputs import ModelRunnerOutput
+from qeff_evs.vllm.surface import ModelRunnerOutput, Scheduler, SchedulerOutput
 
 from qeff_evs.manifest import read_manifest
 from qeff_evs.vllm.engine.kv_rows import RowBook
@@ -71,12 +69,13 @@ class QeffEvsScheduler(Scheduler):
             self.connector.rows = self.kv_rows
         self._rows_unknown: set[str] = set()  # requests the worker failed: what their rows hold is unknown
 
-    def _get_local_prefix_cache_hit(self, request):
+    def _get_local_prefix_cache_hit(self, request, max_cache_hit_length=None):
         # vLLM asks this for every request it is about to schedule for the first time: the row is chosen here, its
-        # reusable prefix is the hit. No vLLM block is shared (a row is the request's own block). Nothing here may
-        # raise: an exception in the scheduler stops vLLM's engine.
+        # reusable prefix is the hit, within the request's bound (its last token is always computed; none for a
+        # request that skips the prefix cache). No vLLM block is shared (a row is the request's own block). Nothing
+        # here may raise: an exception in the scheduler stops vLLM's engine.
         choice = self.kv_rows.claim(request, {r.request_id for r in self.running},
-                                    read_history=not request.skip_reading_prefix_cache)
+                                    limit=request.get_max_cache_hit_length(max_cache_hit_length))
         return self.kv_cache_manager.empty_kv_cache_blocks, 0 if choice is None else choice.prefix, 0, False
 
     def schedule(self, *args, **kwargs) -> RowsSchedulerOutput:

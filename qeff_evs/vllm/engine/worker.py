@@ -1,11 +1,11 @@
 """The vLLM worker that runs a qeff-evs export: vLLM's ``SchedulerOutput`` in, ``ModelRunnerOutput`` out.
 
-Per step (``execute_model``): vLLM's persistent batch is updated (:mod:`qeff_evs.vllm.sampling.vllm_sampler`), new
+Per step (``execute_model``): the host sampler's request states are updated (:mod:`qeff_evs.vllm.sampling`), new
 requests are admitted to the driver with their prompt plan (rebuilt from vLLM's prompt ids and the media
 our processor prepared), and the driver runs the scheduled encoder items, prefill chunks (window rows,
 int64 positions, the request's KV row) and decodes over the backend's sessions. Then (``sample_tokens``,
-as vLLM's GPU runner) vLLM's structured-output bitmask is applied to the logits and vLLM's sampler picks
-the tokens. Encoder outputs are dropped when vLLM's encoder cache frees them, KV rows when vLLM finishes
+as vLLM's model runner) the host sampler applies vLLM's structured-output bitmask and sampling rules to the
+logits and picks the tokens. Encoder outputs are dropped when vLLM's encoder cache frees them, KV rows when vLLM finishes
 or aborts a request. Each new request runs in the KV row the scheduler chose (``engine/scheduler.py``), from the
 first token the row does not already hold.
 
@@ -23,9 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from vllm.v1.kv_cache_interface import FullAttentionSpec
-from vllm.v1.outputs import ModelRunnerOutput
-from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
+from qeff_evs.vllm.surface import CompilationTimes, FullAttentionSpec, WorkerBase
 
 from qeff_evs.runtime.engine.request import PromptPiece
 from qeff_evs.runtime.builders import engine_config
@@ -36,7 +34,7 @@ from qeff_evs.vllm.engine.driver import VllmDriver
 from qeff_evs.vllm.engine.limits import served_pruning
 from qeff_evs.vllm.activation import active_backend, logger
 from qeff_evs.vllm.processing.processor import media_from_fields
-from qeff_evs.vllm.sampling.vllm_sampler import VllmSampling
+from qeff_evs.vllm.sampling.host_sampler import HostSampler
 from qeff_evs.vllm.engine.scheduler import RunnerOutput
 
 # vLLM's block accounting needs a layer name; the real KV state lives in our sessions.
@@ -59,7 +57,7 @@ def prompt_pieces(prompt_ids: list[int], features) -> list[PromptPiece]:
 
 class QeffEvsWorker(WorkerBase):
     def init_device(self) -> None:
-        from vllm.utils.torch_utils import set_random_seed
+        from qeff_evs.vllm.surface import set_random_seed
 
         self.device = torch.device("cpu")
         set_random_seed(self.model_config.seed)  # as vLLM's workers: unseeded sampling follows --seed
@@ -69,7 +67,7 @@ class QeffEvsWorker(WorkerBase):
         config = engine_config(bundle, served_pruning(self.model_config.multimodal_config))
         self.bundle = bundle
         self.driver = VllmDriver(bundle.family, *self._sessions(bundle, config.video_pruning_method), config)
-        self.sampling: VllmSampling | None = None
+        self.sampling: HostSampler | None = None
         self._step = None  # (scheduler output, logits, failed) between execute_model and sample_tokens
 
     def _sessions(self, bundle, method: str):
@@ -101,8 +99,7 @@ class QeffEvsWorker(WorkerBase):
 
     def initialize_from_config(self, kv_cache_config) -> None:
         self.cache_config.num_gpu_blocks = kv_cache_config.num_blocks
-        self.sampling = VllmSampling(self.vllm_config, self.model_config.get_vocab_size(),
-                                     self.cache_config.block_size)
+        self.sampling = HostSampler(self.vllm_config, self.model_config.get_vocab_size())
 
     def compile_or_warm_up_model(self) -> CompilationTimes:
         return CompilationTimes(language_model=0.0, encoder=0.0)
@@ -113,9 +110,17 @@ class QeffEvsWorker(WorkerBase):
         self.sampling.update(scheduler_output)
         for request_id in scheduler_output.finished_req_ids:  # first: vLLM may reuse an aborted request's id
             self.driver.finish(request_id)
+        # A preempted request comes back as a new one with its outputs in prefill_token_ids. The platform sizes blocks
+        # so that vLLM never preempts (one block per row); should it happen, the request fails alone.
+        preempted = set(getattr(scheduler_output, "preempted_req_ids", None) or ())
+        for request_id in preempted:
+            self.driver.finish(request_id)
         failed: dict[str, str] = {}
         for new in scheduler_output.scheduled_new_reqs:
             try:
+                if new.req_id in preempted or len(new.prefill_token_ids) != len(new.prompt_token_ids):
+                    raise RuntimeError("vLLM preempted and resumed the request; the qeff-evs platform sizes KV blocks "
+                                       "so that this cannot happen (block_size must equal max_model_len)")
                 self._admit(new, scheduler_output.kv_rows[new.req_id])
             except Exception as error:  # noqa: BLE001 - one request's failure must not stop the engine
                 failed[new.req_id] = f"{type(error).__name__}: {error}"

@@ -20,7 +20,7 @@ REMOTE_KEYS = ("remote_host", "remote_port", "remote_request_id")
 
 def register_connector() -> None:
     """Make ``QeffEvsKVConnector`` a name ``--kv-transfer-config`` accepts (in every process vLLM starts)."""
-    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from qeff_evs.vllm.surface import KVConnectorFactory
 
     try:
         KVConnectorFactory.register_connector(CONNECTOR_NAME, CONNECTOR_MODULE, CONNECTOR_NAME)

@@ -36,12 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-    KVConnectorBase_V1,
-    KVConnectorHandshakeMetadata,
-    KVConnectorMetadata,
-    KVConnectorRole,
-)
+from qeff_evs.vllm.surface import KVConnectorBase_V1, KVConnectorHandshakeMetadata, KVConnectorMetadata, KVConnectorRole
 
 from qeff_evs.vllm.kv_connector import handover as kv_handover
 from qeff_evs.vllm.kv_connector import transport as kv_transport
@@ -49,7 +44,7 @@ from qeff_evs.vllm.activation import logger
 from qeff_evs.vllm.kv_connector.config import REMOTE_KEYS
 
 if TYPE_CHECKING:
-    from vllm.v1.request import Request
+    from qeff_evs.vllm.surface import Request
 
 DEFAULT_LEASE_S = 30.0
 DEFAULT_PULL_TIMEOUT_S = 30.0
@@ -185,7 +180,7 @@ class QeffEvsKVConnector(KVConnectorBase_V1):
         """A prefill instance answers where its hand-over waits; the row is free at once (the outbox holds a copy)."""
         if not self.is_producer or not _param(request, "do_remote_decode"):
             return False, None
-        from vllm.v1.request import RequestStatus
+        from qeff_evs.vllm.surface import RequestStatus
 
         if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
             self._drop.append(request.request_id)  # aborted or failed: nobody will pull it

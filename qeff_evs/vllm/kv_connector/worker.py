@@ -23,9 +23,9 @@ from __future__ import annotations
 
 import time
 
-from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-from vllm.v1.outputs import KVConnectorOutput
+from qeff_evs.vllm.surface import KVConnectorFactory
+from qeff_evs.vllm.surface import KVConnectorRole
+from qeff_evs.vllm.surface import KVConnectorOutput
 
 from qeff_evs.runtime.sessions import language_session, vision_pipeline
 from qeff_evs.vllm.kv_connector import handover as kv_handover

@@ -50,7 +50,7 @@ def to_placeholder_range(placeholder: Placeholder):
     """vLLM's ``PlaceholderRange`` for our ``Placeholder`` (needs vLLM installed)."""
     try:
         import torch
-        from vllm.multimodal.inputs import PlaceholderRange
+        from qeff_evs.vllm.surface import PlaceholderRange
     except ImportError as error:  # pragma: no cover - depends on the environment
         raise ValueError(
             "building a vLLM PlaceholderRange needs vLLM; install it with `pip install --no-deps vllm==0.32.0` "

@@ -14,8 +14,8 @@ from __future__ import annotations
 import functools
 
 from torch import nn
-from vllm import ModelRegistry
-from vllm.multimodal import MULTIMODAL_REGISTRY
+from qeff_evs.vllm.surface import ModelRegistry
+from qeff_evs.vllm.surface import MULTIMODAL_REGISTRY
 
 from qeff_evs.models.protocol import ModelFamily
 from qeff_evs.models.registry import family_classes

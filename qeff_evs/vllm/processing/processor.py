@@ -29,13 +29,13 @@ from typing import Any
 import numpy as np
 import torch
 from transformers import BatchFeature
-from vllm.exceptions import VLLMValidationError
-from vllm.inputs.engine import mm_input
-from vllm.multimodal.cache.base import MultiModalProcessorOnlyCache
-from vllm.multimodal.inputs import MultiModalFieldConfig
-from vllm.multimodal.parse import MultiModalDataParser
-from vllm.multimodal.processing import BaseDummyInputsBuilder, BaseMultiModalProcessor, BaseProcessingInfo
-from vllm.multimodal.processing.processor import PromptReplacement, PromptUpdateDetails
+from qeff_evs.vllm.surface import VLLMValidationError
+from qeff_evs.vllm.surface import mm_input
+from qeff_evs.vllm.surface import MultiModalProcessorOnlyCache
+from qeff_evs.vllm.surface import MultiModalFieldConfig
+from qeff_evs.vllm.surface import MultiModalDataParser
+from qeff_evs.vllm.surface import BaseDummyInputsBuilder, BaseMultiModalProcessor, BaseProcessingInfo
+from qeff_evs.vllm.surface import PromptReplacement, PromptUpdateDetails
 
 from qeff_evs.models.protocol import MediaInput, ModelFamily
 from qeff_evs.models.pruning import PRUNING_METHODS, VideoPruning

@@ -1,4 +1,4 @@
-"""Every vLLM 0.32 engine argument and sampling parameter, and what qeff-evs does with it: one row each.
+"""Every vLLM 0.34 engine argument and sampling parameter, and what qeff-evs does with it: one row each.
 
 vLLM's own frontend, scheduler, sampler and detokenizer run unchanged around our worker, so most settings
 are honoured by vLLM's own code; what configures vLLM's torch model runner (which the export's graphs
@@ -12,7 +12,7 @@ behaviour of the honoured sampling parameters is compared with vLLM's documentat
 Verdicts:
   ``honoured``      vLLM's behaviour, through the plugin (``how`` says which part of vLLM does it);
   ``refused``       qeff-evs refuses it, one line (the platform at start-up, ``validate_request`` per request);
-  ``vllm refuses``  vLLM 0.32 itself stops at start-up on this platform or export (its own message);
+  ``vllm refuses``  vLLM 0.34 itself stops at start-up on this platform or export (its own message);
   ``no effect``     a performance knob of vLLM's torch model runner (kernel choice, compilation) that vLLM
                     resolves before qeff-evs can tell it was given; outputs are the graphs' either way.
 """
@@ -129,8 +129,9 @@ def _default(path: str, value: Any) -> Callable[[Any], Any]:
     return lambda c: value if read(c) is None else read(c)
 
 
-def _lora(c) -> Any:
-    return None if c.lora_config is None else "enabled"
+def _as_list(name: str) -> Callable[[Any], Any]:
+    """A parameter vLLM holds as an array, read as the list a request sent."""
+    return lambda p: None if getattr(p, name) is None else getattr(p, name).tolist()
 
 
 def _additional(key: str) -> Callable[[Any], Any]:
@@ -173,7 +174,8 @@ ENGINE_SETTINGS: tuple[Setting, ...] = (
     _h("model", "the export folder is the model path (config.json, tokenizer, generation_config.json at its top)",
        "test_vllm_serve.py::test_video_url_equals_qeff_evs_run"),
     _v("enable_return_routed_experts", "vLLM: 'AuxOutput Connector only supports MoE models'", True),
-    _v("return_sampling_mask", "vLLM: 'sampling distribution replay requires Model Runner V2'", True),
+    _v("return_sampling_mask", "vLLM: 'sampling distribution replay requires logprobs_mode='processed_logprobs''; with "
+       "it, the platform refuses it (the host sampler returns no sampling masks)", True),
     _r("model_weights", "model_config.model_weights", WEIGHTS, "/weights", unused=("",)),
     _h("served_model_name", FRONTEND, "test_vllm_serve.py (every request names the served model 'tiny')", "tiny"),
     _h("tokenizer", LOADING + "; default: the export's own tokenizer at its top",
@@ -200,6 +202,7 @@ ENGINE_SETTINGS: tuple[Setting, ...] = (
     _r("safetensors_prefetch_block_size", "load_config.safetensors_prefetch_block_size", WEIGHTS, 1024,
        unused=(16777216,)),
     _r("load_format", "load_config.load_format", WEIGHTS, "dummy", unused=("auto",)),
+    _r("shuffle_safetensors_files", "load_config.shuffle_safetensors_files", WEIGHTS, True, unused=(False,)),
     _h("config_format", LOADING, example="hf"),
     _n("dtype", "vLLM resolves 'auto' from the config before qeff-evs sees it; the graphs' precision is the "
        "export's (fp32 on ONNX Runtime, fp16 on the card after `qeff-evs compile`), whatever --dtype says"),
@@ -222,15 +225,14 @@ ENGINE_SETTINGS: tuple[Setting, ...] = (
     _r("node_rank", "parallel_config.node_rank", ONE_WORKER, 1, unused=(0,)),
     _r("distributed_timeout_seconds", "parallel_config.distributed_timeout_seconds", ONE_WORKER, 30),
     _r("cpu_distributed_timeout_seconds", "parallel_config.cpu_distributed_timeout_seconds", ONE_WORKER, 30),
-    _r("numa_bind", "parallel_config.numa_bind", ONE_WORKER, True, unused=(False,)),
-    _v("numa_bind_nodes", "vLLM: 'numa_bind_nodes and numa_bind_cpus require numa_bind=True' (numa_bind is "
-       "refused)", [0]),
-    _v("numa_bind_cpus", "vLLM: 'numa_bind_nodes and numa_bind_cpus require numa_bind=True' (numa_bind is "
-       "refused)", ["0"]),
+    _r("numa_bind", "parallel_config.numa_bind", ONE_WORKER, True, unused=(None, False)),
+    Setting("numa_bind_nodes", REFUSED, ONE_WORKER, example=[0], via="numa_bind"),
+    Setting("numa_bind_cpus", REFUSED, ONE_WORKER, example=["0"], via="numa_bind"),
     _r("device_ids", _user_device_ids,
        "GPU ids of vLLM's workers; an export's sessions choose their device (QEFF_EVS_BACKEND); remove it", "0"),
     _r("tensor_parallel_size", "parallel_config.tensor_parallel_size", ONE_WORKER, 2, unused=(1,)),
-    _v("prefill_context_parallel_size", "vLLM: 'Model Runner V1 does not support: prefill context parallel'", 2),
+    _r("prefill_context_parallel_size", "parallel_config.prefill_context_parallel_size", ONE_WORKER, 2,
+       unused=(1,)),
     _v("decode_context_parallel_size", "vLLM: 'tp_size=1 must be divisible by dcp_size=2'", 2),
     _r("dcp_comm_backend", "parallel_config.dcp_comm_backend", ONE_WORKER, "a2a", unused=("ag_rs",)),
     _r("dcp_q_replicate", "parallel_config.dcp_q_replicate", ONE_WORKER, True, unused=(False,)),
@@ -254,6 +256,7 @@ ENGINE_SETTINGS: tuple[Setting, ...] = (
     _r("enable_ep_weight_filter", "parallel_config.enable_ep_weight_filter", ONE_WORKER, True, unused=(False,)),
     _r("moe_backend", _default("kernel_config.moe_backend", "auto"), RUNNER, "triton", unused=("auto",)),
     _r("linear_backend", _default("kernel_config.linear_backend", "auto"), RUNNER, "triton", unused=("auto",)),
+    _r("monokernel", "kernel_config.monokernel", RUNNER, True, unused=(False,)),
     _r("sparse_indexer_topk_backend", _default("kernel_config.sparse_indexer_topk_backend", "auto"), RUNNER,
        "triton", unused=("auto",)),
     _n("all2all_backend", "vLLM reads it only with expert parallelism, which vLLM refuses here"),
@@ -293,8 +296,9 @@ ENGINE_SETTINGS: tuple[Setting, ...] = (
     _r("offload_num_in_group", "offload_config.prefetch.offload_num_in_group", RUNNER, 2, unused=(1,)),
     _r("offload_prefetch_step", "offload_config.prefetch.offload_prefetch_step", RUNNER, 2, unused=(1,)),
     _r("offload_params", "offload_config.prefetch.offload_params", RUNNER, ["x"], unused=(set(),)),
-    _r("gpu_memory_utilization", "cache_config.gpu_memory_utilization", KV, 0.5, unused=(0.92,)),
+    _r("gpu_memory_utilization", "cache_config.gpu_memory_utilization", KV, 0.5, unused=(None,)),
     _r("kv_cache_memory_bytes", "cache_config.kv_cache_memory_bytes", KV, 1000000),
+    _r("enable_extensible_kv_cache", "cache_config.enable_extensible_kv_cache", KV, True, unused=(None, False)),
     _h("max_num_batched_tokens", SCHEDULER + "; a chunk longer than the graph's prefill length runs as several "
        "calls, each with its own window", "test_vllm_plugin.py::test_llm_generate_equals_each_request_alone", 64),
     _h("max_num_scheduled_tokens", SCHEDULER, example=32),
@@ -302,6 +306,13 @@ ENGINE_SETTINGS: tuple[Setting, ...] = (
     _h("long_prefill_token_threshold_adaptive", SCHEDULER, example=True),
     _h("max_num_seqs", "up to the export's KV rows (--full-batch-size; engine/limits.py refuses more)",
        "test_vllm_platform_plugin.py::test_each_unservable_setting_is_one_line", 2),
+    _r("cache_aware_admission_window", "scheduler_config.cache_aware_admission_window",
+       "cache-aware admission ranks waiting requests by their hits in vLLM's block prefix cache, which an export's "
+       "KV rows do not use (the plugin's scheduler reuses rows: enable_prefix_caching); remove it", 4, unused=(0,)),
+    _h("cache_aware_admission_threshold", "only with --cache-aware-admission-window, which is refused"),
+    _r("max_num_inflight_kv_loads", "scheduler_config.max_num_inflight_kv_loads",
+       "a KV pull from a prefill instance writes into one of the export's KV rows, and none is free while they are "
+       "all running: pulls start when a row is; remove it", 2),
     _h("max_num_active_seqs", SCHEDULER, example=2),
     _h("max_num_queued_reqs", SCHEDULER, example=10),
     _h("max_num_queued_tokens", SCHEDULER, example=1000),
@@ -313,8 +324,10 @@ ENGINE_SETTINGS: tuple[Setting, ...] = (
     _r("use_fp64_gumbel", "model_config.use_fp64_gumbel", "an option of vLLM's GPU sampling kernel, which the "
        "plugin's host sampler does not run (it runs vLLM's torch-native sampler); remove it", True,
        unused=(False,)),
-    _v("enable_trace_replay", "vLLM: 'trace replay requires Model Runner V2'", True),
+    _r("enable_trace_replay", "model_config.enable_trace_replay", "the plugin's host sampler does not replay traces; remove it",
+       True, unused=(None, False)),
     _h("disable_log_stats", OBSERVE, example=True),
+    _h("watchdog_config", "vLLM's own stack-dump watchdog, unchanged"),
     _h("aggregate_engine_logging", OBSERVE, example=True),
     _h("revision", LOADING, example="main"),
     _h("code_revision", LOADING, example="main"),
@@ -352,7 +365,7 @@ ENGINE_SETTINGS: tuple[Setting, ...] = (
        {"fps": 1}),
     _h("mm_processor_cache_gb", "vLLM's processor cache in the engine process, unchanged; the API server processes "
        "repeated media again (its copy of the cache would drift when a request is refused after processing, which "
-       "vLLM 0.32 answers with HTTP 500 on the next request with that media)",
+       "vLLM answers with HTTP 500 on the next request with that media)",
        "test_vllm_serve.py::test_a_refused_request_does_not_spoil_its_media_for_the_next", 0),
     _r("mm_processor_cache_type", "model_config.multimodal_config.mm_processor_cache_type",
        "only vLLM's 'lru' processor cache is tested with the export's processor; pass 'lru' or remove it", "shm",
@@ -386,8 +399,8 @@ ENGINE_SETTINGS: tuple[Setting, ...] = (
        "to move); remove it", "cpu"),
     _r("mm_ipc_gpu_memory_gb", "model_config.multimodal_config.mm_ipc_gpu_memory_gb", RUNNER, 1, unused=(0, 0.0)),
     _n("mm_device_do_normalize", "vLLM turns it off itself for models without device normalisation (ours)"),
-    _r("enable_lora", _lora, "LoRA adapters need the torch model's layers; an export's graphs have fixed weights; "
-       "remove --enable-lora", True),
+    _v("enable_lora", "vLLM: 'LoRA is not supported for QeffEvs...: Supported models implement the SupportsLoRA "
+       "interface' (an export's graphs have fixed weights)", True),
     _n("max_loras", LORA),
     _n("max_lora_rank", LORA),
     _n("default_mm_loras", LORA),
@@ -415,7 +428,7 @@ ENGINE_SETTINGS: tuple[Setting, ...] = (
     _h("structured_outputs_config", "vLLM's structured output manager; the worker applies its grammar bitmask to "
        "the graph's logits before vLLM's sampler", STRUCTURED_TEST),
     _n("aux_output_config", "vLLM reads it only with --enable-return-routed-experts, which vLLM refuses here"),
-    _v("reasoning_parser", "vLLM 0.32's reasoning parsers import mistral_common, which this install leaves out "
+    _v("reasoning_parser", "vLLM 0.34's reasoning parsers import mistral_common, which this install leaves out "
        "(and qwen3's needs single-token think markers): vLLM stops at start-up. A thinking budget works through "
        "--reasoning-config", "qwen3"),
     _n("reasoning_parser_plugin", "vLLM loads a plugin parser only with --reasoning-parser (vLLM refuses here)"),
@@ -486,6 +499,9 @@ ENGINE_SETTINGS: tuple[Setting, ...] = (
     _h("generation_config", FRONTEND + " (default sampling parameters from the export's generation_config.json)",
        example="vllm"),
     _v("enable_sleep_mode", "vLLM: 'Sleep mode is not supported on current platform'", True),
+    _h("sleep_mode_backend", "only with --enable-sleep-mode, which vLLM refuses here"),
+    _v("checkpoint_prepare_on_startup", "vLLM: 'checkpoint_prepare_on_startup requires enable_sleep_mode' (which "
+       "vLLM refuses here)", True),
     _n("sleep_mode_offload_cudagraph", "vLLM reads it only with --enable-sleep-mode, which vLLM refuses here"),
     _n("sleep_preserve_parameter_names", "vLLM reads it only with --enable-sleep-mode, which vLLM refuses here"),
     _v("enable_cumem_allocator", "vLLM: 'cumem allocator is not supported on current platform'", True),
@@ -502,7 +518,7 @@ ENGINE_SETTINGS: tuple[Setting, ...] = (
        "linear-attention state lives in its KV row, reused only whole); with --no-enable-prefix-caching vLLM refuses "
        "it ('--mamba-block-size can only be set with --enable-prefix-caching')", example=16),
     _r("prefix_match_unit", "cache_config.prefix_match_unit", FEATURE, 16),
-    _r("mamba_cache_mode", "cache_config.mamba_cache_mode", FEATURE, "align", unused=("none",)),
+    _n("mamba_cache_mode", "deprecated in vLLM 0.34, which warns and drops it"),
     _r("enable_mamba_shared_prefix_checkpoint", "cache_config.enable_mamba_shared_prefix_checkpoint", FEATURE, True,
        unused=(False,)),
     _r("replayssm_buffer_len", "cache_config.replayssm_buffer_len", FEATURE, 8, unused=(16,)),
@@ -542,7 +558,7 @@ ENGINE_SETTINGS: tuple[Setting, ...] = (
     _h("enable_log_requests", OBSERVE),
 )
 
-SAMPLER = "vLLM's sampler on the graph's logits"
+SAMPLER = "the plugin's host sampler, vLLM 0.34's rule, on the graph's logits"
 DETOK = "vLLM's detokenizer and output processor, unchanged"
 
 SAMPLING_SETTINGS: tuple[Setting, ...] = (
@@ -568,11 +584,12 @@ SAMPLING_SETTINGS: tuple[Setting, ...] = (
        "test_vllm_settings.py::test_logprobs_are_log_softmax_of_the_graph_logits"),
     _r("prompt_logprobs", "prompt_logprobs", "the language graph returns the last position's logits only; drop "
        "prompt_logprobs", 1),
-    _v("prompt_logprob_token_ids", "vLLM: 'prompt_logprob_token_ids requires the V2 model runner'", [[1]]),
-    _v("prompt_logprob_start", "vLLM: 'prompt_logprob_start requires prompt_logprob_token_ids' (itself refused by "
-       "vLLM 0.32's V1 runner)", 1),
-    _h("logprob_token_ids", SAMPLER + " (vLLM 0.32 returns these ids' logprobs for every request of a step once one "
-       "asks for them, as on a GPU)", "test_vllm_settings.py::test_logprobs_are_log_softmax_of_the_graph_logits"),
+    _r("prompt_logprob_token_ids", _as_list("prompt_logprob_token_ids"), "the language graph returns the last position's "
+       "logits only; drop prompt_logprob_token_ids", [[1]]),
+    _v("prompt_logprob_start", "vLLM: 'prompt_logprob_start requires prompt_logprobs or prompt_logprob_token_ids' "
+       "(both refused)", 1),
+    _h("logprob_token_ids", SAMPLER + " (each request's own ids' logprobs, the others' top logprobs, as vLLM 0.34)",
+       "test_vllm_settings.py::test_logprobs_are_log_softmax_of_the_graph_logits"),
     _h("flat_logprobs", DETOK),
     _h("detokenize", DETOK),
     _h("skip_special_tokens", DETOK, "test_vllm_settings.py::test_special_tokens_in_the_text"),
@@ -595,7 +612,7 @@ SAMPLING_SETTINGS: tuple[Setting, ...] = (
        "vLLM refuses it without)", BUDGET_TEST),
     _h("repetition_detection", "vLLM's scheduler stops a repeating output"),
     _h("routed_experts_prompt_start", "only with --enable-return-routed-experts, which vLLM refuses here"),
-    _h("trace_decode_token_ids", "only with --enable-trace-replay, which vLLM refuses here; vLLM refuses the "
+    _h("trace_decode_token_ids", "only with --enable-trace-replay, which is refused; vLLM refuses the "
        "parameter without it"),
 )
 
@@ -680,8 +697,8 @@ def settings_page(page: str) -> str:
     """``page`` (docs/settings.md's text) with every part made from the rows rendered again from them: the row counts
     and the five tables, in page order (the named engine arguments, the named sampling parameters, the grouped engine
     arguments, every engine argument, every sampling parameter). ``scripts/render_settings_page.py`` writes it."""
-    page = re.sub(r"Each of vLLM 0\.32's \d+ engine arguments and \d+ sampling parameters",
-                  f"Each of vLLM 0.32's {len(ENGINE_SETTINGS)} engine arguments and {len(SAMPLING_SETTINGS)} "
+    page = re.sub(r"Each of vLLM 0\.3\d's \d+ engine arguments and \d+ sampling parameters",
+                  f"Each of vLLM 0.34's {len(ENGINE_SETTINGS)} engine arguments and {len(SAMPLING_SETTINGS)} "
                   "sampling parameters", page)
     page = re.sub(r"Engine arguments: [^;]*; sampling parameters: [^.]*\.",
                   f"Engine arguments: {_counts(ENGINE_SETTINGS)}; sampling parameters: {_counts(SAMPLING_SETTINGS)}.",
