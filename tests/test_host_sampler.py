@@ -28,38 +28,9 @@ from qeff_evs.vllm.sampling.logprobs import logprobs_of  # noqa: E402
 from qeff_evs.vllm.sampling.thinking import ThinkingMarkers, ThinkingScan  # noqa: E402
 
 VOCAB = 97
-M32 = 0xFFFFFFFF
 
 
-# --- vLLM's murmur3 stream in Python integers ---------------------------------------------------------------
-def _rotl(x: int, r: int) -> int:
-    return ((x << r) | (x >> (32 - r))) & M32
-
-
-def _mix(h: int, k: int) -> int:
-    k = _rotl((k * 0xCC9E2D51) & M32, 15)
-    h ^= (k * 0x1B873593) & M32
-    h = _rotl(h, 13)
-    return (h * 5 + 0xE6546B64) & M32
-
-
-def reference_hash(seed: int, pos: int, token: int) -> int:
-    h = 0
-    for word in (seed & M32, (seed >> 32) & M32, pos & M32, token & M32):
-        h = _mix(h, word)
-    h ^= 16
-    h ^= h >> 16
-    h = (h * 0x85EBCA6B) & M32
-    h ^= h >> 13
-    h = (h * 0xC2B2AE35) & M32
-    return h ^ (h >> 16)
-
-
-def reference_uniform(seed: int, pos: int, token: int) -> np.float32:
-    h = reference_hash(seed, pos, token)
-    f32 = np.float32
-    return f32(f32(h >> 16) * f32(1.52587890625e-05)) + f32(f32(h & 0xFFFF) + f32(0.5)) * f32(2.3283064365386963e-10)
-
+from helpers.vllm_noise import reference_uniform  # noqa: E402
 
 SEEDS = [0, 1, 1234, -7, 2**62 + 5, -(2**63)]
 

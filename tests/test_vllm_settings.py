@@ -40,6 +40,7 @@ from vllm.tokenizers import get_tokenizer  # noqa: E402
 
 from conftest import SERVED_CTX_LEN as CTX_LEN, SERVED_FULL_BATCH as FULL_BATCH, SERVED_PREFILL  # noqa: E402
 from helpers.graph_oracle import GraphOracle  # noqa: E402
+from helpers.vllm_noise import reference_noise  # noqa: E402
 from qeff_evs.runtime.inputs.prompt import chat_pieces  # noqa: E402
 from qeff_evs.runtime.inputs.synthetic import moving_square_video  # noqa: E402
 from qeff_evs.runtime.export_bundle import open_export  # noqa: E402
@@ -279,6 +280,7 @@ def cases(world, plain):
         "logprobs_text": Case(PROMPT, dict(logprobs=5, logprob_token_ids=None)),
         "logprobs_video": Case("what moves?", dict(logprobs=4, max_tokens=4), video="clip"),
         "budget": Case(PROMPT + " " + THINK[0], dict(thinking_token_budget=2, max_tokens=8)),
+        "seeded": Case(PROMPT, dict(temperature=0.8, top_k=40, top_p=0.9, seed=1234, max_tokens=8)),
     }
 
 
@@ -433,6 +435,31 @@ def test_structured_output_is_a_choice_picked_on_the_graph_logits(world, cases, 
     expected = world["oracle"].greedy(world["pieces"](case.text), [], case.sampling["max_tokens"], rule, eos)
     got = answers["by_case"]["structured"]
     assert got["text"] in choices and got["token_ids"] == expected
+
+
+def test_seeded_sampling_is_vllms_stream_on_the_graph_logits(world, cases, answers):
+    """A seeded request draws, at each step, the Gumbel-max of the graph's logits (temperature, top-k and top-p
+    applied) and vLLM 0.34's noise for (seed, position, token), the reference written out in helpers.vllm_noise."""
+    case = cases["seeded"]
+    p = case.sampling
+    prompt_len = len(world["vllm_ids"](case.text))
+
+    def rule(logits, generated):
+        scaled = logits.astype(np.float32) / np.float32(p["temperature"])
+        kth = np.sort(scaled)[-p["top_k"]]
+        scaled[scaled < kth] = -np.inf
+        order = np.argsort(scaled, kind="stable")
+        probs = np.exp(scaled[order] - scaled.max())
+        drop = np.cumsum(probs / probs.sum()) <= 1 - p["top_p"]
+        drop[-1] = False
+        scaled[order[drop]] = -np.inf
+        return scaled + reference_noise(p["seed"], prompt_len + len(generated) - 1, len(logits))
+
+    eos = list(world["bundle"].manifest.special_tokens.eos)
+    expected = world["oracle"].greedy(world["pieces"](case.text), [], p["max_tokens"], rule, eos)
+    got = answers["by_case"]["seeded"]["token_ids"]
+    assert got == expected
+    assert got != world["oracle"].greedy(world["pieces"](case.text), [], p["max_tokens"], lambda x, _: x)
 
 
 def test_custom_logits_processor_with_extra_args(answers):
