@@ -92,6 +92,7 @@ from qeff_evs.specializations import (
 from qeff_evs.specializations.compile_command import NODE_PRECISION_FLAG, SUB_FUNCTIONS_FLAG
 from qeff_evs.specializations.sets import COMP_CTX_STEP, check_frame_size, check_frames_per_call
 from qeff_evs.specializations.placement import PerGraph, write_placement_record
+from qeff_evs.weights.json_file import read_json
 
 FLOAT32 = "float32"
 NODE_PRECISION_FILE = "language/node_precision.yaml"  # the language graph's fp32 nodes (state paths, routers), if any
@@ -311,7 +312,7 @@ def save_video_processor_config(checkpoint, family: ModelFamily, folder: Path) -
     for name in PREPROCESSOR_FILES:
         source = Path(checkpoint.model_dir) / name
         if source.is_file():
-            settings.update(json.loads(source.read_text()))
+            settings.update(read_json(source))
     settings.pop("image_processor_type", None)
     settings.setdefault("video_processor_type", family.preprocessing.video_processor)
     (folder / EXPORT_FILES["video_processor_config"]).write_text(json.dumps(settings, indent=2) + "\n")

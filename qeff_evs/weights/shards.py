@@ -5,17 +5,20 @@ A folder holds ``model.safetensors``, or shards listed by ``model.safetensors.in
 every tensor's dtype, shape and byte range; names and shapes come from the headers alone. A tensor is read with one
 positioned read into a fresh buffer: no file is memory-mapped, so nothing but the tensor being read counts in the
 process's resident memory, and ``close`` closes the files.
+
 """
 
 from __future__ import annotations
 
-import json
+import math
 import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
 import torch
+
+from qeff_evs.weights.json_file import parse_json, read_json
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -40,33 +43,69 @@ class StoredTensor:
     end: int
 
 
+# safetensors' own bound on a header's length (its MAX_HEADER_SIZE): a longer one is a damaged file.
+MAX_HEADER_BYTES = 100_000_000
+
+
 def read_header(path: Path) -> dict[str, StoredTensor]:
-    """Every tensor of one safetensors file, from its header (no tensor data read)."""
+    """Every tensor of one safetensors file, from its header (no tensor data read). The header's length is checked
+    against the file's size before it is read, and every entry (dtype, shape, byte range inside the file, no two
+    ranges overlapping) before it is trusted: a damaged file is refused in one line naming it."""
+    size = path.stat().st_size
     with open(path, "rb") as f:
         head = f.read(8)
         if len(head) != 8:
             raise ValueError(f"{path} is not a safetensors file (shorter than its 8-byte header length)")
         (length,) = struct.unpack("<Q", head)
-        header = json.loads(f.read(length))
+        if length > min(size - 8, MAX_HEADER_BYTES):
+            raise ValueError(f"{path} is not a valid safetensors file: its header length says {length} bytes, the "
+                             f"file holds {size} (download it again)")
+        header = parse_json(f.read(length), f"{path}'s safetensors header")
     base = 8 + length
-    tensors = {}
-    for name, entry in header.items():
-        if name == "__metadata__":
-            continue
-        if entry["dtype"] not in DTYPES:
-            raise ValueError(f"{path}: tensor {name} has dtype {entry['dtype']}, which qeff-evs does not read "
-                             f"(it reads {', '.join(DTYPES)})")
-        begin, end = entry["data_offsets"]
-        tensors[name] = StoredTensor(path, DTYPES[entry["dtype"]], tuple(int(d) for d in entry["shape"]),
-                                     base + int(begin), base + int(end))
+    tensors = {name: _entry(path, name, entry, base, size) for name, entry in header.items() if name != "__metadata__"}
+    ranges = sorted((t.start, t.end, name) for name, t in tensors.items())
+    for (_, end, before), (start, _, after) in zip(ranges, ranges[1:]):
+        if start < end:
+            raise ValueError(f"{path}: the bytes of tensors {before} and {after} overlap in its header; the file is "
+                             "damaged (download it again)")
     return tensors
+
+
+def _entry(path: Path, name: str, entry, base: int, size: int) -> StoredTensor:
+    """One header entry as a ``StoredTensor``, every field checked (the module docstring's format)."""
+    if not isinstance(entry, dict) or not {"dtype", "shape", "data_offsets"} <= set(entry):
+        raise ValueError(f"{path}: header entry {name!r} lacks dtype, shape or data_offsets; the file is damaged "
+                         "(download it again)")
+    if entry["dtype"] not in DTYPES:
+        raise ValueError(f"{path}: tensor {name} has dtype {entry['dtype']}, which qeff-evs does not read "
+                         f"(it reads {', '.join(DTYPES)})")
+    shape, offsets = entry["shape"], entry["data_offsets"]
+    if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)
+            and isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)
+            and 0 <= offsets[0] <= offsets[1]):
+        raise ValueError(f"{path}: tensor {name} has shape {shape} and data_offsets {offsets}, which are not a "
+                         "shape and a byte range; the file is damaged (download it again)")
+    dtype = DTYPES[entry["dtype"]]
+    begin, end = base + offsets[0], base + offsets[1]
+    needed = math.prod(shape) * dtype.itemsize
+    if end - begin != needed:
+        raise ValueError(f"{path}: tensor {name} ({entry['dtype']} {shape}) needs {needed} bytes but its header gives "
+                         f"it {end - begin}; the file is damaged (download it again)")
+    if end > size:
+        raise ValueError(f"{path} ends at byte {size}, inside tensor {name} (bytes {begin} to {end}); the file is "
+                         "truncated (download it again)")
+    return StoredTensor(path, dtype, tuple(shape), begin, end)
 
 
 def shard_files(model_dir: Path) -> tuple[Path, ...]:
     """The folder's safetensors files: its index's, else ``model.safetensors``, else every ``*.safetensors``."""
     index = model_dir / INDEX_FILE
     if index.is_file():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise ValueError(f"{index} has no weight_map of tensor names to shard files; restore the file from the "
+                             "checkpoint's release")
+        names = sorted(set(weight_map.values()))
         missing = [name for name in names if not (model_dir / name).is_file()]
         if missing:
             raise ValueError(f"{index} names {', '.join(missing)}, missing from {model_dir}; download every shard")
