@@ -42,7 +42,7 @@ from qeff_evs.export.language import export_language_graph, export_language_grap
 from qeff_evs.export.node_precision import node_precision_yaml, router_paths, state_path
 from qeff_evs.export.stamping import LAYER_DOMAIN
 from qeff_evs.export.vision import export_encoder_graph, export_encoder_graph_streamed, export_pruning_graph
-from qeff_evs.export.weights import WEIGHT_DTYPES, WEIGHTS_DIR, WeightStore, fingerprint
+from qeff_evs.export.weights import WEIGHT_DTYPES, WEIGHTS_DIR, WeightStore, settings_stamp
 from qeff_evs.manifest import (
     EXPORT_FILES,
     LANGUAGE_DECODE,
@@ -426,7 +426,7 @@ def _export(checkpoint: LoadedCheckpoint, reader, out: Path, options: ExportOpti
         progress(f"the export needs {budget.describe()}")
         check_budget(budget, out, _weights_written(out))
         names = parameter_names(checkpoint.model)
-        stamp = fingerprint(checkpoint.model_dir, options.weight_dtype)
+        stamp = settings_stamp(options.weight_dtype)
         stores = {folder: WeightStore(out / folder / WEIGHTS_DIR, options.weight_dtype, stamp)
                   for folder in ("vision", "language")}
         # the graphs' external-data files, unit by unit (weights.WeightStore)

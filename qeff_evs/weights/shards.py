@@ -6,10 +6,15 @@ every tensor's dtype, shape and byte range; names and shapes come from the heade
 positioned read into a fresh buffer: no file is memory-mapped, so nothing but the tensor being read counts in the
 process's resident memory, and ``close`` closes the files.
 
+What a tensor holds is known by content: ``digest`` is a SHA-256 of its stored bytes, taken from the bytes as they are
+read (a whole tensor, or its rows read in order) or, when nothing has read them yet, by reading them (never
+converting them); ``header_digest`` covers every file's header. An export's resume compares these, never file names,
+sizes or times (two fine-tunes copied with ``cp -p`` share all three).
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 import struct
 from dataclasses import dataclass
@@ -119,6 +124,28 @@ def shard_files(model_dir: Path) -> tuple[Path, ...]:
     return files
 
 
+DIGEST_BLOCK = 64 << 20  # bytes hashed per read when ``Shards.digest`` reads a tensor itself
+
+
+def _tensor_hash(name: str):
+    return hashlib.sha256(name.encode() + b"\0")
+
+
+def _finish(running, data) -> str:
+    running.update(memoryview(data))
+    return running.hexdigest()
+
+
+def _headers_digest(tensors: dict[str, StoredTensor]) -> str:
+    """SHA-256 of every file's header as stored (its 8-byte length and JSON), in file-name order."""
+    running = hashlib.sha256()
+    for path in sorted({t.file for t in tensors.values()}):
+        with open(path, "rb") as f:
+            head = f.read(8)
+            running.update(path.name.encode() + b"\0" + head + f.read(struct.unpack("<Q", head)[0]))
+    return running.hexdigest()
+
+
 class Shards:
     """The tensors of a checkpoint folder by stored name: dtype and shape from the headers, data on request."""
 
@@ -132,6 +159,9 @@ class Shards:
                                      f"{path.name}; remove the stale shard from {self.model_dir}")
                 self._tensors[name] = tensor
         self._open: dict[Path, BinaryIO] = {}
+        self._digests: dict[str, str] = {}
+        self._running: dict[str, tuple[int, object]] = {}  # rows read in order so far: (next byte, hash)
+        self.header_digest = _headers_digest(self._tensors)
 
     def names(self) -> tuple[str, ...]:
         return tuple(self._tensors)
@@ -154,7 +184,10 @@ class Shards:
     def read(self, name: str) -> torch.Tensor:
         """The tensor as stored (its dtype and shape), in memory of its own."""
         entry = self.entry(name)
-        return self._read_bytes(name, entry, entry.start, entry.end).view(entry.dtype).reshape(entry.shape)
+        data = self._read_bytes(name, entry, entry.start, entry.end)
+        if name not in self._digests:
+            self._digests[name] = _finish(_tensor_hash(name), data.numpy())
+        return data.view(entry.dtype).reshape(entry.shape)
 
     def read_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
         """Rows ``start:stop`` of the tensor along its first axis, as stored (rows lie contiguously in the file: one
@@ -164,8 +197,36 @@ class Shards:
         if not 0 <= start <= stop <= rows:
             raise IndexError(f"rows {start}:{stop} of {name}, which has {rows}")
         row_bytes = (entry.end - entry.start) // rows if rows else 0
-        data = self._read_bytes(name, entry, entry.start + start * row_bytes, entry.start + stop * row_bytes)
+        begin, end = entry.start + start * row_bytes, entry.start + stop * row_bytes
+        data = self._read_bytes(name, entry, begin, end)
+        self._follow_rows(name, entry, begin, end, data)
         return data.view(entry.dtype).reshape(stop - start, *entry.shape[1:])
+
+    def _follow_rows(self, name: str, entry: StoredTensor, begin: int, end: int, data: torch.Tensor) -> None:
+        """Hash rows read in order from the first: the last block completes the tensor's digest."""
+        if name in self._digests:
+            return
+        at, running = self._running.pop(name, (entry.start, None))
+        if begin != at:
+            return  # not in order: ``digest`` reads the tensor itself when asked
+        running = running or _tensor_hash(name)
+        running.update(memoryview(data.numpy()))
+        if end == entry.end:
+            self._digests[name] = running.hexdigest()
+        else:
+            self._running[name] = (end, running)
+
+    def digest(self, name: str) -> str:
+        """SHA-256 of the tensor's stored bytes (and its name): from the bytes already read, else read for it (in
+        blocks of ``DIGEST_BLOCK``, nothing converted)."""
+        if name not in self._digests:
+            entry = self.entry(name)
+            running = _tensor_hash(name)
+            for begin in range(entry.start, entry.end, DIGEST_BLOCK):
+                running.update(memoryview(self._read_bytes(name, entry, begin,
+                                                           min(begin + DIGEST_BLOCK, entry.end)).numpy()))
+            self._digests[name] = running.hexdigest()
+        return self._digests[name]
 
     def _read_bytes(self, name: str, entry: StoredTensor, begin: int, end: int) -> torch.Tensor:
         data = torch.empty(end - begin, dtype=torch.uint8)
