@@ -2,12 +2,19 @@
 
 ``manifest.json`` records everything ``run``, ``compile`` and a server need about the graphs; the
 layout of the folder (which file plays which role) is ``EXPORT_FILES``.
+
+A folder is one export, whole: ``manifest.json`` is its completion record. An export deletes it before it writes
+anything into the folder (holding ``EXPORT_LOCK`` while it writes: ``export.folder``) and writes it last, atomically
+(``Manifest.write``); ``read_manifest``, which every command that reads an export goes through, refuses a folder
+without it in one line. A folder never reads outside itself: every file the manifest names and every graph's
+external data must resolve inside the folder, symlinks followed (``check_inside``, ``check_graph_data``).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -16,6 +23,10 @@ from qeff_evs import evs
 from qeff_evs.positions import rope_table_length
 
 MANIFEST_NAME = "manifest.json"
+# The lock an export holds on its folder while it writes (``export.folder``); it stays, empty, marking an export folder.
+EXPORT_LOCK = ".qeff-evs-export.lock"
+# What an export writes first: a folder holding any of these but no manifest is an unfinished export.
+EXPORT_MARKS = (EXPORT_LOCK, "vision/weights", "language/weights", "vision/encoder.onnx", "language/language.onnx")
 # 2: frame-bucketed pruning graphs, one per method (the rate and method chosen at serve time). Exports
 # without a version carried one EVS graph with a specialization per (frame count, rate).
 MANIFEST_VERSION = 2
@@ -429,16 +440,93 @@ class Manifest:
         return {"version": raw.pop("version"), **raw}
 
     def write(self, export_dir: Path) -> Path:
+        """``manifest.json``, whole or not at all: written beside it and renamed into place (the last step of an
+        export: the folder is servable from this rename on)."""
         path = Path(export_dir) / MANIFEST_NAME
-        path.write_text(json.dumps(self.to_json(), indent=2) + "\n")
+        temporary = path.with_name(path.name + ".tmp")
+        with open(temporary, "w") as f:
+            f.write(json.dumps(self.to_json(), indent=2) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temporary, path)
         return path
+
+
+def is_export_folder(folder: Path) -> bool:
+    """Whether ``folder`` holds an export, finished or not: its manifest or its lock (what an export may rewrite)."""
+    return any((Path(folder) / name).exists() for name in (MANIFEST_NAME, EXPORT_LOCK))
+
+
+def unfinished_refusal(export_dir: Path) -> str | None:
+    """Why ``export_dir`` cannot be read as an export when it has no manifest (one line), or None when it has one."""
+    if (Path(export_dir) / MANIFEST_NAME).is_file():
+        return None
+    if any((Path(export_dir) / name).exists() for name in EXPORT_MARKS):
+        return (f"the export into {export_dir} did not finish (it has no {MANIFEST_NAME}, which an export writes "
+                f"last): run it again, it resumes")
+    return f"{Path(export_dir) / MANIFEST_NAME} not found: run `qeff-evs export MODEL_DIR -o {export_dir}` first"
+
+
+def check_inside(export_dir: Path, location: str | Path, what: str) -> Path:
+    """``location`` (relative to ``export_dir``, or absolute) resolved, symlinks followed; ValueError in one line
+    naming ``what`` and the location unless it lies inside ``export_dir``."""
+    root = Path(export_dir).resolve()
+    resolved = (root / location).resolve()
+    if resolved != root and root not in resolved.parents:
+        raise ValueError(f"{what} names {str(location)!r}, which resolves to {resolved}, outside the export folder "
+                         f"{root}; an export reads only its own files: export again into this folder")
+    return resolved
+
+
+def check_graph_data(export_dir: Path, graph: Path) -> None:
+    """Refuse ``graph`` (a graph file of the export at ``export_dir``) if any of its tensors' external data lies
+    outside the folder (``check_inside``): read from the graph's proto alone, before any runtime opens it."""
+    import onnx
+
+    graph = Path(graph)
+    check_inside(export_dir, graph, "the export")
+    model = onnx.load(str(graph), load_external_data=False)
+    tensors = list(model.graph.initializer)
+    tensors += [attr.t for node in model.graph.node for attr in node.attribute if attr.HasField("t")]
+    for tensor in tensors:
+        if tensor.data_location != onnx.TensorProto.EXTERNAL:
+            continue
+        location = next((entry.value for entry in tensor.external_data if entry.key == "location"), "")
+        if Path(location).is_absolute():
+            raise ValueError(f"graph {graph} reads tensor {tensor.name}'s data from the absolute path {location!r}; "
+                             "an export reads only its own files: export again into this folder")
+        resolved = (graph.parent / location).resolve()
+        root = Path(export_dir).resolve()
+        if root not in resolved.parents:
+            raise ValueError(f"graph {graph} reads tensor {tensor.name}'s data from {location!r}, which resolves to "
+                             f"{resolved}, outside the export folder {root}; an export reads only its own files: "
+                             "export again into this folder")
+
+
+def check_export_graphs(export_dir: Path, manifest: "Manifest") -> None:
+    """``check_graph_data`` for every graph the manifest lists (what compile and verify read)."""
+    for file in manifest.files.values():
+        if file.endswith(".onnx"):
+            check_graph_data(export_dir, Path(export_dir) / file)
+
+
+def export_root(graph: Path) -> Path:
+    """The export folder a graph file belongs to: its nearest parent holding an export, else its own folder."""
+    graph = Path(graph).absolute()
+    return next((parent for parent in graph.parents if is_export_folder(parent)), graph.parent)
 
 
 def read_manifest(export_dir: Path) -> Manifest:
     path = Path(export_dir) / MANIFEST_NAME
-    if not path.is_file():
-        raise ValueError(f"{path} not found: run `qeff-evs export MODEL_DIR -o {export_dir}` first")
-    raw = json.loads(path.read_text())
+    problem = unfinished_refusal(export_dir)
+    if problem:
+        raise ValueError(problem)
+    try:
+        raw = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ValueError(f"{path} is not valid JSON ({error}); re-run `qeff-evs export` into {export_dir}") from None
+    for key, location in raw.get("files", {}).items():
+        check_inside(export_dir, location, f"{path} (file {key!r})")
     version = raw.pop("version", None)
     if version is None:
         raise ValueError(f"{path} is an export from before frame-bucketed pruning (one EVS graph per frame count "

@@ -5,8 +5,9 @@ For each case (a released model's widths at some text depth, one way of exportin
 checkpoint is written as released (bf16 shards with their index, ``checkpoint.write_random_checkpoint``: shard by
 shard, never more memory than exporting it), then ``qeff-evs export`` runs on it in a process of its own, watched
 from here (``memory.watch_process``): its peak resident memory (exact), its largest anonymous and file-backed resident
-sizes (sampled), its wall time, and the disk the export takes. Optionally ``qeff-evs run`` then answers a question
-about a clip on the export, watched the same way. Checkpoints and exports are deleted as soon as no case needs them
+sizes (sampled), its wall time, and the disk the export takes; a streamed export is then run again into its folder
+(``resumed``: what a resume costs when every unit is kept, checked by content). Optionally ``qeff-evs run`` then
+answers a question about a clip on the export, watched the same way. Checkpoints and exports are deleted as soon as no case needs them
 (a full-depth 8B checkpoint is 17.5 GB).
 
 Results: ``export_scaling.json`` (every reading), ``export_scaling.md`` and ``export_scaling.png``
@@ -192,6 +193,10 @@ def measure_case(case: ScalingCase, checkpoint: Path, workdir: Path, clip: Path 
     reading["export"]["disk_bytes"] = folder_bytes(export)
     reading["export"]["language_graph_bytes"] = (export / "language" / "language.onnx").stat().st_size
     progress(f"export scaling: {case.label}: {reading['export']}")
+    if case.way == STREAMED:  # the same export again into its folder: every unit checked by content and kept
+        reading["resumed"] = _watched(command, workdir / "resumed.log")
+        reading["resumed"]["of_first"] = reading["resumed"]["wall_s"] / reading["export"]["wall_s"]
+        progress(f"export scaling: {case.label}: the same export again {reading['resumed']}")
     if case.run and clip is not None:
         command = ["run", str(export), "--video", str(clip), "--prompt", RUN_QUESTION,
                    "--max-new-tokens", "4"]

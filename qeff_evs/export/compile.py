@@ -6,7 +6,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from qeff_evs.export.pipeline import compile_commands, embedding_io_names
-from qeff_evs.manifest import read_manifest
+from qeff_evs.manifest import check_export_graphs, read_manifest
 from qeff_evs.models.registry import family_class
 from qeff_evs.specializations import CompileOptions, read_specializations_json, run_compile, write_compile_script
 
@@ -20,6 +20,7 @@ def compile_export(export_dir: Path, options: CompileOptions = CompileOptions(),
     machine with the Apps SDK and compiled there with ``./compile.sh``.
     """
     manifest = read_manifest(export_dir)
+    check_export_graphs(export_dir, manifest)  # qaic-compile reads the external data: refused before it runs
     specs = {graph: read_specializations_json(manifest.path(export_dir, f"{graph}_specializations"))
              for graph in manifest.graphs}
     node_precision = (manifest.path(export_dir, "language_node_precision")

@@ -2,7 +2,9 @@
 
 Layout of the export folder::
 
-    manifest.json                 what `run` and `compile` read
+    manifest.json                 what `run` and `compile` read; written last (the folder is servable once it is there:
+                                  ``export.folder``)
+    .qeff-evs-export.lock         the lock an export holds while it writes (empty)
     vision/encoder.onnx           encoder graph: F temporal patches per call, one file for every resolution
     vision/encoder_specializations.json   one entry per (resolution, F); + .named.json
     vision/encoder_custom_io.yaml
@@ -30,6 +32,7 @@ import json
 import os
 import shutil
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,11 +41,12 @@ import onnx
 from qeff_evs import evs
 from qeff_evs.positions import rope_table_length
 from qeff_evs.export.budget import check_budget, estimate_budget
+from qeff_evs.export.folder import claim_folder, disk_full
 from qeff_evs.export.language import export_language_graph, export_language_graph_stamped
 from qeff_evs.export.node_precision import node_precision_yaml, router_paths, state_path
 from qeff_evs.export.stamping import LAYER_DOMAIN
 from qeff_evs.export.vision import export_encoder_graph, export_encoder_graph_streamed, export_pruning_graph
-from qeff_evs.export.weights import WEIGHT_DTYPES, WEIGHTS_DIR, WeightStore, fingerprint
+from qeff_evs.export.weights import WEIGHT_DTYPES, WEIGHTS_DIR, WeightStore, settings_stamp
 from qeff_evs.manifest import (
     EXPORT_FILES,
     LANGUAGE_DECODE,
@@ -92,6 +96,7 @@ from qeff_evs.specializations import (
 from qeff_evs.specializations.compile_command import NODE_PRECISION_FLAG, SUB_FUNCTIONS_FLAG
 from qeff_evs.specializations.sets import COMP_CTX_STEP, check_frame_size, check_frames_per_call
 from qeff_evs.specializations.placement import PerGraph, write_placement_record
+from qeff_evs.weights.json_file import read_json
 
 FLOAT32 = "float32"
 NODE_PRECISION_FILE = "language/node_precision.yaml"  # the language graph's fp32 nodes (state paths, routers), if any
@@ -311,7 +316,7 @@ def save_video_processor_config(checkpoint, family: ModelFamily, folder: Path) -
     for name in PREPROCESSOR_FILES:
         source = Path(checkpoint.model_dir) / name
         if source.is_file():
-            settings.update(json.loads(source.read_text()))
+            settings.update(read_json(source))
     settings.pop("image_processor_type", None)
     settings.setdefault("video_processor_type", family.preprocessing.video_processor)
     (folder / EXPORT_FILES["video_processor_config"]).write_text(json.dumps(settings, indent=2) + "\n")
@@ -342,7 +347,8 @@ def export_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, 
         checkpoint = hollow_checkpoint(model_dir)
         reader = weights if weights is not None else open_weights(model_dir)
     try:
-        return _export(checkpoint, reader, out, options, progress, ctx_lengths, short_lens, rope_positions)
+        with ExitStack() as held:
+            return _export(checkpoint, reader, out, options, progress, ctx_lengths, short_lens, rope_positions, held)
     finally:
         if reader is not None and weights is None:
             reader.close()
@@ -380,7 +386,10 @@ def _weights_written(out: Path) -> int:
 
 
 def _export(checkpoint: LoadedCheckpoint, reader, out: Path, options: ExportOptions, progress: Progress, ctx_lengths,
-            short_lens, rope_positions: int) -> Manifest:
+            short_lens, rope_positions: int, held: ExitStack) -> Manifest:
+    """The export proper. It claims ``out`` (``folder.claim_folder``: held until ``held`` closes) only once every
+    option and the budget are checked, so a refused export leaves an earlier one servable; a full disk from there on
+    is one line (``folder.disk_full``)."""
     family = family_for_config(checkpoint.config, checkpoint.tokenizer)
     q, max_rate, methods = check_pruning_options(options, family.pruning_methods, family.name)
     if not family.rope:  # positions reach its graph only as KV slots: no RoPE table, no bound on them
@@ -414,18 +423,21 @@ def _export(checkpoint: LoadedCheckpoint, reader, out: Path, options: ExportOpti
     }
     files = export_files(methods)
 
-    (out / "vision").mkdir(parents=True, exist_ok=True)
-    (out / "language").mkdir(parents=True, exist_ok=True)
     _, example_hw = encoder_targets[0]
     streamed = reader is not None
+    rope_bytes = 0 if rope_positions is None else 2 * rope_positions * spec.head_dim * 4 * (2 if spec.layer_states else 1)
+    budget = estimate_budget(checkpoint.model, options.weight_dtype, rope_bytes,
+                             by_rows=(lambda name: reader.row_range(name) is not None) if streamed else lambda name: False)
     if streamed:
-        rope_bytes = 0 if rope_positions is None else 2 * rope_positions * spec.head_dim * 4 * (2 if spec.layer_states else 1)
-        budget = estimate_budget(checkpoint.model, options.weight_dtype, rope_bytes,
-                                 by_rows=lambda name: reader.row_range(name) is not None)
         progress(f"the export needs {budget.describe()}")
         check_budget(budget, out, _weights_written(out))
+    claim = held.enter_context(claim_folder(out))
+    held.enter_context(disk_full(out, budget.disk))
+    (out / "vision").mkdir(parents=True, exist_ok=True)
+    (out / "language").mkdir(parents=True, exist_ok=True)
+    if streamed:
         names = parameter_names(checkpoint.model)
-        stamp = fingerprint(checkpoint.model_dir, options.weight_dtype)
+        stamp = settings_stamp(options.weight_dtype)
         stores = {folder: WeightStore(out / folder / WEIGHTS_DIR, options.weight_dtype, stamp)
                   for folder in ("vision", "language")}
         # the graphs' external-data files, unit by unit (weights.WeightStore)
@@ -506,6 +518,9 @@ def _export(checkpoint: LoadedCheckpoint, reader, out: Path, options: ExportOpti
         source_quantization=None if source_quantization is None else source_quantization.to_json(),
         weight_dtype=options.weight_dtype,
     )
-    manifest.write(out)
+    kept = [path for store in stores.values() for path in store.reused] if streamed else []
+    for path in claim.finish(kept):
+        progress(f"deleted {path.relative_to(out)}, which this export does not hold")
+    manifest.write(out)  # last: the folder is servable from here on
     progress(f"export written to {out}")
     return manifest

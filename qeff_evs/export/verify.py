@@ -43,7 +43,8 @@ from qeff_evs.export.fp16 import convert_to_fp16, round_external_weights
 from qeff_evs.export.node_precision import keep_in_fp32, router_paths
 from qeff_evs.export.onnx_graph import legacy_export
 from qeff_evs.manifest import (
-    LANGUAGE_DECODE, MODEL_CONFIG_DIR, PRUNING_ROLE, LanguageShape, graph_role, pruning_graph, read_manifest,
+    LANGUAGE_DECODE, MODEL_CONFIG_DIR, PRUNING_ROLE, LanguageShape, check_export_graphs, graph_role, pruning_graph,
+    read_manifest,
 )
 from qeff_evs.models.graph_io import (
     BATCH_INDEX, COMP_CTX_LENGTHS, LOGITS_ROWS, RETAINED_SUFFIX, LanguageGraphIO, state_shapes,
@@ -635,6 +636,7 @@ def _evs_graph_converts(export_dir: Path, converts: dict[str, bool]) -> bool:
 
 def verify_export(export_dir: str | Path, fp16: bool = False, progress: Progress = lambda message: None) -> VerifyReport:
     export_dir = Path(export_dir)
+    check_export_graphs(export_dir, read_manifest(export_dir))  # before onnx or ONNX Runtime reads external data
     converts = compile_lines(export_dir)
     graphs = {}
     for role, file in graph_files(export_dir).items():

@@ -9,9 +9,13 @@ one at a time, and appends it to an external-data file (``WeightStore``); ``atta
 them. So the graph holds what the in-memory export's constant folding would have given it, and no weight is ever in
 memory twice.
 
-Weights are written in units (the embedding, one decoder layer, a vision block...), one file each, in order. A unit
-whose file and index are complete and were written from the same checkpoint and settings is not written again: an
-interrupted export resumes at the first unit not yet written.
+Weights are written in units (the embedding, one decoder layer, a vision block...), one file each, in order, each
+with an index that records what it was written from: ``unit_digest``, a SHA-256 of the writer's settings
+(``settings_stamp``), the unit's weights (``GraphWeight.key``) and the content of the checkpoint tensors they read
+(``ModuleWeights.content_digest``: headers and each tensor's stored bytes). A unit whose index carries the digest the
+checkpoint gives now is not written again, whatever the folder held before: an interrupted export resumes at the first
+unit not yet written, and another checkpoint's unit (even one of the same names, sizes and times) is rewritten.
+Checking a digest reads the checkpoint's bytes (hashing them), never converts or writes them.
 """
 
 from __future__ import annotations
@@ -335,31 +339,37 @@ def stored_dtype(dims: Sequence[int], float_weight: bool, dtype: str) -> str:
 @dataclass
 class WeightStore:
     """The weight files of one export folder (``folder``, a graph's ``weights/``): written unit by unit, each weight
-    once (``key``), whatever graphs read it. ``fingerprint`` identifies the checkpoint and the settings; a unit
-    written under another is written again."""
+    once (``key``), whatever graphs read it. ``stamp`` (``settings_stamp``) names the settings the bytes depend on;
+    a unit is kept only where its index records the digest the checkpoint gives now (``unit_digest``)."""
 
     folder: Path
     dtype: str
-    fingerprint: str
+    stamp: str
     stored: dict[str, Stored] = field(default_factory=dict)
+    reused: list[Path] = field(default_factory=list)  # the files of the units kept from an earlier export
 
     def unit_paths(self, unit: str) -> tuple[Path, Path]:
         return self.folder / f"{unit}.data", self.folder / f"{unit}.json"
 
-    def resume(self, unit: str, keys: Sequence[str]) -> bool:
-        """Take a complete earlier write of ``unit`` holding ``keys``; whether there was one."""
+    def resume(self, unit: str, keys: Sequence[str], digest: Callable[[], str]) -> bool:
+        """Take an earlier write of ``unit`` holding ``keys`` whose index records ``digest()`` (called only when the
+        files are there and complete: it reads the checkpoint); whether there was one."""
         data, index = self.unit_paths(unit)
         if not (data.is_file() and index.is_file()):
             return False
-        record = json.loads(index.read_text())
-        tensors = {entry["key"]: entry for entry in record.get("tensors", [])}
-        if record.get("fingerprint") != self.fingerprint or set(keys) - set(tensors) \
-                or data.stat().st_size != record.get("size"):
+        try:
+            record = json.loads(index.read_text())
+            tensors = {entry["key"]: entry for entry in record["tensors"]}
+        except (ValueError, KeyError, TypeError):
+            return False  # an index cut short or from another version: the unit is written again
+        if set(keys) - set(tensors) or data.stat().st_size != record.get("size") or "digest" not in record \
+                or record["digest"] != digest():
             return False
         for key in keys:
             entry = tensors[key]
             self.stored[key] = Stored(f"{WEIGHTS_DIR}/{data.name}", entry["offset"], entry["length"],
                                       tuple(entry["dims"]), entry["data_type"])
+        self.reused += [data, index]
         return True
 
     def _write_weight(self, out, weight: GraphWeight, reader) -> dict:
@@ -424,8 +434,11 @@ class WeightStore:
         return dict(key=weight.key, offset=offset, length=length, dims=list(dims),
                     data_type=helper.np_dtype_to_tensor_dtype(kind))
 
-    def write_unit(self, unit: str, weights: Sequence[GraphWeight], reader) -> int:
-        """Compute and append every weight of ``unit`` not stored yet; returns the bytes written."""
+    def write_unit(self, unit: str, weights: Sequence[GraphWeight], reader, digest: Callable[[], str]) -> int:
+        """Compute and append every weight of ``unit`` not stored yet, then record ``digest()`` (taken after the
+        reads: from the bytes as they were read) in its index; returns the bytes written. The old index goes before
+        the new data replaces the old, and the new index is renamed into place: a unit killed half-way has no index
+        and is written again."""
         data, index = self.unit_paths(unit)
         self.folder.mkdir(parents=True, exist_ok=True)
         partial = data.with_suffix(".data.partial")
@@ -439,13 +452,24 @@ class WeightStore:
                 written += entry["length"]
             out.flush()
             os.fsync(out.fileno())
+        index.unlink(missing_ok=True)
         os.replace(partial, data)
-        index.write_text(json.dumps({"fingerprint": self.fingerprint, "size": data.stat().st_size,
-                                     "tensors": entries}, indent=1) + "\n")
+        record = {"digest": digest(), "size": data.stat().st_size, "tensors": entries}
+        replace_text(index, json.dumps(record, indent=1) + "\n")
         for entry in entries:
             self.stored[entry["key"]] = Stored(f"{WEIGHTS_DIR}/{data.name}", entry["offset"], entry["length"],
                                                tuple(entry["dims"]), entry["data_type"])
         return written
+
+
+def replace_text(path: Path, text: str) -> None:
+    """``path`` holds ``text`` whole or not at all: written beside it, then renamed over it."""
+    temporary = path.with_name(path.name + ".tmp")
+    with open(temporary, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(temporary, path)
 
 
 def _target(dims: Sequence[int], dtype, store_dtype: str):
@@ -513,20 +537,36 @@ def _fp32(tensor) -> np.ndarray:
     return tensor.detach().numpy() if hasattr(tensor, "detach") else np.asarray(tensor)
 
 
+def unit_digest(store: WeightStore, weights: Sequence[GraphWeight], reader) -> str:
+    """What a unit's bytes are made from: the store's settings, each weight's key (its sources and the ops on them)
+    and the content of the checkpoint tensors they read (``reader.content_digest``)."""
+    sources = list(dict.fromkeys(name for weight in weights for name in weight.sources))
+    running = hashlib.sha256(store.stamp.encode())
+    for weight in weights:
+        running.update(f"\0{weight.key}".encode())
+    running.update(reader.content_digest(sources).encode())
+    return running.hexdigest()
+
+
 def write_weights(weights: Sequence[GraphWeight], store: WeightStore, reader, progress: Progress,
                   label: str = "weights") -> None:
     """Write every unit of ``weights`` (in first-use order) not already stored, with progress and a time estimate."""
     units: dict[str, list[GraphWeight]] = {}
     for weight in weights:
         units.setdefault(weight.unit, []).append(weight)
+
+    def digest(unit: str) -> Callable[[], str]:
+        return lambda: unit_digest(store, units[unit], reader)
+
     pending = [unit for unit, members in units.items()
-               if not all(w.key in store.stored for w in members) and not store.resume(unit, [w.key for w in members])]
+               if not all(w.key in store.stored for w in members)
+               and not store.resume(unit, [w.key for w in members], digest(unit))]
     if len(pending) < len(units):
         progress(f"{label}: {len(units) - len(pending)} of {len(units)} units already written, resuming at "
                  f"{pending[0] if pending else 'the end'}")
     started = time.perf_counter()
     for done, unit in enumerate(pending, start=1):
-        written = store.write_unit(unit, units[unit], reader)
+        written = store.write_unit(unit, units[unit], reader, digest(unit))
         elapsed = time.perf_counter() - started
         left = elapsed / done * (len(pending) - done)
         progress(f"{label}: {unit} written ({written / 2**20:,.0f} MiB), {done}/{len(pending)}, "
@@ -615,8 +655,11 @@ def rename_weights(exprs: Mapping[str, WeightExpr], sources: Mapping[str, str], 
     return weights
 
 
-def fingerprint(model_dir: Path, dtype: str, extra: str = "") -> str:
-    """The checkpoint's weight files (names, sizes, times) and the weight dtype: what a resumed write must match."""
-    files = sorted(p for p in Path(model_dir).iterdir() if p.suffix in (".safetensors", ".bin", ".json"))
-    text = "|".join(f"{p.name}:{p.stat().st_size}:{int(p.stat().st_mtime)}" for p in files)
-    return hashlib.sha256(f"{text}|{dtype}|{extra}".encode()).hexdigest()[:16]
+# Bumped whenever the writer would write other bytes from the same tensors: units written before are written again.
+WRITER_VERSION = 2
+
+
+def settings_stamp(dtype: str) -> str:
+    """The settings a unit's bytes depend on besides its weights and their tensors: the weight dtype, the alignment
+    and the writer's version (``unit_digest`` hashes it)."""
+    return f"writer {WRITER_VERSION}|{dtype}|align {ALIGNMENT} from {ALIGNED_FROM}"

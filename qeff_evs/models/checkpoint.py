@@ -15,7 +15,6 @@ to bf16).
 from __future__ import annotations
 
 import copy
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,6 +24,7 @@ from transformers import AutoTokenizer, GenerationConfig, PretrainedConfig, PreT
 
 from qeff_evs.models.protocol import ModelFamily
 from qeff_evs.models.registry import family_class, family_names
+from qeff_evs.weights.json_file import read_json
 from qeff_evs.weights.module_weights import ModuleWeights
 from qeff_evs.weights.name_map import NameMap
 from qeff_evs.weights.quantization import QuantizationRecord, read_record
@@ -64,7 +64,7 @@ def _config_path(model_dir: Path) -> Path:
 def detect_family(model_dir: str | Path) -> str:
     """The family of the checkpoint in `model_dir`, from config.json's model_type."""
     model_dir = Path(model_dir)
-    model_type = json.loads(_config_path(model_dir).read_text()).get("model_type")
+    model_type = read_json(_config_path(model_dir)).get("model_type")
     names = family_names()
     if model_type not in names:
         raise ValueError(
@@ -89,7 +89,7 @@ def _load_tokenizer(model_dir: Path):
 
 def _load_preprocessor_config(model_dir: Path) -> dict[str, Any]:
     path = model_dir / "preprocessor_config.json"
-    return json.loads(path.read_text()) if path.is_file() else {}
+    return read_json(path) if path.is_file() else {}
 
 
 def module_layout(family: type[ModelFamily], config: PretrainedConfig

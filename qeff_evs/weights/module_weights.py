@@ -5,10 +5,17 @@ safetensors headers, no data read) and its tensor, fp32, exact, in the module's 
 one else (bf16 and fp16 converted, a quantized weight dequantized, per-expert tensors fused, a transposed fused
 expert tensor swapped, one part of a stored fused tensor cut out of it). ``quantization`` is the folder's
 quantization record (None for a float checkpoint).
+
+``content_digest`` says what a set of module tensors is made from, by content: every file's header, the
+quantization record, where each tensor comes from (its ``Source``) and a SHA-256 of each stored tensor it reads
+(``Shards.digest``: taken from the bytes as they are read, or read for it, never converted). An export keeps a unit
+of weights written earlier only if its digest is this one.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -83,6 +90,26 @@ class ModuleWeights:
         if not 0 <= start <= stop <= self.shape(name)[0]:
             raise IndexError(f"rows {start}:{stop} of {name}, which has {self.shape(name)[0]}")
         return self.stored.read_rows(stored, first + start, first + stop)
+
+    def stored_names(self, name: str) -> tuple[str, ...]:
+        """The stored (float) tensors ``name``'s tensor is made from."""
+        source = self.source(name)
+        if isinstance(source, PerExpert):
+            return tuple(part for names in source.names for part in names)
+        return (source.name,)
+
+    def content_digest(self, names: Sequence[str]) -> str:
+        """SHA-256 of what the module tensors ``names`` (in this order) are made from: the module docstring."""
+        shards = self.stored.shards
+        record = self.quantization
+        running = hashlib.sha256(shards.header_digest.encode())
+        running.update(json.dumps(None if record is None else record.to_json(), sort_keys=True).encode())
+        for name in names:
+            running.update(f"\0{name}\0{self.source(name)!r}".encode())
+            for stored in self.stored_names(name):
+                for part in self.stored.stored_parts(stored):
+                    running.update(shards.digest(part).encode())
+        return running.hexdigest()
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Every tensor at once (the in-memory load's; tied names share one tensor)."""

@@ -9,13 +9,13 @@ top or in its ``text_config``), its ``compression_config`` (older compressed-ten
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from qeff_evs.weights import awq, compressed_tensors, fp8, gptq
+from qeff_evs.weights.json_file import read_json
 from qeff_evs.weights.linear_format import LinearFormat
 
 # quant_method -> the format module reading it (each has ``linear_format(config) -> LinearFormat``).
@@ -59,7 +59,7 @@ def _method(config: Mapping[str, Any]) -> str:
 def read_record(model_dir: Path) -> QuantizationRecord | None:
     """The folder's quantization record, or None for a float checkpoint."""
     config_path = Path(model_dir) / "config.json"
-    config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+    config = read_json(config_path) if config_path.is_file() else {}
     for where, holder in (("", config), ("text_config.", config.get("text_config") or {})):
         for key in ("quantization_config", "compression_config"):
             if holder.get(key):
@@ -67,7 +67,7 @@ def read_record(model_dir: Path) -> QuantizationRecord | None:
     for name in RECORD_FILES:
         path = Path(model_dir) / name
         if path.is_file():
-            record = json.loads(path.read_text())
+            record = read_json(path)
             method = _method(record)
             if method == "unknown" and name == "quantize_config.json":
                 method = "gptq"  # AutoGPTQ's file names no method

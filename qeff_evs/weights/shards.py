@@ -5,17 +5,25 @@ A folder holds ``model.safetensors``, or shards listed by ``model.safetensors.in
 every tensor's dtype, shape and byte range; names and shapes come from the headers alone. A tensor is read with one
 positioned read into a fresh buffer: no file is memory-mapped, so nothing but the tensor being read counts in the
 process's resident memory, and ``close`` closes the files.
+
+What a tensor holds is known by content: ``digest`` is a SHA-256 of its stored bytes, taken from the bytes as they are
+read (a whole tensor, or its rows read in order) or, when nothing has read them yet, by reading them (never
+converting them); ``header_digest`` covers every file's header. An export's resume compares these, never file names,
+sizes or times (two fine-tunes copied with ``cp -p`` share all three).
 """
 
 from __future__ import annotations
 
-import json
+import hashlib
+import math
 import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
 import torch
+
+from qeff_evs.weights.json_file import parse_json, read_json
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -40,33 +48,69 @@ class StoredTensor:
     end: int
 
 
+# safetensors' own bound on a header's length (its MAX_HEADER_SIZE): a longer one is a damaged file.
+MAX_HEADER_BYTES = 100_000_000
+
+
 def read_header(path: Path) -> dict[str, StoredTensor]:
-    """Every tensor of one safetensors file, from its header (no tensor data read)."""
+    """Every tensor of one safetensors file, from its header (no tensor data read). The header's length is checked
+    against the file's size before it is read, and every entry (dtype, shape, byte range inside the file, no two
+    ranges overlapping) before it is trusted: a damaged file is refused in one line naming it."""
+    size = path.stat().st_size
     with open(path, "rb") as f:
         head = f.read(8)
         if len(head) != 8:
             raise ValueError(f"{path} is not a safetensors file (shorter than its 8-byte header length)")
         (length,) = struct.unpack("<Q", head)
-        header = json.loads(f.read(length))
+        if length > min(size - 8, MAX_HEADER_BYTES):
+            raise ValueError(f"{path} is not a valid safetensors file: its header length says {length} bytes, the "
+                             f"file holds {size} (download it again)")
+        header = parse_json(f.read(length), f"{path}'s safetensors header")
     base = 8 + length
-    tensors = {}
-    for name, entry in header.items():
-        if name == "__metadata__":
-            continue
-        if entry["dtype"] not in DTYPES:
-            raise ValueError(f"{path}: tensor {name} has dtype {entry['dtype']}, which qeff-evs does not read "
-                             f"(it reads {', '.join(DTYPES)})")
-        begin, end = entry["data_offsets"]
-        tensors[name] = StoredTensor(path, DTYPES[entry["dtype"]], tuple(int(d) for d in entry["shape"]),
-                                     base + int(begin), base + int(end))
+    tensors = {name: _entry(path, name, entry, base, size) for name, entry in header.items() if name != "__metadata__"}
+    ranges = sorted((t.start, t.end, name) for name, t in tensors.items())
+    for (_, end, before), (start, _, after) in zip(ranges, ranges[1:]):
+        if start < end:
+            raise ValueError(f"{path}: the bytes of tensors {before} and {after} overlap in its header; the file is "
+                             "damaged (download it again)")
     return tensors
+
+
+def _entry(path: Path, name: str, entry, base: int, size: int) -> StoredTensor:
+    """One header entry as a ``StoredTensor``, every field checked (the module docstring's format)."""
+    if not isinstance(entry, dict) or not {"dtype", "shape", "data_offsets"} <= set(entry):
+        raise ValueError(f"{path}: header entry {name!r} lacks dtype, shape or data_offsets; the file is damaged "
+                         "(download it again)")
+    if entry["dtype"] not in DTYPES:
+        raise ValueError(f"{path}: tensor {name} has dtype {entry['dtype']}, which qeff-evs does not read "
+                         f"(it reads {', '.join(DTYPES)})")
+    shape, offsets = entry["shape"], entry["data_offsets"]
+    if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)
+            and isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)
+            and 0 <= offsets[0] <= offsets[1]):
+        raise ValueError(f"{path}: tensor {name} has shape {shape} and data_offsets {offsets}, which are not a "
+                         "shape and a byte range; the file is damaged (download it again)")
+    dtype = DTYPES[entry["dtype"]]
+    begin, end = base + offsets[0], base + offsets[1]
+    needed = math.prod(shape) * dtype.itemsize
+    if end - begin != needed:
+        raise ValueError(f"{path}: tensor {name} ({entry['dtype']} {shape}) needs {needed} bytes but its header gives "
+                         f"it {end - begin}; the file is damaged (download it again)")
+    if end > size:
+        raise ValueError(f"{path} ends at byte {size}, inside tensor {name} (bytes {begin} to {end}); the file is "
+                         "truncated (download it again)")
+    return StoredTensor(path, dtype, tuple(shape), begin, end)
 
 
 def shard_files(model_dir: Path) -> tuple[Path, ...]:
     """The folder's safetensors files: its index's, else ``model.safetensors``, else every ``*.safetensors``."""
     index = model_dir / INDEX_FILE
     if index.is_file():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise ValueError(f"{index} has no weight_map of tensor names to shard files; restore the file from the "
+                             "checkpoint's release")
+        names = sorted(set(weight_map.values()))
         missing = [name for name in names if not (model_dir / name).is_file()]
         if missing:
             raise ValueError(f"{index} names {', '.join(missing)}, missing from {model_dir}; download every shard")
@@ -78,6 +122,28 @@ def shard_files(model_dir: Path) -> tuple[Path, ...]:
         raise ValueError(f"{model_dir} holds no *.safetensors file; qeff-evs reads safetensors checkpoints "
                          "(convert a .bin checkpoint with save_pretrained(..., safe_serialization=True))")
     return files
+
+
+DIGEST_BLOCK = 64 << 20  # bytes hashed per read when ``Shards.digest`` reads a tensor itself
+
+
+def _tensor_hash(name: str):
+    return hashlib.sha256(name.encode() + b"\0")
+
+
+def _finish(running, data) -> str:
+    running.update(memoryview(data))
+    return running.hexdigest()
+
+
+def _headers_digest(tensors: dict[str, StoredTensor]) -> str:
+    """SHA-256 of every file's header as stored (its 8-byte length and JSON), in file-name order."""
+    running = hashlib.sha256()
+    for path in sorted({t.file for t in tensors.values()}):
+        with open(path, "rb") as f:
+            head = f.read(8)
+            running.update(path.name.encode() + b"\0" + head + f.read(struct.unpack("<Q", head)[0]))
+    return running.hexdigest()
 
 
 class Shards:
@@ -93,6 +159,9 @@ class Shards:
                                      f"{path.name}; remove the stale shard from {self.model_dir}")
                 self._tensors[name] = tensor
         self._open: dict[Path, BinaryIO] = {}
+        self._digests: dict[str, str] = {}
+        self._running: dict[str, tuple[int, object]] = {}  # rows read in order so far: (next byte, hash)
+        self.header_digest = _headers_digest(self._tensors)
 
     def names(self) -> tuple[str, ...]:
         return tuple(self._tensors)
@@ -115,7 +184,10 @@ class Shards:
     def read(self, name: str) -> torch.Tensor:
         """The tensor as stored (its dtype and shape), in memory of its own."""
         entry = self.entry(name)
-        return self._read_bytes(name, entry, entry.start, entry.end).view(entry.dtype).reshape(entry.shape)
+        data = self._read_bytes(name, entry, entry.start, entry.end)
+        if name not in self._digests:
+            self._digests[name] = _finish(_tensor_hash(name), data.numpy())
+        return data.view(entry.dtype).reshape(entry.shape)
 
     def read_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
         """Rows ``start:stop`` of the tensor along its first axis, as stored (rows lie contiguously in the file: one
@@ -125,8 +197,36 @@ class Shards:
         if not 0 <= start <= stop <= rows:
             raise IndexError(f"rows {start}:{stop} of {name}, which has {rows}")
         row_bytes = (entry.end - entry.start) // rows if rows else 0
-        data = self._read_bytes(name, entry, entry.start + start * row_bytes, entry.start + stop * row_bytes)
+        begin, end = entry.start + start * row_bytes, entry.start + stop * row_bytes
+        data = self._read_bytes(name, entry, begin, end)
+        self._follow_rows(name, entry, begin, end, data)
         return data.view(entry.dtype).reshape(stop - start, *entry.shape[1:])
+
+    def _follow_rows(self, name: str, entry: StoredTensor, begin: int, end: int, data: torch.Tensor) -> None:
+        """Hash rows read in order from the first: the last block completes the tensor's digest."""
+        if name in self._digests:
+            return
+        at, running = self._running.pop(name, (entry.start, None))
+        if begin != at:
+            return  # not in order: ``digest`` reads the tensor itself when asked
+        running = running or _tensor_hash(name)
+        running.update(memoryview(data.numpy()))
+        if end == entry.end:
+            self._digests[name] = running.hexdigest()
+        else:
+            self._running[name] = (end, running)
+
+    def digest(self, name: str) -> str:
+        """SHA-256 of the tensor's stored bytes (and its name): from the bytes already read, else read for it (in
+        blocks of ``DIGEST_BLOCK``, nothing converted)."""
+        if name not in self._digests:
+            entry = self.entry(name)
+            running = _tensor_hash(name)
+            for begin in range(entry.start, entry.end, DIGEST_BLOCK):
+                running.update(memoryview(self._read_bytes(name, entry, begin,
+                                                           min(begin + DIGEST_BLOCK, entry.end)).numpy()))
+            self._digests[name] = running.hexdigest()
+        return self._digests[name]
 
     def _read_bytes(self, name: str, entry: StoredTensor, begin: int, end: int) -> torch.Tensor:
         data = torch.empty(end - begin, dtype=torch.uint8)

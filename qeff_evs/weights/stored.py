@@ -88,6 +88,12 @@ class StoredWeights:
                              "values; its config.json's quantization_config does not describe this checkpoint")
         return tensor.float() if tensor.is_floating_point() else tensor
 
+    def stored_parts(self, name: str) -> tuple[str, ...]:
+        """The stored tensors ``read(name)`` reads: a quantized linear's parts (in their suffixes' order), else
+        ``name``."""
+        linear = self._quantized.get(name)
+        return (name,) if linear is None else tuple(linear.parts[s] for s in sorted(linear.parts))
+
     def reads_rows(self, name: str) -> bool:
         """Whether ``read_rows`` reads ``name`` (a float tensor stored as it is: not quantized, not fp8)."""
         return (name not in self._quantized and name in self.shards and self.shards.dtype(name).is_floating_point

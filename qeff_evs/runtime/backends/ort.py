@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from qeff_evs.manifest import LanguageShape
+from qeff_evs.manifest import LanguageShape, check_graph_data, export_root
 from qeff_evs.models.graph_io import RETAINED_SUFFIX, state_shapes
 from qeff_evs.runtime.backends.base import MergedRows, RetainedStateSession, merged_rows, ranking
 
@@ -28,11 +28,13 @@ def open_ort_session(path: Path, weight_dtype: str = "float32"):
     manifest's) casts each to fp32 where it reads it: left to itself ONNX Runtime would fold every such cast into an
     fp32 copy at load (twice the weights' bytes, in anonymous memory), so its session runs without constant folding
     (at the extended level, which also leaves the weights memory-mapped from their files): the casts run on every call
-    instead (docs/export-compile.md, "Weights in fp16")."""
+    instead (docs/export-compile.md, "Weights in fp16"). A graph whose external data lies outside its export folder is
+    refused before ONNX Runtime reads it (``manifest.check_graph_data``)."""
     import onnxruntime as ort
 
     if not Path(path).is_file():
         raise ValueError(f"graph {path} not found; re-run `qeff-evs export` for this folder")
+    check_graph_data(export_root(path), path)
 
     options = ort.SessionOptions()
     options.log_severity_level = 3
