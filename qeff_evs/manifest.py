@@ -53,6 +53,7 @@ EXPORT_FILES = dict(
     serving_config="config.json", generation_config="generation_config.json",
     # names the family's HF video processor at the top, so vLLM picks the video loader a checkpoint gets
     video_processor_config="video_preprocessor_config.json",
+    export_lock=EXPORT_LOCK,  # stays, empty, after the export: the folder is an export folder
 )
 
 
