@@ -271,9 +271,6 @@ def test_reader_sees_the_container_and_frames_vllm_decodes(clips, reader):
         source = read_video_source(path, reader=reader)
         assert source == SourceVideo(metadata["total_num_frames"], metadata["fps"], metadata["duration"]), name
         decoded = decode_video_frames(path, source, range(source.total_frames), reader=reader)
-        if source.total_frames == 1:  # vLLM 0.32's end-of-stream probe leaves a one-frame file unreadable
-            assert len(frames) == 0 and decoded.num_frames == 1
-            continue
         assert decoded.source_indices.tolist() == metadata["frames_indices"], name
         np.testing.assert_array_equal(decoded.frames, frames, err_msg=name)
 
@@ -627,7 +624,8 @@ def test_plugin_loader_equals_vllm_loader_where_it_works(clips, backend):
             np.testing.assert_array_equal(ours[0], frames, err_msg=str((name, kwargs)))
             assert ours[1] == metadata, (name, kwargs)
             compared += 1
-    assert compared == (len(clips) - 1) * len(PLUGIN_LOADER_CASES)
+    # vLLM 0.34 reads the one-frame file, but for its qwen2_vl loader, which divides by zero on it
+    assert compared == (len(clips) - (backend == "qwen2_vl")) * len(PLUGIN_LOADER_CASES)
 
 
 @pytest.mark.parametrize("what", ["png", "jpeg", "garbage", "truncated"])

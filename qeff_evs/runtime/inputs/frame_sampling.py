@@ -240,13 +240,11 @@ def loader_frame_indices(source: SourceVideo, settings: LoaderSettings) -> tuple
 
 
 def vllm_loader_failure(source: SourceVideo, settings: LoaderSettings) -> str | None:
-    """Why vLLM 0.32's loader gives no frames for this source where qeff-evs decodes them, or ``None``."""
-    if source.total_frames == 1:
-        return ("vLLM 0.32's OpenCV loader decodes no frame of a one-frame file (its end-of-stream probe "
-                "cannot rewind it)")
+    """Why vLLM's loader gives no frames for this source where qeff-evs decodes them, or ``None`` (vLLM 0.33 reads
+    one-frame files, which 0.32's OpenCV loader could not)."""
     patch = settings.temporal_patch_size or 2
     if settings.video_backend == "qwen2_vl" and source.total_frames < patch:
-        return f"vLLM 0.32's qwen2_vl loader divides by zero on clips shorter than {patch} frames"
+        return f"vLLM's qwen2_vl loader divides by zero on clips shorter than {patch} frames"
     return None
 
 

@@ -1,7 +1,7 @@
 """Sampling on the host with vLLM 0.34's semantics, from the ``(vocab,)`` logits the language graph returns.
 
 vLLM 0.34 has one model runner (V2) and samples inside it, on the GPU; an out-of-tree worker that runs its own graphs
-samples itself (DESIGN §20). :class:`HostSampler` keeps each running request's sampling state (its parameters, seed,
+samples itself (docs/design.md: the supported vLLM). :class:`HostSampler` keeps each running request's sampling state (its parameters, seed,
 prompt and output ids, a slot for custom logits processors) in step with vLLM's ``SchedulerOutput`` and applies, per
 step, what vLLM's V2 sampler applies, in its order: the structured-output grammar bitmask, allowed ids, logit bias
 and min_tokens, penalties, bad words, custom logits processors (vLLM 0.34's interface), the thinking budget,
