@@ -98,6 +98,13 @@ class ModuleWeights:
             return tuple(part for names in source.names for part in names)
         return (source.name,)
 
+    def layout_digest(self) -> str:
+        """SHA-256 of the checkpoint's layout, none of its tensors' data: every file's header and the quantization
+        record (what a graph traced from the checkpoint depends on besides its config: ``export.reuse``)."""
+        record = self.quantization
+        return hashlib.sha256((self.stored.shards.header_digest + json.dumps(
+            None if record is None else record.to_json(), sort_keys=True)).encode()).hexdigest()
+
     def content_digest(self, names: Sequence[str]) -> str:
         """SHA-256 of what the module tensors ``names`` (in this order) are made from: the module docstring."""
         shards = self.stored.shards
