@@ -19,7 +19,8 @@ Layout of the export folder::
                                   each MoE router's, if any
     vision/weights/, language/weights/   a streamed export's weight units (``export.weights``)
     vision/<graph>.graph.json, language/<graph>.graph.json   what a streamed export's graph was made from: a later
-                                  export takes the graph instead of tracing it where that is unchanged (``export.reuse``)
+                                  export takes the graph instead of tracing it where that is unchanged
+                                  (``export.reuse``)
     tokenizer.json, tokenizer_config.json, chat_template.jinja, ...
                                   the checkpoint's tokenizer (and chat template), at the top like a model folder
     config.json, generation_config.json   the export as a model folder (vLLM, transformers' Auto* classes)

@@ -111,11 +111,13 @@ class ModuleWeights:
         record = self.quantization
         running = hashlib.sha256(shards.header_digest.encode())
         running.update(json.dumps(None if record is None else record.to_json(), sort_keys=True).encode())
+        parts = {name: [part for stored in self.stored_names(name) for part in self.stored.stored_parts(stored)]
+                 for name in names}
+        shards.digest_all([part for read in parts.values() for part in read])
         for name in names:
             running.update(f"\0{name}\0{self.source(name)!r}".encode())
-            for stored in self.stored_names(name):
-                for part in self.stored.stored_parts(stored):
-                    running.update(shards.digest(part).encode())
+            for part in parts[name]:
+                running.update(shards.digest(part).encode())
         return running.hexdigest()
 
     def state_dict(self) -> dict[str, torch.Tensor]:
