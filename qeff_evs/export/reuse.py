@@ -42,15 +42,17 @@ def record_path(graph: Path) -> Path:
 @functools.cache
 def code_digest() -> str:
     """SHA-256 of the code a graph comes from: every ``.py`` file of the qeff_evs package (by path and content), the
-    Python, torch, onnx, transformers and numpy versions."""
+    Python, torch, onnx, protobuf (which serializes the graph), transformers and numpy versions."""
+    import google.protobuf
     import numpy
     import onnx
     import torch
     import transformers
 
     package = Path(__file__).resolve().parents[1]
-    running = hashlib.sha256(f"{sys.version}|torch {torch.__version__}|onnx {onnx.__version__}|transformers "
-                             f"{transformers.__version__}|numpy {numpy.__version__}".encode())
+    running = hashlib.sha256(f"{sys.version}|torch {torch.__version__}|onnx {onnx.__version__}|protobuf "
+                             f"{google.protobuf.__version__}|transformers {transformers.__version__}|numpy "
+                             f"{numpy.__version__}".encode())
     for path in sorted(package.rglob("*.py")):
         running.update(b"\0" + str(path.relative_to(package)).encode() + b"\0" + path.read_bytes())
     return running.hexdigest()
