@@ -14,8 +14,8 @@ where the graph points (file, offset, length, dims, type). An export takes the e
 when the record's key is its own, every file has its recorded digest, every unit the graph reads is kept by content
 (``weights.pending_units``: stored already, or written earlier from the same bytes) and points where the record says;
 otherwise it traces the graph, having deleted the record first (``forget``), and writes the record last, atomically
-(``record``): a graph killed half-way, a graph changed since (``qeff-evs compile`` rewrites one) or another checkpoint's
-is never taken. So what the folder holds afterwards is what a fresh export writes.
+(``record``): a graph killed half-way, a graph edited since (by hand or by a tool) or another checkpoint's is
+never taken. So what the folder holds afterwards is what a fresh export writes.
 """
 
 from __future__ import annotations
