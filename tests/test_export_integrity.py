@@ -255,3 +255,77 @@ def test_every_file_of_the_reference_is_compared(twins):
     files = folder_bytes(twins["fresh"]["a"])
     assert {"manifest.json", "vision/encoder.onnx", "language/language.onnx", "language/weights/layers.0.data",
             "vision/weights/blocks.0.data", "tokenizer.json"} <= set(files)
+
+
+# --------------------------------------------------------------------------------------------------
+# a graph is taken from the earlier export only when what it is made from is unchanged
+
+
+@pytest.fixture
+def traced(monkeypatch):
+    """The graphs an export traces (the encoder, the pruning graphs, the language graph), by kind."""
+    from qeff_evs.export import language, vision
+
+    calls = []
+    for module, name, kind in ((vision, "trace_without_weights", "encoder"), (vision, "legacy_export", "pruning"),
+                               (language, "stamped_language_graph", "language")):
+        original = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _original=original, _kind=kind, **k: calls.append(_kind)
+                            or _original(*a, **k))
+    return calls
+
+
+def test_an_unchanged_export_takes_every_graph_without_tracing_it(twins, tmp_path, traced, capsys):
+    out = tmp_path / "build"
+    shutil.copytree(twins["fresh"]["a"], out)
+    code, err = cli_run(export_argv(twins["a"], out, OPTIONS), capsys)
+    assert code == 0, err
+    assert traced == []
+    assert "vision/encoder.onnx: the earlier export's graph" in err and "language/language.onnx: the earlier" in err
+    assert differences(out, twins["fresh"]["a"]) == []
+
+
+def _edited_config(checkpoint: Path, folder: Path) -> Path:
+    """``checkpoint`` with another RMS norm epsilon in its text config: a constant of the language graph, no weight."""
+    shutil.copytree(checkpoint, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["text_config"]["rms_norm_eps"] = config["text_config"]["rms_norm_eps"] * 10
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    return folder
+
+
+@pytest.mark.parametrize("change", ["config", "option", "tensor", "graph file", "record"])
+def test_a_graph_is_traced_again_when_what_it_is_made_from_changed(twins, tmp_path, traced, change, capsys):
+    """Over A's finished export: A with another value in config.json, another --ctx-len (the language graph's RoPE
+    tables), B (other tensor bytes), A's encoder.onnx edited since, a record naming another key. What depends on the
+    change is traced again, and the folder is a fresh export of that checkpoint with those options, byte for byte."""
+    out = tmp_path / "build"
+    shutil.copytree(twins["fresh"]["a"], out)
+    checkpoint, options = twins["a"], OPTIONS
+    if change == "config":
+        checkpoint = _edited_config(twins["a"], tmp_path / "edited")
+    elif change == "option":
+        options = {**OPTIONS, "--ctx-len": 256}
+    elif change == "tensor":
+        checkpoint = twins["b"]
+    elif change == "graph file":
+        path = out / "vision" / "encoder.onnx"
+        model = onnx.load(str(path), load_external_data=False)
+        model.doc_string = "edited"
+        onnx.save(model, str(path))
+    else:
+        path = out / "language" / "language.graph.json"
+        record = json.loads(path.read_text())
+        record["key"] = "0" * 64
+        path.write_text(json.dumps(record))
+    code, err = cli_run(export_argv(checkpoint, out, options), capsys)
+    assert code == 0, err
+    expected = {"config": ["encoder", "pruning", "pruning", "language"], "option": ["language"],
+                "tensor": ["encoder", "language"], "graph file": ["encoder"], "record": ["language"]}[change]
+    assert traced == expected
+    fresh = tmp_path / "fresh"
+    assert cli.main(export_argv(checkpoint, fresh, options)) == 0
+    assert differences(out, fresh) == []
+    if change == "config":
+        assert (fresh / "language" / "language.onnx").read_bytes() != \
+            (twins["fresh"]["a"] / "language" / "language.onnx").read_bytes()  # the change reached the graph

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from qeff_evs.export.onnx_graph import check_named_axes, check_static_ops, legacy_export
+from qeff_evs.export.reuse import GraphReuse
 from qeff_evs.export.stamping import stamped_language_graph
 from qeff_evs.export.weights import WeightStore, attach_weights, store_tables, write_weights
 from qeff_evs.models.graph_io import BATCH_INDEX, COMP_CTX_LENGTHS, LOGITS_ROWS, LanguageGraphIO
@@ -179,16 +180,27 @@ def export_language_graph_stamped(
     logits_rows: bool = False,
     functions: bool = False,
     progress: Callable[[str], None] | None = None,
+    reuse: GraphReuse | None = None,
 ) -> Path:
     """``export_language_graph`` of a hollow model (``models.hollow``), stamped layer by layer
     (``export.stamping``), its weights written from ``reader`` (a checkpoint's ``ModuleWeights``; ``names``: each
     parameter's name there) into ``store``, one decoder layer at a time. ``functions``: each kind of decoder layer an
-    ONNX local function, each layer a call of it."""
+    ONNX local function, each layer a call of it. With ``reuse``, the graph (and its tables) an earlier export wrote
+    into the folder is taken where its inputs are unchanged (``export.reuse``), else traced and recorded."""
     say = progress or _LOG.info
+    path = Path(path)
+    tables = f"{path.stem}.tables"
+    settings = dict(media_token_ids=list(media_token_ids) if media_token_ids is not None else None,
+                    continuous_batching=continuous_batching, rope_positions=rope_positions,
+                    prefill_seq_len=prefill_seq_len, comp_ctx_lengths=comp_ctx_lengths, logits_rows=logits_rows,
+                    functions=functions, store=store.stamp, tables=tables)
+    if reuse is not None:
+        if reuse.take(path, settings, store, reader, say, f"{path.name} weights"):
+            return path
+        reuse.forget(path)
     module, inputs = _traced_step(hollow, media_token_ids, continuous_batching, rope_positions, prefill_seq_len,
                                   comp_ctx_lengths, logits_rows, 32, 8, 6, 1, 4)
     io = module.io
-    path = Path(path)
     if functions and (io.layer_states or any(is_sparse_block(layer.mlp) for layer in module.graph.text_model.layers)):
         raise ValueError("--layer-functions: this model's graph keeps some ops in fp32 on the card (its layer states' "
                          "or MoE routers' paths), which its node-precision file names as nodes of the graph, not of a "
@@ -199,10 +211,12 @@ def export_language_graph_stamped(
         f"{time.perf_counter() - started:.1f} s")
     write_weights(stamped.weights, store, reader, say, label=f"{path.name} weights")
     attach_weights(stamped.model, stamped.weights, store)
-    store_tables(stamped.model, store, f"{path.stem}.tables")
+    moved = store_tables(stamped.model, store, tables)
     path.parent.mkdir(parents=True, exist_ok=True)
     onnx.save(stamped.model, str(path))
     check_language_graph(onnx.load(str(path), load_external_data=False), io)
+    if reuse is not None:
+        reuse.record(path, settings, [store.unit_paths(tables)[0]] if moved else [], stamped.weights, store)
     say(f"language graph written: {path} ({path.stat().st_size / 1e6:.2f} MB of graph, weights in {store.folder})")
     return path
 

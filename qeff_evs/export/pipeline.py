@@ -17,6 +17,10 @@ Layout of the export folder::
     language/custom_io.yaml
     language/node_precision.yaml  the ops kept fp32 on the card (-node-precision-info): an fp32 layer state's path,
                                   each MoE router's, if any
+    vision/weights/, language/weights/   a streamed export's weight units (``export.weights``)
+    vision/<graph>.graph.json, language/<graph>.graph.json   what a streamed export's graph was made from: a later
+                                  export takes the graph instead of tracing it where that is unchanged
+                                  (``export.reuse``)
     tokenizer.json, tokenizer_config.json, chat_template.jinja, ...
                                   the checkpoint's tokenizer (and chat template), at the top like a model folder
     config.json, generation_config.json   the export as a model folder (vLLM, transformers' Auto* classes)
@@ -44,6 +48,7 @@ from qeff_evs.export.budget import check_budget, estimate_budget
 from qeff_evs.export.folder import claim_folder, disk_full
 from qeff_evs.export.language import export_language_graph, export_language_graph_stamped
 from qeff_evs.export.node_precision import node_precision_yaml, router_paths, state_path
+from qeff_evs.export.reuse import GraphReuse, checkpoint_digest, code_digest
 from qeff_evs.export.stamping import LAYER_DOMAIN
 from qeff_evs.export.vision import export_encoder_graph, export_encoder_graph_streamed, export_pruning_graph
 from qeff_evs.export.weights import WEIGHT_DTYPES, WEIGHTS_DIR, WeightStore, settings_stamp
@@ -435,6 +440,7 @@ def _export(checkpoint: LoadedCheckpoint, reader, out: Path, options: ExportOpti
     held.enter_context(disk_full(out, budget.disk))
     (out / "vision").mkdir(parents=True, exist_ok=True)
     (out / "language").mkdir(parents=True, exist_ok=True)
+    reuse = None
     if streamed:
         names = parameter_names(checkpoint.model)
         stamp = settings_stamp(options.weight_dtype)
@@ -442,16 +448,20 @@ def _export(checkpoint: LoadedCheckpoint, reader, out: Path, options: ExportOpti
                   for folder in ("vision", "language")}
         # the graphs' external-data files, unit by unit (weights.WeightStore)
         files.update(encoder_weights=f"vision/{WEIGHTS_DIR}", language_weights=f"language/{WEIGHTS_DIR}")
+        # an earlier export's graphs, taken where their inputs are unchanged (export.reuse)
+        traced_from = checkpoint_digest(checkpoint.model_dir, reader)
+        reuse = None if traced_from is None else GraphReuse(out, f"{code_digest()}|{traced_from}")
     # Traced with 2+ frames so the per-frame tiling is in the graph (F stays a symbol either way).
     if streamed:
         export_encoder_graph_streamed(family.encoder(checkpoint.model), example_hw, max(2, options.frames_per_call),
-                                      out / files["encoder"], names, stores["vision"], reader, progress=progress)
+                                      out / files["encoder"], names, stores["vision"], reader, progress=progress,
+                                      reuse=reuse)
     else:
         export_encoder_graph(family.encoder(checkpoint.model), example_hw, max(2, options.frames_per_call),
                              out / files["encoder"], progress=progress)
     for method in methods:
         export_pruning_graph(family.pruning_ranking(method), vc.vision_hidden, out / files[pruning_graph(method)],
-                             progress=progress)
+                             progress=progress, reuse=reuse)
     progress("exporting language graph")
     graphs = [(files["language"], options.prefill_seq_len)]
     if spec.layer_states:  # an unrolled prefill graph: a decode-only twin for ONNX Runtime (manifest.LANGUAGE_DECODE)
@@ -465,7 +475,8 @@ def _export(checkpoint: LoadedCheckpoint, reader, out: Path, options: ExportOpti
                         prefill_seq_len=prefill_len, comp_ctx_lengths=bool(ctx_lengths), logits_rows=True)
         if streamed:
             export_language_graph_stamped(checkpoint.model, out / file, names, stores["language"], reader,
-                                          functions=options.layer_functions, progress=progress, **settings)
+                                          functions=options.layer_functions, progress=progress, reuse=reuse,
+                                          **settings)
         else:
             export_language_graph(checkpoint.model, out / file, **settings)
 
@@ -519,6 +530,7 @@ def _export(checkpoint: LoadedCheckpoint, reader, out: Path, options: ExportOpti
         weight_dtype=options.weight_dtype,
     )
     kept = [path for store in stores.values() for path in store.reused] if streamed else []
+    kept += reuse.kept if reuse is not None else []
     for path in claim.finish(kept):
         progress(f"deleted {path.relative_to(out)}, which this export does not hold")
     manifest.write(out)  # last: the folder is servable from here on

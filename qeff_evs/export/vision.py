@@ -18,6 +18,7 @@ import torch
 
 from qeff_evs.export.onnx_functions import attach_functions, rewrite_rms_norms
 from qeff_evs.export.onnx_graph import check_named_axes, check_static_ops, legacy_export, trace_without_weights
+from qeff_evs.export.reuse import GraphReuse
 from qeff_evs.export.weights import GraphWeight, WeightStore, attach_weights, cut_weights, rename_weights, write_weights
 from qeff_evs.models.graph_io import VisionGraphSpec
 from qeff_evs.models.pruning import PruningRanking
@@ -55,15 +56,23 @@ def block_unit(name: str) -> str:
 
 def export_encoder_graph_streamed(wrapper: EncoderWrapper, example_grid_hw: Sequence[int], example_frames: int,
                                   path: str | Path, names: Mapping[int, str], store: WeightStore, reader,
-                                  progress: Callable[[str], None] | None = None) -> Path:
+                                  progress: Callable[[str], None] | None = None,
+                                  reuse: GraphReuse | None = None) -> Path:
     """``export_encoder_graph`` of a hollow tower (``models.hollow``), its weights written from ``reader`` (a
-    checkpoint's ``ModuleWeights``; ``names``: each parameter's name there) into ``store``, block by block.
+    checkpoint's ``ModuleWeights``; ``names``: each parameter's name there) into ``store``, block by block. With
+    ``reuse``, the graph an earlier export wrote into the folder is taken where its inputs are unchanged
+    (``export.reuse``), else traced and recorded.
 
     transformers' tower runs its own loop over the blocks, so the tower is traced whole, at full depth: its stand-in
     parameters cost no memory, and tracing a block costs what running it on the example costs (a few frames)."""
     say = progress or _LOG.info
     path = Path(path)
     spec = wrapper.graph_spec
+    settings = dict(example_grid_hw=list(example_grid_hw), example_frames=example_frames, store=store.stamp)
+    if reuse is not None:
+        if reuse.take(path, settings, store, reader, say, "encoder weights"):
+            return path
+        reuse.forget(path)
     inputs = wrapper.dummy_inputs(example_grid_hw, example_frames)
     blocks = {block_unit(name) for name, _ in wrapper.named_parameters()} - {"tower"}
     say(f"tracing the encoder graph ({len(blocks)} blocks, example grid "
@@ -84,6 +93,8 @@ def export_encoder_graph_streamed(wrapper: EncoderWrapper, example_grid_hw: Sequ
     path.parent.mkdir(parents=True, exist_ok=True)
     onnx.save(model, str(path))
     check_vision_graph(onnx.load(str(path), load_external_data=False), spec)
+    if reuse is not None:
+        reuse.record(path, settings, (), weights, store)
     say(f"written: {path} ({path.stat().st_size / 1e6:.2f} MB of graph, weights in {store.folder})")
     return path
 
@@ -107,16 +118,27 @@ def export_pruning_graph(
     hidden: int,
     path: str | Path,
     progress: Callable[[str], None] | None = None,
+    reuse: GraphReuse | None = None,
 ) -> Path:
     """Trace a pruning graph (``family.pruning_ranking(method)``) on ``hidden``-wide rows.
 
     The example only has to be valid: ``frame_bucket`` and ``bucket_tokens`` stay symbols, so one file
     serves every resolution, bucket, frame count and rate. It is traced with a video shorter than its bucket
-    (T = 2 of 3, 5 tokens per frame) so the padding branches are in the graph.
+    (T = 2 of 3, 5 tokens per frame) so the padding branches are in the graph. With ``reuse``, the graph an earlier
+    export wrote is taken where its inputs are unchanged (``export.reuse``; it reads no weights).
     """
+    path = Path(path)
+    settings = dict(method=ranking.method.name, score_levels=ranking.score_levels, hidden=hidden)
+    if reuse is not None:
+        if reuse.take(path, settings, None, None, progress or _LOG.info):
+            return path
+        reuse.forget(path)
     inputs = ranking.dummy_inputs(tokens_per_frame=5, bucket=3, hidden=hidden, frame_count=2)
     label = f"{ranking.method.name} pruning graph ({ranking.score_levels} scoring levels beside the rows)"
-    return _export(ranking, ranking.graph_spec, inputs, Path(path), label, progress)
+    _export(ranking, ranking.graph_spec, inputs, path, label, progress)
+    if reuse is not None:
+        reuse.record(path, settings, (), (), None)
+    return path
 
 
 def _export(module: torch.nn.Module, spec: VisionGraphSpec, inputs: Mapping[str, torch.Tensor], path: Path,

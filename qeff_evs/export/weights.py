@@ -548,10 +548,11 @@ def unit_digest(store: WeightStore, weights: Sequence[GraphWeight], reader) -> s
     return running.hexdigest()
 
 
-def write_weights(weights: Sequence[GraphWeight], store: WeightStore, reader, progress: Progress,
-                  label: str = "weights") -> None:
-    """Write every unit of ``weights`` (in first-use order) not already stored, with progress and a time estimate."""
-    units: dict[str, list[GraphWeight]] = {}
+def pending_units(weights: Sequence[GraphWeight], store: WeightStore, reader) -> tuple[dict[str, list], list[str]]:
+    """``weights`` by unit (in first-use order), and the units among them neither stored yet nor kept from an earlier
+    write (``WeightStore.resume``: its digest is the checkpoint's now). ``weights`` need only ``key``, ``sources`` and
+    ``unit`` (a graph's record of them will do: ``export.reuse``)."""
+    units: dict[str, list] = {}
     for weight in weights:
         units.setdefault(weight.unit, []).append(weight)
 
@@ -561,12 +562,23 @@ def write_weights(weights: Sequence[GraphWeight], store: WeightStore, reader, pr
     pending = [unit for unit, members in units.items()
                if not all(w.key in store.stored for w in members)
                and not store.resume(unit, [w.key for w in members], digest(unit))]
-    if len(pending) < len(units):
-        progress(f"{label}: {len(units) - len(pending)} of {len(units)} units already written, resuming at "
+    return units, pending
+
+
+def say_kept(progress: Progress, label: str, units: int, pending: Sequence[str]) -> None:
+    if len(pending) < units:
+        progress(f"{label}: {units - len(pending)} of {units} units already written, resuming at "
                  f"{pending[0] if pending else 'the end'}")
+
+
+def write_weights(weights: Sequence[GraphWeight], store: WeightStore, reader, progress: Progress,
+                  label: str = "weights") -> None:
+    """Write every unit of ``weights`` (in first-use order) not already stored, with progress and a time estimate."""
+    units, pending = pending_units(weights, store, reader)
+    say_kept(progress, label, len(units), pending)
     started = time.perf_counter()
     for done, unit in enumerate(pending, start=1):
-        written = store.write_unit(unit, units[unit], reader, digest(unit))
+        written = store.write_unit(unit, units[unit], reader, lambda: unit_digest(store, units[unit], reader))
         elapsed = time.perf_counter() - started
         left = elapsed / done * (len(pending) - done)
         progress(f"{label}: {unit} written ({written / 2**20:,.0f} MiB), {done}/{len(pending)}, "

@@ -98,17 +98,26 @@ class ModuleWeights:
             return tuple(part for names in source.names for part in names)
         return (source.name,)
 
+    def layout_digest(self) -> str:
+        """SHA-256 of the checkpoint's layout, none of its tensors' data: every file's header and the quantization
+        record (what a graph traced from the checkpoint depends on besides its config: ``export.reuse``)."""
+        record = self.quantization
+        return hashlib.sha256((self.stored.shards.header_digest + json.dumps(
+            None if record is None else record.to_json(), sort_keys=True)).encode()).hexdigest()
+
     def content_digest(self, names: Sequence[str]) -> str:
         """SHA-256 of what the module tensors ``names`` (in this order) are made from: the module docstring."""
         shards = self.stored.shards
         record = self.quantization
         running = hashlib.sha256(shards.header_digest.encode())
         running.update(json.dumps(None if record is None else record.to_json(), sort_keys=True).encode())
+        parts = {name: [part for stored in self.stored_names(name) for part in self.stored.stored_parts(stored)]
+                 for name in names}
+        shards.digest_all([part for read in parts.values() for part in read])
         for name in names:
             running.update(f"\0{name}\0{self.source(name)!r}".encode())
-            for stored in self.stored_names(name):
-                for part in self.stored.stored_parts(stored):
-                    running.update(shards.digest(part).encode())
+            for part in parts[name]:
+                running.update(shards.digest(part).encode())
         return running.hexdigest()
 
     def state_dict(self) -> dict[str, torch.Tensor]:

@@ -8,15 +8,20 @@ process's resident memory, and ``close`` closes the files.
 
 What a tensor holds is known by content: ``digest`` is a SHA-256 of its stored bytes, taken from the bytes as they are
 read (a whole tensor, or its rows read in order) or, when nothing has read them yet, by reading them (never
-converting them); ``header_digest`` covers every file's header. An export's resume compares these, never file names,
-sizes or times (two fine-tunes copied with ``cp -p`` share all three).
+converting them; ``digest_all`` reads and hashes several tensors at once, on threads, each into a buffer of its own);
+``header_digest`` covers every file's header. An export's resume compares these, never file names, sizes or times
+(two fine-tunes copied with ``cp -p`` share all three).
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
+import os
 import struct
+import threading
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -124,7 +129,33 @@ def shard_files(model_dir: Path) -> tuple[Path, ...]:
     return files
 
 
-DIGEST_BLOCK = 64 << 20  # bytes hashed per read when ``Shards.digest`` reads a tensor itself
+DIGEST_BLOCK = 16 << 20  # bytes hashed per read when ``Shards.digest`` reads a tensor itself (one buffer a thread)
+DIGEST_THREADS = 4  # tensors ``Shards.digest_all`` hashes at once (positioned reads and hashlib release the GIL)
+_buffers = threading.local()
+
+
+def _truncated(entry: StoredTensor, name: str) -> ValueError:
+    return ValueError(f"{entry.file} ends inside tensor {name}; the file is truncated (download it again)")
+
+
+def _hash_stored(name: str, entry: StoredTensor) -> str:
+    """SHA-256 of the tensor's name and stored bytes, read ``DIGEST_BLOCK`` at a time into this thread's buffer."""
+    buffer = getattr(_buffers, "block", None)
+    if buffer is None:
+        buffer = _buffers.block = memoryview(bytearray(DIGEST_BLOCK))
+    running = _tensor_hash(name)
+    descriptor = os.open(entry.file, os.O_RDONLY)
+    try:
+        at = entry.start
+        while at < entry.end:
+            count = os.preadv(descriptor, [buffer[:min(DIGEST_BLOCK, entry.end - at)]], at)
+            if not count:
+                raise _truncated(entry, name)
+            running.update(buffer[:count])
+            at += count
+    finally:
+        os.close(descriptor)
+    return running.hexdigest()
 
 
 def _tensor_hash(name: str):
@@ -220,13 +251,20 @@ class Shards:
         """SHA-256 of the tensor's stored bytes (and its name): from the bytes already read, else read for it (in
         blocks of ``DIGEST_BLOCK``, nothing converted)."""
         if name not in self._digests:
-            entry = self.entry(name)
-            running = _tensor_hash(name)
-            for begin in range(entry.start, entry.end, DIGEST_BLOCK):
-                running.update(memoryview(self._read_bytes(name, entry, begin,
-                                                           min(begin + DIGEST_BLOCK, entry.end)).numpy()))
-            self._digests[name] = running.hexdigest()
+            self._digests[name] = _hash_stored(name, self.entry(name))
         return self._digests[name]
+
+    def digest_all(self, names: Sequence[str]) -> None:
+        """``digest`` of each of ``names``, the ones not known yet read and hashed ``DIGEST_THREADS`` at a time."""
+        missing = [name for name in dict.fromkeys(names) if name not in self._digests]
+        entries = [self.entry(name) for name in missing]
+        workers = min(DIGEST_THREADS, os.cpu_count() or 1, len(missing))
+        if workers < 2:
+            digests = list(map(_hash_stored, missing, entries))
+        else:
+            with ThreadPoolExecutor(workers) as pool:
+                digests = list(pool.map(_hash_stored, missing, entries))
+        self._digests.update(zip(missing, digests))
 
     def _read_bytes(self, name: str, entry: StoredTensor, begin: int, end: int) -> torch.Tensor:
         data = torch.empty(end - begin, dtype=torch.uint8)
@@ -238,7 +276,7 @@ class Shards:
         while done < len(view):
             count = f.readinto(view[done:])
             if not count:
-                raise ValueError(f"{entry.file} ends inside tensor {name}; the file is truncated (download it again)")
+                raise _truncated(entry, name)
             done += count
         return data
 
