@@ -187,6 +187,16 @@ def test_vllm_sampler_runs_on_our_logits(served, answers):
         assert step[str(token)] == max(step.values()) and all(v <= 0 for v in step.values())
 
 
+def test_a_seeded_request_draws_the_same_tokens_on_another_engine_alone(qwen2_5, tmp_path_factory):
+    """vLLM 0.34's seeded noise depends on (seed, position, token) only: the same seeded request, alone on a second
+    engine, draws what it drew beside a batch on the first."""
+    seeded = qwen2_5.job(0, **SAMPLED["seeded"])
+    batched = run_vllm(tmp_path_factory.mktemp("first"), qwen2_5.export, "ort",
+                       [qwen2_5.job(i) for i in range(3)] + [seeded])[-1]
+    alone = run_vllm(tmp_path_factory.mktemp("second"), qwen2_5.export, "ort", [seeded])[0]
+    assert alone["token_ids"] == batched["token_ids"] and len(alone["token_ids"]) == 8
+
+
 def test_torch_backend_through_the_plugin_gives_the_same_tokens(qwen2_5, tmp_path):
     """``QEFF_EVS_BACKEND=torch``: the PyTorch reference on the export's checkpoint, same plugin, same tokens."""
     indices = [0, 3, 5]  # a video, an image, a video with an image

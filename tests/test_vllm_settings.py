@@ -245,6 +245,8 @@ def world(export, tmp_path_factory):
 
 
 PROMPT = "count the frames and say why"
+JSON_SCHEMA = {"type": "object", "properties": {"answer": {"type": "string", "enum": ["yes", "no"]}},
+               "required": ["answer"], "additionalProperties": False}
 
 
 @pytest.fixture(scope="module")
@@ -276,6 +278,8 @@ def cases(world, plain):
         "special_skipped": Case(PROMPT, dict(logit_bias={special: 100.0}, max_tokens=3)),
         "special_kept": Case(PROMPT, dict(logit_bias={special: 100.0}, max_tokens=3, skip_special_tokens=False)),
         "structured": Case("answer yes or no", dict(structured_outputs={"choice": ["yes", "no"]}, max_tokens=8)),
+        "json_schema": Case("answer in JSON", dict(structured_outputs={"json": JSON_SCHEMA, "disable_any_whitespace": True},
+                                                         max_tokens=24)),
         "custom_processor": Case(PROMPT, dict(extra_args={"force_token": 40})),
         "logprobs_text": Case(PROMPT, dict(logprobs=5, logprob_token_ids=None)),
         "logprobs_video": Case("what moves?", dict(logprobs=4, max_tokens=4), video="clip"),
@@ -435,6 +439,14 @@ def test_structured_output_is_a_choice_picked_on_the_graph_logits(world, cases, 
     expected = world["oracle"].greedy(world["pieces"](case.text), [], case.sampling["max_tokens"], rule, eos)
     got = answers["by_case"]["structured"]
     assert got["text"] in choices and got["token_ids"] == expected
+
+
+def test_structured_output_follows_a_json_schema(world, answers):
+    """A JSON schema through vLLM's grammar bitmask: the random model's answer is a document the schema accepts."""
+    got = answers["by_case"]["json_schema"]
+    assert got["finish_reason"] == "stop", got
+    document = json.loads(got["text"])
+    assert set(document) == {"answer"} and document["answer"] in ("yes", "no"), got["text"]
 
 
 def test_seeded_sampling_is_vllms_stream_on_the_graph_logits(world, cases, answers):

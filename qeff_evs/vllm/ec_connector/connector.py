@@ -29,12 +29,11 @@ import os
 import time
 from typing import TYPE_CHECKING
 
-from qeff_evs.vllm.surface import ECExampleConnector
-
 from qeff_evs.models.pruning import VideoPruning
 from qeff_evs.runtime.engine import kept_rows
 from qeff_evs.vllm.ec_connector.config import CONNECTOR_NAME
 from qeff_evs.vllm.activation import logger
+from qeff_evs.vllm.surface import ECExampleConnector
 
 if TYPE_CHECKING:
     from qeff_evs.vllm.surface import Request

@@ -25,8 +25,6 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
-from qeff_evs.vllm.surface import ensure_ec_transfer_initialized, ensure_ec_transfer_shutdown, get_ec_transfer
-from qeff_evs.vllm.surface import make_empty_encoder_model_runner_output, ModelRunnerOutput
 
 from qeff_evs.manifest import LanguageShape
 from qeff_evs.runtime.engine.executor import media_pruning
@@ -34,6 +32,8 @@ from qeff_evs.runtime.sessions import language_session, vision_pipeline
 from qeff_evs.vllm.engine.data_parallel import configured_device_ids
 from qeff_evs.vllm.activation import active_backend, logger
 from qeff_evs.vllm.engine.worker import QeffEvsWorker
+from qeff_evs.vllm.surface import ensure_ec_transfer_initialized, ensure_ec_transfer_shutdown, get_ec_transfer
+from qeff_evs.vllm.surface import make_empty_encoder_model_runner_output, ModelRunnerOutput
 
 
 def ec_connector_output(scheduler_output, encoder_cache: dict):

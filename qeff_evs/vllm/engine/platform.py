@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import ClassVar
 
 import torch
-from qeff_evs.vllm.surface import Platform, PlatformEnum
 
 from qeff_evs.manifest import read_manifest
 from qeff_evs.vllm.engine.data_parallel import data_parallel_problems, record_local_ranks
@@ -31,6 +30,7 @@ from qeff_evs.vllm.engine.limits import ServingSettings, refusals, served_prunin
 from qeff_evs.vllm.activation import BACKEND_ENV, active_backend, logger
 from qeff_evs.vllm.engine.request_checks import RequestLimits, positions_problem, stray_media_pads
 from qeff_evs.vllm.settings.table import engine_refusals, sampling_refusals
+from qeff_evs.vllm.surface import Platform, PlatformEnum
 
 WORKER_CLASS = "qeff_evs.vllm.engine.worker.QeffEvsWorker"
 ROUTER_PD = "send requests through vllm-router --vllm-pd-disaggregation (or a proxy speaking its kv_transfer_params)"

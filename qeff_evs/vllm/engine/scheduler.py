@@ -25,10 +25,9 @@ import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from qeff_evs.vllm.surface import ModelRunnerOutput, Scheduler, SchedulerOutput
-
 from qeff_evs.manifest import read_manifest
 from qeff_evs.vllm.engine.kv_rows import RowBook
+from qeff_evs.vllm.surface import ModelRunnerOutput, Scheduler, SchedulerOutput
 
 
 @dataclass

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from qeff_evs.vllm.surface import CompilationTimes, FullAttentionSpec, WorkerBase
 
 from qeff_evs.runtime.engine.request import PromptPiece
 from qeff_evs.runtime.builders import engine_config
@@ -36,6 +35,7 @@ from qeff_evs.vllm.activation import active_backend, logger
 from qeff_evs.vllm.processing.processor import media_from_fields
 from qeff_evs.vllm.sampling.host_sampler import HostSampler
 from qeff_evs.vllm.engine.scheduler import RunnerOutput
+from qeff_evs.vllm.surface import CompilationTimes, FullAttentionSpec, WorkerBase
 
 # vLLM's block accounting needs a layer name; the real KV state lives in our sessions.
 KV_LAYER = "qeff_evs.kv_rows"

@@ -36,12 +36,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from qeff_evs.vllm.surface import KVConnectorBase_V1, KVConnectorHandshakeMetadata, KVConnectorMetadata, KVConnectorRole
-
 from qeff_evs.vllm.kv_connector import handover as kv_handover
 from qeff_evs.vllm.kv_connector import transport as kv_transport
 from qeff_evs.vllm.activation import logger
 from qeff_evs.vllm.kv_connector.config import REMOTE_KEYS
+from qeff_evs.vllm.surface import KVConnectorBase_V1, KVConnectorHandshakeMetadata, KVConnectorMetadata, KVConnectorRole
 
 if TYPE_CHECKING:
     from qeff_evs.vllm.surface import Request

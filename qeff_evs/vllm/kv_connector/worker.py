@@ -23,10 +23,6 @@ from __future__ import annotations
 
 import time
 
-from qeff_evs.vllm.surface import KVConnectorFactory
-from qeff_evs.vllm.surface import KVConnectorRole
-from qeff_evs.vllm.surface import KVConnectorOutput
-
 from qeff_evs.runtime.sessions import language_session, vision_pipeline
 from qeff_evs.vllm.kv_connector import handover as kv_handover
 from qeff_evs.vllm.activation import active_backend, logger
@@ -34,6 +30,9 @@ from qeff_evs.vllm.engine.data_parallel import configured_device_ids
 from qeff_evs.vllm.ec_connector.worker import NotLoaded
 from qeff_evs.vllm.kv_connector.config import PRODUCER, kv_role
 from qeff_evs.vllm.engine.worker import QeffEvsWorker
+from qeff_evs.vllm.surface import KVConnectorFactory
+from qeff_evs.vllm.surface import KVConnectorOutput
+from qeff_evs.vllm.surface import KVConnectorRole
 
 IDLE_WAIT_S = 0.02
 

@@ -14,12 +14,12 @@ from __future__ import annotations
 import functools
 
 from torch import nn
-from qeff_evs.vllm.surface import ModelRegistry
-from qeff_evs.vllm.surface import MULTIMODAL_REGISTRY
 
 from qeff_evs.models.protocol import ModelFamily
 from qeff_evs.models.registry import family_classes
 from qeff_evs.vllm.processing.processor import QeffEvsDummyInputs, QeffEvsProcessingInfo, QeffEvsProcessor
+from qeff_evs.vllm.surface import MULTIMODAL_REGISTRY
+from qeff_evs.vllm.surface import ModelRegistry
 
 _with_our_processor = MULTIMODAL_REGISTRY.register_processor(
     QeffEvsProcessor, info=QeffEvsProcessingInfo, dummy_inputs=QeffEvsDummyInputs)

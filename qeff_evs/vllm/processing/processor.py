@@ -29,13 +29,6 @@ from typing import Any
 import numpy as np
 import torch
 from transformers import BatchFeature
-from qeff_evs.vllm.surface import VLLMValidationError
-from qeff_evs.vllm.surface import mm_input
-from qeff_evs.vllm.surface import MultiModalProcessorOnlyCache
-from qeff_evs.vllm.surface import MultiModalFieldConfig
-from qeff_evs.vllm.surface import MultiModalDataParser
-from qeff_evs.vllm.surface import BaseDummyInputsBuilder, BaseMultiModalProcessor, BaseProcessingInfo
-from qeff_evs.vllm.surface import PromptReplacement, PromptUpdateDetails
 
 from qeff_evs.models.protocol import MediaInput, ModelFamily
 from qeff_evs.models.pruning import PRUNING_METHODS, VideoPruning
@@ -50,6 +43,13 @@ from qeff_evs.runtime.inputs.video_io import DEFAULT_ARRAY_FPS
 from qeff_evs.vllm.engine.limits import served_pruning
 from qeff_evs.vllm.activation import active_backend
 from qeff_evs.vllm.engine.request_checks import media_count, positions_end
+from qeff_evs.vllm.surface import BaseDummyInputsBuilder, BaseMultiModalProcessor, BaseProcessingInfo
+from qeff_evs.vllm.surface import MultiModalDataParser
+from qeff_evs.vllm.surface import MultiModalFieldConfig
+from qeff_evs.vllm.surface import MultiModalProcessorOnlyCache
+from qeff_evs.vllm.surface import PromptReplacement, PromptUpdateDetails
+from qeff_evs.vllm.surface import VLLMValidationError
+from qeff_evs.vllm.surface import mm_input
 
 # Key of the processed input (vLLM's ``MultiModalInput``) that carries the first M-RoPE position after the
 # prompt to the platform's ``validate_request``: per-item fields do not reach it for items vLLM's processor

@@ -600,7 +600,8 @@ SAMPLING_SETTINGS: tuple[Setting, ...] = (
     _h("stream_interval", DETOK + " (streaming)"),
     _h("skip_clone", "vLLM-internal"),
     _h("output_text_buffer_length", "vLLM-internal (set from the stop strings)"),
-    _h("structured_outputs", "vLLM's grammar bitmask applied to the graph's logits before vLLM's sampler",
+    _h("structured_outputs", "vLLM's grammar bitmask applied to the graph's logits before the sampling rules (a "
+       "choice and a JSON schema tested)",
        STRUCTURED_TEST),
     _h("logit_bias", SAMPLER + " (vLLM's logit-bias logits processor)",
        RULE_TEST),
