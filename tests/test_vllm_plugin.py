@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -209,6 +210,16 @@ def test_start_up_refuses_what_the_export_cannot_serve(qwen2_5, tmp_path):
     done = vllm_child(tmp_path, qwen2_5.export, "ort", [qwen2_5.job(4)], engine)
     assert done.returncode != 0
     assert f"max_num_seqs {2 * FULL_BATCH} is above the export's full batch size {FULL_BATCH}" in done.stderr
+
+
+def test_start_up_refuses_an_export_that_did_not_finish(qwen2_5, tmp_path):
+    """A folder without its completion record (an export killed before it wrote manifest.json) is not served."""
+    unfinished = tmp_path / "unfinished"
+    shutil.copytree(qwen2_5.export, unfinished)
+    (unfinished / "manifest.json").unlink()
+    done = vllm_child(tmp_path, unfinished, "ort", [qwen2_5.job(4)], ENGINE_ARGS)
+    assert done.returncode != 0
+    assert f"the export into {unfinished} did not finish" in done.stderr, done.stderr[-3000:]
 
 
 def test_start_up_refuses_another_kv_connector_in_one_line(qwen2_5, tmp_path):
