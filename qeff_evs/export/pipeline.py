@@ -480,6 +480,8 @@ def _export(checkpoint: LoadedCheckpoint, reader, out: Path, options: ExportOpti
         else:
             export_language_graph(checkpoint.model, out / file, **settings)
 
+    if reuse is not None:
+        files.update(reuse.record_files(files))
     progress("checking specializations against the graphs and writing compile inputs")
     node_precision = write_node_precision(out, spec.layer_states)
     if node_precision is not None:

@@ -137,6 +137,12 @@ class GraphReuse:
         self.kept += [*named, path]
         return True
 
+    def record_files(self, files: Mapping[str, str]) -> dict[str, str]:
+        """The record beside each graph of ``files`` (file key -> path) that this export wrote or took, under the
+        key ``<graph>_record``: the manifest names every file of the folder."""
+        return {f"{role}_record": str(record_path(Path(relative))) for role, relative in files.items()
+                if relative.endswith(".onnx") and record_path(self.folder / relative).is_file()}
+
     def forget(self, graph: Path) -> None:
         """Delete ``graph``'s record before the graph is written again."""
         record_path(graph).unlink(missing_ok=True)
