@@ -158,7 +158,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     pruning = video_pruning(bundle, args.video_pruning_method, args.video_pruning_rate)
     if args.requests:
         return _serve_requests(args, bundle, pruning)
+    started = time.perf_counter()
     video = _video(args, bundle)
+    preprocess = time.perf_counter() - started
     if args.prompt is None:
         raise ValueError("--prompt is required with --video / --pixel-values-videos")
     engine = build_engine(bundle, args.backend, args.max_new_tokens, progress=_progress, device_ids=_device_ids(args),
@@ -167,6 +169,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         result = answer(bundle, engine, video, args.prompt)
     finally:
         engine.close()
+    result.seconds = {"preprocess": preprocess, **result.seconds}  # the video read and cut into patches
     if args.json:
         print(json.dumps(result.to_json()))
     else:
@@ -403,7 +406,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=16)
     p.add_argument("--backend", choices=("ort", "torch", "qaic"), default="ort")
     _add_device_ids_argument(p)
-    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object (with --video: token ids and counts, and seconds per phase: "
+                        "preprocess, vision, prefill, ttft = vision + prefill, decode)")
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("encode", help="only the vision side of one video: encoder + pruning, kept tokens per frame")

@@ -58,10 +58,12 @@ def expected_prompt_ids(tokenizer, question: str, num_video_tokens: int) -> list
 
 
 def assert_same_result(ours: dict, reference: dict) -> None:
-    """Ids, counts and tokens exactly equal; logits within fp32 tolerance (another process may sum differently)."""
+    """Ids, counts and tokens exactly equal; logits within fp32 tolerance (another process may sum differently);
+    the timings are the same phases (their seconds differ run to run)."""
     assert set(ours) == set(reference)
+    assert set(ours["seconds"]) == set(reference["seconds"])
     for key in reference:
-        if key != "prefill_top_logits":
+        if key not in ("prefill_top_logits", "seconds"):
             assert ours[key] == reference[key], key
     assert [i for i, _ in ours["prefill_top_logits"]] == [i for i, _ in reference["prefill_top_logits"]]
     np.testing.assert_allclose([v for _, v in ours["prefill_top_logits"]],
@@ -111,6 +113,18 @@ def test_run_json_has_the_documented_fields(run_json, tokenizer, question, expor
     pads = [sum(t == video_pad for t in ids[c:c + seq_len]) for c in range(0, len(ids), seq_len)]
     assert result["vision_rows_per_chunk"] == pads
     assert max(result["vision_rows_per_chunk"]) <= vision_size
+
+
+def test_run_json_reports_each_phases_time_and_the_token_counts(run_json):
+    """What a user measuring time to first token reads: the video read and cut into patches, the vision side
+    (encoder and pruning), the prefill up to the first token, the decode; TTFT is vision + prefill."""
+    seconds = run_json["seconds"]
+    assert set(seconds) == {"preprocess", "vision", "prefill", "ttft", "decode"}
+    assert all(value >= 0.0 for value in seconds.values())
+    assert seconds["ttft"] == pytest.approx(seconds["vision"] + seconds["prefill"], abs=1e-9)
+    assert seconds["vision"] > 0.0 and seconds["prefill"] > 0.0
+    assert run_json["num_prompt_tokens"] == len(run_json["prompt_token_ids"])
+    assert run_json["num_kept_vision_tokens"] == KEPT
 
 
 def test_pixel_values_videos_path_gives_the_same_answer(run_json, tiny_export, video_npy, question, tmp_path, capsys):

@@ -158,19 +158,25 @@ def test_unknown_family_is_rejected(tokenizer, tmp_path):
         save_tiny_checkpoint("llava", tmp_path / "x")
 
 
-# The released widths each family's bench config copies: (vocab, hidden, video pad id).
-RELEASED = {"qwen2_5_vl": (151936, 2048, 151656), "qwen3_vl": (151936, 2048, 151656),
-            "qwen3_5": (248320, 1024, 248057), "qwen3_vl_moe": (151936, 2048, 151656),
-            "qwen3_5_moe": (248320, 2048, 248057)}
+# The released widths each family's bench config copies: (vocab, hidden).
+RELEASED = {"qwen2_5_vl": (151936, 2048), "qwen3_vl": (151936, 2048), "qwen3_5": (248320, 1024),
+            "qwen3_vl_moe": (151936, 2048), "qwen3_5_moe": (248320, 2048)}
 
 
 @pytest.mark.parametrize("family", QWEN_FAMILIES)
 def test_realistic_config_is_consistent(family):
     config = realistic_config(family, text_layers=4, vision_layers=3)
     text, vision = config.text_config, config.vision_config
-    vocab, hidden, video_pad = RELEASED[family]
+    vocab, hidden = RELEASED[family]
     assert text.vocab_size == vocab and text.hidden_size == vision.out_hidden_size == hidden
-    assert config.video_token_id == video_pad
+    # The special ids are those of the tokenizer the bench saves beside the config (a runtime that tokenizes the
+    # media tags, as OpenVINO GenAI does, finds them there), read back by their text.
+    tokenizer = build_tokenizer(family)
+    ids = {name: tokenizer.convert_tokens_to_ids(token) for name, token in (
+        ("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
+        ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>"))}
+    assert {name: getattr(config, name) for name in ids} == ids
+    assert text.eos_token_id == tokenizer.convert_tokens_to_ids("<|im_end|>") < len(tokenizer) < text.vocab_size
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     rotary = int(head_dim * text.rope_parameters.get("partial_rotary_factor", 1.0))
     assert sum(text.rope_parameters["mrope_section"]) == rotary // 2

@@ -1,7 +1,8 @@
 """Released-checkpoint widths with few layers: the benchmarked models' configs (random weights, timing only).
 
-Each family declares its released widths (``ModelFamily.realistic_config_kwargs``); special ids are the
-released checkpoints' own.
+Each family declares its released widths (``ModelFamily.realistic_config_kwargs``); special ids are those of the
+family's tiny tokenizer, which the bench saves beside the config (``bench.checkpoint``): every id the config names is
+a token of the checkpoint's own tokenizer.
 """
 
 from __future__ import annotations

@@ -45,17 +45,13 @@ from qeff_evs.manifest import LayerState
 from qeff_evs.models.language import LanguageGraph, LayerStep
 from qeff_evs.models.linear_attention import CONV_STATE, RECURRENT_STATE, GatedDeltaNetStep, state_names
 from qeff_evs.models.qwen3_vl import Qwen3_VLFamily, Qwen3_VLTower
-from qeff_evs.models.qwen_vl import QwenVLFamily
+from qeff_evs.models.qwen_vl import MEDIA_IDS, QwenVLFamily, special_token_ids
 from qeff_evs.models.registry import register_family
 
 LINEAR, FULL = "linear_attention", "full_attention"
 # The recurrent state is kept fp32 on the card (module docstring); the conv state is fp16 like KV.
 CONV_PRECISION, RECURRENT_PRECISION = "float16", "float32"
 
-# The released checkpoints' ids (Qwen3.5's tokenizer: image/video pads, vision markers, end of turn).
-RELEASED_MEDIA_IDS = dict(image_token_id=248056, video_token_id=248057, vision_start_token_id=248053,
-                          vision_end_token_id=248054)
-RELEASED_EOS_ID = 248044
 
 # Tiny test models: the Gated DeltaNet heads' decay rates (see _remembering_decays).
 TINY_DT_RANGE = (1e-3, 1e-1)
@@ -189,8 +185,9 @@ class Qwen3_5Family(Qwen3_VLFamily):
     @classmethod
     def realistic_config_kwargs(cls, text_layers: int = 24, vision_layers: int = 12) -> dict[str, Any]:
         text, vision = cls.realistic_widths(text_layers, vision_layers)
-        return dict(text_config={**text, "eos_token_id": RELEASED_EOS_ID}, vision_config=vision,
-                    tie_word_embeddings=True, **RELEASED_MEDIA_IDS)
+        ids = special_token_ids(cls.tiny_tokenizer())  # the bench tokenizer's, as QwenVLFamily's
+        return dict(text_config={**text, "eos_token_id": ids["eos_token_id"]}, vision_config=vision,
+                    tie_word_embeddings=True, **{k: ids[k] for k in MEDIA_IDS})
 
     @classmethod
     def realistic_widths(cls, text_layers: int, vision_layers: int) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -89,10 +89,7 @@ QWEN_VL_CONFIG_PATHS = ConfigPaths(
 # so greedy tokens vary and ORT-vs-PyTorch argmax parity is not decided by rounding.
 INITIALIZER_RANGE = 0.3
 
-# The released checkpoints' special ids (the bench's realistic configs).
-RELEASED_MEDIA_IDS = dict(image_token_id=151655, video_token_id=151656, vision_start_token_id=151652,
-                          vision_end_token_id=151653)
-RELEASED_TEXT_IDS = dict(bos_token_id=151643, eos_token_id=151645)
+MEDIA_IDS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
 
 
 def _token_id(tokenizer, token: str) -> int:
@@ -172,8 +169,7 @@ class QwenVLFamily(abc.ABC):
             spatial_merge_size=2, temporal_patch_size=2, in_channels=3, initializer_range=INITIALIZER_RANGE,
         )
         cls.tiny_widths(text, vision, vision_layers)
-        media = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
-        return dict(text_config=text, vision_config=vision, **{k: ids[k] for k in media})
+        return dict(text_config=text, vision_config=vision, **{k: ids[k] for k in MEDIA_IDS})
 
     @classmethod
     @abc.abstractmethod
@@ -190,7 +186,7 @@ class QwenVLFamily(abc.ABC):
         pad rows are replaced by vision embeddings.)
         """
         ids = special_token_ids(tokenizer)
-        media = [ids[k] for k in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")]
+        media = [ids[k] for k in MEDIA_IDS]
         with torch.no_grad():
             model.get_output_embeddings().weight[media] = 0.0
 
@@ -229,9 +225,13 @@ class QwenVLFamily(abc.ABC):
 
     @classmethod
     def realistic_config_kwargs(cls, text_layers: int = 2, vision_layers: int = 2) -> dict[str, Any]:
+        """Released widths; the special ids are the tiny tokenizer's, which the bench's checkpoints are saved with (a
+        runtime that finds the media tokens by their text, as OpenVINO GenAI does, must find them at the config's ids;
+        the released ids, 151652-151656, are past that tokenizer's end)."""
         text, vision = cls.realistic_widths(text_layers, vision_layers)
-        return dict(text_config={**text, **RELEASED_TEXT_IDS}, vision_config=vision, tie_word_embeddings=True,
-                    **RELEASED_MEDIA_IDS)
+        ids = special_token_ids(cls.tiny_tokenizer())
+        return dict(text_config={**text, "bos_token_id": ids["bos_token_id"], "eos_token_id": ids["eos_token_id"]},
+                    vision_config=vision, tie_word_embeddings=True, **{k: ids[k] for k in MEDIA_IDS})
 
     @classmethod
     @abc.abstractmethod

@@ -3,6 +3,7 @@ engines, one question answered about one video, and many requests served to the 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable
 
 from qeff_evs.models.protocol import MediaInput
@@ -52,8 +53,12 @@ def stop_ids(bundle: ExportBundle) -> tuple[int, ...]:
 def answer(bundle: ExportBundle, engine: Engine, video: MediaInput, question: str) -> GenerationResult:
     bundle.manifest.check_video(video.grid_thw)  # fails clearly when no specialization serves this grid
     pieces = video_question_pieces(bundle.tokenizer, question, bundle.family.token_strings)
+    started = time.perf_counter()
     prompt = engine.prepare(pieces, [video])
-    return engine.generate(prompt, eos_ids=stop_ids(bundle))
+    vision = time.perf_counter() - started
+    result = engine.generate(prompt, eos_ids=stop_ids(bundle))
+    result.seconds = {"vision": vision, **result.seconds}
+    return result
 
 
 def build_serving_engine(bundle: ExportBundle, backend: str = "ort", max_num_seqs: int | None = None,

@@ -8,6 +8,7 @@ continuous batching.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -34,9 +35,20 @@ class GenerationResult:
     kept_tokens_per_frame: list[list[int]]
     num_prefill_chunks: int
     vision_rows_per_chunk: list[int] = field(default_factory=list)
+    # wall seconds by phase: "prefill" (the first chunk to the first token) and "decode" (the first token to the last)
+    # from generate(); "vision" (every item's encoder and pruning) where the caller timed prepare() (builders.answer)
+    seconds: dict[str, float] = field(default_factory=dict)
 
     def to_json(self) -> dict:
-        return dict(self.__dict__)
+        data = dict(self.__dict__)
+        del data["seconds"]
+        seconds = dict(self.seconds)
+        if "vision" in seconds and "prefill" in seconds:
+            seconds["ttft"] = seconds["vision"] + seconds["prefill"]  # from the patches to the first token
+        data["seconds"] = seconds
+        data["num_prompt_tokens"] = len(self.prompt_token_ids)
+        data["num_kept_vision_tokens"] = sum(sum(frame) for frame in self.kept_tokens_per_frame)
+        return data
 
 
 def top_logits(logits: np.ndarray, k: int = TOP_LOGITS) -> list[list[float]]:
@@ -114,7 +126,13 @@ class Engine:
         keys = [f"{REQUEST_ID}/item-{i}" for i in range(len(prompt.placeholders))]
         request = serving.add_planned(REQUEST_ID, PromptPlan.of_prepared(prompt), (), keys, cfg.max_new_tokens,
                                       chunk_ends=tuple(c + n for c, n in chunks))
-        serving.run_to_completion()
+        started = time.perf_counter()
+        first_token = None
+        while serving.has_unfinished():
+            if serving.step() and first_token is None:
+                first_token = time.perf_counter()
+        finished = time.perf_counter()
+        first_token = finished if first_token is None else first_token
         self.progress(f"decoded {len(request.tokens)} tokens")
         return GenerationResult(
             prompt_token_ids=prompt.ids.tolist(),
@@ -123,4 +141,5 @@ class Engine:
             kept_tokens_per_frame=[list(e.kept_per_frame) for e in prompt.encoded],
             num_prefill_chunks=len(request.vision_rows_per_chunk),
             vision_rows_per_chunk=list(request.vision_rows_per_chunk),
+            seconds={"prefill": first_token - started, "decode": finished - first_token},
         )
