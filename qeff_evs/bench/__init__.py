@@ -151,6 +151,20 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     scaling.add_argument("--scaling-cases", type=_names, default=None, metavar="CASES",
                          help="MODEL:TEXT_LAYERS[:streamed|in_memory[:float32|float16[:run]]], comma separated "
                               "(default: Qwen3-VL-8B at 2, 6 and 36 layers, Qwen3-VL-30B-A3B at 2, 6 and 12)")
+    openvino = parser.add_argument_group(
+        "OpenVINO GenAI comparison (--vs-openvino): a random checkpoint at released widths through OpenVINO GenAI's "
+        "VLMPipeline (fp32, and its default) and through qeff-evs on the CPU, alternated; takes --text-layers and "
+        "--vision-layers (default 4), --frames (default 16), --size (default 448), --pruning-rates (default "
+        "0,0.5,0.75), --new-tokens, --question, -o, --workdir (the checkpoints, conversions, exports and the side "
+        "environment)")
+    openvino.add_argument("--vs-openvino", type=_names, nargs="?", const=("qwen2_5_vl", "qwen3_vl"), default=None,
+                          metavar="FAMILIES", help="the families to compare (default qwen2_5_vl,qwen3_vl)")
+    openvino.add_argument("--openvino-python", default=None, metavar="PYTHON",
+                          help="the Python of an environment with openvino-genai and optimum-intel (default "
+                               "$QEFF_EVS_OPENVINO_PYTHON, else one built under --workdir)")
+    openvino.add_argument("--backends", type=_names, default=("ort",), metavar="BACKENDS",
+                          help="qeff-evs's backends compared (default ort)")
+    openvino.add_argument("--rounds", type=int, default=3, help="measured rounds after the warm-up (default 3)")
     versus.add_argument("--accounting-frames", type=_ints, default=(64,), metavar="FRAMES",
                         help="frame counts whose vision bytes per chunk are counted from the shapes (default 64)")
 
@@ -235,6 +249,31 @@ def run_vs_qefficient(args: argparse.Namespace, progress) -> int:
     return 0
 
 
+def run_vs_openvino(args: argparse.Namespace, progress) -> int:
+    import sys
+    import tempfile
+
+    from qeff_evs.bench.vs_openvino import VsOpenVinoConfig, run_comparison
+    from qeff_evs.bench.vs_openvino_report import markdown
+
+    unknown = [f for f in args.vs_openvino if f not in ("qwen2_5_vl", "qwen3_vl")]
+    if unknown:
+        raise ValueError(f"--vs-openvino {','.join(unknown)}: OpenVINO GenAI serves video for qwen2_5_vl and "
+                         "qwen3_vl; give those")
+    given = {"text_layers": args.text_layers, "vision_layers": args.vision_layers, "frames": args.frames,
+             "size": args.size, "pruning_rates": args.pruning_rates}
+    config = VsOpenVinoConfig(tuple(args.vs_openvino), backends=tuple(args.backends), rounds=args.rounds,
+                              new_tokens=args.new_tokens, question=args.question,
+                              smoke=bool(getattr(args, "smoke", False)),
+                              openvino_python=Path(args.openvino_python) if args.openvino_python else None,
+                              **{k: v for k, v in given.items() if v is not None})
+    with tempfile.TemporaryDirectory(prefix="qeff_evs_vs_openvino_") as scratch:
+        results = run_comparison(config, args.output, Path(args.workdir or scratch), progress,
+                                 command=" ".join(["qeff-evs", *sys.argv[1:]]))
+    print("\n".join(markdown(results)))
+    return 0
+
+
 def run_export_scaling(args: argparse.Namespace, progress) -> int:
     import sys
     import tempfile
@@ -259,6 +298,8 @@ def run_bench(args: argparse.Namespace, progress) -> int:
         return run_serving(args, progress)
     if args.vs_qefficient is not None:
         return run_vs_qefficient(args, progress)
+    if args.vs_openvino is not None:
+        return run_vs_openvino(args, progress)
     from qeff_evs.bench.report import markdown
     from qeff_evs.bench.suite import render_saved, run_suite
 
