@@ -404,7 +404,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--requests: every request computes its whole prompt, even where a free KV row holds its "
                         "first tokens from an earlier request (row reuse is on by default and exact)")
     p.add_argument("--max-new-tokens", type=int, default=16)
-    p.add_argument("--backend", choices=("ort", "torch", "qaic"), default="ort")
+    p.add_argument("--backend", choices=("ort", "openvino", "torch", "qaic"), default="ort")
     _add_device_ids_argument(p)
     p.add_argument("--json", action="store_true",
                    help="print one JSON object (with --video: token ids and counts, and seconds per phase: "
@@ -414,7 +414,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("encode", help="only the vision side of one video: encoder + pruning, kept tokens per frame")
     p.add_argument("export_dir", type=Path)
     _add_video_arguments(p, p.add_mutually_exclusive_group(required=True))
-    p.add_argument("--backend", choices=("ort", "torch", "qaic"), default="ort")
+    p.add_argument("--backend", choices=("ort", "openvino", "torch", "qaic"), default="ort")
     _add_device_ids_argument(p)
     p.add_argument("--json", action="store_true",
                    help="print one JSON object (adds kept_indices, frame count, resolution, timings)")

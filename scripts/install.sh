@@ -4,8 +4,8 @@
 #           vllm and xgrammar without their dependency trees (CUDA packages, triton), plus the light
 #           packages vLLM's engine and server import (the "vllm" extra).
 #           With it vllm-router (the "router" extra), the front of every multi-instance deployment.
-#   --test  the test tools too, the bench extra (the bench smoke test plots) and everything --vllm installs
-#           (vLLM is the tests' oracle and server).
+#   --test  the test tools too, the bench extra (the bench smoke test plots), the openvino extra (--backend
+#           openvino is tested) and everything --vllm installs (vLLM is the tests' oracle and server).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -15,7 +15,7 @@ pip_quiet() {  # pip, minus the local-mirror "is ignored" noise, keeping pip's e
 
 extras=()
 case "${1:-}" in
-    --test) extras=(test vllm router bench) ;;
+    --test) extras=(test vllm router bench openvino) ;;
     --vllm) extras=(vllm router) ;;
     "") ;;
     *) echo "usage: $0 [--vllm | --test]" >&2; exit 2 ;;

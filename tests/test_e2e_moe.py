@@ -116,8 +116,8 @@ def clips(family, tmp_path_factory, bundles):
 @pytest.fixture(scope="module")
 def sessions(bundles):
     return {(seq_len, backend, method): sessions_for(bundle, backend, method=method)
-            for seq_len, bundle in bundles.items() for backend in ("ort", "torch") for method in ("evs", "vidcom2")
-            if backend == "ort" or (seq_len, method) == (16, "evs")}
+            for seq_len, bundle in bundles.items() for backend in ("ort", "torch", "openvino")
+            for method in ("evs", "vidcom2") if backend == "ort" or (seq_len, method) == (16, "evs")}
 
 
 @pytest.fixture(scope="module")
@@ -207,10 +207,12 @@ def test_chunked_prefill_and_decode_equal_transformers(bundles, sessions, clips,
                               bundles[seq_len].tokenizer, QUESTION, seq_len, ATOL)
 
 
-def test_torch_backend_equals_transformers(bundles, sessions, clips, references):
-    """The PyTorch reference backend (the same language module, eager) at q = 0.5 with EVS."""
+@pytest.mark.parametrize("backend", ("torch", "openvino"))
+def test_torch_backend_equals_transformers(bundles, sessions, clips, references, backend):
+    """The PyTorch reference backend (the same language module, eager), and OpenVINO on the ONNX Runtime graphs, at
+    q = 0.5 with EVS."""
     ref = references[(Q, "evs")]
-    engine = make_engine(bundles, sessions, 16, "torch", Q, "evs")
+    engine = make_engine(bundles, sessions, 16, backend, Q, "evs")
     prompt = engine.prepare(our_pieces(*split_template(bundles[16].tokenizer, QUESTION)), [clips["long"][0]])
     result = engine.generate(prompt, eos_ids=())
     assert result.generated_token_ids == ref.tokens

@@ -95,7 +95,8 @@ def clips(bundles) -> dict:
 
 @pytest.fixture(scope="module")
 def sessions(bundles):
-    return {(n, backend): sessions_for(bundle, backend) for n, bundle in bundles.items() for backend in ("ort", "torch")}
+    return {(n, backend): sessions_for(bundle, backend) for n, bundle in bundles.items()
+            for backend in ("ort", "torch", "openvino")}
 
 
 @pytest.fixture(scope="module")
@@ -257,7 +258,7 @@ def test_q0_equals_transformers_generate(bundles, sessions, hf_model, clips, ref
     assert_top_logits_match(result.prefill_top_logits, out.logits[0][0], ATOL)
 
 
-@pytest.mark.parametrize("backend", ("ort", "torch"))
+@pytest.mark.parametrize("backend", ("ort", "torch", "openvino"))
 @pytest.mark.parametrize("seq_len", sorted(EXPORTS))
 @pytest.mark.parametrize("q", (0.0, Q))
 def test_chunked_prefill_and_decode_equal_transformers(bundles, sessions, clips, references, seq_len, backend, q):

@@ -35,7 +35,7 @@ from qeff_evs.runtime.backends.ort import OrtLanguageSession
 
 ATOL = 1e-4
 DECODE_STEPS = 10
-BACKENDS = ("ort", "torch")
+BACKENDS = ("ort", "torch", "openvino")  # openvino: the same graphs as ort, on OpenVINO
 # 0.75 keeps exactly one frame's worth (the floor): later frames keep nothing.
 PRUNING_RATES = (0.3, 0.5, 0.75)
 

@@ -39,6 +39,7 @@ from qeff_evs.runtime.builders import answer, stop_ids
 from qeff_evs.runtime.export_bundle import open_export
 from qeff_evs.runtime.media import image_from_array
 from qeff_evs.runtime.sessions import sessions_for
+from qeff_evs.runtime.backends.openvino import OpenVinoLanguageSession
 from qeff_evs.runtime.backends.ort import OrtLanguageSession
 from qeff_evs.runtime.backends.torch_reference import TorchLanguageSession
 from helpers.exports import export_quietly
@@ -48,7 +49,7 @@ from helpers.top_logits import assert_top_logits_match
 
 ATOL = 1e-4
 DECODE_STEPS = 10
-BACKENDS = ("ort", "torch")
+BACKENDS = ("ort", "torch", "openvino")  # openvino: the same graphs as ort, on OpenVINO
 PRUNING_RATES = (0.3, 0.5, 0.75)  # 0.75 keeps exactly one frame's worth: later frames keep nothing
 QUESTION = "What happens in this video?"
 
@@ -123,6 +124,8 @@ def make_engine(bundle, sessions, backend: str, q: float, seq_len: int | None = 
         shape = dataclasses.replace(language.shape, vision_size=vision_size, prefill_lens=(seq_len,))
         if backend == "ort":
             language = OrtLanguageSession(m.path(bundle.export_dir, "language"), shape)
+        elif backend == "openvino":
+            language = OpenVinoLanguageSession(m.path(bundle.export_dir, "language"), shape)
         else:
             language = TorchLanguageSession(language.module, shape)
     return Engine(bundle.family, vision, language, config)

@@ -100,7 +100,7 @@ def clips(tmp_path_factory, bundles):
 @pytest.fixture(scope="module")
 def sessions(bundles):
     return {(seq_len, backend): sessions_for(bundle, backend)
-            for seq_len, bundle in bundles.items() for backend in ("ort", "torch")}
+            for seq_len, bundle in bundles.items() for backend in ("ort", "torch", "openvino")}
 
 
 def make_engine(bundles, sessions, seq_len: int, backend: str, q: float) -> Engine:
@@ -143,7 +143,7 @@ def test_q0_equals_transformers_generate(bundles, sessions, hf_model, clips, ref
     assert_top_logits_match(result.prefill_top_logits, hf_first, ATOL)
 
 
-@pytest.mark.parametrize("backend", ("ort", "torch"))
+@pytest.mark.parametrize("backend", ("ort", "torch", "openvino"))
 @pytest.mark.parametrize("seq_len", sorted(EXPORTS))
 @pytest.mark.parametrize("q", (0.0, Q))
 def test_chunked_prefill_and_decode_equal_transformers(bundles, sessions, clips, references, seq_len, backend, q):

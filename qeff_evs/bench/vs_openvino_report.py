@@ -50,7 +50,8 @@ def markdown(results: dict) -> list[str]:
             if arm["failure"]:
                 lines.append(f"| {arm['label']} | refused: {arm['failure']} | | | | | | |")
                 continue
-            same = "n/a" if reference is None else "yes" if arm["ids"] == reference["ids"] else "no"
+            same = ("n/a" if reference is None else "yes" if arm["ids"] == reference["ids"] else "no"
+                    if arm["prompt_tokens"] == reference["prompt_tokens"] or arm["rate"] else "n/a: other prompt")
             lines.append(f"| {arm['label']} | {arm['prompt_tokens']} | {arm['kept_tokens'] or ''} | "
                          f"{_num(arm['ttft_s'])} | {_num(arm['total_s'])} | {_num(arm['cpu_s'])} | "
                          f"{_num(arm['peak_mb'], 0)} | {same} |")
