@@ -195,14 +195,15 @@ def build_checkpoint(config: VsOpenVinoConfig, family: str, folder: Path, progre
 
 def export_ours(config: VsOpenVinoConfig, checkpoint: Path, out: Path, progress: Progress) -> Path:
     """``qeff-evs export --target cpu`` at the clip's frames and size (every chunk as a CPU user would export it)."""
-    from qeff_evs.cli import main
+    from qeff_evs.export.pipeline import ExportOptions, export_checkpoint
+    from qeff_evs.specializations import TARGETS
 
+    cpu = TARGETS["cpu"]
     progress(f"qeff-evs export of {checkpoint} ({config.frames} frames, {config.size}x{config.size}, --target cpu)")
-    code = main(["export", str(checkpoint), "-o", str(out), "--frames", str(config.frames), "--height",
-                 str(config.size), "--width", str(config.size), "--target", "cpu", "--ctx-len", str(config.ctx_len),
-                 "--max-video-pruning-rate", str(max(0.9, *config.pruning_rates))])
-    if code != 0:
-        raise ValueError(f"qeff-evs export of {checkpoint} failed (exit {code})")
+    export_checkpoint(checkpoint, out, ExportOptions(
+        0.0, (config.frames,), ((config.size, config.size),), cpu.prefill_seq_len, config.ctx_len,
+        comp_ctx_step=cpu.comp_ctx_step, weight_dtype=cpu.weight_dtype,
+        max_video_pruning_rate=max(0.9, *config.pruning_rates)), progress=progress)
     return out
 
 
