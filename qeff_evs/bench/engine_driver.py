@@ -12,7 +12,6 @@ with one JSON line, the protocol of ``openvino_driver``:
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from pathlib import Path
@@ -20,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from qeff_evs.bench.memory import peak_mb
+from qeff_evs.bench.openvino_driver import serve
 
 
 def answer(bundle, sessions, request: dict) -> dict:
@@ -42,35 +42,24 @@ def answer(bundle, sessions, request: dict) -> dict:
     prepared = time.perf_counter()
     result = engine.generate(prompt, eos_ids=())
     finished = time.perf_counter()
-    return {"ttft_s": prepared - started + result.seconds["prefill"], "total_s": finished - started, "cpu_s": time.process_time() - cpu,
+    return {"ttft_s": prepared - started + result.seconds["prefill"], "total_s": finished - started,
+            "cpu_s": time.process_time() - cpu,
             "ids": result.generated_token_ids, "prompt_tokens": len(result.prompt_token_ids),
             "kept_tokens": int(sum(len(e.kept_indices) for e in prompt.encoded)),
             "seconds": {"preprocess_and_vision": prepared - started, **result.seconds}, "peak_mb": peak_mb()}
 
 
 def main() -> int:
-    from qeff_evs.runtime.export_bundle import open_export
-    from qeff_evs.runtime.sessions import sessions_for
-
     export_dir, backend = Path(sys.argv[1]), sys.argv[2]
-    try:
-        started = time.perf_counter()
+
+    def load():
+        from qeff_evs.runtime.export_bundle import open_export
+        from qeff_evs.runtime.sessions import sessions_for
+
         bundle = open_export(export_dir)
-        sessions = sessions_for(bundle, backend)
-        ready = {"ready": True, "load_s": time.perf_counter() - started, "peak_mb": peak_mb()}
-    except Exception as error:  # noqa: BLE001 - reported to the parent in one line
-        print(json.dumps({"error": f"{type(error).__name__}: {error}"}), flush=True)
-        return 1
-    print(json.dumps(ready), flush=True)
-    for line in sys.stdin:
-        if not line.strip():
-            continue
-        try:
-            reply = answer(bundle, sessions, json.loads(line))
-        except Exception as error:  # noqa: BLE001 - one failed request is a result, the driver goes on
-            reply = {"error": f"{type(error).__name__}: {error}"}
-        print(json.dumps(reply), flush=True)
-    return 0
+        return (bundle, sessions_for(bundle, backend)), {}
+
+    return serve(load, lambda state, request: answer(*state, request))
 
 
 if __name__ == "__main__":

@@ -57,34 +57,49 @@ def answer(pipe, request: dict) -> dict:
     result = pipe.generate(request["prompt"], videos=[frames], generation_config=config, streamer=TokenIds(), **extra)
     finished = time.perf_counter()
     metrics = result.perf_metrics
-    return {"ttft_s": (first[0] if first else finished) - started, "total_s": finished - started, "cpu_s": time.process_time() - cpu, "ids": ids,
-            "prompt_tokens": int(metrics.get_num_input_tokens()), "ttft_ms_reported": float(metrics.get_ttft().mean),
+    return {"ttft_s": (first[0] if first else finished) - started, "total_s": finished - started,
+            "cpu_s": time.process_time() - cpu, "ids": ids, "prompt_tokens": int(metrics.get_num_input_tokens()), "ttft_ms_reported": float(metrics.get_ttft().mean),
             "peak_mb": peak_mb()}
 
 
-def main() -> int:
-    model_dir, properties = sys.argv[1], json.loads(sys.argv[2])
-    try:
-        import openvino_genai as genai
+def error_line(error: Exception) -> dict:
+    """A failure as the protocol replies it: the exception's type and its last line (OpenVINO's checks print the
+    C++ location first)."""
+    lines = [text for text in str(error).strip().splitlines() if text.strip()]
+    return {"error": f"{type(error).__name__}: {lines[-1] if lines else ''}"}
 
-        started = time.perf_counter()
-        pipe = genai.VLMPipeline(model_dir, "CPU", **properties)
-        ready = {"ready": True, "load_s": time.perf_counter() - started, "version": genai.__version__,
-                 "peak_mb": peak_mb()}
+
+def serve(load, answer) -> int:
+    """The protocol both drivers speak (the module docstring): ``load()`` -> ``(state, ready dict)``, then
+    ``answer(state, request)`` per stdin line. Standard library only: ``engine_driver`` imports it too."""
+    started = time.perf_counter()
+    try:
+        state, ready = load()
     except Exception as error:  # noqa: BLE001 - reported to the parent in one line
-        print(json.dumps({"error": f"{type(error).__name__}: {str(error).strip().splitlines()[-1]}"}), flush=True)
+        print(json.dumps(error_line(error)), flush=True)
         return 1
-    print(json.dumps(ready), flush=True)
+    print(json.dumps({"ready": True, "load_s": time.perf_counter() - started, "peak_mb": peak_mb(), **ready}),
+          flush=True)
     for line in sys.stdin:
         if not line.strip():
             continue
         try:
-            reply = answer(pipe, json.loads(line))
+            reply = answer(state, json.loads(line))
         except Exception as error:  # noqa: BLE001 - one failed request is a result, the driver goes on
-            lines = [t for t in str(error).strip().splitlines() if t.strip()]
-            reply = {"error": f"{type(error).__name__}: {lines[-1] if lines else ''}"}
+            reply = error_line(error)
         print(json.dumps(reply), flush=True)
     return 0
+
+
+def main() -> int:
+    model_dir, properties = sys.argv[1], json.loads(sys.argv[2])
+
+    def load():
+        import openvino_genai as genai
+
+        return genai.VLMPipeline(model_dir, "CPU", **properties), {"version": genai.__version__}
+
+    return serve(load, answer)
 
 
 if __name__ == "__main__":

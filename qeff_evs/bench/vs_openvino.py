@@ -254,6 +254,7 @@ def compare_family(config: VsOpenVinoConfig, family: str, python: Path, workdir:
                     json.dumps(openvino_properties(arm.variant, config.threads))])
         drivers[key] = Driver(command, folder / f"{arm.runtime.split()[0]}-{arm.variant}.log", env)
     results = {arm: ArmResult(arm) for arm in arms}
+    peaks = {key: driver.ready.get("peak_mb") for key, driver in drivers.items()}
     for arm, result in results.items():
         ready = drivers[(arm.runtime, arm.variant)].ready
         if "error" in ready:
@@ -268,15 +269,14 @@ def compare_family(config: VsOpenVinoConfig, family: str, python: Path, workdir:
                 if "error" in reply:
                     result.failure = reply["error"]
                     progress(f"{family}: {arm.label}: {reply['error']}")
-                elif round_ > 0:
+                    continue
+                peaks[(arm.runtime, arm.variant)] = reply.get("peak_mb")  # VmHWM only grows: the latest is the peak
+                if round_ > 0:
                     result.replies.append(reply)
                     progress(f"{family} round {round_}/{config.rounds}: {arm.label}: TTFT {reply['ttft_s']:.2f} s, "
                              f"{reply['prompt_tokens']} prompt tokens")
     finally:
-        peaks = {}
-        for key, driver in drivers.items():
-            peaks[key] = max([r.get("peak_mb") or 0.0 for a, res in results.items() if (a.runtime, a.variant) == key
-                              for r in res.replies] + [driver.ready.get("peak_mb") or 0.0])
+        for driver in drivers.values():
             driver.close()
     arms_json = []
     for arm, result in results.items():

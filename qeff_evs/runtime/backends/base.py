@@ -56,7 +56,7 @@ import numpy as np
 
 from qeff_evs.manifest import LanguageShape
 from qeff_evs.models.graph_io import (
-    BATCH_INDEX, COMP_CTX_LENGTHS, LOGITS_ROWS, PAD_POSITION, check_batch_index,
+    BATCH_INDEX, COMP_CTX_LENGTHS, LOGITS_ROWS, PAD_POSITION, RETAINED_SUFFIX, check_batch_index, state_shapes,
 )
 from qeff_evs.specializations.sets import call_len_refusal
 
@@ -196,6 +196,17 @@ class RetainedStateSession(abc.ABC):
     @abc.abstractmethod
     def reset(self) -> None:
         """Zero the KV cache and vision window (done once, at construction; never needed per request)."""
+
+    def retained_dims(self) -> dict[str, tuple[int, ...]]:
+        """The shape of each input the graph retains (returned as ``<input>_RetainedState``), from the export's
+        language shape; refused where the graph retains one the shape does not describe."""
+        retained = [name for name in self.input_names if name + RETAINED_SUFFIX in self.output_names]
+        dims = state_shapes(self.shape)
+        missing = [name for name in retained if name not in dims]
+        if missing:
+            raise ValueError(f"the language graph retains {missing}, which the export's language shape does not "
+                             "describe; re-export this folder with this qeff-evs")
+        return {name: dims[name] for name in retained}
 
     def close(self) -> None:
         """Release the session's device resources (nothing on the host backends)."""

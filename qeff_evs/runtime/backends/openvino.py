@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from qeff_evs.manifest import LanguageShape, check_graph_data, export_root
-from qeff_evs.models.graph_io import RETAINED_SUFFIX, state_shapes
+from qeff_evs.models.graph_io import RETAINED_SUFFIX
 from qeff_evs.runtime.backends.base import MergedRows, RetainedStateSession, merged_rows, ranking
 
 OPENVINO_EXTRA = "pip install 'qeff-evs[openvino]'"
@@ -144,13 +144,7 @@ class OpenVinoLanguageSession(RetainedStateSession):
         super().__init__(shape, graph.input_names, graph.output_names)
 
     def reset(self) -> None:
-        retained = [name for name in self.input_names if name + RETAINED_SUFFIX in self.output_names]
-        dims = state_shapes(self.shape)
-        missing = [name for name in retained if name not in dims]
-        if missing:
-            raise ValueError(f"the language graph retains {missing}, which the export's language shape does not "
-                             "describe; re-export this folder with this qeff-evs")
-        self.state = {name: np.zeros(dims[name], dtype=self._dtypes[name]) for name in retained}
+        self.state = {name: np.zeros(dims, dtype=self._dtypes[name]) for name, dims in self.retained_dims().items()}
         self._spare = {name: np.zeros_like(buffer) for name, buffer in self.state.items()}
 
     def _call(self, inputs: dict[str, np.ndarray]) -> np.ndarray:

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from qeff_evs.manifest import LanguageShape, check_graph_data, export_root
-from qeff_evs.models.graph_io import RETAINED_SUFFIX, state_shapes
+from qeff_evs.models.graph_io import RETAINED_SUFFIX
 from qeff_evs.runtime.backends.base import MergedRows, RetainedStateSession, merged_rows, ranking
 
 
@@ -115,18 +115,13 @@ class OrtLanguageSession(RetainedStateSession):
 
     def reset(self) -> None:
         """Fresh zeroed buffers for every retained input, each bound as the graph's input and its output."""
-        retained = [name for name in self.input_names if name + RETAINED_SUFFIX in self.output_names]
-        dims = state_shapes(self.shape)
-        missing = [name for name in retained if name not in dims]
-        if missing:
-            raise ValueError(f"the language graph retains {missing}, which the export's language shape does not "
-                             "describe; re-export this folder with this qeff-evs")
+        dims = self.retained_dims()
         self.state: dict[str, np.ndarray] = {}
         sessions = [self.session] + ([] if self.decode_session is None else [self.decode_session])
         self.bindings = [session.io_binding() for session in sessions]
         for output in self.output_names:  # in graph order, which the bindings' outputs then keep
             name = output.removesuffix(RETAINED_SUFFIX)
-            if name in retained:
+            if name in dims:
                 self._bind_state(name, np.zeros(dims[name], dtype=self._dtypes[name]))
             else:
                 for binding in self.bindings:
