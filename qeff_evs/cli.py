@@ -12,6 +12,13 @@ from pathlib import Path
 from qeff_evs.models.registry import shipped_family_names
 from qeff_evs.specializations import DEFAULT_FRAMES_PER_CALL, DEFAULT_MAX_FRAMES, FLOAT16, MXINT8, TARGETS
 
+# runtime.sessions.BACKENDS, written out: importing the runtime here would slow every command's start
+BACKENDS = ("ort", "openvino", "openvino-bf16", "torch", "qaic")
+BACKEND_HELP = ("ort: ONNX Runtime on the CPU, fp32 (the default); openvino, openvino-bf16: the same graphs on "
+                "OpenVINO's CPU plugin (pip install 'qeff-evs[openvino]') computing in fp32, or in bf16 where the CPU "
+                "has bf16 instructions (faster; tolerance in docs/performance.md); torch: the PyTorch reference; "
+                "qaic: Cloud AI 100 programs compiled from the export")
+
 
 def _progress(message: str) -> None:
     print(f"[qeff-evs] {message}", file=sys.stderr, flush=True)
@@ -404,7 +411,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--requests: every request computes its whole prompt, even where a free KV row holds its "
                         "first tokens from an earlier request (row reuse is on by default and exact)")
     p.add_argument("--max-new-tokens", type=int, default=16)
-    p.add_argument("--backend", choices=("ort", "openvino", "torch", "qaic"), default="ort")
+    p.add_argument("--backend", choices=BACKENDS, default="ort", help=BACKEND_HELP)
     _add_device_ids_argument(p)
     p.add_argument("--json", action="store_true",
                    help="print one JSON object (with --video: token ids and counts, and seconds per phase: "
@@ -414,7 +421,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("encode", help="only the vision side of one video: encoder + pruning, kept tokens per frame")
     p.add_argument("export_dir", type=Path)
     _add_video_arguments(p, p.add_mutually_exclusive_group(required=True))
-    p.add_argument("--backend", choices=("ort", "openvino", "torch", "qaic"), default="ort")
+    p.add_argument("--backend", choices=BACKENDS, default="ort", help=BACKEND_HELP)
     _add_device_ids_argument(p)
     p.add_argument("--json", action="store_true",
                    help="print one JSON object (adds kept_indices, frame count, resolution, timings)")

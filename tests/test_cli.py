@@ -484,3 +484,13 @@ def test_bad_input_exits_2_naming_the_value(case, bad_inputs, tiny_checkpoint, t
     assert "Traceback" not in err
     assert f"qeff-evs {argv[0]}: error:" in err
     assert re.search(message, err), err
+
+
+def test_cli_offers_every_backend_the_runtime_opens():
+    """cli.BACKENDS and the plugin's are written out (neither imports the runtime); they must stay the runtime's."""
+    from qeff_evs import cli
+    from qeff_evs.runtime.sessions import BACKENDS
+    from qeff_evs.vllm import activation
+
+    assert cli.BACKENDS == BACKENDS
+    assert sorted(activation.BACKENDS) == sorted(BACKENDS)

@@ -276,6 +276,51 @@ def test_ort_and_torch_backends_agree(bundle, sessions, video, question):
 
 
 # --------------------------------------------------------------------------------------------------
+# --backend openvino-bf16: bf16 compute, against transformers in fp32 at bf16's tolerance
+
+# bf16 keeps 8 significant bits (a relative step of 2**-8): the logits may move by a few steps of the largest
+# logit's size; greedy tokens are asserted only where fp32's lead over the runner-up is past twice that.
+BF16_TOLERANCE = 0.05  # of the largest |logit|
+
+
+@pytest.fixture(scope="module")
+def bf16_sessions(bundle):
+    openvino = pytest.importorskip("openvino")
+    if "BF16" not in openvino.Core().get_property("CPU", "OPTIMIZATION_CAPABILITIES"):
+        pytest.skip("this CPU has no bf16 instructions: --backend openvino-bf16 refuses it")
+    return {"openvino-bf16": sessions_for(bundle, "openvino-bf16")}
+
+
+def assert_bf16_logits_close(ours: list[list[float]], reference: torch.Tensor) -> None:
+    tolerance = BF16_TOLERANCE * float(reference.abs().max())
+    for token_id, value in ours:
+        assert abs(value - float(reference[int(token_id)])) <= tolerance, (token_id, value, tolerance)
+    top2 = reference.topk(2).values
+    if float(top2[0] - top2[1]) > 2 * tolerance:
+        assert int(ours[0][0]) == int(reference.argmax())
+
+
+@pytest.mark.parametrize("q", (0.0, *PRUNING_RATES))
+def test_openvino_bf16_within_bf16_tolerance_of_transformers(bundle, bf16_sessions, video, question, hf_generate_q0,
+                                                             pruned_references, q):
+    """The kept rows are the fp32 path's (the pruning graph ranks in fp32; EVS's margins here are far past bf16's
+    step), the prompt is the same, and the first step's logits are within bf16's tolerance of transformers'."""
+    engine = make_engine(bundle, bf16_sessions, "openvino-bf16", q)
+    prompt = engine.prepare(video_question_pieces(bundle.tokenizer, question, bundle.family.token_strings), [video])
+    result = engine.generate(prompt, eos_ids=())
+    if q == 0:
+        ids, _, reference = hf_generate_q0
+        assert result.prompt_token_ids == ids
+    else:
+        ref = pruned_references[q]
+        np.testing.assert_array_equal(prompt.encoded[0].kept_indices, ref.kept_indices.numpy())
+        np.testing.assert_array_equal(prompt.ids, ref.ids[0].numpy())
+        reference = ref.first_logits
+    assert len(result.generated_token_ids) == DECODE_STEPS
+    assert_bf16_logits_close(result.prefill_top_logits, reference)
+
+
+# --------------------------------------------------------------------------------------------------
 # chunking: one language graph serves every prefill length
 
 

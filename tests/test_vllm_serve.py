@@ -97,11 +97,11 @@ def media(tmp_path_factory):
 
 
 @contextlib.contextmanager
-def vllm_server(export: Path, folder: Path, *flags: str):
+def vllm_server(export: Path, folder: Path, *flags: str, backend: str = "ort"):
     """``vllm serve EXPORT FLAGS...`` on a free local port until the block ends: an ``openai`` client."""
     port = free_port()
     log = folder / "server.log"
-    env = dict(os.environ, QEFF_EVS_BACKEND="ort")
+    env = dict(os.environ, QEFF_EVS_BACKEND=backend)
     argv = [str(Path(sys.executable).with_name("vllm")), "serve", str(export), "--host", "127.0.0.1", "--port",
             str(port), *flags, "--max-num-seqs",
             # No --max-model-len, no --no-enable-prefix-caching: the export's config and the platform set them.
@@ -630,3 +630,15 @@ def test_rate_and_method_chosen_at_serve_time(export, media, tmp_path, q, method
                     served = len(response.prompt_token_ids)
                 else:
                     assert len(expected.prompt_token_ids) != served  # another rate: another count of video pads
+
+
+def test_openvino_backend_serves_what_ort_answers(export, media, tmp_path):
+    """``QEFF_EVS_BACKEND=openvino``: the same graphs on OpenVINO, served; the answers are ``qeff-evs run``'s on ONNX
+    Runtime (fp32 both: the same prompt and tokens)."""
+    pytest.importorskip("openvino")
+    with vllm_server(export, tmp_path, "--video-pruning-rate", "0.5", backend="openvino") as client:
+        for clip in ("clip", "long"):
+            expected = run_answer(export, media[clip], VideoPruning("evs", 0.5))
+            response = chat(client, video_message(media[clip]))
+            assert response.prompt_token_ids == expected.prompt_token_ids, clip
+            assert response.choices[0].token_ids == expected.generated_token_ids, clip

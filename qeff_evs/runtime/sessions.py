@@ -9,7 +9,7 @@ from qeff_evs.runtime.backends.torch_reference import TorchEncoderSession, Torch
 from qeff_evs.runtime.backends.vision import VisionPipeline
 from qeff_evs.runtime.export_bundle import ExportBundle
 
-BACKENDS = ("ort", "openvino", "torch", "qaic")
+BACKENDS = ("ort", "openvino", "openvino-bf16", "torch", "qaic")
 
 
 def _check_device_ids(backend: str, device_ids) -> None:
@@ -35,10 +35,10 @@ def vision_pipeline(bundle: ExportBundle, backend: str, device: str | None = Non
     if backend == "ort":
         encoder = OrtEncoderSession(m.path(root, "encoder"), m.weight_dtype)
         pruning = {name: OrtPruningSession(m.path(root, pruning_graph(name))) for name in methods}
-    elif backend == "openvino":
-        from qeff_evs.runtime.backends.openvino import OpenVinoEncoderSession, OpenVinoPruningSession
+    elif backend in ("openvino", "openvino-bf16"):
+        from qeff_evs.runtime.backends.openvino import PRECISIONS, OpenVinoEncoderSession, OpenVinoPruningSession
 
-        encoder = OpenVinoEncoderSession(m.path(root, "encoder"))
+        encoder = OpenVinoEncoderSession(m.path(root, "encoder"), PRECISIONS[backend])
         pruning = {name: OpenVinoPruningSession(m.path(root, pruning_graph(name))) for name in methods}
     elif backend == "torch":
         from qeff_evs.models.checkpoint import load_checkpoint
@@ -71,7 +71,7 @@ def sessions_for(bundle: ExportBundle, backend: str, device: str | None = None, 
     pruning graph; ``device_ids`` as for :func:`vision_pipeline` (every program is loaded and activated once,
     here)."""
     _check_device_ids(backend, device_ids)
-    if backend in ("ort", "openvino"):
+    if backend in ("ort", "openvino", "openvino-bf16"):
         return vision_pipeline(bundle, backend, method=method), language_session(bundle, backend)
     if backend == "torch":
         from qeff_evs.models.checkpoint import load_checkpoint
@@ -122,12 +122,13 @@ def language_session(bundle: ExportBundle, backend: str, device: str | None = No
         if programs == "decode":
             return OrtLanguageSession(decode or m.path(root, "language"), bundle.language_shape, None, m.weight_dtype)
         return OrtLanguageSession(m.path(root, "language"), bundle.language_shape, decode, m.weight_dtype)
-    if backend == "openvino":
-        from qeff_evs.runtime.backends.openvino import OpenVinoLanguageSession
+    if backend in ("openvino", "openvino-bf16"):
+        from qeff_evs.runtime.backends.openvino import PRECISIONS, OpenVinoLanguageSession
 
         decode = m.path(root, LANGUAGE_DECODE) if LANGUAGE_DECODE in m.files else None
         return OpenVinoLanguageSession(decode if programs == "decode" and decode else m.path(root, "language"),
-                                       bundle.language_shape, decode if programs == "both" else None)
+                                       bundle.language_shape, decode if programs == "both" else None,
+                                       PRECISIONS[backend])
     if backend == "torch":
         from qeff_evs.models.checkpoint import load_checkpoint
 

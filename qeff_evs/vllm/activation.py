@@ -10,7 +10,7 @@ import logging
 import os
 
 BACKEND_ENV = "QEFF_EVS_BACKEND"
-BACKENDS = ("ort", "qaic", "torch")
+BACKENDS = ("ort", "openvino", "openvino-bf16", "qaic", "torch")  # sessions.BACKENDS (not imported here)
 
 # A child of vLLM's logger, so lines come out with vLLM's own format and level.
 logger = logging.getLogger("vllm.qeff_evs")

@@ -6,11 +6,16 @@ OpenVINO reads ONNX itself, through its ONNX frontend, which has no rule for the
 is handed over with them inlined by ``onnx.inliner`` (its structure only; the weights stay in their files). OpenVINO
 resolves external data only under the graph's own folder, so the inlined graph is written there, under a hidden
 scratch name, and removed as soon as OpenVINO has read it.
-Compute stays fp32 (``INFERENCE_PRECISION_HINT f32``): on a CPU with bf16 instructions OpenVINO would otherwise
-compute in bf16, which changes logits past the embedded path's fp32 tolerance. The language graph's retained state
+Compute is fp32 (``INFERENCE_PRECISION_HINT f32``) under ``--backend openvino``: on a CPU with bf16 instructions
+OpenVINO would otherwise compute in bf16, which changes logits past the embedded path's fp32 tolerance. ``--backend
+openvino-bf16`` asks for that bf16 compute (OpenVINO's own default on such a CPU) in the encoder and language graphs,
+for speed, with its own tolerance (docs/performance.md); the pruning graph ranks in fp32 on both, and the weights,
+the retained state and every graph output stay fp32. A CPU without bf16 instructions is refused in one line rather
+than silently computing fp32. The language graph's retained state
 lives in host buffers the session owns, as on ONNX Runtime: each call feeds them and the graph's
 ``*_RetainedState`` outputs are written into the other buffer of a pair (``set_output_tensor``), which becomes the
-next call's input, so no state is copied on the host.
+next call's input, so no state is copied on the host. Once a graph is compiled, the pages of the export's weight
+files OpenVINO read are released from the process (``file_pages``): the plugin computes from its own copies.
 """
 
 from __future__ import annotations
@@ -24,14 +29,17 @@ import numpy as np
 
 from qeff_evs.manifest import LanguageShape, check_graph_data, export_root
 from qeff_evs.models.graph_io import RETAINED_SUFFIX
+from qeff_evs.runtime.backends import file_pages
 from qeff_evs.runtime.backends.base import MergedRows, RetainedStateSession, merged_rows, ranking
 
 OPENVINO_EXTRA = "pip install 'qeff-evs[openvino]'"
 THREADS_ENV = "QEFF_EVS_OPENVINO_THREADS"  # the CPU plugin's threads (default: OpenVINO's, every core)
+F32, BF16 = "f32", "bf16"
+PRECISIONS = {"openvino": F32, "openvino-bf16": BF16}  # backend name: the compute precision of its heavy graphs
 
 
-def compile_graph(path: Path):
-    """A compiled model of the ONNX graph at ``path`` on OpenVINO's CPU plugin, computing in fp32."""
+def compile_graph(path: Path, precision: str = F32):
+    """A compiled model of the ONNX graph at ``path`` on OpenVINO's CPU plugin, computing in ``precision``."""
     try:
         import openvino as ov
     except ImportError:
@@ -39,13 +47,18 @@ def compile_graph(path: Path):
     if not Path(path).is_file():
         raise ValueError(f"graph {path} not found; re-run `qeff-evs export` for this folder")
     check_graph_data(export_root(path), path)
-    config = {"INFERENCE_PRECISION_HINT": "f32", "PERFORMANCE_HINT": "LATENCY"}
+    core = ov.Core()
+    if precision == BF16 and "BF16" not in core.get_property("CPU", "OPTIMIZATION_CAPABILITIES"):
+        raise ValueError("--backend openvino-bf16: this CPU has no bf16 instructions (OpenVINO reports "
+                         f"{', '.join(core.get_property('CPU', 'OPTIMIZATION_CAPABILITIES'))}); use --backend openvino")
+    config = {"INFERENCE_PRECISION_HINT": precision, "PERFORMANCE_HINT": "LATENCY"}
     if os.environ.get(THREADS_ENV):
         config["INFERENCE_NUM_THREADS"] = int(os.environ[THREADS_ENV])
-    core = ov.Core()
     with inlined_graph(Path(path)) as readable:
         model = core.read_model(str(readable))
-    return core.compile_model(model, "CPU", config)
+    compiled = core.compile_model(model, "CPU", config)
+    file_pages.release(export_root(path))  # the plugin computes from its own copies (file_pages)
+    return compiled
 
 
 def onnx_io_names(path: Path) -> set[str]:
@@ -84,8 +97,8 @@ def inlined_graph(path: Path):
 class OpenVinoGraph:
     """One graph compiled by OpenVINO, fed by input name."""
 
-    def __init__(self, path: Path, label: str):
-        self.compiled = compile_graph(path)
+    def __init__(self, path: Path, label: str, precision: str = F32):
+        self.compiled = compile_graph(path, precision)
         self.request = self.compiled.create_infer_request()
         self.label = label
         # A port may carry several tensor names (OpenVINO merges the names of what it folds); the graph's are these.
@@ -111,8 +124,8 @@ def _graph_name(port, graph_names: set[str]) -> str:
 
 
 class OpenVinoEncoderSession(OpenVinoGraph):
-    def __init__(self, path: Path):
-        super().__init__(path, "encoder graph")
+    def __init__(self, path: Path, precision: str = F32):
+        super().__init__(path, "encoder graph", precision)
 
     def encode(self, pixel_values: np.ndarray, host_inputs: dict[str, np.ndarray]) -> MergedRows:
         return merged_rows(self.run({"pixel_values": np.asarray(pixel_values, dtype=np.float32), **host_inputs}))
@@ -134,10 +147,10 @@ class OpenVinoLanguageSession(RetainedStateSession):
     """The language graph on OpenVINO (module docstring); ``state`` as ``OrtLanguageSession``'s: the array each
     retained input's next call reads. ``decode_path``: the export's decode-only twin, run for one-token calls."""
 
-    def __init__(self, path: Path, shape: LanguageShape, decode_path: Path | None = None):
-        self.graphs = [OpenVinoGraph(path, "language graph")]
+    def __init__(self, path: Path, shape: LanguageShape, decode_path: Path | None = None, precision: str = F32):
+        self.graphs = [OpenVinoGraph(path, "language graph", precision)]
         if decode_path is not None:
-            self.graphs.append(OpenVinoGraph(decode_path, "decode-only language graph"))
+            self.graphs.append(OpenVinoGraph(decode_path, "decode-only language graph", precision))
         graph = self.graphs[0]
         self._dtypes = {name: _NUMPY_DTYPES[port.get_element_type().get_type_name()]
                         for name, port in zip(graph.input_names, graph.compiled.inputs)}
