@@ -163,7 +163,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                           help="the Python of an environment with openvino-genai and optimum-intel (default "
                                "$QEFF_EVS_OPENVINO_PYTHON, else one built under --workdir)")
     openvino.add_argument("--backends", type=_names, default=("ort",), metavar="BACKENDS",
-                          help="qeff-evs's backends compared (default ort)")
+                          help="qeff-evs's backends compared, of ort, openvino, openvino-bf16, torch (default ort)")
     openvino.add_argument("--rounds", type=int, default=3, help="measured rounds after the warm-up (default 3)")
     versus.add_argument("--accounting-frames", type=_ints, default=(64,), metavar="FRAMES",
                         help="frame counts whose vision bytes per chunk are counted from the shapes (default 64)")
@@ -260,6 +260,11 @@ def run_vs_openvino(args: argparse.Namespace, progress) -> int:
     if unknown:
         raise ValueError(f"--vs-openvino {','.join(unknown)}: OpenVINO GenAI serves video for qwen2_5_vl and "
                          "qwen3_vl; give those")
+    backends = ("ort", "openvino", "openvino-bf16", "torch")  # the CPU backends (runtime.sessions.BACKENDS)
+    unknown = [b for b in args.backends if b not in backends]
+    if unknown:
+        raise ValueError(f"--backends {','.join(unknown)}: the comparison runs qeff-evs on the CPU backends "
+                         f"{', '.join(backends)}; give some of those")
     given = {"text_layers": args.text_layers, "vision_layers": args.vision_layers, "frames": args.frames,
              "size": args.size, "pruning_rates": args.pruning_rates}
     config = VsOpenVinoConfig(tuple(args.vs_openvino), backends=tuple(args.backends), rounds=args.rounds,

@@ -6,7 +6,7 @@ with one JSON line, the protocol of ``openvino_driver``:
 
 * request: ``{"frames": NPY, "fps": FPS, "question": TEXT, "max_new_tokens": N, "video_pruning_rate": Q}``;
 * reply: ``ttft_s`` (the frames in memory to the first token: cut into patches, encoded, pruned, prefilled),
-  ``total_s``, ``cpu_s``, ``ids`` (greedy, no stop token: exactly N), ``prompt_tokens``, ``kept_tokens``, ``seconds`` (the
+  ``vision_s`` (of that, the frames to the kept rows: cut into patches, encoded, pruned), ``total_s``, ``cpu_s``, ``ids`` (greedy, no stop token: exactly N), ``prompt_tokens``, ``kept_tokens``, ``seconds`` (the
   engine's phases, as ``qeff-evs run --json`` reports them) and ``peak_mb`` (``VmHWM`` so far); or ``{"error"}``.
 """
 
@@ -43,6 +43,7 @@ def answer(bundle, sessions, request: dict) -> dict:
     result = engine.generate(prompt, eos_ids=())
     finished = time.perf_counter()
     return {"ttft_s": prepared - started + result.seconds["prefill"], "total_s": finished - started,
+            "vision_s": prepared - started,
             "cpu_s": time.process_time() - cpu,
             "ids": result.generated_token_ids, "prompt_tokens": len(result.prompt_token_ids),
             "kept_tokens": int(sum(len(e.kept_indices) for e in prompt.encoded)),

@@ -97,6 +97,8 @@ class ArmResult:
         if self.replies:
             last = self.replies[-1]
             out.update({key: median([r[key] for r in self.replies]) for key in ("ttft_s", "total_s", "cpu_s")})
+            visions = [r.get("vision_s") for r in self.replies]
+            out["vision_s"] = median(visions) if None not in visions else None
             out.update(ttft_samples=[r["ttft_s"] for r in self.replies], ids=last["ids"],
                        prompt_tokens=last["prompt_tokens"], kept_tokens=last.get("kept_tokens"),
                        same_ids_every_round=all(r["ids"] == last["ids"] for r in self.replies))
