@@ -275,7 +275,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def _add_video_arguments(p: argparse.ArgumentParser, source) -> None:
     """The video input and pruning flags ``run`` and ``encode`` share (``source``: their exclusive group)."""
     source.add_argument("--video", help="a video file or a .npy array (T, H, W, 3) uint8 of every frame of a clip")
-    source.add_argument("--pixel-values-videos", help=".npy of patchified pixels (rows, C*tp*p*p)")
+    source.add_argument("--pixel-values-videos", help=".npy of patchified pixels (rows, C*tp*p*p); Qwen families "
+                        "only: a Nemotron-H export refuses it (its prompt needs each frame's time: give --video)")
     p.add_argument("--video-grid-thw", type=_grid, default=None, help="T,H,W patch grid for --pixel-values-videos")
     p.add_argument("--fps", type=float, default=None,
                    help="frame rate of a .npy --video's frames or of --pixel-values-videos (default 2); a video "
