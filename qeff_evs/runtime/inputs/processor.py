@@ -317,24 +317,12 @@ def _check_aspect(height: int, width: int) -> None:
 
 
 def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
-    """HF's Qwen-VL size rule for one frame: sides multiples of ``factor``, area in [min, max], shape kept.
+    """transformers' Qwen2-VL size rule for one frame (sides multiples of ``factor``, area in [min, max], shape
+    kept), after this module's one-line checks of the size."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize as qwen2_vl_rule
 
-    Round each side to the nearest multiple (Python's half-to-even ``round``); if the area is too
-    large, scale both sides down by the same factor and floor to multiples (never below one
-    ``factor``); if too small, scale up and ceil.
-    """
     _check_aspect(height, width)
-    new_h = round(height / factor) * factor
-    new_w = round(width / factor) * factor
-    if new_h * new_w > max_pixels:
-        shrink = math.sqrt(height * width / max_pixels)
-        new_h = max(factor, math.floor(height / shrink / factor) * factor)
-        new_w = max(factor, math.floor(width / shrink / factor) * factor)
-    elif new_h * new_w < min_pixels:
-        grow = math.sqrt(min_pixels / (height * width))
-        new_h = math.ceil(height * grow / factor) * factor
-        new_w = math.ceil(width * grow / factor) * factor
-    return new_h, new_w
+    return tuple(qwen2_vl_rule(height, width, factor=factor, min_pixels=min_pixels, max_pixels=max_pixels))
 
 
 def smart_resize_video(
@@ -347,29 +335,20 @@ def smart_resize_video(
     min_pixels: int,
     max_pixels: int,
 ) -> tuple[int, int]:
-    """Qwen3-VL's video size rule: like :func:`smart_resize`, but the limits bound frames x area.
+    """transformers' Qwen3-VL video size rule (like :func:`smart_resize`, but the limits bound frames x area; frames
+    smaller than one ``factor`` are first scaled up), after this module's one-line checks."""
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import smart_resize as qwen3_vl_rule
 
-    Frames smaller than one ``factor`` are first scaled up (truncating) so the shorter side reaches it.
-    """
     if num_frames < temporal_factor:
         raise ValueError(f"need at least temporal_factor={temporal_factor} frames, got {num_frames}")
     _check_positive(height, width)  # before scaling up by factor / height
     if height < factor or width < factor:
         scale = max(factor / height, factor / width)
-        height, width = int(height * scale), int(width * scale)
-    _check_aspect(height, width)
-    new_h = round(height / factor) * factor
-    new_w = round(width / factor) * factor
-    new_t = round(num_frames / temporal_factor) * temporal_factor
-    if new_t * new_h * new_w > max_pixels:
-        shrink = math.sqrt(num_frames * height * width / max_pixels)
-        new_h = max(factor, math.floor(height / shrink / factor) * factor)
-        new_w = max(factor, math.floor(width / shrink / factor) * factor)
-    elif new_t * new_h * new_w < min_pixels:
-        grow = math.sqrt(min_pixels / (num_frames * height * width))
-        new_h = math.ceil(height * grow / factor) * factor
-        new_w = math.ceil(width * grow / factor) * factor
-    return new_h, new_w
+        _check_aspect(int(height * scale), int(width * scale))
+    else:
+        _check_aspect(height, width)
+    return tuple(qwen3_vl_rule(num_frames, height, width, temporal_factor=temporal_factor, factor=factor,
+                               min_pixels=min_pixels, max_pixels=max_pixels))
 
 
 def patch_budget_size(height: int, width: int, target_patches: int, keep_aspect: bool, patch_size: int,
