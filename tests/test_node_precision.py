@@ -7,6 +7,7 @@ import warnings
 
 import numpy as np
 import onnx
+import yaml
 import onnxruntime as ort
 from onnx import numpy_helper
 import pytest
@@ -73,7 +74,7 @@ def test_state_path_is_the_state_not_its_reads(slow_layer, tmp_path):
     reads = [node for node in model.graph.node if node.op_type == "MatMul" and node.output[0] not in island
              and any(i in island for i in node.input)]
     assert reads
-    assert node_precision_yaml(island[:2]) == f"FP32NodeInstanceNames:\n  - {island[0]}\n  - {island[1]}\n"
+    assert yaml.safe_load(node_precision_yaml(island[:2])) == {"FP32NodeInstanceNames": island[:2]}
     with pytest.raises(ValueError, match="graph input"):
         state_path(model, "recurrent_state.9", RECURRENT + RETAINED_SUFFIX)
 
@@ -133,3 +134,9 @@ def test_fp32_state_path_stops_the_decode_drift_of_an_fp16_state(graphs, slow_la
     assert end > 2 * prefill, f"fp16 state: {prefill:.2e} after prefill, {end:.2e} after decode"
     assert kept_end < 1.25 * kept_prefill and kept_end < end / 2, \
         f"fp32 path: {kept_prefill:.2e} after prefill, {kept_end:.2e} after decode (fp16 state {end:.2e})"
+
+
+def test_node_precision_file_reads_back_names_yaml_would_misread():
+    """Node names are free text: an alias, a mapping, a list item, a number or a boolean must come back as written."""
+    names = ["*a", "&b", "x: y", "- z", "123", "true", "#c", "/model/Add_1_output_0", "'q'", "key: [1, 2]"]
+    assert yaml.safe_load(node_precision_yaml(names)) == {"FP32NodeInstanceNames": names}

@@ -56,8 +56,12 @@ def state_path(model: onnx.ModelProto, state_input: str, state_output: str) -> l
 
 
 def node_precision_yaml(names: Iterable[str]) -> str:
-    """A ``-node-precision-info`` file keeping the nodes whose (first) outputs are ``names`` in fp32."""
-    return "FP32NodeInstanceNames:\n" + "".join(f"  - {name}\n" for name in names)
+    """A ``-node-precision-info`` file keeping the nodes whose (first) outputs are ``names`` in fp32 (written by
+    yaml, which quotes a name YAML would read otherwise: ``*a``, ``x: y``)."""
+    import yaml
+
+    return yaml.safe_dump({"FP32NodeInstanceNames": [str(name) for name in names]}, default_flow_style=False,
+                          sort_keys=False)
 
 
 def keep_in_fp32(converted: onnx.ModelProto, tensors: Iterable[str], inputs: Iterable[str] = ()) -> onnx.ModelProto:
