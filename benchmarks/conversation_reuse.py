@@ -1,5 +1,5 @@
 """Row reuse through ``vllm serve``: a follow-up's time to first token against turn 1's, and its tokens against a
-server that reuses nothing (issue 26).
+server that reuses nothing.
 
 One export of a random checkpoint at a released model's widths with few layers (default: Qwen2.5-VL-3B's, 4 text +
 4 vision layers, 2 KV rows, 16 frames 448x448) is served twice, one server after the other: with row reuse (vLLM's

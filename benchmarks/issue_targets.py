@@ -1,15 +1,15 @@
 #!/usr/bin/env python
-"""Issues 6 and 10's targets, judged on a saved ``qeff-evs bench`` results.json (the verdicts published in
+"""The bench's published targets, judged on a saved ``qeff-evs bench`` results.json (the verdicts published in
 ``benchmarks/README.md`` and docs/performance.md).
 
-The bench measures; this script holds the numbers the issues asked for and says which a run met::
+The bench measures; this script holds the target numbers and says which a run met::
 
     python benchmarks/issue_targets.py bench_out/results.json
     python benchmarks/issue_targets.py bench_out/results.json --whole-video whole_video/whole_video.json
 
 Verdicts use process CPU time (the work done; it stays steady when other programs share the cores),
-the other clock is quoted beside. The vision speedup target compares the encoder with the pre-issue-10
-whole-video graph, measured by ``benchmarks/whole_video_baseline.py`` (a results.json from before the
+the other clock is quoted beside. The vision speedup target compares the encoder with the whole-video
+graph it replaced, measured by ``benchmarks/whole_video_baseline.py`` (a results.json from before the
 baseline left the bench carries it in its vision sweep rows).
 """
 
@@ -22,7 +22,7 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-# Issue 6: pruning and window sweeps, EVS overhead.
+# The pruning and window sweeps, the EVS overhead.
 PROPORTIONAL_TOLERANCE = 0.15
 SPEEDUP_RATE = 0.75
 SPEEDUP_TARGET = 3.4
@@ -30,7 +30,7 @@ WINDOW_TIME_TOLERANCE = 0.10
 EVS_OVERHEAD_LIMIT = 0.03
 # Both ways feed the same rows to the same graph: their logits must agree to fp32 noise.
 LOGITS_TOLERANCE = 1e-4
-# Issue 10: the vision side per temporal patch.
+# The vision side per temporal patch (the per-frame encoder).
 TIME_TOLERANCE = 0.10  # time per temporal patch within +-10% from the shortest to the longest video
 MEMORY_TOLERANCE = 0.10  # peak above the loaded graphs <= (one call's peak + accumulated rows) + 10%
 SPEEDUP_FRAMES, SPEEDUP_MIN = 16, 2.5  # at 16 frames, >= 2.5x less time per patch than the whole-video graph
@@ -136,7 +136,7 @@ def parity_check(rows: list[dict]) -> Target:
 
 
 def memory_target(last: dict, call_peak: float | None) -> Target:
-    """Issue 10: "one batch's activations plus the accumulated rows", + the tolerance."""
+    """The vision side's memory: "one batch's activations plus the accumulated rows", + the tolerance."""
     name = f"vision: peak memory at {last['frames']} frames"
     peak, rows_mb = last[ENCODER]["peak_above_start_mb"], last["accumulated_mb"]
     if call_peak is None:

@@ -16,7 +16,7 @@ the work done, whatever else runs on the machine).
 
 ``state FOLDER`` times the runtime's session over the same graphs two ways, interleaved in one process: the
 retained state fed as host arrays and read back every call (``session.run``, as the language session did
-before issue 25), and ``OrtLanguageSession`` with each cache bound in place (IOBinding, no copies)::
+earlier), and ``OrtLanguageSession`` with each cache bound in place (IOBinding, no copies)::
 
     python benchmarks/kv_ops_bench.py state after/ [--ctx-len 8192]
 """

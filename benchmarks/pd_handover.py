@@ -1,5 +1,5 @@
 """Prefill/decode disaggregation through vllm-router: what a hand-over moves, how long it takes, and what it spares a
-running request's decode (issue 35).
+running request's decode.
 
 One export of a random checkpoint at a released model's widths with few layers (default: Qwen2.5-VL-3B's, 4 text +
 4 vision layers, 4 KV rows, ctx 4096, a 16-frame 448x448 clip) is served three ways, one after the other:

@@ -1,4 +1,4 @@
-"""qeff-evs against QEfficient at released widths with few layers: one run, one table (issue 27).
+"""qeff-evs against QEfficient at released widths with few layers: one run, one table.
 
 For each family (default Qwen2.5-VL-3B and Qwen3-VL-2B widths, 2 text + 2 vision layers, random weights, the tiny
 tokenizer: ``bench.serving.serving_checkpoint``), one 16-frame 448x448 clip (a moving square, 2 fps) goes through

@@ -1,15 +1,15 @@
 #!/usr/bin/env python
-"""The whole-video vision graph the encoder replaced (issue 10), timed against the encoder + EVS graphs.
+"""The whole-video vision graph the encoder replaced, timed against the encoder + EVS graphs.
 
-Before issue 10 one graph took a whole video: the tower attended over all ``S = T*H*W`` patches with a
-dense ``(S, S)`` block mask built from ``cu_seqlens`` (cost and memory ``S^2`` per head), then EVS. It
-is composed here from the package's pieces, never as a switch in them: a weight-sharing copy of the
-family encoder's tower given the block-mask attention below, followed by the EVS pruning graph's ranking
-(``PruningRanking``) over the video as its own bucket; the host keeps the first K of it.
-It rebuilds a windowed tower's whole-video inputs and carries no extra rows (``whole_video_serves``):
-Qwen2.5-VL, the bench's default family. The published comparison (``benchmarks/README.md``, "Vision
-sweep") came from this graph; ``issue_targets.py --whole-video`` judges issue 10's speedup target on
-this script's JSON::
+Before the encoder took frames per call, one graph took a whole video: the tower attended over all
+``S = T*H*W`` patches with a dense ``(S, S)`` block mask built from ``cu_seqlens`` (cost and memory
+``S^2`` per head), then EVS. It is composed here from the package's pieces, never as a switch in them: a
+weight-sharing copy of the family encoder's tower given the block-mask attention below, followed by the
+EVS pruning graph's ranking (``PruningRanking``) over the video as its own bucket; the host keeps the
+first K of it. It rebuilds a windowed tower's whole-video inputs and carries no extra rows
+(``whole_video_serves``): Qwen2.5-VL, the bench's default family. The published comparison
+(``benchmarks/README.md``, "Vision sweep") came from this graph; ``issue_targets.py --whole-video``
+judges the encoder's speedup target on this script's JSON::
 
     python benchmarks/whole_video_baseline.py -o whole_video/          # 448x448, 4/8/16 frames (~13 GB at 16)
     python benchmarks/whole_video_baseline.py --quick -o /tmp/wv       # 224x224, 4/8 frames
@@ -78,7 +78,7 @@ def block_mask_attention(module, query, key, value, attention_mask=None, scaling
 
 
 class WholeVideoVision(nn.Module):
-    """Tower over the whole video (block-mask attention) + the EVS ranking: the pre-issue-10 graph's work."""
+    """Tower over the whole video (block-mask attention) + the EVS ranking: the replaced graph's work."""
 
     def __init__(self, encoder: EncoderWrapper, selection: PruningRanking) -> None:
         super().__init__()

@@ -40,7 +40,7 @@ PRUNING_ROLE = "pruning"
 # role -> path relative to the export folder (the pruning graphs' files: ``pruning_files``)
 EXPORT_FILES = dict(
     encoder="vision/encoder.onnx", language="language/language.onnx",
-    tokenizer=".",  # the checkpoint's tokenizer files sit at the top (exports before issue 15: "tokenizer")
+    tokenizer=".",  # the checkpoint's tokenizer files sit at the top (older exports: "tokenizer")
     encoder_specializations="vision/encoder_specializations.json",
     language_specializations="language/specializations.json",
     encoder_specializations_named="vision/encoder_specializations.named.json",

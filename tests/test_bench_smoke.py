@@ -184,7 +184,7 @@ def test_window_bytes_and_parity(smoke_run):
 
 
 def test_targets_reported(smoke_run):
-    """benchmarks/issue_targets.py judges a bench run against issues 6 and 10's targets."""
+    """benchmarks/issue_targets.py judges a bench run against the published targets."""
     _, results = smoke_run
     targets = [dataclasses.asdict(t) for t in benchmark_script("issue_targets").evaluate(results)]
     names = [t["name"] for t in targets]

@@ -380,7 +380,7 @@ def bad_inputs(tmp_path_factory, tiny_checkpoint, tiny_export):
     paths["no_tokenizer"] = no_tokenizer
 
     export_no_tokenizer = root / "export_without_tokenizer"
-    # the tokenizer files at the export's top (and tokenizer/ of exports made before issue 15)
+    # the tokenizer files at the export's top (and tokenizer/ of older exports)
     shutil.copytree(tiny_export, export_no_tokenizer, ignore=shutil.ignore_patterns("tokenizer*", "vocab.json"))
     paths["export_no_tokenizer"] = export_no_tokenizer
 

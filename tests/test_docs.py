@@ -1,4 +1,4 @@
-"""The repository documents itself (issue 28): nothing in it points outside it, and the README stays a front page.
+"""The repository documents itself: nothing in it points outside it, and the README stays a front page.
 
 The docs site itself (``docs/``, ``mkdocs.yml``) is built with ``mkdocs build --strict`` by ``scripts/test.sh``, so a
 broken link, anchor or page fails the test command; these checks need no mkdocs.

@@ -1,4 +1,4 @@
-"""A request's own pruning (issue 26): ``video_pruning_rate``, ``video_pruning_method``, ``max_video_tokens``.
+"""A request's own pruning: ``video_pruning_rate``, ``video_pruning_method``, ``max_video_tokens``.
 
 The rate ``max_video_tokens`` picks is checked against vLLM's own count rules (``compute_retained_tokens_count`` of
 ``video_prune/evs.py`` and ``video_prune/vidcom2.py``): it keeps at most N tokens, and one ulp less would keep more.

@@ -1,4 +1,4 @@
-"""The serving engine (issue 5): many requests at once, each getting exactly the tokens it gets alone.
+"""The serving engine: many requests at once, each getting exactly the tokens it gets alone.
 
 Every request below is also run by itself through the single-request ``Engine`` over the same
 export (one language call per prefill chunk of ``prefill_seq_len``, no other request in the KV

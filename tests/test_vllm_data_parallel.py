@@ -1,4 +1,4 @@
-"""vLLM data parallel over an export (issue 17 item 3): ``vllm serve EXPORT --data-parallel-size N``.
+"""vLLM data parallel over an export: ``vllm serve EXPORT --data-parallel-size N``.
 
 Through the real server (a child process): two ranks over a tiny ORT export serve 16 concurrent video requests from
 the OpenAI client (Qwen2.5-VL, whose ranks vLLM runs apart; Qwen3-VL-MoE and Nemotron-H, whose configs name experts,

@@ -1,4 +1,4 @@
-"""Encoder disaggregation with pruning on the encoder side (issue 17 item 4), through the real vLLM servers.
+"""Encoder disaggregation with pruning on the encoder side, through the real vLLM servers.
 
 One encoder instance (``ec_role: ec_producer``: encoder + pruning graphs) and one prefill/decode instance
 (``ec_consumer``: the language graph) serve the tiny Qwen3-VL export with qeff-evs's EC connector over a shared

@@ -1,4 +1,4 @@
-"""Prefill/decode disaggregation through vllm-router (issue 35): qeff-evs's KV connector between real instances.
+"""Prefill/decode disaggregation through vllm-router: qeff-evs's KV connector between real instances.
 
 Per family (Qwen2.5-VL, Qwen3-VL, Qwen3.5, their MoE, Nemotron-H), one prefill instance (``kv_producer``: vision
 graphs and the language graph's prefill calls) and one decode instance (``kv_consumer``: one-token calls, no vision

@@ -1,4 +1,4 @@
-"""The plugin's switch and the platform's start-up refusals (issue 12), without starting vLLM's engine.
+"""The plugin's switch and the platform's start-up refusals, without starting vLLM's engine.
 
 vLLM resolves its platform once per process, so nothing here touches ``vllm.platforms.current_platform``:
 the entry-point functions and the refusal rules are called directly. The engine-level refusal (vLLM

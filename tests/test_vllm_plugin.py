@@ -1,4 +1,4 @@
-"""The real vLLM engine serves qeff-evs exports through the plugin (issue 12): ``LLM.generate``.
+"""The real vLLM engine serves qeff-evs exports through the plugin: ``LLM.generate``.
 
 Each family's export (4 KV rows, 16-token prefill chunks) gets one vLLM engine, in a child process
 (``tests/vllm_child.py``: vLLM picks its platform once per process), over 8 greedy requests: videos of

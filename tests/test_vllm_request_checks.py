@@ -1,4 +1,4 @@
-"""The frontend's request checks (issue 15), on their own: what they refuse, what they let through.
+"""The frontend's request checks, on their own: what they refuse, what they let through.
 
 ``qeff_evs.vllm.engine.request_checks`` decides on what vLLM's frontend knows before any graph runs. The RoPE check
 needs where a prompt's unpruned M-RoPE positions end, which the processor computes per media item

@@ -1,4 +1,4 @@
-"""Data-parallel replicas behind vllm-router with session affinity (issue 35 item 1).
+"""Data-parallel replicas behind vllm-router with session affinity.
 
 Two ``vllm serve`` replicas of the tiny Qwen2.5-VL export behind the real ``vllm-router --policy consistent_hash``:
 four conversations, each with its own ``X-Session-ID``, each a video question then a follow-up (the answer and a

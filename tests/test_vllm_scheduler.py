@@ -1,4 +1,4 @@
-"""vLLM 0.32.0's own v1 ``Scheduler`` drives our engine (issue 5).
+"""vLLM 0.32.0's own v1 ``Scheduler`` drives our engine.
 
 vLLM's scheduler is built on CPU from a ``VllmConfig`` made in code over a tiny Qwen2.5-VL
 checkpoint folder. vLLM's own Qwen2.5-VL model module cannot be imported here (it imports

@@ -1,4 +1,4 @@
-"""``vllm serve`` on an export, through the OpenAI API (issues 12, 15 and 16).
+"""``vllm serve`` on an export, through the OpenAI API.
 
 One server (a child process on 127.0.0.1 only, stopped whatever happens) serves a tiny Qwen2.5-VL
 export with 4 KV rows. Through the ``openai`` client: a ``video_url`` chat completion gives exactly the
@@ -7,12 +7,12 @@ largest frame bucket, included); an ``image_url`` one those of our engine on the
 streaming gives the same text; 32 concurrent requests all complete; a client that disconnects
 mid-generation frees its KV row (4 requests afterwards run at once and complete).
 
-Nothing a request carries can stop the server (issue 15): each kind of bad request (media pad tokens in
+Nothing a request carries can stop the server: each kind of bad request (media pad tokens in
 the text, more pads than media, too many media, positions past the RoPE tables, corrupt and truncated
 videos, a PNG sent as ``video_url``, an unsupported media type, a huge image, refused parameters) gets a 4xx
 naming the value and the limit, and the next request succeeds. vLLM's own benchmark client (``vllm bench
 serve``, ShareGPT-style dataset with local videos) runs with 0 failures. Videos that come to one frame are
-padded in time as vLLM does and served, a one-frame file included (the plugin's video loader, issue 26; the soak
+padded in time as vLLM does and served, a one-frame file included (the plugin's video loader; the soak
 sends them as good requests). The same export served again at other rates and with the other method
 (``--video-pruning-rate``, ``--video-pruning-method``) answers as ``qeff-evs run`` with those settings.
 """
@@ -255,12 +255,12 @@ BAD_REQUESTS = {
 ONE_FRAME_VIDEOS = {
     "a video sampled to one frame": ("too_short", "exported frame count [2, 4, 8]"),
     # vLLM 0.32's own qwen2_vl loader divides by zero on it in the frontend (HTTP 500, as on a GPU); the plugin's
-    # video loader delivers its frame (issue 26)
+    # video loader delivers its frame
     "a one-frame video file": ("one_frame", "division by zero"),
 }
-# vLLM pads such a video in time, and so does qeff-evs (issue 16): a kind not in this list leaves BAD_REQUESTS and the
+# vLLM pads such a video in time, and so does qeff-evs: a kind not in this list leaves BAD_REQUESTS and the
 # soak sends it as a good request (its tokens equal to the request alone).
-ONE_FRAME_REFUSED: list[str] = []  # served since issue 16 (the one-frame file since issue 26)
+ONE_FRAME_REFUSED: list[str] = []  # served since qeff-evs pads in time (the one-frame file since the plugin's loader)
 BAD_REQUESTS.update({kind: (lambda m, key=key: media_message([("video_url", m[key], MKV)]), {}, says)
                      for kind, (key, says) in ONE_FRAME_VIDEOS.items() if kind in ONE_FRAME_REFUSED})
 
@@ -392,7 +392,7 @@ def common_prefix(a, b) -> int:
 
 
 def test_a_follow_up_reuses_its_conversations_row_with_the_same_tokens(server, export, media, tmp_path):
-    """Row reuse (issue 26, on by default as vLLM's prefix caching): a follow-up (the same video, the answer and a
+    """Row reuse (on by default as vLLM's prefix caching): a follow-up (the same video, the answer and a
     new question) runs in the row that holds turn 1, so its cached tokens are what turn 1 computed (prompt and answer
     but its last token) up to where the follow-up's ids differ; its tokens equal our engine's on the whole
     conversation, alone. The same conversation about another video of the same size (equal placeholder ids), or the

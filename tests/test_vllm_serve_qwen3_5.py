@@ -3,7 +3,7 @@
 vLLM 0.32's own Qwen3.5 class crashes as soon as a video pruning rate is set (vllm #54170); the export's
 ``config.json`` names our interface class instead, so nothing of vLLM's model code runs. A ``video_url``
 chat completion gives exactly the tokens of ``qeff-evs run`` on the same file, and so do two requests
-served at once (two KV rows, each row's conv and recurrent state its own). Row reuse (issue 26): the
+served at once (two KV rows, each row's conv and recurrent state its own). Row reuse: the
 linear-attention state cannot be rewound, so a row is reused only when its whole history is a prefix of the new
 request. A module of its own so this server never runs beside ``test_vllm_serve.py``'s.
 """

@@ -1,4 +1,4 @@
-"""Every vLLM engine argument and sampling parameter is honoured or refused, one line each (issue 15).
+"""Every vLLM engine argument and sampling parameter is honoured or refused, one line each.
 
 ``qeff_evs.vllm.settings.table`` holds one row per ``EngineArgs`` field and per ``SamplingParams`` field; these
 tests hold every row to what it says:
@@ -128,7 +128,7 @@ def test_additional_config_keys_other_than_qeff_evs_own_are_refused():
 
 
 def old_layout(export: Path, folder: Path) -> Path:
-    """A copy of ``export`` laid out as exports were before issue 15: the tokenizer (and a config) in tokenizer/."""
+    """A copy of ``export`` laid out as older exports were: the tokenizer (and a config) in tokenizer/."""
     old = folder / "old_export"
     shutil.copytree(export, old)
     (old / "tokenizer").mkdir()
@@ -181,7 +181,7 @@ def test_every_engine_argument_is_honoured_or_refused_at_start_up(start_up):
 
 
 def test_the_issue_list_at_start_up(start_up):
-    """The settings the issue names: each refused with a line that says why and what to do."""
+    """The headline settings that are refused: each with a line that says why and what to do."""
     assert "LoRA is not supported for QeffEvs" in start_up["enable_lora"]  # vLLM's own refusal (0.34)
     assert "enable_prompt_embeds=True: the language graph embeds token ids itself" in start_up["enable_prompt_embeds"]
     assert "num_gpu_blocks_override=3: the KV cache lives in the export's graphs" in start_up["num_gpu_blocks_override"]

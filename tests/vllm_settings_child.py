@@ -8,7 +8,7 @@ text or "ok". Building a config takes a few tens of milliseconds: no engine star
 
 Usage: ``python tests/vllm_settings_child.py EXPORT BASE.json RESULT.json``. BASE.json: the engine arguments
 every build shares, plus ``checkpoint`` (the export's checkpoint, for examples that name it) and
-``old_export`` (an export laid out as before issue 15: the tokenizer vLLM is given for it is recorded).
+``old_export`` (an export laid out as older exports were: the tokenizer vLLM is given for it is recorded).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def main(export: str, base_path: str, result_path: str) -> None:
             example = export_values.get(setting.example, setting.example) if isinstance(setting.example, str) \
                 else setting.example
             results[setting.name] = build(**{setting.name: example})
-    if old_export:  # the tokenizer vLLM is pointed at for an export from before issue 15
+    if old_export:  # the tokenizer vLLM is pointed at for an older export
         config = EngineArgs(model=old_export, **base).create_engine_config()
         results["<old layout tokenizer>"] = config.model_config.tokenizer
     with open(result_path, "w") as f:

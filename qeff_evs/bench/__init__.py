@@ -7,11 +7,11 @@ cost); ``phase.py`` says what a phase declares. ``suite`` saves a random checkpo
 ``qeff-evs export``'s pipeline export it and opens the graphs (``graphs``), runs the phases; ``report`` puts
 their sections into results.json and results.md. Measuring helpers: ``timing``, ``memory``, ``sessions``,
 ``workload``.
-``benchmarks/README.md`` has the results; ``benchmarks/issue_targets.py`` judges a run against issues 6
-and 10's targets.
-``--serving`` runs ``serving`` instead: vLLM's own benchmark client against ``vllm serve`` over exports (issue
-15). ``--vs-qefficient CHECKPOINT`` runs ``vs_qefficient`` instead: a user's checkpoint and clip through
-QEfficient's graphs (exported by QEfficient in its own Python) and ours, side by side (issue 27). Neither is a
+``benchmarks/README.md`` has the results; ``benchmarks/issue_targets.py`` judges a run against the
+published targets.
+``--serving`` runs ``serving`` instead: vLLM's own benchmark client against ``vllm serve`` over exports.
+``--vs-qefficient CHECKPOINT`` runs ``vs_qefficient`` instead: a user's checkpoint and clip through
+QEfficient's graphs (exported by QEfficient in its own Python) and ours, side by side. Neither is a
 phase: they measure a given checkpoint or export, not the suite's random one.
 """
 

@@ -130,7 +130,7 @@ class QeffEvsPlatform(Platform):
         scheduler.async_scheduling = False
         cache.block_size = model_config.max_model_len  # one block per request: see the module docstring
         tokenizer_dir = manifest.path(export_dir, "tokenizer")
-        if Path(model_config.tokenizer) == export_dir != tokenizer_dir:  # an export from before issue 15
+        if Path(model_config.tokenizer) == export_dir != tokenizer_dir:  # an older export (tokenizer/)
             model_config.tokenizer = str(tokenizer_dir)
         # vLLM's image loader refuses an image over VLLM_MAX_IMAGE_PIXELS with a ValueError (HTTP 400) right after
         # reading its header, but Pillow's own decompression-bomb check fires first above the same size and raises

@@ -660,7 +660,7 @@ def settings_table(settings: Iterable[Setting], heading: str) -> str:
     return "\n".join(lines)
 
 
-# The settings issue 15 names: docs/settings.md shows their rows first, then the rest grouped, then every row.
+# The headline settings: docs/settings.md shows their rows first, then the rest grouped, then every row.
 NAMED_ENGINE = ("video_pruning_method", "video_pruning_rate", "enable_lora", "enable_prompt_embeds",
                 "logits_processors", "reasoning_parser", "reasoning_config", "num_gpu_blocks_override",
                 "kv_cache_dtype", "speculative_config", "max_logprobs", "additional_config")
