@@ -38,7 +38,7 @@ from qeff_evs.models.tiny import build_tokenizer
 GRID_HW = (32, 32)  # 448x448 frames, patch 14: 32x32 patches, 16x16 merged tokens
 TOKENS = 256
 FRAMES_PER_CALL = 2
-TARGET_SHARE = 0.03  # the target: the pruning graph under 3% of the encoder at every bucket
+TARGET_SHARE = 0.03  # the target: the pruning graph under 3% of the encoder at every bucket
 
 
 def timed(call, repeats: int) -> tuple[float, float]:

@@ -13,7 +13,7 @@ Heavy (an 8.5 GB checkpoint, a 14 GB export peak): run it under ``flock /tmp/qef
 
 OUT_DIR/state_in_place_bench.json holds every number; ``--table`` prints its Markdown table. "Weights" are
 the bytes of the ONNX graphs a run loads (encoder, the pruning graph, language), "KV" the fp32 cache of
-``ctx_len`` slots; the budget the issue sets is weights + KV + 15 %.
+``ctx_len`` slots; the budget is weights + KV + 15 %.
 """
 
 from __future__ import annotations

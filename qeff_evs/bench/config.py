@@ -1,6 +1,6 @@
 """What one benchmark run measures: model size, workloads, repetitions (``BenchConfig``) and its presets.
 
-Three presets share every code path: ``full`` (the issue's workloads on Qwen2.5-VL-3B widths),
+Three presets share every code path: ``full`` (the published workloads on Qwen2.5-VL-3B widths),
 ``quick`` (the same widths on smaller videos, under two minutes on 2 cores) and ``smoke`` (tiny
 widths; the test suite's run). Any field can be overridden from the command line.
 """

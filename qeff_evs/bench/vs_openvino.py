@@ -290,7 +290,7 @@ def compare_family(config: VsOpenVinoConfig, family: str, python: Path, workdir:
 
 
 def verdict(arms: list[dict], config: VsOpenVinoConfig) -> dict:
-    """The ratios the issue asks for: TTFT of ours at q 0 over OpenVINO's unpruned fp32 and default runs, ours at each
+    """The ratios docs/performance.md reads: TTFT of ours at q 0 over OpenVINO's unpruned fp32 and default runs, ours at each
     q > 0 over OpenVINO's fastest arm (any setting it accepts), peak memory, and whether the q = 0 tokens agree."""
     measured = [a for a in arms if a.get("ttft_s") is not None]
 

@@ -1,6 +1,6 @@
 """The benchmark's inputs: the synthetic moving-square clip, a fixed-length question, the prepared prompt.
 
-The language side is timed on the issue's video size, where the vision graph is too heavy to run
+The language side is timed on the published video size, where the vision graph is too heavy to run
 (see ``BenchConfig.vision_frame_size``). Its kept tokens are chosen by the reference EVS rule
 applied to the clip's pixels, merged per token as the encoder's merger groups them; the embedding
 rows are random. Which tokens are kept changes positions, not the work per chunk, so prefill
