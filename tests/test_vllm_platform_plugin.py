@@ -39,7 +39,7 @@ def test_unknown_backend_is_said_not_swallowed(monkeypatch, caplog):
     monkeypatch.setenv(plugin.BACKEND_ENV, "cuda")
     with caplog.at_level(logging.ERROR, logger="vllm.qeff_evs"):
         assert plugin.platform_plugin() is None
-    assert "QEFF_EVS_BACKEND='cuda'" in caplog.text and "ort, qaic, torch" in caplog.text
+    assert "QEFF_EVS_BACKEND='cuda'" in caplog.text and "ort, openvino, openvino-bf16, qaic, torch" in caplog.text
     with pytest.raises(ValueError, match="not a qeff-evs backend"):
         plugin.register()
 
