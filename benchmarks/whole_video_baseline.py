@@ -8,7 +8,7 @@ weight-sharing copy of the family encoder's tower given the block-mask attention
 EVS pruning graph's ranking (``PruningRanking``) over the video as its own bucket; the host keeps the
 first K of it. It rebuilds a windowed tower's whole-video inputs and carries no extra rows
 (``whole_video_serves``): Qwen2.5-VL, the bench's default family. The published comparison
-(``benchmarks/README.md``, "Vision sweep") came from this graph; ``issue_targets.py --whole-video``
+(``benchmarks/README.md``, "Vision sweep") came from this graph; ``bench_targets.py --whole-video``
 judges the encoder's speedup target on this script's JSON::
 
     python benchmarks/whole_video_baseline.py -o whole_video/          # 448x448, 4/8/16 frames (~13 GB at 16)

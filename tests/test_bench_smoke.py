@@ -184,9 +184,9 @@ def test_window_bytes_and_parity(smoke_run):
 
 
 def test_targets_reported(smoke_run):
-    """benchmarks/issue_targets.py judges a bench run against the published targets."""
+    """benchmarks/bench_targets.py judges a bench run against the published targets."""
     _, results = smoke_run
-    targets = [dataclasses.asdict(t) for t in benchmark_script("issue_targets").evaluate(results)]
+    targets = [dataclasses.asdict(t) for t in benchmark_script("bench_targets").evaluate(results)]
     names = [t["name"] for t in targets]
     assert len(names) == 11
     by_name = {t["name"]: t for t in targets}
@@ -331,7 +331,7 @@ def test_window_targets_verdicts():
         return {"frames": frames, "logits_max_abs_diff": 0.0,
                 USER_VISION_SIZE: way(1024, ours_ms), QEFFICIENT: way(theirs_bytes, theirs_ms)}
 
-    targets = benchmark_script("issue_targets")
+    targets = benchmark_script("bench_targets")
     good = targets.window_targets([row(4, 100, 2048, 100), row(64, 109, 32768, 150)])
     assert [t.met for t in good] == [True, True, True, True]
     bad = targets.window_targets([row(4, 100, 2048, 100), row(64, 112, 2048, 105)])
@@ -434,7 +434,7 @@ def test_whole_video_baseline_equals_the_stock_tower_and_evs(tmp_path):
 
 
 def test_whole_video_baseline_script(smoke_run, tmp_path, capsys):
-    """benchmarks/whole_video_baseline.py times both graphs per frame count; issue_targets.py reads its JSON."""
+    """benchmarks/whole_video_baseline.py times both graphs per frame count; bench_targets.py reads its JSON."""
     baseline = benchmark_script("whole_video_baseline")
     assert baseline.main(["--smoke", "-o", str(tmp_path)]) == 0
     result = json.loads((tmp_path / "whole_video.json").read_text())
@@ -444,7 +444,7 @@ def test_whole_video_baseline_script(smoke_run, tmp_path, capsys):
         for name in ("encoder", "whole_video"):
             assert r[name]["cpu_s_per_patch"] > 0 and len(r[name]["samples"]["cpu"]) == SMOKE.repeats
     assert "| 4 |" in capsys.readouterr().out
-    targets = benchmark_script("issue_targets").evaluate(smoke_run[1], whole_video=result)
+    targets = benchmark_script("bench_targets").evaluate(smoke_run[1], whole_video=result)
     speedup = next(t for t in targets if t.name == "vision: 16 frames vs the whole-video graph")
     assert speedup.met is None and "not measured at 16 frames" in speedup.measured
 

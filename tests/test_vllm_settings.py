@@ -180,7 +180,7 @@ def test_every_engine_argument_is_honoured_or_refused_at_start_up(start_up):
     assert not wrong, "\n".join(wrong)
 
 
-def test_the_issue_list_at_start_up(start_up):
+def test_the_headline_refusals_at_start_up(start_up):
     """The headline settings that are refused: each with a line that says why and what to do."""
     assert "LoRA is not supported for QeffEvs" in start_up["enable_lora"]  # vLLM's own refusal (0.34)
     assert "enable_prompt_embeds=True: the language graph embeds token ids itself" in start_up["enable_prompt_embeds"]
@@ -206,7 +206,7 @@ def test_export_folder_is_a_model_folder(export):
     assert GenerationConfig.from_pretrained(folder).eos_token_id == list(open_export(folder).manifest.special_tokens.eos)
 
 
-def test_an_export_from_before_issue_15_still_serves(start_up):
+def test_an_older_export_still_serves(start_up):
     """Exports whose tokenizer sits in ``tokenizer/`` (manifest role "tokenizer"): the platform points vLLM there."""
     assert start_up["<old layout tokenizer>"].endswith("/tokenizer")
 

@@ -7,7 +7,7 @@ cost); ``phase.py`` says what a phase declares. ``suite`` saves a random checkpo
 ``qeff-evs export``'s pipeline export it and opens the graphs (``graphs``), runs the phases; ``report`` puts
 their sections into results.json and results.md. Measuring helpers: ``timing``, ``memory``, ``sessions``,
 ``workload``.
-``benchmarks/README.md`` has the results; ``benchmarks/issue_targets.py`` judges a run against the
+``benchmarks/README.md`` has the results; ``benchmarks/bench_targets.py`` judges a run against the
 published targets.
 ``--serving`` runs ``serving`` instead: vLLM's own benchmark client against ``vllm serve`` over exports.
 ``--vs-qefficient CHECKPOINT`` runs ``vs_qefficient`` instead: a user's checkpoint and clip through

@@ -4,8 +4,8 @@
 
 The bench measures; this script holds the target numbers and says which a run met::
 
-    python benchmarks/issue_targets.py bench_out/results.json
-    python benchmarks/issue_targets.py bench_out/results.json --whole-video whole_video/whole_video.json
+    python benchmarks/bench_targets.py bench_out/results.json
+    python benchmarks/bench_targets.py bench_out/results.json --whole-video whole_video/whole_video.json
 
 Verdicts use process CPU time (the work done; it stays steady when other programs share the cores),
 the other clock is quoted beside. The vision speedup target compares the encoder with the whole-video
