@@ -260,7 +260,9 @@ def run_vs_openvino(args: argparse.Namespace, progress) -> int:
     if unknown:
         raise ValueError(f"--vs-openvino {','.join(unknown)}: OpenVINO GenAI serves video for qwen2_5_vl and "
                          "qwen3_vl; give those")
-    backends = ("ort", "openvino", "openvino-bf16", "torch")  # the CPU backends (runtime.sessions.BACKENDS)
+    from qeff_evs.runtime.sessions import BACKENDS
+
+    backends = tuple(b for b in BACKENDS if b != "qaic")  # the comparison runs on the CPU
     unknown = [b for b in args.backends if b not in backends]
     if unknown:
         raise ValueError(f"--backends {','.join(unknown)}: the comparison runs qeff-evs on the CPU backends "

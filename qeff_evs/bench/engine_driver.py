@@ -6,8 +6,9 @@ with one JSON line, the protocol of ``openvino_driver``:
 
 * request: ``{"frames": NPY, "fps": FPS, "question": TEXT, "max_new_tokens": N, "video_pruning_rate": Q}``;
 * reply: ``ttft_s`` (the frames in memory to the first token: cut into patches, encoded, pruned, prefilled),
-  ``vision_s`` (of that, the frames to the kept rows: cut into patches, encoded, pruned), ``total_s``, ``cpu_s``, ``ids`` (greedy, no stop token: exactly N), ``prompt_tokens``, ``kept_tokens``, ``seconds`` (the
-  engine's phases, as ``qeff-evs run --json`` reports them) and ``peak_mb`` (``VmHWM`` so far); or ``{"error"}``.
+  ``vision_s`` (of that, the frames to the kept rows: cut into patches, encoded, pruned), ``total_s``, ``cpu_s``,
+  ``ids`` (greedy, no stop token: exactly N), ``prompt_tokens``, ``kept_tokens``, ``seconds`` (the engine's phases,
+  as ``qeff-evs run --json`` reports them) and ``peak_mb`` (``VmHWM`` so far); or ``{"error"}``.
 """
 
 from __future__ import annotations

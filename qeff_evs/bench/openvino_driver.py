@@ -7,8 +7,10 @@ and numpy only. It loads ``VLMPipeline`` once with ``PROPERTIES_JSON`` (threads,
 
 * request: ``{"frames": NPY, "prompt": TEXT, "max_new_tokens": N, "pruning_ratio": R}`` (R > 0: its CDPruner);
 * reply: ``ttft_s`` (the call to the first token the streamer receives, timed here as the other side times its own),
-  ``total_s``, ``cpu_s`` (the process's CPU seconds, every thread), ``ids`` (greedy, ``ignore_eos``: exactly N), ``prompt_tokens`` and ``ttft_ms_reported`` (its
-  ``perf_metrics``), ``vision_s`` (its perf metrics' embeddings preparation: the vision encoder and the merge), ``peak_mb`` (the process's ``VmHWM`` so far); or ``{"error": LINE}``.
+  ``total_s``, ``cpu_s`` (the process's CPU seconds, every thread), ``ids`` (greedy, ``ignore_eos``: exactly N),
+  ``prompt_tokens``, ``ttft_ms_reported`` (its ``perf_metrics``), ``vision_s`` (its perf metrics' embeddings
+  preparation: the vision encoder and the merge), ``peak_mb`` (the process's ``VmHWM`` so far); or
+  ``{"error": LINE}``.
 """
 
 from __future__ import annotations
@@ -59,7 +61,8 @@ def answer(pipe, request: dict) -> dict:
     metrics = result.perf_metrics
     # the frames to the prompt's embeddings (vision encoder and merge), where this release reports it
     vision = getattr(metrics, "get_prepare_embeddings_duration", None)
-    return {"vision_s": float(vision().mean) / 1000 if vision else None,"ttft_s": (first[0] if first else finished) - started, "total_s": finished - started,
+    return {"vision_s": float(vision().mean) / 1000 if vision else None,
+            "ttft_s": (first[0] if first else finished) - started, "total_s": finished - started,
             "cpu_s": time.process_time() - cpu, "ids": ids, "prompt_tokens": int(metrics.get_num_input_tokens()), "ttft_ms_reported": float(metrics.get_ttft().mean),
             "peak_mb": peak_mb()}
 

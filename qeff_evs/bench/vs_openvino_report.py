@@ -59,7 +59,8 @@ def markdown(results: dict) -> list[str]:
             same = ("n/a" if reference is None else "yes" if arm["ids"] == reference["ids"] else "no"
                     if arm["prompt_tokens"] == reference["prompt_tokens"] or arm["rate"] else "n/a: other prompt")
             lines.append(f"| {arm['label']} | {arm['prompt_tokens']} | {arm['kept_tokens'] or ''} | "
-                         f"{_num(arm['ttft_s'])} | {_num(arm.get('vision_s'))} | {_prefill(arm)} | {_num(arm['total_s'])} | {_num(arm['cpu_s'])} | "
+                         f"{_num(arm['ttft_s'])} | {_num(arm.get('vision_s'))} | {_prefill(arm)} | "
+                         f"{_num(arm['total_s'])} | {_num(arm['cpu_s'])} | "
                          f"{_num(arm['peak_mb'], 0)} | {same} |")
         verdict = family["verdict"]
         lines.append("")

@@ -4,12 +4,13 @@ pipeline, the language session, or both."""
 from __future__ import annotations
 
 from qeff_evs.manifest import LANGUAGE_DECODE, pruning_graph
+from qeff_evs.runtime.backends.openvino import PRECISIONS as OPENVINO_PRECISIONS
 from qeff_evs.runtime.backends.ort import OrtEncoderSession, OrtLanguageSession, OrtPruningSession
 from qeff_evs.runtime.backends.torch_reference import TorchEncoderSession, TorchLanguageSession, TorchPruningSession
 from qeff_evs.runtime.backends.vision import VisionPipeline
 from qeff_evs.runtime.export_bundle import ExportBundle
 
-BACKENDS = ("ort", "openvino", "openvino-bf16", "torch", "qaic")
+BACKENDS = ("ort", *OPENVINO_PRECISIONS, "torch", "qaic")
 
 
 def _check_device_ids(backend: str, device_ids) -> None:
@@ -35,10 +36,10 @@ def vision_pipeline(bundle: ExportBundle, backend: str, device: str | None = Non
     if backend == "ort":
         encoder = OrtEncoderSession(m.path(root, "encoder"), m.weight_dtype)
         pruning = {name: OrtPruningSession(m.path(root, pruning_graph(name))) for name in methods}
-    elif backend in ("openvino", "openvino-bf16"):
-        from qeff_evs.runtime.backends.openvino import PRECISIONS, OpenVinoEncoderSession, OpenVinoPruningSession
+    elif backend in OPENVINO_PRECISIONS:
+        from qeff_evs.runtime.backends.openvino import OpenVinoEncoderSession, OpenVinoPruningSession
 
-        encoder = OpenVinoEncoderSession(m.path(root, "encoder"), PRECISIONS[backend])
+        encoder = OpenVinoEncoderSession(m.path(root, "encoder"), OPENVINO_PRECISIONS[backend])
         pruning = {name: OpenVinoPruningSession(m.path(root, pruning_graph(name))) for name in methods}
     elif backend == "torch":
         from qeff_evs.models.checkpoint import load_checkpoint
@@ -71,7 +72,7 @@ def sessions_for(bundle: ExportBundle, backend: str, device: str | None = None, 
     pruning graph; ``device_ids`` as for :func:`vision_pipeline` (every program is loaded and activated once,
     here)."""
     _check_device_ids(backend, device_ids)
-    if backend in ("ort", "openvino", "openvino-bf16"):
+    if backend == "ort" or backend in OPENVINO_PRECISIONS:
         return vision_pipeline(bundle, backend, method=method), language_session(bundle, backend)
     if backend == "torch":
         from qeff_evs.models.checkpoint import load_checkpoint
@@ -122,13 +123,13 @@ def language_session(bundle: ExportBundle, backend: str, device: str | None = No
         if programs == "decode":
             return OrtLanguageSession(decode or m.path(root, "language"), bundle.language_shape, None, m.weight_dtype)
         return OrtLanguageSession(m.path(root, "language"), bundle.language_shape, decode, m.weight_dtype)
-    if backend in ("openvino", "openvino-bf16"):
-        from qeff_evs.runtime.backends.openvino import PRECISIONS, OpenVinoLanguageSession
+    if backend in OPENVINO_PRECISIONS:
+        from qeff_evs.runtime.backends.openvino import OpenVinoLanguageSession
 
         decode = m.path(root, LANGUAGE_DECODE) if LANGUAGE_DECODE in m.files else None
         return OpenVinoLanguageSession(decode if programs == "decode" and decode else m.path(root, "language"),
                                        bundle.language_shape, decode if programs == "both" else None,
-                                       PRECISIONS[backend])
+                                       OPENVINO_PRECISIONS[backend])
     if backend == "torch":
         from qeff_evs.models.checkpoint import load_checkpoint
 

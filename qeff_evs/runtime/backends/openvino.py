@@ -48,9 +48,10 @@ def compile_graph(path: Path, precision: str = F32):
         raise ValueError(f"graph {path} not found; re-run `qeff-evs export` for this folder")
     check_graph_data(export_root(path), path)
     core = ov.Core()
-    if precision == BF16 and "BF16" not in core.get_property("CPU", "OPTIMIZATION_CAPABILITIES"):
+    capabilities = core.get_property("CPU", "OPTIMIZATION_CAPABILITIES")
+    if precision == BF16 and "BF16" not in capabilities:
         raise ValueError("--backend openvino-bf16: this CPU has no bf16 instructions (OpenVINO reports "
-                         f"{', '.join(core.get_property('CPU', 'OPTIMIZATION_CAPABILITIES'))}); use --backend openvino")
+                         f"{', '.join(capabilities)}); use --backend openvino")
     config = {"INFERENCE_PRECISION_HINT": precision, "PERFORMANCE_HINT": "LATENCY"}
     if os.environ.get(THREADS_ENV):
         config["INFERENCE_NUM_THREADS"] = int(os.environ[THREADS_ENV])
