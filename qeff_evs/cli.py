@@ -157,23 +157,50 @@ def _video(args: argparse.Namespace, bundle):
     return video_from_patches(args.pixel_values_videos, args.video_grid_thw, args.fps, bundle)
 
 
+def _image(path: str, args: argparse.Namespace, bundle):
+    """One ``--image``: the file as PIL reads it, made RGB (as vLLM's image loader does)."""
+    import numpy as np
+    from PIL import Image, UnidentifiedImageError
+
+    from qeff_evs.runtime.media import image_from_array
+
+    try:
+        with Image.open(path) as image:
+            pixels = np.asarray(image.convert("RGB"))
+    except (FileNotFoundError, IsADirectoryError, UnidentifiedImageError, OSError) as error:
+        raise ValueError(f"--image {path}: PIL cannot read it ({error}); give a PNG, JPEG or another image file "
+                         "PIL opens") from None
+    try:
+        return image_from_array(pixels, bundle, args.mm_processor_kwargs)
+    except ValueError as error:
+        raise ValueError(f"--image {path}: {error}") from None
+
+
 def cmd_run(args: argparse.Namespace) -> int:
-    from qeff_evs.runtime.builders import answer, build_engine, video_pruning
+    from qeff_evs.runtime.builders import answer, answer_media, build_engine, video_pruning
     from qeff_evs.runtime.export_bundle import open_export
 
     bundle = open_export(args.export_dir)
     pruning = video_pruning(bundle, args.video_pruning_method, args.video_pruning_rate)
+    if args.requests and args.image:
+        raise ValueError("--image is one request's; with --requests give each request's media in the JSONL")
     if args.requests:
         return _serve_requests(args, bundle, pruning)
+    if not (args.video or args.pixel_values_videos or args.image):
+        raise ValueError("run needs --requests, or --prompt with --video, --pixel-values-videos or --image")
     started = time.perf_counter()
-    video = _video(args, bundle)
+    images = [_image(path, args, bundle) for path in args.image or ()]
+    video = _video(args, bundle) if args.video or args.pixel_values_videos else None
     preprocess = time.perf_counter() - started
     if args.prompt is None:
-        raise ValueError("--prompt is required with --video / --pixel-values-videos")
+        raise ValueError("--prompt is required with --video / --pixel-values-videos / --image")
     engine = build_engine(bundle, args.backend, args.max_new_tokens, progress=_progress, device_ids=_device_ids(args),
                           pruning=pruning)
     try:
-        result = answer(bundle, engine, video, args.prompt)
+        if images:  # the images first, then the video, then the question: one user turn of those parts
+            result = answer_media(bundle, engine, [*images, *([video] if video else [])], args.prompt)
+        else:
+            result = answer(bundle, engine, video, args.prompt)
     finally:
         engine.close()
     result.seconds = {"preprocess": preprocess, **result.seconds}  # the video read and cut into patches
@@ -286,7 +313,7 @@ def _add_video_arguments(p: argparse.ArgumentParser, source) -> None:
                         "the loader vLLM picks for the checkpoint)")
     p.add_argument("--mm-processor-kwargs", type=_json_object("--mm-processor-kwargs"), default=None,
                    help="vLLM's --mm-processor-kwargs for the video processor: fps, num_frames, do_sample_frames, "
-                        "min_frames, max_frames")
+                        "min_frames, max_frames; max_num_tiles for a Nemotron-H export's images")
     p.add_argument("--video-pruning-rate", type=float, default=None,
                    help="pruning rate q in [0, 1) (0: off; default: the export's)")
     p.add_argument("--video-pruning-method", default=None,
@@ -399,11 +426,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("run", help="answer a question about a video with the exported graphs")
     p.add_argument("export_dir", type=Path)
-    source = p.add_mutually_exclusive_group(required=True)
+    source = p.add_mutually_exclusive_group()
     source.add_argument("--requests", type=Path, help="JSONL of requests (id, prompt, video, max_new_tokens; or "
                         "id, after, prompt: a follow-up in the conversation of request 'after', queued when that "
                         "one has finished) served together with continuous batching (export with --full-batch-size)")
     _add_video_arguments(p, source)
+    p.add_argument("--image", action="append", default=None,
+                   help="an image file as PIL reads it (repeatable; before the video in the prompt); a Nemotron-H "
+                        "export tiles it as vLLM does (max_num_tiles through --mm-processor-kwargs)")
     p.add_argument("--prompt", help="the question (not with --requests)")
     p.add_argument("--max-num-seqs", type=int, default=None, help="--requests: running requests (<= full batch)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="--requests: token budget per step")

@@ -37,6 +37,9 @@ MODEL_CONFIG_DIR = "model_config"  # the checkpoint's config and preprocessor fi
 # graph of the method it serves and the language graph, all active together.
 GRAPHS = ("encoder", "pruning", "language")
 PRUNING_ROLE = "pruning"
+# A family whose images have a graph of their own (``ModelFamily.image_tiling``) exports it beside the encoder, in
+# the encoder's role (its cores and devices).
+IMAGE_ENCODER = "encoder_image"
 # role -> path relative to the export folder (the pruning graphs' files: ``pruning_files``)
 EXPORT_FILES = dict(
     encoder="vision/encoder.onnx", language="language/language.onnx",
@@ -71,8 +74,18 @@ def pruning_graph(method: str) -> str:
 
 
 def graph_role(graph: str) -> str:
-    """The role a graph is placed under: ``pruning`` for every method's pruning graph, else the graph itself."""
+    """The role a graph is placed under: ``pruning`` for every method's pruning graph, ``encoder`` for the image
+    encoder, else the graph itself."""
+    if graph == IMAGE_ENCODER:
+        return "encoder"
     return PRUNING_ROLE if graph.startswith(f"{PRUNING_ROLE}_") else graph
+
+
+# The image encoder's files, by file key (beside the encoder's in the vision folder).
+IMAGE_ENCODER_FILES = {IMAGE_ENCODER: f"vision/{IMAGE_ENCODER}.onnx",
+                       f"{IMAGE_ENCODER}_specializations": f"vision/{IMAGE_ENCODER}_specializations.json",
+                       f"{IMAGE_ENCODER}_specializations_named": f"vision/{IMAGE_ENCODER}_specializations.named.json",
+                       f"{IMAGE_ENCODER}_custom_io": f"vision/{IMAGE_ENCODER}_custom_io.yaml"}
 
 
 def pruning_files(method: str) -> dict[str, str]:
@@ -291,6 +304,8 @@ class Manifest:
     files: dict[str, str]  # file key -> path relative to the export folder
     encoder_entries: tuple[EncoderEntry, ...] = field(default=())
     pruning_entries: tuple[PruningEntry, ...] = field(default=())
+    # The image encoder's specializations (one tile size; ``IMAGE_ENCODER``), where the family has one.
+    image_encoder_entries: tuple[EncoderEntry, ...] = field(default=())
     video_pruning_methods: tuple[str, ...] = ("evs",)  # the methods whose pruning graphs the export carries
     video_pruning_method: str = "evs"  # the default method
     max_video_pruning_rate: float = 0.9  # the largest rate the RoPE tables were sized for
@@ -327,7 +342,8 @@ class Manifest:
     @property
     def graphs(self) -> tuple[str, ...]:
         """The export's graphs, in compile order: the encoder, one pruning graph per method, the language graph."""
-        return ("encoder", *(pruning_graph(m) for m in self.video_pruning_methods), "language")
+        images = (IMAGE_ENCODER,) if IMAGE_ENCODER in self.files else ()
+        return ("encoder", *images, *(pruning_graph(m) for m in self.video_pruning_methods), "language")
 
     @property
     def temporal_patch_buckets(self) -> tuple[int, ...]:
@@ -349,6 +365,13 @@ class Manifest:
         raise ValueError(
             f"no encoder specialization for frames of {tuple(grid_hw)} patches (H/patch, W/patch); exported "
             f"resolutions (height, width) are {served}; re-export with matching --height/--width")
+
+    def image_encoder_entry(self) -> EncoderEntry:
+        """The image encoder's specialization (its tiles' grid); ValueError naming the fix for an export without it."""
+        if IMAGE_ENCODER not in self.files or not self.image_encoder_entries:
+            raise ValueError("this export has no image encoder graph (it was written before qeff-evs served this "
+                             "family's images); re-export the checkpoint to serve images")
+        return self.image_encoder_entries[0]
 
     def check_video(self, grid_thw: tuple[int, int, int]) -> None:
         """Raise ValueError naming the limit unless a video of patch grid ``(T, H, W)`` can be encoded and pruned:
@@ -535,8 +558,9 @@ def read_manifest(export_dir: Path) -> Manifest:
     if version != MANIFEST_VERSION:
         raise ValueError(f"{path} has manifest version {version}, this qeff-evs reads version {MANIFEST_VERSION}; "
                          "re-run `qeff-evs export` with this version")
-    encoder = tuple(EncoderEntry(e["height"], e["width"], e["frames_per_call"], tuple(e["grid_hw"]), e["symbols"])
-                    for e in raw.pop("encoder_entries", []))
+    encoder, images = (tuple(EncoderEntry(e["height"], e["width"], e["frames_per_call"], tuple(e["grid_hw"]),
+                                          e["symbols"]) for e in raw.pop(key, []))
+                       for key in ("encoder_entries", "image_encoder_entries"))
     pruning = tuple(PruningEntry(**e) for e in raw.pop("pruning_entries", []))
     shape = dict(raw.pop("language_shape"))
     for field_name, key in _TOP_LEVEL_SHAPE.items():
@@ -549,7 +573,7 @@ def read_manifest(export_dir: Path) -> Manifest:
     raw["short_prefill_lens"] = tuple(raw.get("short_prefill_lens", ()))
     raw["resolutions"] = tuple(tuple(r) for r in raw["resolutions"])
     manifest = Manifest(**raw, special_tokens=SpecialTokens(**tokens), language_shape=LanguageShape(**shape),
-                        encoder_entries=encoder, pruning_entries=pruning)
+                        encoder_entries=encoder, pruning_entries=pruning, image_encoder_entries=images)
     if written is not None and tuple(written) != manifest.temporal_patch_buckets:
         raise ValueError(f"{path} lists temporal_patch_buckets {list(written)} but its pruning entries serve "
                          f"{list(manifest.temporal_patch_buckets)}; the file was edited: re-run `qeff-evs export`")

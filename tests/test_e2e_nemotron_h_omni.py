@@ -20,16 +20,19 @@ four requests on two rows (each row reused, its Mamba2 state started clean) equa
 
 from __future__ import annotations
 
+import copy
+import itertools
 import json
 import re
 
 import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 from qeff_evs.bench.realistic import realistic_config
 from qeff_evs.export.pipeline import ExportOptions, check_pruning_options
-from qeff_evs.models.nemotron_h_omni import NemotronHOmniFamily, patches_to_frames
+from qeff_evs.models.nemotron_h_omni import DEFAULT_MAX_TILES, NemotronHOmniFamily, patches_to_frames
 from qeff_evs.models.pruning import VideoPruning
 from qeff_evs.models.tiny import save_tiny_checkpoint
 from qeff_evs.runtime.engine.executor import kept_count
@@ -40,7 +43,9 @@ from qeff_evs.runtime.engine.single_request import Engine, EngineConfig
 from qeff_evs.runtime.export_bundle import open_export
 from qeff_evs.runtime.inputs.prompt import video_question_pieces
 from qeff_evs.runtime.inputs.synthetic import moving_square_video
-from qeff_evs.runtime.media import video_from_frames
+from qeff_evs.runtime.builders import answer_media
+from qeff_evs.runtime.inputs.image_tiles import candidate_grids, choose_grid, tile_pixels
+from qeff_evs.runtime.media import image_from_array, video_from_frames
 from qeff_evs.runtime.sessions import sessions_for
 from helpers.exports import export_quietly
 from helpers.top_logits import assert_top_logits_match
@@ -334,3 +339,133 @@ def test_continuous_batching_reused_rows_equal_transformers(bundles, sessions, h
     assert len(starts) == 4 and sorted(set(starts)) == [0, 1], starts
     for request_id, tokens in expected.items():
         assert outputs[request_id] == tokens, request_id
+
+
+# --------------------------------------------------------------------------------------------------
+# images, as vLLM 0.34 tiles them (its tiler mode: force_image_size tiles, a thumbnail)
+
+# (height, width): wide, tall, small (upscaled to many tiles), one tile, exact aspect ties between grids of
+# different sizes (5:4 lies halfway between 1:1 and 3:2; 3:4 between 1:2 and 1:1), a large photo's shape.
+IMAGE_SIZES = ((100, 150), (300, 30), (50, 40), (64, 64), (100, 125), (1000, 1250), (120, 90), (90, 160),
+               (1080, 1920), (7, 300))
+MAX_TILES = (1, 2, 6, DEFAULT_MAX_TILES)
+
+
+def random_image(height: int, width: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, size=(height, width, 3), dtype=np.uint8)
+
+
+def test_tile_grids_equal_vllms_tiler(bundles):
+    tiling = bundles[32].family.image_tiling()
+    ratios, targets = nemotron.TILER["get_internvl_target_ratios"], nemotron.TILER["calculate_internvl_targets"]
+    for limit in range(1, 25):
+        assert candidate_grids(limit) == ratios(1, limit)
+    sizes = [*IMAGE_SIZES, *((h, w) for h in range(1, 200, 7) for w in range(1, 200, 11))]
+    for (height, width), limit in itertools.product(sizes, MAX_TILES):
+        grid = choose_grid(width, height, tiling, limit)
+        blocks, target_width, target_height = targets(orig_width=width, orig_height=height,
+                                                      target_ratios=ratios(1, limit), image_size=tiling.tile_size,
+                                                      use_thumbnail=True)
+        assert (grid.tiles, grid.columns * tiling.tile_size, grid.rows * tiling.tile_size) == \
+            (blocks, target_width, target_height), (height, width, limit)
+
+
+@pytest.mark.parametrize("limit", MAX_TILES)
+def test_image_pixels_and_prompt_equal_vllms_processor(bundles, settings, limit):
+    """Tiles (raster, the thumbnail last) equal vLLM's ``dynamic_preprocess``; the ``<image>`` replacement equals
+    ``get_image_repl`` of ``get_num_image_tokens`` (one ``<img>``, every tile's pads, ``</img>``)."""
+    bundle = bundles[32]
+    tiling = bundle.family.image_tiling()
+    for seed, (height, width) in enumerate(IMAGE_SIZES[:6]):
+        image = random_image(height, width, seed)
+        tiles, grid = tile_pixels(image, tiling, bundle.preprocess, limit)
+        theirs = nemotron.vllm_image_pixels(Image.fromarray(image), tiling.tile_size, limit, settings)
+        np.testing.assert_allclose(tiles, theirs.numpy(), rtol=0, atol=1e-6)
+        media = image_from_array(image, bundle, {"max_num_tiles": limit})
+        assert media.grid_thw == (grid.tiles, 4, 4)
+        ids = bundle.family.placeholder_ids(media, kept_count(bundle.family, media, VideoPruning("evs", Q)))
+        assert ids.tolist() == nemotron.vllm_image_ids(bundle.tokenizer, width, height, tiling.tile_size, limit,
+                                                       settings)
+
+
+def test_image_rows_equal_transformers(sessions, hf_model, bundles):
+    """The image encoder's rows equal transformers' tower on each tile (its image patch projection) and its
+    projector, 1e-4; the video encoder's would not (another first layer)."""
+    image = random_image(100, 150, 1)
+    media = image_from_array(image, bundles[32])
+    tiles, _ = tile_pixels(image, bundles[32].family.image_tiling(), bundles[32].preprocess)
+    with torch.no_grad():
+        reference = nemotron.hf_image_rows(hf_model, torch.from_numpy(tiles)).numpy()
+    for backend in ("ort", "torch", "openvino"):
+        vision, _ = sessions[(32, backend)]
+        np.testing.assert_allclose(vision.merged_rows(media).rows, reference, rtol=0, atol=ATOL)
+
+
+def test_an_image_equals_transformers_generate(bundles, sessions, hf_model):
+    """transformers' ``generate`` on an image's tiles (its packed image path: each tile an image of its own grid,
+    its own merge) equals the engine's tokens and first logits."""
+    bundle = bundles[32]
+    image = random_image(100, 150, 1)
+    media = image_from_array(image, bundle)
+    tiles, _ = tile_pixels(image, bundle.family.image_tiling(), bundle.preprocess)
+    engine = make_engine(bundles, sessions, 32, "ort", 0.0)
+    result = answer_media(bundle, engine, [media], QUESTION)
+    ids = torch.tensor([result.prompt_token_ids])
+    grids = torch.tensor([[4, 4]] * len(tiles))
+    out = hf_model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                            pixel_values=torch.as_tensor(media.pixel_values), image_grid_hw=grids,
+                            max_new_tokens=STEPS, min_new_tokens=STEPS, do_sample=False, output_logits=True,
+                            return_dict_in_generate=True)
+    hf_tokens = out.sequences[0, ids.shape[1]:].tolist()
+    assert result.generated_token_ids == hf_tokens and len(set(hf_tokens)) > 3
+    assert_top_logits_match(result.prefill_top_logits, out.logits[0][0], ATOL)
+
+
+@pytest.fixture(scope="module")
+def image_requests(bundles, hf_model, settings, clips):
+    """Two images and the odd clip in one turn, with transformers' answers at q 0 and Q."""
+    bundle = bundles[32]
+    tiling = bundle.family.image_tiling()
+    images = [random_image(100, 150, 1), random_image(50, 40, 2)]
+    media = [image_from_array(image, bundle) for image in images] + [clips["long"][2]]
+    tiles = [(torch.from_numpy(tile_pixels(image, tiling, bundle.preprocess)[0]),
+              nemotron.vllm_image_ids(bundle.tokenizer, image.shape[1], image.shape[0], tiling.tile_size,
+                                      DEFAULT_MAX_TILES, settings)) for image in images]
+    references = {q: nemotron.hf_reference_images(hf_model, bundle.tokenizer, QUESTION, tiles, media[-1], q, STEPS)
+                  for q in (0.0, Q)}
+    return media, references
+
+
+@pytest.mark.parametrize("backend", ("ort", "torch"))
+@pytest.mark.parametrize("seq_len", sorted(EXPORTS))
+@pytest.mark.parametrize("q", (0.0, Q))
+def test_images_and_a_video_chunked_equal_transformers(bundles, sessions, image_requests, seq_len, backend, q):
+    """Two images then a video in one turn, chunked by 32 and by 64 (cuts inside the images' rows): the prompt is
+    vLLM's (the video pruned at q, the images never), tokens and first logits transformers'."""
+    media, references = image_requests
+    ref = references[q]
+    engine = make_engine(bundles, sessions, seq_len, backend, q)
+    result = answer_media(bundles[seq_len], engine, media, QUESTION)
+    assert result.prompt_token_ids == ref.ids
+    image_pads = sum(int(np.prod(m.grid_thw)) // 4 for m in media[:2])
+    assert sum(map(sum, result.kept_tokens_per_frame)) == image_pads + len(ref.kept)
+    assert result.num_prefill_chunks == -(-len(ref.ids) // seq_len) >= 3
+    assert result.generated_token_ids == ref.tokens
+    assert_top_logits_match(result.prefill_top_logits, ref.first_logits, ATOL)
+
+
+def test_image_refusals(bundles, tmp_path, checkpoint):
+    bundle = bundles[32]
+    with pytest.raises(ValueError, match=r"max_num_tiles must be a positive int, got 0"):
+        image_from_array(random_image(20, 20, 0), bundle, {"max_num_tiles": 0})
+    family = NemotronHOmniFamily(bundle.family.config, bundle.tokenizer)
+    dynamic = copy.deepcopy(bundle.family.config)
+    dynamic.vision_config.args = {"min_num_patches": 1024, "max_num_patches": 13312}
+    with pytest.raises(ValueError, match="dynamic resolution"):
+        NemotronHOmniFamily(dynamic, bundle.tokenizer).image_tiling()
+    untiled = copy.deepcopy(bundle.family.config)
+    del untiled.force_image_size
+    untiled.force_image_size = None
+    with pytest.raises(ValueError, match="no force_image_size"):
+        NemotronHOmniFamily(untiled, bundle.tokenizer).image_tiling()
+    assert family.image_tiling().grid_hw == (4, 4)

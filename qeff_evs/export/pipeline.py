@@ -54,6 +54,8 @@ from qeff_evs.export.vision import export_encoder_graph, export_encoder_graph_st
 from qeff_evs.export.weights import WEIGHT_DTYPES, WEIGHTS_DIR, WeightStore, settings_stamp
 from qeff_evs.manifest import (
     EXPORT_FILES,
+    IMAGE_ENCODER,
+    IMAGE_ENCODER_FILES,
     LANGUAGE_DECODE,
     LANGUAGE_DECODE_FILE,
     MODEL_CONFIG_DIR,
@@ -284,6 +286,8 @@ def compile_commands(export_dir: Path, options: CompileOptions, kv_precision: st
                          "weights -mxfp6-matmul cannot compress (it needs them as the graph's constants): compile "
                          "without --mxfp6, or export again without --layer-functions")
     files = export_files(tuple(graph[len(PRUNING_ROLE) + 1:] for graph in specs if graph_role(graph) == PRUNING_ROLE))
+    if IMAGE_ENCODER in specs:
+        files.update(IMAGE_ENCODER_FILES)
     programs = options.language_programs  # one side of prefill/decode disaggregation: its own specializations
     for graph in specs:
         role = graph_role(graph)
@@ -385,6 +389,16 @@ def hollow_checkpoint(model_dir: str | os.PathLike) -> LoadedCheckpoint:
                             model_dir=model_dir, preprocessor_config=_load_preprocessor_config(model_dir))
 
 
+def _image_tiling(family, progress: Progress):
+    """The family's image tiling where its images have a graph of their own; None where they go through the video
+    encoder, or where this checkpoint's images cannot be served (said, and refused per request at run time)."""
+    try:
+        return family.image_tiling()
+    except ValueError as error:
+        progress(f"no image encoder graph: {error}")
+        return None
+
+
 def _weights_written(out: Path) -> int:
     """Bytes of weight files an earlier run of the export already wrote to ``out`` (a resumed export's)."""
     return sum(path.stat().st_size for path in out.glob(f"*/{WEIGHTS_DIR}/*.data"))
@@ -420,13 +434,21 @@ def _export(checkpoint: LoadedCheckpoint, reader, out: Path, options: ExportOpti
             pruning_targets.append((PruningTarget(height, width, frames), grid_hw, frames // vc.temporal_patch_size))
     pruning_specs = vision_specializations(
         [(target, family.pruning_symbols(grid_hw, bucket)) for target, grid_hw, bucket in pruning_targets])
+    tiling = _image_tiling(family, progress)
+    image_targets = [] if tiling is None else [
+        (EncoderTarget(tiling.tile_size, tiling.tile_size, options.frames_per_call), tiling.grid_hw)]
     specs = {
         "encoder": vision_specializations(
             [(target, family.encoder_symbols(grid_hw, target.frames_per_call)) for target, grid_hw in encoder_targets]),
+        **({IMAGE_ENCODER: vision_specializations(
+            [(target, family.image_encoder_symbols(grid_hw, target.frames_per_call))
+             for target, grid_hw in image_targets])} if image_targets else {}),
         **{pruning_graph(method): pruning_specs for method in methods},
         "language": lang_specs,
     }
     files = export_files(methods)
+    if image_targets:
+        files.update(IMAGE_ENCODER_FILES)
 
     _, example_hw = encoder_targets[0]
     streamed = reader is not None
@@ -459,6 +481,16 @@ def _export(checkpoint: LoadedCheckpoint, reader, out: Path, options: ExportOpti
     else:
         export_encoder_graph(family.encoder(checkpoint.model), example_hw, max(2, options.frames_per_call),
                              out / files["encoder"], progress=progress)
+    if tiling is not None:  # the tower's blocks are the encoder's; only the tower file (its first layer) is its own
+        tile_frames = max(2, options.frames_per_call)
+        if streamed:
+            export_encoder_graph_streamed(family.image_encoder(checkpoint.model), tiling.grid_hw, tile_frames,
+                                          out / files[IMAGE_ENCODER], names, stores["vision"], reader,
+                                          progress=progress, reuse=reuse, tower_unit="image_tower",
+                                          label="image encoder")
+        else:
+            export_encoder_graph(family.image_encoder(checkpoint.model), tiling.grid_hw, tile_frames,
+                                 out / files[IMAGE_ENCODER], progress=progress, name="image encoder")
     for method in methods:
         export_pruning_graph(family.pruning_ranking(method), vc.vision_hidden, out / files[pruning_graph(method)],
                              progress=progress, reuse=reuse)
@@ -519,6 +551,10 @@ def _export(checkpoint: LoadedCheckpoint, reader, out: Path, options: ExportOpti
             EncoderEntry(target.height, target.width, target.frames_per_call, grid_hw,
                          family.encoder_symbols(grid_hw, target.frames_per_call))
             for target, grid_hw in encoder_targets),
+        image_encoder_entries=tuple(
+            EncoderEntry(target.height, target.width, target.frames_per_call, grid_hw,
+                         family.image_encoder_symbols(grid_hw, target.frames_per_call))
+            for target, grid_hw in image_targets),
         pruning_entries=tuple(
             PruningEntry(method, target.height, target.width, target.frames, bucket,
                          family.pruning_symbols(grid_hw, bucket))

@@ -43,8 +43,8 @@ from qeff_evs.export.fp16 import convert_to_fp16, round_external_weights
 from qeff_evs.export.node_precision import keep_in_fp32, router_paths
 from qeff_evs.export.onnx_graph import legacy_export
 from qeff_evs.manifest import (
-    LANGUAGE_DECODE, MODEL_CONFIG_DIR, PRUNING_ROLE, LanguageShape, check_export_graphs, graph_role, pruning_graph,
-    read_manifest,
+    IMAGE_ENCODER, LANGUAGE_DECODE, MODEL_CONFIG_DIR, PRUNING_ROLE, LanguageShape, check_export_graphs, graph_role,
+    pruning_graph, read_manifest,
 )
 from qeff_evs.models.graph_io import (
     BATCH_INDEX, COMP_CTX_LENGTHS, LOGITS_ROWS, RETAINED_SUFFIX, LanguageGraphIO, state_shapes,
@@ -514,11 +514,12 @@ def _vision_feeds(export_dir: Path, role: str, session, seed: int) -> dict[str, 
     """
     manifest = read_manifest(export_dir)
     rng = np.random.default_rng(seed)
-    if role == "encoder" and manifest.encoder_entries:
+    entries = {"encoder": manifest.encoder_entries, IMAGE_ENCODER: manifest.image_encoder_entries}.get(role)
+    if entries:  # the image encoder takes the video encoder's host inputs (its tiles' grid)
         from qeff_evs.models.checkpoint import load_config
         from qeff_evs.models.registry import family_for_config
 
-        entry = manifest.encoder_entries[0]
+        entry = entries[0]
         family = family_for_config(load_config(export_dir / MODEL_CONFIG_DIR))
         host = family.encoder_host_inputs(entry.grid_hw, entry.frames_per_call)
         pixels = next(i for i in session.get_inputs() if i.name not in host)

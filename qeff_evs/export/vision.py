@@ -33,6 +33,7 @@ def export_encoder_graph(
     example_frames: int,
     path: str | Path,
     progress: Callable[[str], None] | None = None,
+    name: str = "encoder",
 ) -> Path:
     """Trace the family's encoder on ``example_frames`` temporal patches of one ``(H, W)`` patch grid.
 
@@ -40,7 +41,7 @@ def export_encoder_graph(
     resolution and frames-per-call. Pick ``example_frames > 1`` so the per-frame tiling is traced.
     """
     inputs = wrapper.dummy_inputs(example_grid_hw, example_frames)
-    label = f"encoder graph (example grid {tuple(example_grid_hw)}, {example_frames} frames per call)"
+    label = f"{name} graph (example grid {tuple(example_grid_hw)}, {example_frames} frames per call)"
     return _export(wrapper, wrapper.graph_spec, inputs, Path(path), label, progress)
 
 
@@ -57,25 +58,29 @@ def block_unit(name: str) -> str:
 def export_encoder_graph_streamed(wrapper: EncoderWrapper, example_grid_hw: Sequence[int], example_frames: int,
                                   path: str | Path, names: Mapping[int, str], store: WeightStore, reader,
                                   progress: Callable[[str], None] | None = None,
-                                  reuse: GraphReuse | None = None) -> Path:
+                                  reuse: GraphReuse | None = None, tower_unit: str = "tower",
+                                  label: str = "encoder") -> Path:
     """``export_encoder_graph`` of a hollow tower (``models.hollow``), its weights written from ``reader`` (a
     checkpoint's ``ModuleWeights``; ``names``: each parameter's name there) into ``store``, block by block. With
     ``reuse``, the graph an earlier export wrote into the folder is taken where its inputs are unchanged
     (``export.reuse``), else traced and recorded.
 
     transformers' tower runs its own loop over the blocks, so the tower is traced whole, at full depth: its stand-in
-    parameters cost no memory, and tracing a block costs what running it on the example costs (a few frames)."""
+    parameters cost no memory, and tracing a block costs what running it on the example costs (a few frames).
+
+    ``tower_unit``: the file of the weights outside the blocks. A second encoder of the same tower (the image
+    encoder) shares the blocks' files and keeps its own tower file, whose first layer differs."""
     say = progress or _LOG.info
     path = Path(path)
     spec = wrapper.graph_spec
     settings = dict(example_grid_hw=list(example_grid_hw), example_frames=example_frames, store=store.stamp)
     if reuse is not None:
-        if reuse.take(path, settings, store, reader, say, "encoder weights"):
+        if reuse.take(path, settings, store, reader, say, f"{label} weights"):
             return path
         reuse.forget(path)
     inputs = wrapper.dummy_inputs(example_grid_hw, example_frames)
     blocks = {block_unit(name) for name, _ in wrapper.named_parameters()} - {"tower"}
-    say(f"tracing the encoder graph ({len(blocks)} blocks, example grid "
+    say(f"tracing the {label} graph ({len(blocks)} blocks, example grid "
         f"{tuple(example_grid_hw)}, {example_frames} frames per call)")
     model, parameters = trace_without_weights(wrapper, list(inputs.values()), input_names=spec.input_names,
                                               output_names=spec.output_names, dynamic_axes=spec.dynamic_axes)
@@ -84,10 +89,14 @@ def export_encoder_graph_streamed(wrapper: EncoderWrapper, example_grid_hw: Sequ
     sources = {name: names[id(p)] for name, p in wrapper.named_parameters()}
     renamed: dict[str, str] = {}
     weights: list[GraphWeight] = rename_weights(exprs, sources, "tower", renamed)
-    weights = [GraphWeight(w.name, w.expr, w.sources, block_unit(w.sources[0])) for w in weights]
+    def unit(weight: GraphWeight) -> str:
+        block = block_unit(weight.sources[0])
+        return tower_unit if block == "tower" else block
+
+    weights = [GraphWeight(w.name, w.expr, w.sources, unit(w)) for w in weights]
     weights.sort(key=lambda w: _unit_order(w.unit))
     _rename_values(model, renamed)
-    write_weights(weights, store, reader, say, label="encoder weights")
+    write_weights(weights, store, reader, say, label=f"{label} weights")
     attach_weights(model, weights, store)
     attach_functions(model)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -101,7 +110,7 @@ def export_encoder_graph_streamed(wrapper: EncoderWrapper, example_grid_hw: Sequ
 
 def _unit_order(unit: str) -> tuple[int, int]:
     kind, _, index = unit.partition(".")
-    return (0, 0) if kind == "tower" else (1, int(index))
+    return (0, 0) if not index else (1, int(index))
 
 
 def _rename_values(model: onnx.ModelProto, renamed: Mapping[str, str]) -> None:

@@ -21,7 +21,13 @@ first; each frame's time is its source index times ``int(1000 / fps)`` ms, fps t
 tubelet keeps, so, as for Qwen3-VL, the placeholder is laid out before encoding with every kept row in the first
 tubelet (vLLM's own dummy split, ``[K, 0, ..., 0]``) and rewritten to the real split after it, same length; with
 nothing pruned (rate 0) it is the real layout from the start, as in vLLM.
-Images are not built: a request with one is refused in one line.
+Images, as vLLM 0.34 serves them in its tiler mode: cut into square tiles of ``force_image_size`` pixels
+(``runtime/inputs/image_tiles.py``: at most ``max_num_tiles`` on the grid closest to the image's aspect, plus a
+thumbnail), each tile one frame through the image encoder graph (RADIO's image patch projection, then the same
+tower, shuffle and projector as tubelets) and ``(S/p)^2 / 4`` rows; the ``<image>`` of the prompt becomes ``<img>``,
+every tile's rows in order, ``</img>`` (no marker between tiles). Never pruned. A checkpoint whose vision config asks
+for vLLM's dynamic resolution (``vision_config.args.min_num_patches``) or lacks the tile settings has its images
+refused in one line (``image_tiling``).
 
 Positions. The language model reads none (no RoPE in its attention; Mamba2 orders tokens by its recurrence): the
 only position the graph uses is the KV slot, the token's index in the pruned prompt, as vLLM's. The position
@@ -59,6 +65,7 @@ from qeff_evs.models.linear_attention import CONV_STATE
 from qeff_evs.models.protocol import (
     ConfigPaths,
     ExtraRows,
+    ImageTiling,
     MediaInput,
     MediaLayout,
     NormalizedConfig,
@@ -158,6 +165,9 @@ TINY_DT_PROJECTION_SCALE = 0.1
 # which would swamp the text embeddings (std ~0.3) and every fp32 rounding with them.
 TINY_PROJECTOR_SCALE = 0.03
 TINY_TARGET_PATCHES = 24
+TINY_TILE_SIZE = 64  # 4 x 4 patches, 4 rows per tile
+# vLLM's default max_num_tiles (DEFAULT_NUM_TILES of its Nemotron-H processor)
+DEFAULT_MAX_TILES = 12
 
 
 class NemotronConfigPaths(ConfigPaths):
@@ -372,7 +382,7 @@ class NemotronHOmniFamily:
     config_paths: ClassVar[ConfigPaths] = CONFIG_PATHS
     extra_rows: ClassVar[tuple[ExtraRows, ...]] = ()
     pruning_methods: ClassVar[tuple[str, ...]] = ("evs",)  # vLLM refuses VidCom2 for this model
-    modalities: ClassVar[tuple[str, ...]] = ("video",)  # images: vLLM's dynamic tiler, not built (_check_video)
+    modalities: ClassVar[tuple[str, ...]] = ("video", "image")
     rope: ClassVar[bool] = False
     weight_names: ClassVar[NameMap] = WEIGHT_NAMES
 
@@ -413,9 +423,11 @@ class NemotronHOmniFamily:
         vision = dict(hidden_size=32, num_hidden_layers=vision_layers, num_attention_heads=2, patch_size=16,
                       max_img_size=256, num_cls_tokens=2, num_registers=2, video_temporal_patch_size=2,
                       initializer_range=INITIALIZER_RANGE)
+        # force_image_size and use_thumbnail: the tiler's settings, as released configs store them (transformers'
+        # config keeps them as given)
         return dict(text_config=text, vision_config=vision, projector_hidden_size=48, vision_hidden_size=32,
                     video_temporal_patch_size=2, downsample_ratio=0.5, image_token_id=ids["image"],
-                    video_token_id=ids["image"])
+                    video_token_id=ids["image"], force_image_size=TINY_TILE_SIZE, use_thumbnail=True)
 
     @classmethod
     def prepare_tiny_model(cls, model, tokenizer) -> None:
@@ -465,7 +477,8 @@ class NemotronHOmniFamily:
         text, vision = cls.realistic_widths(text_layers, vision_layers)
         image = _tokenizer_ids(cls.tiny_tokenizer())["image"]
         return dict(text_config=text, vision_config=vision, projector_hidden_size=4096, vision_hidden_size=1280,
-                    video_temporal_patch_size=2, downsample_ratio=0.5, image_token_id=image, video_token_id=image)
+                    video_temporal_patch_size=2, downsample_ratio=0.5, image_token_id=image, video_token_id=image,
+                    force_image_size=512, use_thumbnail=True)
 
     @classmethod
     def realistic_widths(cls, text_layers: int, vision_layers: int) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -550,6 +563,27 @@ class NemotronHOmniFamily:
         vision = self.config.vision_config
         return self.temporal_patch_size * int(vision.num_channels) * int(vision.patch_size) ** 2
 
+    def image_tiling(self) -> ImageTiling:
+        """vLLM's tiler settings from the config (``force_image_size``, ``use_thumbnail``; ``max_num_tiles`` 12 unless
+        a request or the server asks otherwise); ValueError where vLLM would not tile this checkpoint's images."""
+        args = getattr(self.config.vision_config, "args", None) or {}
+        if "min_num_patches" in args:
+            raise ValueError("this checkpoint's vision_config.args sets min_num_patches: vLLM serves its images at "
+                             "dynamic resolution, which qeff-evs does not build yet; send videos")
+        size, thumbnail = getattr(self.config, "force_image_size", None), getattr(self.config, "use_thumbnail", None)
+        if size is None or thumbnail is None:
+            raise ValueError("this checkpoint's config has no force_image_size / use_thumbnail (vLLM's tile size and "
+                             "thumbnail switch), so its images cannot be tiled as vLLM tiles them; add both to its "
+                             "config.json and re-export, or send videos")
+        return ImageTiling(int(size), int(self.config.vision_config.patch_size), DEFAULT_MAX_TILES, bool(thumbnail))
+
+    def image_encoder(self, model: nn.Module) -> RadioEncoder:
+        return RadioEncoder.from_model(model, image=True)
+
+    def image_encoder_symbols(self, grid_hw: Sequence[int], frames: int) -> dict[str, int]:
+        vision = self.config.vision_config
+        return encoder_symbols(int(vision.num_channels) * int(vision.patch_size) ** 2, self.downsample, grid_hw, frames)
+
     def encoder_host_inputs(self, grid_hw: Sequence[int], frames: int) -> dict[str, np.ndarray]:
         return encoder_host_inputs(self.config.vision_config, self.downsample, grid_hw, frames)
 
@@ -560,10 +594,11 @@ class NemotronHOmniFamily:
         _, h, w = self.merged_grid((1, *grid_hw))
         return pruning_symbols(h * w, bucket)
 
-    def _check_video(self, media: MediaInput) -> None:
-        if media.kind == "image":
-            raise ValueError("Nemotron-H images are not built in qeff-evs yet (vLLM tiles them with its dynamic "
-                             "resolution tiler); send videos only")
+    def _image_ids(self, media: MediaInput) -> np.ndarray:
+        """``<img>``, a pad per row of every tile (the thumbnail's last), ``</img>``: vLLM's image replacement."""
+        t, h, w = self.merged_grid(media.grid_thw)
+        pads = [int(self.config.image_token_id)] * (t * h * w)
+        return np.asarray([*self._ids(IMG_START), *pads, *self._ids(IMG_END)], dtype=np.int64)
 
     def _video_ids(self, video: MediaInput, rows_per_tubelet: Sequence[int]) -> np.ndarray:
         tokenizer = self._tokenizer()
@@ -586,13 +621,17 @@ class NemotronHOmniFamily:
         """vLLM's layout before encoding: every tubelet's rows when nothing is pruned, else all ``kept`` rows in the
         first tubelet (vLLM lumps them whenever EVS is on; it is on exactly when ``kept`` is below every row, up to a
         rate so small that ``1 - q`` rounds to 1)."""
-        self._check_video(media)
+        if media.kind == "image":
+            return self._image_ids(media)
         t, h, w = self.merged_grid(media.grid_thw)
         return self._video_ids(media, [h * w] * t if kept == t * h * w else [kept] + [0] * (t - 1))
 
     def video_layout(self, media: MediaInput, kept_indices: np.ndarray) -> MediaLayout:
-        self._check_video(media)
         t, h, w = self.merged_grid(media.grid_thw)
+        if media.kind == "image":
+            ids = self._image_ids(media)
+            # one run of pads, counted on like text (no positions are read)
+            return MediaLayout(ids, np.ones(len(ids), dtype=bool), (MediaBlock(t * h * w, 1, 1),))
         unpruned = self._video_ids(media, [h * w] * t)
         keep = np.ones(len(unpruned), dtype=bool)
         mask = np.zeros(t * h * w, dtype=bool)

@@ -181,14 +181,47 @@ class ConfigPaths:
 
 
 @dataclass(frozen=True)
+class ImageTiling:
+    """Images cut into square tiles of one size, as InternVL's tiler cuts them (Nemotron-H's, in vLLM), and encoded by
+    a graph of their own (``ModelFamily.image_encoder``): at most ``max_tiles`` tiles on the grid closest to the
+    image's aspect ratio, plus a thumbnail of the whole image when there are several (``thumbnail``)."""
+
+    tile_size: int  # pixels per tile side
+    patch_size: int
+    max_tiles: int
+    thumbnail: bool
+
+    def __post_init__(self) -> None:
+        if self.tile_size < 1 or self.tile_size % self.patch_size:
+            raise ValueError(f"a tile of {self.tile_size} px is not a positive multiple of the {self.patch_size} px "
+                             "patch; the config's force_image_size must be one")
+        check_max_tiles(self.max_tiles)
+
+    @property
+    def grid_hw(self) -> tuple[int, int]:
+        """The patch grid of one tile."""
+        side = self.tile_size // self.patch_size
+        return side, side
+
+
+def check_max_tiles(value: Any) -> int:
+    """``max_num_tiles`` (vLLM's processor argument) as a positive int; ValueError naming the value otherwise."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"max_num_tiles must be a positive int, got {value!r}; pass e.g. "
+                         "--mm-processor-kwargs '{\"max_num_tiles\": 12}'")
+    return value
+
+
+@dataclass(frozen=True)
 class MediaInput:
-    """A preprocessed video: patches in the family's order and its patch grid."""
+    """A preprocessed video or image: patches in the family's order and its patch grid (an image's ``T`` is its
+    tile count where its family tiles images, else 1)."""
 
     pixel_values: torch.Tensor  # (T*H*W, C*tp*p*p)
     grid_thw: tuple[int, int, int]  # patch grid (temporal patches, H patches, W patches)
     fps: float  # sampling rate of the frames the patches were made from
     frame_times: tuple[float, ...] = ()  # seconds of each sampled frame (timestamp layouts need them)
-    kind: str = "video"  # "video" (pruned by EVS) or "image" (grid T = 1, never pruned)
+    kind: str = "video"  # "video" (pruned by EVS) or "image" (grid T = 1, or its tiles; never pruned)
     pruning: Any = None  # a video's own models.pruning.VideoPruning (the request's choice); None: the engine's
     frame_indices: tuple[int, ...] = ()  # source index of each sampled frame (layouts that print them need them)
     source_fps: float = 0.0  # the source's frame rate as vLLM's loader reports it (0: unknown)
@@ -196,8 +229,8 @@ class MediaInput:
     def __post_init__(self) -> None:
         if self.kind not in ("video", "image"):
             raise ValueError(f"media kind must be 'video' or 'image', got {self.kind!r}")
-        if self.kind == "image" and int(self.grid_thw[0]) != 1:
-            raise ValueError(f"an image has one temporal patch, got grid {tuple(self.grid_thw)}")
+        if self.kind == "image" and int(self.grid_thw[0]) < 1:
+            raise ValueError(f"an image has one temporal patch or one per tile, got grid {tuple(self.grid_thw)}")
 
 
 @dataclass(frozen=True)
@@ -319,6 +352,17 @@ class ModelFamily(Protocol):
         layer per kind and stamps the others from its graph (``models.language_parts``). Layers whose parameters
         differ in name, shape or dtype, or that add different extra-row levels, are told apart without it; name here
         what the weights cannot tell (a computation chosen by the config alone)."""
+
+    def image_tiling(self) -> ImageTiling | None:
+        """How the checkpoint tiles images when they have a graph of their own; None where images go through the
+        video encoder (one temporal patch, the image in each of its frames)."""
+
+    def image_encoder(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Exportable image encoder (where ``image_tiling`` is set): F tiles + one tile's host inputs in, rows out,
+        with the video encoder's interface."""
+
+    def image_encoder_symbols(self, grid_hw: Sequence[int], frames: int) -> dict[str, int]:
+        """Values of the image encoder's dynamic symbols for calls of ``frames`` tiles of grid ``(H, W)``."""
 
     def encoder_host_inputs(self, grid_hw: Sequence[int], frames: int) -> dict[str, np.ndarray]:
         """Every encoder input except ``pixel_values``, for calls of ``frames`` patches of grid ``(H, W)``."""

@@ -274,6 +274,15 @@ class QwenVLFamily(abc.ABC):
     def layer_kinds(self) -> tuple[str, ...]:
         return ("decoder",) * self.normalized_config.num_layers
 
+    def image_tiling(self) -> None:
+        return None  # an image is one temporal patch through the video encoder
+
+    def image_encoder(self, model: nn.Module) -> None:
+        return None
+
+    def image_encoder_symbols(self, grid_hw: Sequence[int], frames: int) -> dict[str, int]:
+        raise ValueError(f"{self.name} encodes images with its video encoder; it has no image encoder graph")
+
     def encoder_host_inputs(self, grid_hw: Sequence[int], frames: int) -> dict[str, np.ndarray]:
         return encoder_host_inputs(self.vision_config, self.wrapper.frame_inputs_fn, grid_hw, frames)
 

@@ -8,6 +8,10 @@ features (``vision_final_layernorm``, in checkpoints whose language model has MT
 ``2 x 2`` block of patches into one row (channels ordered ``(row in block, column in block, feature)``) and
 projects it to the language model's width (RMSNorm, linear, squared ReLU, linear).
 
+Images (tiles) have a graph of their own, the same computation but for the first layer: each tile is one frame
+embedded by RADIO's image patch projection (``patch_projection``, rows ``(channel, y, x)``) instead of the video
+one; ``RadioEncoder(model, image=True)`` is that graph, with the same interface (F tiles per call).
+
 The graph takes F tubelets of one resolution per call, as every family's encoder does
 (docs/design.md#the-three-graphs); attention never crosses a tubelet, so the F tubelets are a batch and no mask is needed. The resampled
 position table is the one grid-derived tensor: the host passes its bilinear taps for one frame (``position_taps``),
@@ -149,7 +153,7 @@ class RadioEncoder(nn.Module):
 
     graph_spec = GRAPH_SPEC
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, image: bool = False) -> None:
         super().__init__()
         for name in ("vision_model", "multi_modal_projector"):
             if not hasattr(model, name):
@@ -158,7 +162,8 @@ class RadioEncoder(nn.Module):
         self.radio = share_weights_copy(model.vision_model)
         self.radio.config._attn_implementation = "eager"
         embeddings = self.radio.embeddings
-        if embeddings.video_patch_projection is None:
+        self.projection = embeddings.patch_projection if image else embeddings.video_patch_projection
+        if self.projection is None:
             raise ValueError("this RADIO tower has no video patch projection (vision_config.video_temporal_patch_size "
                              "is unset); its checkpoint cannot encode tubelets")
         self.final_norm = getattr(model, "vision_final_layernorm", None)
@@ -168,12 +173,12 @@ class RadioEncoder(nn.Module):
         self.hidden = int(self.radio.config.hidden_size)
 
     @classmethod
-    def from_model(cls, model: nn.Module) -> "RadioEncoder":
-        return cls(model)
+    def from_model(cls, model: nn.Module, image: bool = False) -> "RadioEncoder":
+        return cls(model, image)
 
     @property
     def patch_width(self) -> int:
-        return int(self.radio.embeddings.video_patch_projection.in_features)
+        return int(self.projection.in_features)
 
     def symbols(self, grid_hw: Sequence[int], frames: int) -> dict[str, int]:
         return encoder_symbols(self.patch_width, self.downsample, grid_hw, frames)
@@ -186,7 +191,7 @@ class RadioEncoder(nn.Module):
         """Returns ``vision_embeds (F * H/2 * W/2, hidden)``."""
         frames, big_h, big_w = video_grid_thw.shape  # sizes from a shape: symbols in the graph
         embeddings = self.radio.embeddings
-        patches = embeddings.video_patch_projection(pixel_values.reshape(frames, big_h * big_w, self.patch_width))
+        patches = self.projection(pixel_values.reshape(frames, big_h * big_w, self.patch_width))
         table = embeddings.position_embedding[0]  # (rows * cols of the table, D)
         positions = (table[position_indices] * position_weights[..., None].to(table.dtype)).sum(dim=1)
         hidden = patches + positions.to(patches.dtype)
@@ -200,7 +205,7 @@ class RadioEncoder(nn.Module):
     def dummy_inputs(self, grid_hw: Sequence[int], frames: int, seed: int = 0) -> dict[str, torch.Tensor]:
         """Random ``pixel_values`` plus the host inputs, as tensors in graph order (export examples)."""
         symbols = self.symbols(grid_hw, frames)
-        dtype = self.radio.embeddings.video_patch_projection.weight.dtype
+        dtype = self.projection.weight.dtype
         generator = torch.Generator().manual_seed(seed)
         pixels = torch.randn(symbols[PATCH_ROWS], symbols[PATCH_WIDTH], generator=generator).to(dtype)
         host = {name: torch.from_numpy(array) for name, array in self.host_inputs(grid_hw, frames).items()}

@@ -4,8 +4,9 @@ engines, one question answered about one video, and many requests served to the 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
+from qeff_evs.manifest import IMAGE_ENCODER
 from qeff_evs.models.protocol import MediaInput
 from qeff_evs.models.pruning import VideoPruning
 from qeff_evs.runtime.backends.base import close_session
@@ -13,7 +14,7 @@ from qeff_evs.runtime.backends.vision import Progress
 from qeff_evs.runtime.engine.executor import EngineConfig
 from qeff_evs.runtime.engine.single_request import Engine, GenerationResult
 from qeff_evs.runtime.export_bundle import ExportBundle
-from qeff_evs.runtime.inputs.prompt import video_question_pieces
+from qeff_evs.runtime.inputs.prompt import chat_pieces, video_question_pieces
 from qeff_evs.runtime.sessions import sessions_for
 
 
@@ -53,8 +54,22 @@ def stop_ids(bundle: ExportBundle) -> tuple[int, ...]:
 def answer(bundle: ExportBundle, engine: Engine, video: MediaInput, question: str) -> GenerationResult:
     bundle.manifest.check_video(video.grid_thw)  # fails clearly when no specialization serves this grid
     pieces = video_question_pieces(bundle.tokenizer, question, bundle.family.token_strings)
+    return _answer(bundle, engine, pieces, [video])
+
+
+def answer_media(bundle: ExportBundle, engine: Engine, media: Sequence[MediaInput], question: str) -> GenerationResult:
+    """A question about several items (images and videos, in ``media``'s order, before the question), rendered by
+    the chat template as vLLM's chat endpoint renders a user turn of those parts."""
+    for item in media:
+        if item.kind == "video":
+            bundle.manifest.check_video(item.grid_thw)
+    content = [{"type": item.kind} for item in media] + [{"type": "text", "text": question}]
+    return _answer(bundle, engine, chat_pieces(bundle.tokenizer, content, bundle.family.token_strings), list(media))
+
+
+def _answer(bundle: ExportBundle, engine: Engine, pieces, media: list[MediaInput]) -> GenerationResult:
     started = time.perf_counter()
-    prompt = engine.prepare(pieces, [video])
+    prompt = engine.prepare(pieces, media)
     vision = time.perf_counter() - started
     result = engine.generate(prompt, eos_ids=stop_ids(bundle))
     result.seconds = {"vision": vision, **result.seconds}
@@ -121,4 +136,15 @@ def largest_item_rows(bundle: ExportBundle, pruning: VideoPruning) -> int:
     bucket) at the resolution with the most tokens, or the largest image."""
     m, factor = bundle.manifest, bundle.preprocess.factor
     tokens = max((h // factor) * (w // factor) for h, w in m.resolutions)
-    return max(tokens, pruning.kept_token_count(tokens, max(m.temporal_patch_buckets)))
+    return max(largest_image_rows(bundle), pruning.kept_token_count(tokens, max(m.temporal_patch_buckets)))
+
+
+def largest_image_rows(bundle: ExportBundle) -> int:
+    """Rows of the largest image: a tiled family's at its default most tiles and the thumbnail (vLLM sizes its
+    encoder cache with the processor's ``max_num_tiles`` alike), else one at the resolution with the most tokens."""
+    m, factor = bundle.manifest, bundle.preprocess.factor
+    if IMAGE_ENCODER in m.files:
+        tiling = bundle.family.image_tiling()
+        side = tiling.tile_size // factor
+        return (tiling.max_tiles + int(tiling.thumbnail)) * side * side
+    return max((h // factor) * (w // factor) for h, w in m.resolutions)

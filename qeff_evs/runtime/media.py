@@ -12,6 +12,9 @@ import torch
 
 from qeff_evs.models.protocol import SAMPLING_FPS, MediaInput
 from qeff_evs.runtime.export_bundle import ExportBundle
+from qeff_evs.runtime.inputs.image_tiles import (
+    MAX_TILES_KEY, max_tiles_of, tile_patches, tile_pixels, without_tile_kwargs,
+)
 from qeff_evs.runtime.inputs.processor import (
     VideoFrames,
     choose_resolution,
@@ -22,6 +25,18 @@ from qeff_evs.runtime.inputs.processor import (
     video_size,
 )
 from qeff_evs.runtime.inputs.video_io import ARRAY_SUFFIX
+
+
+def video_kwargs(bundle: ExportBundle, mm_processor_kwargs: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
+    """The video processor's ``mm_processor_kwargs``: without the tiler's where the family tiles images (one
+    processor takes both in vLLM), else as given (a key the video processor does not know is refused there)."""
+    if mm_processor_kwargs is None or MAX_TILES_KEY not in mm_processor_kwargs:
+        return mm_processor_kwargs
+    try:
+        bundle.family.image_tiling()
+    except ValueError:
+        return mm_processor_kwargs
+    return without_tile_kwargs(mm_processor_kwargs)
 
 
 def video_from_file(path: str | Path, bundle: ExportBundle, *, media_io_kwargs: Mapping[str, Any] | None = None,
@@ -39,7 +54,7 @@ def video_from_file(path: str | Path, bundle: ExportBundle, *, media_io_kwargs: 
                          "container has its own; sample it with mm_processor_kwargs {\"fps\": X} (vLLM's "
                          "--mm-processor-kwargs) or media_io_kwargs {\"fps\": X} (--media-io-kwargs)")
     frames = video_file_frames(path, bundle.preprocess, media_io_kwargs=media_io_kwargs,
-                               mm_processor_kwargs=mm_processor_kwargs, max_frames=bundle.manifest.max_frames,
+                               mm_processor_kwargs=video_kwargs(bundle, mm_processor_kwargs), max_frames=bundle.manifest.max_frames,
                                array_fps=array_fps, reader=reader)
     return _media_from_frames(frames, bundle)
 
@@ -50,7 +65,7 @@ def video_from_frames(frames: np.ndarray, metadata: Mapping[str, Any], bundle: E
     (``total_num_frames``, ``fps``, [``frames_indices``, ``duration``, ``do_sample_frames``]): what vLLM's loader
     hands the processor, or an ``LLM.generate`` caller's ``(frames, metadata)``."""
     return _media_from_frames(delivered_video_frames(frames, metadata, bundle.preprocess,
-                                                     mm_processor_kwargs=mm_processor_kwargs,
+                                                     mm_processor_kwargs=video_kwargs(bundle, mm_processor_kwargs),
                                                      max_frames=bundle.manifest.max_frames), bundle)
 
 
@@ -63,9 +78,18 @@ def _media_from_frames(video: VideoFrames, bundle: ExportBundle) -> MediaInput:
                       frame_indices=tuple(int(i) for i in video.clip.indices), source_fps=float(video.metadata.fps))
 
 
-def image_from_array(image: np.ndarray, bundle: ExportBundle) -> MediaInput:
-    """An RGB uint8 ``(H, W, 3)`` image, resized to the exported size closest in aspect (never pruned)."""
+def image_from_array(image: np.ndarray, bundle: ExportBundle,
+                     mm_processor_kwargs: Mapping[str, Any] | None = None) -> MediaInput:
+    """An RGB uint8 ``(H, W, 3)`` image (never pruned): cut into tiles where the family tiles images (at most the
+    ``max_num_tiles`` of ``mm_processor_kwargs``, vLLM's processor argument), else resized to the exported size
+    closest in aspect."""
     spec = bundle.preprocess
+    tiling = bundle.family.image_tiling()
+    if tiling is not None:
+        bundle.manifest.image_encoder_entry()  # refuses an export without the image graph
+        tiles, _ = tile_pixels(image, tiling, spec, max_tiles_of(mm_processor_kwargs))
+        rows, grid = tile_patches(tiles, spec)
+        return MediaInput(torch.from_numpy(rows), grid, 1.0, (), kind="image")
     size = choose_resolution(image.shape[0], image.shape[1], bundle.manifest.resolutions, spec.factor)
     processed = preprocess_image(image, size, spec)
     return MediaInput(processed.pixel_values, tuple(processed.grid_thw), 1.0, (), kind="image")

@@ -70,6 +70,17 @@ PROCESSOR = load_defs(PROCESSOR_FILE, {
     "get_video_target_size_and_feature_size": None, "video_to_pixel_values": None,
     "get_video_repl": "NanoNemotronVLProcessor",
 }, {"math": math, "torch": torch, "np": np, "PromptUpdateDetails": PromptUpdateDetails})
+INTERNVL_FILE = VLLM_DIR / "transformers_utils/processors/internvl.py"
+# InternVL's tiler (pure Python), then the Nemotron-H processor's image functions that call it.
+TILER = load_defs(INTERNVL_FILE, {
+    "find_closest_aspect_ratio": None, "get_internvl_target_ratios": None, "calculate_internvl_targets": None,
+}, {})
+IMAGES = load_defs(PROCESSOR_FILE, {
+    "_pil_to_nhwc_tensor": None, "dynamic_preprocess": None, "get_num_image_tokens": "BaseNanoNemotronVLProcessor",
+    "get_image_repl": "NanoNemotronVLProcessor",
+}, {"np": np, "torch": torch, "_bicubic_resize_and_normalize": PROCESSOR["_bicubic_resize_and_normalize"],
+    "IMG_CONTEXT": "<image>", "IMG_START": "<img>", "IMG_END": "</img>", "cached_encode": cached_encode,
+    "PromptUpdateDetails": PromptUpdateDetails, **TILER})
 MODEL = load_defs(MODEL_FILE, {
     "_get_prompt_repl_video": "NanoNemotronVLMultiModalProcessor", "_process_video_input": "NemotronH_Nano_VL_V2",
     "_create_final_video_embeddings": "NemotronH_Nano_VL_V2",
@@ -258,3 +269,83 @@ def greedy(language_model, embeds: torch.Tensor, steps: int) -> tuple[torch.Tens
         out = language_model(input_ids=torch.tensor([[tokens[-1]]]), past_key_values=cache, use_cache=True)
         tokens.append(int(out.logits[0, -1].argmax()))
     return first, tokens
+
+
+# ---- images (vLLM 0.34's tiler mode) ---------------------------------------------------------------
+
+
+def vllm_image_pixels(image, tile_size: int, max_tiles: int, settings: VllmSettings) -> torch.Tensor:
+    """vLLM's ``dynamic_preprocess`` of a PIL image: its tiles ``(N, 3, S, S)`` float32, the thumbnail last (its CPU
+    normalisation, the path our frames follow)."""
+    return IMAGES["dynamic_preprocess"](
+        image, image_size=tile_size, max_num_tiles=max_tiles, use_thumbnail=True,
+        norm_mean=torch.Tensor(settings.norm_mean).reshape(1, 3, 1, 1),
+        norm_std=torch.Tensor(settings.norm_std).reshape(1, 3, 1, 1))
+
+
+def vllm_image_ids(tokenizer, width: int, height: int, tile_size: int, max_tiles: int, settings: VllmSettings
+                   ) -> list[int]:
+    """What vLLM's processor replaces an ``<image>`` with: ``get_image_repl`` of ``get_num_image_tokens``."""
+    rows_per_tile = int((tile_size // settings.patch_size) ** 2 * settings.downsample_ratio ** 2)
+    processor = types.SimpleNamespace(image_size=tile_size, use_thumbnail=True, num_image_token=rows_per_tile,
+                                      tokenizer=tokenizer, **_marker_ids(tokenizer))
+    feature_size = IMAGES["get_num_image_tokens"](processor, image_width=width, image_height=height,
+                                                  max_num_tiles=max_tiles)
+    return list(IMAGES["get_image_repl"](processor, feature_size, None).full)
+
+
+def hf_image_rows(model, tiles: torch.Tensor) -> torch.Tensor:
+    """transformers' rows of an image's tiles: its RADIO tower on each tile (the image patch projection), then
+    ``project_vision_features``; tile by tile, raster inside each."""
+    patch = model.config.vision_config.patch_size
+    features = model.vision_model(tiles).features
+    rows = model.project_vision_features(features, tiles.shape[-2] // patch, tiles.shape[-1] // patch)
+    return rows.reshape(-1, rows.shape[-1])
+
+
+@torch.no_grad()
+def hf_reference_images(model, tokenizer, question: str, images: list[tuple[torch.Tensor, list[int]]], video,
+                        q: float, steps: int) -> Reference:
+    """transformers on a user turn of ``images`` (each its tiles and vLLM's ids for it), then ``video`` (or None),
+    then ``question``: the chat template tokenized whole, each ``<image>`` and ``<video>`` replaced as vLLM replaces
+    them, the image rows at their pads, the video's kept rows (vLLM's EVS at ``q``) at its own; transformers'
+    language model greedy over its own cache."""
+    config = model.config
+    content = [{"type": "image"}] * len(images) + ([{"type": "video"}] if video is not None else [])
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": content + [{"type": "text", "text": question}]}], tokenize=False,
+        add_generation_prompt=True)
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    image_id, video_ids = config.image_token_id, tokenizer.encode("<video>", add_special_tokens=False)
+    rows, kept = [], np.zeros(0, dtype=np.int64)
+    out, at, next_image = [], 0, 0
+    while at < len(ids):
+        if ids[at] == image_id:
+            tiles, repl = images[next_image]
+            next_image += 1
+            out += repl
+            rows.append(hf_image_rows(model, tiles))
+            at += 1
+        elif video is not None and ids[at:at + len(video_ids)] == video_ids:
+            frames = patches_to_frames(torch.as_tensor(video.pixel_values), video.grid_thw,
+                                       config.video_temporal_patch_size, config.vision_config.patch_size)
+            video_rows = model.get_video_features(frames).pooler_output.reshape(-1, config.text_config.hidden_size)
+            t, h, w = video.grid_thw[0], video.grid_thw[1] // 2, video.grid_thw[2] // 2
+            mask = torch.ones(video_rows.shape[0], dtype=torch.bool) if q == 0 else \
+                vllm_evs.compute_retention_mask(video_rows, (t, h, w), 1, q)
+            counts = mask.reshape(t, h * w).sum(dim=1).tolist()
+            markers = {k.lstrip("_"): v for k, v in _marker_ids(tokenizer).items()}
+            out += list(get_video_repl(tokens_per_frame=counts, frames_indices=list(video.frame_indices),
+                                       frame_duration_ms=int(1000 / video.source_fps), tokenizer=tokenizer,
+                                       video_temporal_patch_size=config.video_temporal_patch_size, **markers).full)
+            rows.append(video_rows[mask])
+            kept = torch.nonzero(mask).reshape(-1).numpy()
+            at += len(video_ids)
+        else:
+            out.append(ids[at])
+            at += 1
+    prompt = torch.tensor([out])
+    embeds = model.get_input_embeddings()(prompt).clone()
+    embeds[prompt == image_id] = torch.cat(rows)
+    first, tokens = greedy(model.language_model, embeds, steps)
+    return Reference(out, kept, tokens, first)

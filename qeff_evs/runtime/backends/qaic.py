@@ -38,7 +38,7 @@ from types import ModuleType
 import numpy as np
 
 from qeff_evs.models.graph_io import BATCH_INDEX, RETAINED_SUFFIX, state_shapes
-from qeff_evs.manifest import LanguageShape, graph_role, pruning_graph
+from qeff_evs.manifest import IMAGE_ENCODER, LanguageShape, graph_role, pruning_graph
 from qeff_evs.runtime.backends.base import (
     MergedRows,
     RetainedStateSession,
@@ -438,8 +438,10 @@ def load_programs(bundle, graphs: Sequence[str], device_ids: DeviceIdsSpec | Non
 def _vision_pipeline(bundle, programs: dict[str, QaicProgram]) -> VisionPipeline:
     pruning = {graph[len("pruning_"):]: QaicPruningSession(program) for graph, program in programs.items()
                if graph_role(graph) == "pruning"}
+    # The image encoder is compiled (in the encoder's role) but not loaded: images are refused on this backend.
     return VisionPipeline(bundle.family, QaicEncoderSession(programs["encoder"]), pruning,
-                          bundle.manifest.frames_per_call, bundle.manifest.temporal_patch_buckets)
+                          bundle.manifest.frames_per_call, bundle.manifest.temporal_patch_buckets,
+                          tiled_images=IMAGE_ENCODER in bundle.manifest.files)
 
 
 def qaic_vision_pipeline(bundle, device_ids: DeviceIdsSpec | None = None, sdk_root: str | Path = DEFAULT_SDK_ROOT,

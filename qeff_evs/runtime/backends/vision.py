@@ -40,6 +40,10 @@ class VisionPipeline:
     pruning: Mapping[str, PruningSession]
     frames_per_call: int
     buckets: tuple[int, ...]
+    # The image encoder's session, where the export has one (``manifest.IMAGE_ENCODER``: its images are tiles with a
+    # graph of their own); ``tiled_images``: whether it has, so that a backend without the session refuses images.
+    image_encoder: EncoderSession | None = None
+    tiled_images: bool = False
     # The encoder's host index inputs per frame grid (H, W): the same for every video of that
     # resolution at this F, so they are built once, not per video.
     _host_inputs: dict[tuple[int, int], dict[str, np.ndarray]] = field(default_factory=dict, init=False, repr=False)
@@ -59,6 +63,13 @@ class VisionPipeline:
         if pixels.ndim != 2 or pixels.shape[0] != t * patches:
             raise ValueError(f"pixel_values of shape {pixels.shape} do not hold the {t * patches} patches of grid "
                              f"{tuple(media.grid_thw)}; pass the processor's output for this grid")
+        encoder = self.encoder
+        if media.kind == "image" and self.tiled_images:
+            if self.image_encoder is None:
+                raise ValueError("this backend runs no image encoder program (only ort, openvino and torch do); send "
+                                 "videos, or serve images on another backend")
+            encoder = self.image_encoder
+        # The same taps for both encoders of a grid: they differ only in the first layer.
         host = self._host_inputs.get((big_h, big_w))
         if host is None:
             host = self._host_inputs[(big_h, big_w)] = self.family.encoder_host_inputs((big_h, big_w), f)
@@ -68,7 +79,7 @@ class VisionPipeline:
             batch = pixels[start * patches:(start + count) * patches]
             if count < f:
                 batch = np.concatenate([batch, np.zeros(((f - count) * patches, batch.shape[1]), batch.dtype)])
-            out = self.encoder.encode(batch, host)
+            out = encoder.encode(batch, host)
             if rows is None:  # sized once the hidden width is known; the item's rows, nothing more
                 rows = np.empty((t * tokens, out.rows.shape[-1]), dtype=out.rows.dtype)
                 extras = {name: np.empty((*value.shape[:-2], t * tokens, value.shape[-1]), dtype=value.dtype)
@@ -116,5 +127,7 @@ class VisionPipeline:
     def close(self) -> None:
         """Release every session's program (QAIC); nothing to do on the host backends."""
         close_session(self.encoder)
+        if self.image_encoder is not None:
+            close_session(self.image_encoder)
         for session in self.pruning.values():
             close_session(session)

@@ -36,7 +36,7 @@ from qeff_evs.runtime.engine.executor import kept_count, media_pruning
 from qeff_evs.runtime.request_pruning import PruningRequest
 from qeff_evs.runtime.sessions import runnable_methods
 from qeff_evs.runtime.engine.request import PromptPiece, plan_prompt
-from qeff_evs.runtime.builders import largest_item_rows, video_pruning
+from qeff_evs.runtime.builders import largest_image_rows, largest_item_rows, video_pruning
 from qeff_evs.runtime.export_bundle import ExportBundle, open_export
 from qeff_evs.runtime.media import image_from_array, video_from_frames
 from qeff_evs.runtime.inputs.video_io import DEFAULT_ARRAY_FPS
@@ -140,7 +140,12 @@ def process_media(bundle: ExportBundle, videos: Sequence[Any], images: Sequence[
                     video_pruning_method=torch.tensor([PRUNING_METHODS.index(m.pruning.method) for m in media],
                                                       dtype=torch.int64))
     if images:
-        media = [image_from_array(_image_array(image), bundle) for image in images]
+        media = []
+        for number, image in enumerate(images):
+            try:
+                media.append(image_from_array(_image_array(image), bundle, video_kwargs))
+            except ValueError as error:
+                raise ValueError(f"image {number}: {error}") from None
         data.update(pixel_values=torch.cat([m.pixel_values for m in media]),
                     image_grid_thw=torch.tensor([m.grid_thw for m in media], dtype=torch.int64))
     return BatchFeature(data)
@@ -223,10 +228,8 @@ class QeffEvsProcessingInfo(BaseProcessingInfo):
         choose rate 0, so the longest video unpruned. A modality the family does not serve has none: vLLM then never
         builds one to profile or measure (an EC producer encodes one dummy item of each listed modality), and a
         request with one still reaches the family's own refusal."""
-        m, factor = self.bundle.manifest, self.bundle.preprocess.factor
-        images = [(h // factor) * (w // factor) for h, w in m.resolutions]
         unpruned = VideoPruning(self.pruning.method, 0.0)
-        rows = {"video": largest_item_rows(self.bundle, unpruned), "image": max(images)}
+        rows = {"video": largest_item_rows(self.bundle, unpruned), "image": largest_image_rows(self.bundle)}
         return {modality: n for modality, n in rows.items() if modality in self.bundle.family.modalities}
 
 
