@@ -49,15 +49,34 @@ def hollow_model(model_class: type, config, dtype: torch.dtype = torch.float32) 
             if any(True for _ in module.parameters(recurse=False)):
                 raise ValueError(f"{type(module).__name__} holds both parameters and computed buffers {meta}; "
                                  "qeff-evs cannot rebuild its buffers without its weights")
-            for name in meta:
-                module._buffers[name] = torch.empty_like(module._buffers[name], device="cpu")
+            for name in meta:  # NaN until transformers' init fills it, so a buffer it skips is caught below
+                buffer = torch.empty_like(module._buffers[name], device="cpu")
+                module._buffers[name] = buffer.fill_(float("nan")) if buffer.is_floating_point() else buffer
             rebuilt.append(module)
+    owners = _innermost_pretrained(model)
     for module in rebuilt:
-        model._init_weights(module)  # transformers' own init of the buffers it does not save (rotary inv_freq)
-        left = [name for name, buffer in module._buffers.items() if buffer is not None and buffer.is_meta]
+        owners[id(module)]._init_weights(module)  # transformers' own init of the buffers it does not save
+        left = [name for name, buffer in module._buffers.items()
+                if buffer is not None and (buffer.is_meta or (buffer.is_floating_point() and buffer.isnan().any()))]
         if left:
-            raise ValueError(f"transformers' init left {type(module).__name__}'s buffers {left} empty")
+            raise ValueError(f"transformers' init left {type(module).__name__}'s buffers {left} unset; qeff-evs "
+                             "cannot export this checkpoint streamed (export it with --in-memory)")
     return model.eval()
+
+
+def _innermost_pretrained(model: nn.Module) -> dict[int, nn.Module]:
+    """``id(module) -> the innermost model holding it that has ``_init_weights``: a composite model's own init
+    does not know its sub-models' modules (Nemotron-H Omni's knows no Parakeet positional encoding)."""
+    owners: dict[int, nn.Module] = {}
+
+    def walk(module: nn.Module, owner: nn.Module) -> None:
+        owner = module if hasattr(module, "_init_weights") else owner
+        owners[id(module)] = owner
+        for child in module.children():
+            walk(child, owner)
+
+    walk(model, model)
+    return owners
 
 
 def parameter_names(model: nn.Module) -> dict[int, str]:
