@@ -176,29 +176,57 @@ def _image(path: str, args: argparse.Namespace, bundle):
         raise ValueError(f"--image {path}: {error}") from None
 
 
+def _audio(path: str, bundle):
+    """One ``--audio``: the file's first audio stream, mono, at the checkpoint's rate."""
+    from qeff_evs.runtime.inputs.audio_features import audio_from_file
+
+    features = bundle.family.audio_features()
+    if features is None:
+        raise ValueError(f"--audio {path}: this export ({bundle.family.name}) serves no audio")
+    return audio_from_file(path, features)
+
+
+def _video_sound(args: argparse.Namespace, bundle):
+    """``use_audio_in_video``: the ``--video`` file's soundtrack (None: none, or not asked for)."""
+    from qeff_evs.runtime.inputs.audio_features import use_audio_in_video, video_sound
+
+    if not use_audio_in_video(args.mm_processor_kwargs):
+        return None
+    features = bundle.family.audio_features()
+    if features is None:
+        raise ValueError(f"use_audio_in_video: this export ({bundle.family.name}) serves no audio")
+    if not args.video:
+        raise ValueError("use_audio_in_video reads the --video file's soundtrack; give --video")
+    return video_sound(args.video, features)
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from qeff_evs.runtime.builders import answer, answer_media, build_engine, video_pruning
     from qeff_evs.runtime.export_bundle import open_export
 
     bundle = open_export(args.export_dir)
     pruning = video_pruning(bundle, args.video_pruning_method, args.video_pruning_rate)
-    if args.requests and args.image:
-        raise ValueError("--image is one request's; with --requests give each request's media in the JSONL")
+    if args.requests and (args.image or args.audio):
+        raise ValueError("--image and --audio are one request's; with --requests give each request's media in the "
+                         "JSONL")
     if args.requests:
         return _serve_requests(args, bundle, pruning)
-    if not (args.video or args.pixel_values_videos or args.image):
-        raise ValueError("run needs --requests, or --prompt with --video, --pixel-values-videos or --image")
+    if not (args.video or args.pixel_values_videos or args.image or args.audio):
+        raise ValueError("run needs --requests, or --prompt with --video, --pixel-values-videos, --image or --audio")
     started = time.perf_counter()
     images = [_image(path, args, bundle) for path in args.image or ()]
+    audios = [_audio(path, bundle) for path in args.audio or ()]
     video = _video(args, bundle) if args.video or args.pixel_values_videos else None
+    sound = _video_sound(args, bundle)
     preprocess = time.perf_counter() - started
     if args.prompt is None:
-        raise ValueError("--prompt is required with --video / --pixel-values-videos / --image")
+        raise ValueError("--prompt is required with --video / --pixel-values-videos / --image / --audio")
     engine = build_engine(bundle, args.backend, args.max_new_tokens, progress=_progress, device_ids=_device_ids(args),
                           pruning=pruning)
     try:
-        if images:  # the images first, then the video, then the question: one user turn of those parts
-            result = answer_media(bundle, engine, [*images, *([video] if video else [])], args.prompt)
+        if images or audios or sound:  # images, audio, the video (and its sound), then the question: one user turn
+            media = [*images, *audios, *([video] if video else []), *([sound] if sound else [])]
+            result = answer_media(bundle, engine, media, args.prompt, use_audio_in_video=sound is not None)
         else:
             result = answer(bundle, engine, video, args.prompt)
     finally:
@@ -313,7 +341,8 @@ def _add_video_arguments(p: argparse.ArgumentParser, source) -> None:
                         "the loader vLLM picks for the checkpoint)")
     p.add_argument("--mm-processor-kwargs", type=_json_object("--mm-processor-kwargs"), default=None,
                    help="vLLM's --mm-processor-kwargs for the video processor: fps, num_frames, do_sample_frames, "
-                        "min_frames, max_frames; max_num_tiles for a Nemotron-H export's images")
+                        "min_frames, max_frames; max_num_tiles for a Nemotron-H export's images, use_audio_in_video "
+                        "for a Nemotron-H Omni export's video sound")
     p.add_argument("--video-pruning-rate", type=float, default=None,
                    help="pruning rate q in [0, 1) (0: off; default: the export's)")
     p.add_argument("--video-pruning-method", default=None,
@@ -434,6 +463,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--image", action="append", default=None,
                    help="an image file as PIL reads it (repeatable; before the video in the prompt); a Nemotron-H "
                         "export tiles it as vLLM does (max_num_tiles through --mm-processor-kwargs)")
+    p.add_argument("--audio", action="append", default=None,
+                   help="an audio file FFmpeg reads, at the checkpoint's rate (repeatable; after the images, before "
+                        "the video); a Nemotron-H Omni export cuts it into 30 s clips as vLLM does. A video's own "
+                        "sound: --mm-processor-kwargs '{\"use_audio_in_video\": true}'")
     p.add_argument("--prompt", help="the question (not with --requests)")
     p.add_argument("--max-num-seqs", type=int, default=None, help="--requests: running requests (<= full batch)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="--requests: token budget per step")

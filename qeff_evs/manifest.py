@@ -38,8 +38,9 @@ MODEL_CONFIG_DIR = "model_config"  # the checkpoint's config and preprocessor fi
 GRAPHS = ("encoder", "pruning", "language")
 PRUNING_ROLE = "pruning"
 # A family whose images have a graph of their own (``ModelFamily.image_tiling``) exports it beside the encoder, in
-# the encoder's role (its cores and devices).
+# the encoder's role (its cores and devices); one with audio (``ModelFamily.audio_features``) its audio encoder alike.
 IMAGE_ENCODER = "encoder_image"
+AUDIO_ENCODER = "encoder_audio"
 # role -> path relative to the export folder (the pruning graphs' files: ``pruning_files``)
 EXPORT_FILES = dict(
     encoder="vision/encoder.onnx", language="language/language.onnx",
@@ -76,16 +77,19 @@ def pruning_graph(method: str) -> str:
 def graph_role(graph: str) -> str:
     """The role a graph is placed under: ``pruning`` for every method's pruning graph, ``encoder`` for the image
     encoder, else the graph itself."""
-    if graph == IMAGE_ENCODER:
+    if graph in (IMAGE_ENCODER, AUDIO_ENCODER):
         return "encoder"
     return PRUNING_ROLE if graph.startswith(f"{PRUNING_ROLE}_") else graph
 
 
-# The image encoder's files, by file key (beside the encoder's in the vision folder).
-IMAGE_ENCODER_FILES = {IMAGE_ENCODER: f"vision/{IMAGE_ENCODER}.onnx",
-                       f"{IMAGE_ENCODER}_specializations": f"vision/{IMAGE_ENCODER}_specializations.json",
-                       f"{IMAGE_ENCODER}_specializations_named": f"vision/{IMAGE_ENCODER}_specializations.named.json",
-                       f"{IMAGE_ENCODER}_custom_io": f"vision/{IMAGE_ENCODER}_custom_io.yaml"}
+def encoder_files(graph: str) -> dict[str, str]:
+    """The files of the image or audio encoder, by file key (beside the encoder's in the vision folder)."""
+    return {graph: f"vision/{graph}.onnx", f"{graph}_specializations": f"vision/{graph}_specializations.json",
+            f"{graph}_specializations_named": f"vision/{graph}_specializations.named.json",
+            f"{graph}_custom_io": f"vision/{graph}_custom_io.yaml"}
+
+
+IMAGE_ENCODER_FILES, AUDIO_ENCODER_FILES = encoder_files(IMAGE_ENCODER), encoder_files(AUDIO_ENCODER)
 
 
 def pruning_files(method: str) -> dict[str, str]:
@@ -117,21 +121,25 @@ class SpecialTokens:
     vision_start: int
     vision_end: int
     eos: tuple[int, ...] = field(default=())
+    audio_pad: int | None = None  # a family with audio (Nemotron-H Omni's <so_embedding>); absent before audio
 
     @property
-    def media_pads(self) -> tuple[int, int]:
-        return (self.image_pad, self.video_pad)
+    def media_pads(self) -> tuple[int, ...]:
+        return (self.image_pad, self.video_pad) + (() if self.audio_pad is None else (self.audio_pad,))
 
     def media_pad(self, modality: str) -> int:
-        """The pad id the language graph merges an item of ``modality`` ("image" or "video") at."""
+        """The pad id the language graph merges an item of ``modality`` ("image", "video", "audio") at."""
+        if modality == "audio" and self.audio_pad is not None:
+            return self.audio_pad
         if modality not in ("image", "video"):
-            raise ValueError(f"qeff-evs exports take images and videos, not {modality!r}")
+            raise ValueError(f"this export takes images and videos, not {modality!r}")
         return self.image_pad if modality == "image" else self.video_pad
 
     @property
     def ids(self) -> tuple[int, ...]:
         """Every special id: the pads, the markers around media, the stop ids."""
-        return (self.image_pad, self.video_pad, self.vision_start, self.vision_end, *self.eos)
+        audio = () if self.audio_pad is None else (self.audio_pad,)
+        return (self.image_pad, self.video_pad, *audio, self.vision_start, self.vision_end, *self.eos)
 
 
 # Device precisions a retained state can declare (``LayerState.precision``): fp16 as the rest of the graph
@@ -306,6 +314,8 @@ class Manifest:
     pruning_entries: tuple[PruningEntry, ...] = field(default=())
     # The image encoder's specializations (one tile size; ``IMAGE_ENCODER``), where the family has one.
     image_encoder_entries: tuple[EncoderEntry, ...] = field(default=())
+    # The audio encoder's clip buckets in feature frames (``AUDIO_ENCODER``, a specialization each), where it has one.
+    audio_buckets: tuple[int, ...] = ()
     video_pruning_methods: tuple[str, ...] = ("evs",)  # the methods whose pruning graphs the export carries
     video_pruning_method: str = "evs"  # the default method
     max_video_pruning_rate: float = 0.9  # the largest rate the RoPE tables were sized for
@@ -342,8 +352,8 @@ class Manifest:
     @property
     def graphs(self) -> tuple[str, ...]:
         """The export's graphs, in compile order: the encoder, one pruning graph per method, the language graph."""
-        images = (IMAGE_ENCODER,) if IMAGE_ENCODER in self.files else ()
-        return ("encoder", *images, *(pruning_graph(m) for m in self.video_pruning_methods), "language")
+        others = tuple(graph for graph in (IMAGE_ENCODER, AUDIO_ENCODER) if graph in self.files)
+        return ("encoder", *others, *(pruning_graph(m) for m in self.video_pruning_methods), "language")
 
     @property
     def temporal_patch_buckets(self) -> tuple[int, ...]:
@@ -572,6 +582,7 @@ def read_manifest(export_dir: Path) -> Manifest:
     raw["video_pruning_methods"] = tuple(raw["video_pruning_methods"])
     raw["short_prefill_lens"] = tuple(raw.get("short_prefill_lens", ()))
     raw["resolutions"] = tuple(tuple(r) for r in raw["resolutions"])
+    raw["audio_buckets"] = tuple(raw.get("audio_buckets", ()))
     manifest = Manifest(**raw, special_tokens=SpecialTokens(**tokens), language_shape=LanguageShape(**shape),
                         encoder_entries=encoder, pruning_entries=pruning, image_encoder_entries=images)
     if written is not None and tuple(written) != manifest.temporal_patch_buckets:

@@ -44,6 +44,7 @@ from qeff_evs.runtime.export_bundle import open_export
 from qeff_evs.runtime.inputs.prompt import video_question_pieces
 from qeff_evs.runtime.inputs.synthetic import moving_square_video
 from qeff_evs.runtime.builders import answer_media
+from qeff_evs.runtime.inputs.audio_features import audio_input
 from qeff_evs.runtime.inputs.image_tiles import candidate_grids, choose_grid, tile_pixels
 from qeff_evs.runtime.media import image_from_array, video_from_frames
 from qeff_evs.runtime.sessions import sessions_for
@@ -469,3 +470,192 @@ def test_image_refusals(bundles, tmp_path, checkpoint):
     with pytest.raises(ValueError, match="no force_image_size"):
         NemotronHOmniFamily(untiled, bundle.tokenizer).image_tiling()
     assert family.image_tiling().grid_hw == (4, 4)
+
+
+# --------------------------------------------------------------------------------------------------
+# audio: vLLM 0.34's Parakeet extractor and prompt, transformers' audio tower; the sound of a video
+
+# Below vLLM's 0.1 s floor, 96 frames (transformers' own count: one row more), 100, 230, two clips (30 s + 1.2 s).
+AUDIO_SECONDS = (0.05, 0.96, 1.0, 2.3, 31.2)
+
+
+def waveform(seconds: float, seed: int) -> np.ndarray:
+    """A tone under noise at 16 kHz, float32 in about [-1, 1]."""
+    t = np.arange(int(round(16000 * seconds))) / 16000
+    noise = np.random.default_rng(seed).standard_normal(t.shape)
+    return (0.4 * np.sin(2 * np.pi * (220 + 40 * seed) * t) + 0.1 * noise).astype(np.float32)
+
+
+@pytest.fixture(scope="module")
+def extractor(hf_model):
+    return nemotron.vllm_extractor(hf_model.config.audio_config)
+
+
+@pytest.mark.parametrize("seconds", AUDIO_SECONDS)
+def test_audio_features_and_prompt_equal_vllms_extractor(bundles, extractor, seconds):
+    """Clips, each clip's frames and normalised log-mel features (1e-5) equal ``ParakeetExtractor``'s; the
+    ``<so_embedding>`` replacement equals ``get_audio_repl`` (``<so_start>``, vLLM's count of pads, ``<so_end>``)."""
+    bundle = bundles[32]
+    wave = waveform(seconds, 1)
+    media = audio_input(wave, bundle.family.audio_features())
+    theirs = extractor([wave])
+    frames = theirs["feature_attention_mask"].sum(dim=1).tolist()
+    assert theirs["audio_num_clips"] == [len(media.clip_frames)] and list(media.clip_frames) == frames
+    ours = np.split(np.asarray(media.pixel_values), np.cumsum(frames)[:-1])
+    for clip, features, count in zip(ours, theirs["input_audio_features"], frames):
+        np.testing.assert_allclose(clip, features[:count].numpy(), rtol=0, atol=1e-5)
+        assert not features[count:].any()  # vLLM's padding is zeros, as the graph's
+    ids = bundle.family.placeholder_ids(media, kept_count(bundle.family, media, VideoPruning("evs", Q)))
+    assert ids.tolist() == nemotron.vllm_audio_ids(bundle.tokenizer, extractor, wave)
+    assert len(ids) - 2 == extractor.audio_token_count(len(wave))
+
+
+def test_audio_rows_equal_transformers(sessions, hf_model, bundles, extractor):
+    """The audio encoder's rows (each clip padded to its frame bucket) equal transformers' audio tower and projector
+    on vLLM's features, cut to vLLM's counts, 1e-4: at 0.96 s (96 frames; transformers' ``get_audio_features``
+    would keep 13 rows, vLLM 12) and for two clips."""
+    for seconds in (0.96, 31.2):
+        wave = waveform(seconds, 2)
+        media = audio_input(wave, bundles[32].family.audio_features())
+        with torch.no_grad():
+            reference = nemotron.hf_audio_rows(hf_model, extractor, wave).numpy()
+        assert reference.shape[0] == extractor.audio_token_count(len(wave))
+        for backend in ("ort", "torch", "openvino"):
+            vision, _ = sessions[(32, backend)]
+            np.testing.assert_allclose(vision.merged_rows(media).rows, reference, rtol=0, atol=ATOL)
+
+
+def test_an_audio_clip_equals_transformers_generate(bundles, sessions, hf_model):
+    """transformers' ``generate`` on the clip's features (230 frames: its count and vLLM's agree) equals the
+    engine's tokens and first logits."""
+    bundle = bundles[32]
+    wave = waveform(2.3, 3)
+    media = audio_input(wave, bundle.family.audio_features())
+    engine = make_engine(bundles, sessions, 32, "ort", 0.0)
+    result = answer_media(bundle, engine, [media], QUESTION)
+    ids = torch.tensor([result.prompt_token_ids])
+    features = torch.as_tensor(media.pixel_values)[None]
+    out = hf_model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), input_features=features,
+                            input_features_mask=torch.ones(features.shape[:2], dtype=torch.int64),
+                            max_new_tokens=STEPS, min_new_tokens=STEPS, do_sample=False, output_logits=True,
+                            return_dict_in_generate=True)
+    hf_tokens = out.sequences[0, ids.shape[1]:].tolist()
+    assert result.generated_token_ids == hf_tokens and len(set(hf_tokens)) > 3
+    assert_top_logits_match(result.prefill_top_logits, out.logits[0][0], ATOL)
+
+
+@pytest.fixture(scope="module")
+def audio_requests(bundles, hf_model, extractor, clips):
+    """An audio clip alone (0.96 s), and the long clip with its sound (2.3 s, ``use_audio_in_video``) after an
+    audio clip: their media and transformers' answers at q 0 and Q."""
+    bundle = bundles[32]
+    features = bundle.family.audio_features()
+    speech, sound = waveform(0.96, 4), waveform(2.3, 5)
+    video = clips["long"][2]
+    requests = {
+        "audio": ([audio_input(speech, features)], False, [("audio", speech)], None),
+        "video_with_sound": ([audio_input(speech, features), video, audio_input(sound, features)], True,
+                             [("audio", speech), ("video", video)], sound),
+    }
+    return {name: (media, in_video, {q: nemotron.hf_reference_turn(hf_model, bundle.tokenizer, extractor, QUESTION,
+                                                                   parts, q, STEPS, sound_after_video=after)
+                                     for q in (0.0, Q)})
+            for name, (media, in_video, parts, after) in requests.items()}
+
+
+@pytest.mark.parametrize("backend", ("ort", "torch"))
+@pytest.mark.parametrize("seq_len", sorted(EXPORTS))
+@pytest.mark.parametrize("q", (0.0, Q))
+@pytest.mark.parametrize("name", ("audio", "video_with_sound"))
+def test_audio_and_video_sound_chunked_equal_transformers(bundles, sessions, audio_requests, name, seq_len,
+                                                          backend, q):
+    """An audio clip, and an audio clip then a video with its sound (vLLM's layout: the video block, then the
+    sound's), chunked by 32 and by 64: the prompt is vLLM's (the video pruned at q, audio never), tokens and first
+    logits transformers'."""
+    media, in_video, references = audio_requests[name]
+    ref = references[q]
+    engine = make_engine(bundles, sessions, seq_len, backend, q)
+    result = answer_media(bundles[seq_len], engine, media, QUESTION, use_audio_in_video=in_video)
+    assert result.prompt_token_ids == ref.ids
+    assert result.num_prefill_chunks == -(-len(ref.ids) // seq_len)
+    assert result.generated_token_ids == ref.tokens
+    assert_top_logits_match(result.prefill_top_logits, ref.first_logits, ATOL)
+
+
+def test_audio_refusals(bundles, clips, tmp_path):
+    from qeff_evs.runtime.inputs.audio_features import audio_from_file, use_audio_in_video, waveform_at_rate
+
+    features = bundles[32].family.audio_features()
+    with pytest.raises(ValueError, match=r"sampled at 44100 Hz; .* takes 16000 Hz .* ffmpeg -i IN -ar 16000"):
+        waveform_at_rate(np.zeros(441, dtype=np.float32), 44100, features, "clip.wav")
+    with pytest.raises(ValueError, match="finite mono waveform"):
+        audio_input(np.full(1600, np.nan, dtype=np.float32), features)
+    (tmp_path / "not.wav").write_text("hello")
+    with pytest.raises(ValueError, match="not.wav: no audio can be read from it"):
+        audio_from_file(tmp_path / "not.wav", features)
+    with pytest.raises(ValueError, match="use_audio_in_video must be true or false, got 'yes'"):
+        use_audio_in_video({"use_audio_in_video": "yes"})
+    with pytest.raises(ValueError, match="each video needs its sound"):
+        answer_media(bundles[32], None, [clips["odd"][2], audio_input(waveform(1.0, 0), features),
+                                         clips["long"][2]], QUESTION, use_audio_in_video=True)
+
+
+def test_a_checkpoint_without_sound_config_serves_no_audio(hf_model, bundles):
+    """As in vLLM, an Omni config without a sound config has no audio: no features, no audio graph asked for, and an
+    audio item refused in one line (the video and image paths unchanged)."""
+    from qeff_evs.export.pipeline import _audio_features
+
+    config = copy.deepcopy(hf_model.config)
+    config.audio_config = None
+    family = NemotronHOmniFamily(config, bundles[32].tokenizer)
+    assert family.audio_features() is None
+    said = []
+    assert _audio_features(family, said.append) is None
+    assert said == ["no audio encoder graph: this checkpoint's config has no sound_config (it serves no audio)"]
+    with pytest.raises(ValueError, match="no sound_config: it serves no audio, as in vLLM"):
+        family._audio_ids(audio_input(waveform(1.0, 0), bundles[32].family.audio_features()))
+
+
+def test_run_takes_images_audio_and_a_videos_sound(bundles, tmp_path, capsys):
+    """``qeff-evs run --image --audio --video`` with ``use_audio_in_video`` equals ``answer_media`` on the same
+    files (images, audio, the video, its soundtrack); refusals are one line."""
+    import wave
+
+    from qeff_evs.bench.serving import write_video
+    from qeff_evs.cli import main
+    from qeff_evs.runtime.inputs.audio_features import audio_from_file, video_sound
+    from qeff_evs.runtime.media import video_from_file
+
+    bundle = bundles[32]
+    image = tmp_path / "image.png"
+    Image.fromarray(random_image(50, 70, 3)).save(image)
+    speech = tmp_path / "speech.wav"
+    with wave.open(str(speech), "wb") as out:
+        out.setnchannels(1), out.setsampwidth(2), out.setframerate(16000)
+        out.writeframes(np.round(waveform(0.7, 6) * 32767).astype("<i2").tobytes())
+    clip = write_video(tmp_path / "clip.mkv", moving_square_video(6, 64, 96, seed=2), 2, sound=waveform(1.5, 7))
+    argv = ["run", bundle.export_dir, "--backend", "ort", "--max-new-tokens", "4", "--prompt", QUESTION, "--json",
+            "--image", image, "--audio", speech, "--video", clip,
+            "--mm-processor-kwargs", json.dumps({"use_audio_in_video": True})]
+    capsys.readouterr()
+    assert main([str(a) for a in argv]) == 0
+    got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    features = bundle.family.audio_features()
+    media = [image_from_array(np.asarray(Image.open(image).convert("RGB")), bundle),
+             audio_from_file(speech, features), video_from_file(clip, bundle), video_sound(clip, features)]
+    engine = Engine(bundle.family, *sessions_for(bundle, "ort"),
+                    EngineConfig(bundle.manifest.prefill_seq_len, bundle.manifest.ctx_len,
+                                 bundle.manifest.user_vision_size, Q, max_new_tokens=4))
+    expected = answer_media(bundle, engine, media, QUESTION, use_audio_in_video=True)
+    assert got["prompt_token_ids"] == expected.prompt_token_ids
+    assert got["generated_token_ids"] == expected.generated_token_ids
+    sound = bundle.family.special_tokens().audio_pad
+    assert expected.prompt_token_ids.count(sound) == 9 + 19  # 0.7 s and 1.5 s: vLLM's counts
+
+    def refused(*extra) -> tuple[int, str]:
+        code = main([str(a) for a in ["run", bundle.export_dir, "--prompt", QUESTION, *extra]])
+        return code, capsys.readouterr().err
+
+    code, err = refused("--image", image, "--mm-processor-kwargs", json.dumps({"use_audio_in_video": True}))
+    assert code != 0 and "use_audio_in_video reads the --video file's soundtrack; give --video" in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1

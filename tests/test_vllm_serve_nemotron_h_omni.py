@@ -6,8 +6,9 @@ the export's ``config.json`` names our interface class instead, so nothing of vL
 vLLM's processor lays out before encoding (``<video>``, four text tokens of the tiny tokenizer, replaced by the
 lumped frame-separator layout), two requests served at once (two KV rows, each row's conv and SSM states its own)
 give each its own tokens; images (``image_url``, tiled as vLLM tiles them, ``max_num_tiles`` per request) beside a
-video give the tokens of ``qeff-evs run``; VidCom2, which vLLM refuses for this model, a bad tile count and audio
-(not built) are refused per request (HTTP 400); row reuse follows Qwen3.5's rule (a Mamba2 state cannot be rewound: a row is reused
+video give the tokens of ``qeff-evs run``, as do audio clips (``input_audio``) and a video with its sound
+(``use_audio_in_video``); VidCom2, which vLLM refuses for this model, a bad tile count, audio at another rate and a
+malformed ``use_audio_in_video`` are refused per request (HTTP 400); row reuse follows Qwen3.5's rule (a Mamba2 state cannot be rewound: a row is reused
 only when its whole history is a prefix). A module of its own so this server never runs beside another test
 module's.
 """
@@ -116,14 +117,78 @@ def test_images_and_a_video_equal_qeff_evs_run(server, export, tmp_path):
     assert len(fewer.prompt_token_ids) < len(response.prompt_token_ids)
 
 
-def test_bad_tiles_and_audio_are_refused_per_request(server, tmp_path):
+def tone(seconds: float, seed: int) -> np.ndarray:
+    t = np.arange(int(16000 * seconds)) / 16000
+    return (0.4 * np.sin(2 * np.pi * (300 + 50 * seed) * t)
+            + 0.1 * np.random.default_rng(seed).standard_normal(t.shape)).astype(np.float32)
+
+
+def write_wav(path: Path, samples: np.ndarray, rate: int = 16000) -> Path:
+    """16-bit PCM, ``(n,)`` or ``(n, channels)``."""
+    import wave
+
+    samples = samples.reshape(len(samples), -1)
+    with wave.open(str(path), "wb") as wav:
+        wav.setnchannels(samples.shape[1])
+        wav.setsampwidth(2)
+        wav.setframerate(rate)
+        wav.writeframes(np.round(np.clip(samples, -1, 1) * 32767).astype("<i2").tobytes())
+    return path
+
+
+def test_audio_and_a_video_with_its_sound_equal_qeff_evs_run(server, export, tmp_path):
+    """``input_audio`` parts (a mono and a stereo WAV, 0.96 s and 2.3 s) then a video, and a ``video_url`` whose
+    soundtrack is asked for (``use_audio_in_video`` per request: vLLM reads the track from the URL and lays it out
+    after the video): the tokens and prompt of ``qeff-evs run`` on the same files."""
+    from qeff_evs.bench.serving import write_video
+    from qeff_evs.runtime.inputs.audio_features import audio_from_file, video_sound
+
+    bundle = open_export(export)
+    features = bundle.family.audio_features()
+    speech = write_wav(tmp_path / "speech.wav", tone(0.96, 1))
+    stereo = write_wav(tmp_path / "stereo.wav", np.stack([tone(2.3, 2), tone(2.3, 3)], axis=1))
+    clip = write_mkv(tmp_path / "clip.mkv", moving_square_video(8, 120, 180, seed=3), fps=2)
+    sounding = write_video(tmp_path / "sounding.mkv", moving_square_video(8, 120, 180, seed=5), 2, sound=tone(4.0, 4))
+    engine = build_engine(bundle, "ort", max_new_tokens=NEW_TOKENS, pruning=VideoPruning("evs", Q))
+    audios = [audio_from_file(path, features) for path in (speech, stereo)]
+
+    response = chat(server, media_message([("input_audio", speech, ""), ("input_audio", stereo, ""),
+                                           ("video_url", clip, MKV)]), max_tokens=NEW_TOKENS)
+    expected = answer_media(bundle, engine, [*audios, video_from_file(clip, bundle)], QUESTION)
+    assert response.prompt_token_ids == expected.prompt_token_ids
+    assert response.choices[0].token_ids == expected.generated_token_ids and len(set(expected.generated_token_ids)) > 1
+
+    with_sound = chat(server, media_message([("video_url", sounding, MKV)]), max_tokens=NEW_TOKENS,
+                      extra_body={"mm_processor_kwargs": {"use_audio_in_video": True}})
+    sound = video_sound(sounding, features)
+    assert sound is not None and sound.clip_frames == (400,)
+    expected = answer_media(bundle, engine, [video_from_file(sounding, bundle), sound], QUESTION,
+                            use_audio_in_video=True)
+    assert with_sound.prompt_token_ids == expected.prompt_token_ids
+    assert with_sound.choices[0].token_ids == expected.generated_token_ids
+    silent = chat(server, media_message([("video_url", sounding, MKV)]), max_tokens=NEW_TOKENS)
+    assert len(silent.prompt_token_ids) == len(with_sound.prompt_token_ids) - 52  # <so_start>, 50 rows, <so_end>
+
+
+def test_bad_tiles_audio_and_sound_are_refused_per_request(server, tmp_path):
     image = tmp_path / "image.png"
     Image.new("RGB", (64, 64), (200, 30, 30)).save(image)
     with pytest.raises(openai.BadRequestError, match="max_num_tiles must be a positive int, got 0"):
         chat(server, media_message([("image_url", image, "image/png")]),
              extra_body={"mm_processor_kwargs": {"max_num_tiles": 0}})
-    with pytest.raises(openai.BadRequestError, match="At most 0 audio"):
-        chat(server, media_message([("input_audio", image, "")]))
+    fast = write_wav(tmp_path / "fast.wav", tone(0.5, 1), rate=44100)
+    with pytest.raises(openai.BadRequestError, match="audio sampled at 44100 Hz: .* takes 16000 Hz"):
+        chat(server, media_message([("input_audio", fast, "")]))
+    from qeff_evs.bench.serving import write_video
+
+    silent = write_mkv(tmp_path / "silent.mkv", moving_square_video(4, 64, 64, seed=1), fps=2)
+    with pytest.raises(openai.BadRequestError, match="No audio stream found"):  # vLLM's own line
+        chat(server, media_message([("video_url", silent, MKV)]),
+             extra_body={"mm_processor_kwargs": {"use_audio_in_video": True}})
+    sounding = write_video(tmp_path / "sounding.mkv", moving_square_video(4, 64, 64, seed=1), 2, sound=tone(1.0, 2))
+    with pytest.raises(openai.BadRequestError, match="use_audio_in_video must be true or false, got 'yes'"):
+        chat(server, media_message([("video_url", sounding, MKV)]),
+             extra_body={"mm_processor_kwargs": {"use_audio_in_video": "yes"}})
     response = chat(server, [{"role": "user", "content": "still serving?"}])  # the server keeps serving
     assert response.choices[0].token_ids
 

@@ -55,16 +55,29 @@ class ServingLoad:
     seed: int = 0
 
 
-def write_video(path: Path, frames: np.ndarray, fps) -> Path:
-    """Lossless (FFV1, RGB) Matroska, so the server's decoder sees exactly these pixels."""
+def write_video(path: Path, frames: np.ndarray, fps, sound: np.ndarray | None = None, sound_rate: int = 16000
+                ) -> Path:
+    """Lossless (FFV1, RGB) Matroska, so the server's decoder sees exactly these pixels; ``sound``: a mono float32
+    soundtrack beside them (32-bit float PCM, lossless too)."""
     import av
 
     with av.open(str(path), mode="w") as container:
         stream = container.add_stream("ffv1", rate=fps)
         stream.width, stream.height, stream.pix_fmt = frames.shape[2], frames.shape[1], "bgr0"
+        audio = None
+        if sound is not None:
+            audio = container.add_stream("pcm_f32le", rate=sound_rate, layout="mono")
         for frame in frames:
             container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
         container.mux(stream.encode())
+        if audio is not None:
+            samples = np.asarray(sound, dtype=np.float32).reshape(1, -1)
+            for start in range(0, samples.shape[1], 1024):
+                chunk = av.AudioFrame.from_ndarray(np.ascontiguousarray(samples[:, start:start + 1024]),
+                                                   format="flt", layout="mono")
+                chunk.sample_rate, chunk.pts = sound_rate, start
+                container.mux(audio.encode(chunk))
+            container.mux(audio.encode())
     return path
 
 

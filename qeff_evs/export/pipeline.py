@@ -53,6 +53,8 @@ from qeff_evs.export.stamping import LAYER_DOMAIN
 from qeff_evs.export.vision import export_encoder_graph, export_encoder_graph_streamed, export_pruning_graph
 from qeff_evs.export.weights import WEIGHT_DTYPES, WEIGHTS_DIR, WeightStore, settings_stamp
 from qeff_evs.manifest import (
+    AUDIO_ENCODER,
+    AUDIO_ENCODER_FILES,
     EXPORT_FILES,
     IMAGE_ENCODER,
     IMAGE_ENCODER_FILES,
@@ -288,6 +290,8 @@ def compile_commands(export_dir: Path, options: CompileOptions, kv_precision: st
     files = export_files(tuple(graph[len(PRUNING_ROLE) + 1:] for graph in specs if graph_role(graph) == PRUNING_ROLE))
     if IMAGE_ENCODER in specs:
         files.update(IMAGE_ENCODER_FILES)
+    if AUDIO_ENCODER in specs:
+        files.update(AUDIO_ENCODER_FILES)
     programs = options.language_programs  # one side of prefill/decode disaggregation: its own specializations
     for graph in specs:
         role = graph_role(graph)
@@ -389,6 +393,24 @@ def hollow_checkpoint(model_dir: str | os.PathLike) -> LoadedCheckpoint:
                             model_dir=model_dir, preprocessor_config=_load_preprocessor_config(model_dir))
 
 
+def _graph_order(specs) -> list[str]:
+    """The graphs of ``specs`` in compile order (``Manifest.graphs``): the encoders, the pruning graphs, the language."""
+    encoders = [graph for graph in ("encoder", IMAGE_ENCODER, AUDIO_ENCODER) if graph in specs]
+    return [*encoders, *(g for g in specs if graph_role(g) == PRUNING_ROLE), "language"]
+
+
+def _audio_features(family, progress: Progress):
+    """The family's audio features where this checkpoint has an audio encoder; None otherwise (said)."""
+    try:
+        features = family.audio_features()
+    except ValueError as error:
+        progress(f"no audio encoder graph: {error}")
+        return None
+    if features is None and "audio" in family.modalities:
+        progress("no audio encoder graph: this checkpoint's config has no sound_config (it serves no audio)")
+    return features
+
+
 def _image_tiling(family, progress: Progress):
     """The family's image tiling where its images have a graph of their own; None where they go through the video
     encoder, or where this checkpoint's images cannot be served (said, and refused per request at run time)."""
@@ -446,9 +468,16 @@ def _export(checkpoint: LoadedCheckpoint, reader, out: Path, options: ExportOpti
         **{pruning_graph(method): pruning_specs for method in methods},
         "language": lang_specs,
     }
+    audio = _audio_features(family, progress)
+    if audio is not None:
+        specs[AUDIO_ENCODER] = [Specialization(f"Audio_{i}", family.audio_encoder_symbols(frames))
+                                for i, frames in enumerate(audio.bucket_frames)]
+        specs = {graph: specs[graph] for graph in _graph_order(specs)}
     files = export_files(methods)
     if image_targets:
         files.update(IMAGE_ENCODER_FILES)
+    if audio is not None:
+        files.update(AUDIO_ENCODER_FILES)
 
     _, example_hw = encoder_targets[0]
     streamed = reader is not None
@@ -491,6 +520,16 @@ def _export(checkpoint: LoadedCheckpoint, reader, out: Path, options: ExportOpti
         else:
             export_encoder_graph(family.image_encoder(checkpoint.model), tiling.grid_hw, tile_frames,
                                  out / files[IMAGE_ENCODER], progress=progress, name="image encoder")
+    if audio is not None:  # the Parakeet tower and projector: weights of their own
+        example = (audio.bucket_frames[0], audio.mels)
+        if streamed:
+            export_encoder_graph_streamed(family.audio_encoder(checkpoint.model), example, 1,
+                                          out / files[AUDIO_ENCODER], names, stores["vision"], reader,
+                                          progress=progress, reuse=reuse, tower_unit="audio_tower",
+                                          label="audio encoder")
+        else:
+            export_encoder_graph(family.audio_encoder(checkpoint.model), example, 1, out / files[AUDIO_ENCODER],
+                                 progress=progress, name="audio encoder")
     for method in methods:
         export_pruning_graph(family.pruning_ranking(method), vc.vision_hidden, out / files[pruning_graph(method)],
                              progress=progress, reuse=reuse)
@@ -551,6 +590,7 @@ def _export(checkpoint: LoadedCheckpoint, reader, out: Path, options: ExportOpti
             EncoderEntry(target.height, target.width, target.frames_per_call, grid_hw,
                          family.encoder_symbols(grid_hw, target.frames_per_call))
             for target, grid_hw in encoder_targets),
+        audio_buckets=() if audio is None else audio.bucket_frames,
         image_encoder_entries=tuple(
             EncoderEntry(target.height, target.width, target.frames_per_call, grid_hw,
                          family.image_encoder_symbols(grid_hw, target.frames_per_call))

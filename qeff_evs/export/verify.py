@@ -42,8 +42,9 @@ from qeff_evs.evs import kept_from_ranking
 from qeff_evs.export.fp16 import convert_to_fp16, round_external_weights
 from qeff_evs.export.node_precision import keep_in_fp32, router_paths
 from qeff_evs.export.onnx_graph import legacy_export
+from qeff_evs.models.parakeet import AUDIO_FRAMES
 from qeff_evs.manifest import (
-    IMAGE_ENCODER, LANGUAGE_DECODE, MODEL_CONFIG_DIR, PRUNING_ROLE, LanguageShape, check_export_graphs, graph_role,
+    AUDIO_ENCODER, IMAGE_ENCODER, LANGUAGE_DECODE, MODEL_CONFIG_DIR, PRUNING_ROLE, LanguageShape, check_export_graphs, graph_role,
     pruning_graph, read_manifest,
 )
 from qeff_evs.models.graph_io import (
@@ -527,6 +528,13 @@ def _vision_feeds(export_dir: Path, role: str, session, seed: int) -> dict[str, 
         width = pixels.shape[1] if isinstance(pixels.shape[1], int) else entry.symbols[pixels.shape[1]]
         return {pixels.name: video_like_rows(entry.frames_per_call, per_frame, width,
                                              (0.5 * width ** 0.5, 2 * width ** 0.5), seed), **host}
+    if role == AUDIO_ENCODER:  # a clip filling three quarters of its bucket, the rest masked
+        symbols = read_specializations_json(manifest.path(export_dir, f"{role}_specializations"))[0].symbols
+        frames = symbols[AUDIO_FRAMES]
+        mask = (np.arange(frames) < max(1, 3 * frames // 4)).astype(np.int64)
+        mels = next(i for i in session.get_inputs() if i.name == "pixel_values").shape[1]
+        return {"pixel_values": rng.standard_normal((frames, mels)).astype(np.float32) * mask[:, None],
+                "feature_mask": mask}
     if graph_role(role) == PRUNING_ROLE and manifest.pruning_entries:
         entry = next(e for e in manifest.pruning_entries if pruning_graph(e.method) == role)
         bucket = entry.temporal_patches

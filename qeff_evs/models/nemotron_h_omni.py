@@ -28,6 +28,11 @@ tower, shuffle and projector as tubelets) and ``(S/p)^2 / 4`` rows; the ``<image
 every tile's rows in order, ``</img>`` (no marker between tiles). Never pruned. A checkpoint whose vision config asks
 for vLLM's dynamic resolution (``vision_config.args.min_num_patches``) or lacks the tile settings has its images
 refused in one line (``image_tiling``).
+Audio, where the config has a ``sound_config``: the host computes each clip's log-mel features as vLLM's extractor
+does (``runtime/inputs/audio_features.py``), the audio encoder graph runs Parakeet and the sound projector on one
+clip padded to a length bucket (``models/parakeet.py``); an audio item becomes ``<so_start>``, one ``<so_embedding>``
+per row of its clips, ``<so_end>``, never pruned. With ``use_audio_in_video`` each video's sound is such an item right
+after its video block, as vLLM lays it out (no interleaving).
 
 Positions. The language model reads none (no RoPE in its attention; Mamba2 orders tokens by its recurrence): the
 only position the graph uses is the KV slot, the token's index in the pruned prompt, as vLLM's. The position
@@ -63,16 +68,19 @@ from qeff_evs.models.language import LanguageGraph, LayerStep
 from qeff_evs.models.mamba2 import SSM_STATE, Mamba2Step, state_names
 from qeff_evs.models.linear_attention import CONV_STATE
 from qeff_evs.models.protocol import (
+    AudioFeatures,
     ConfigPaths,
     ExtraRows,
     ImageTiling,
     MediaInput,
     MediaLayout,
     NormalizedConfig,
+    audio_rows,
     TokenStrings,
     VideoPreprocessing,
 )
 from qeff_evs.models.pruning import PruningRanking, pruning_symbols
+from qeff_evs.models.parakeet import AudioEncoder, audio_symbols
 from qeff_evs.models.radio import RadioEncoder, encoder_host_inputs, encoder_symbols
 from qeff_evs.models.registry import register_family
 from qeff_evs.models.sparse_moe import DEFAULT_EXPERT_FORM, FORMS, ExpertWeights, Routing, check_expert_form
@@ -86,11 +94,13 @@ CONV_PRECISION, SSM_PRECISION = "float16", "float32"
 
 # vLLM's processor strings (``transformers_utils/processors/nano_nemotron_vl.py``).
 IMG_START, IMG_END, IMG_CONTEXT, VIDEO_TEXT = "<img>", "</img>", "<image>", "<video>"
+SOUND_START, SOUND_END, SOUND_CONTEXT = "<so_start>", "<so_end>", "<so_embedding>"
 IM_START, IM_END, END_OF_TEXT = "<|im_start|>", "<|im_end|>", "<|endoftext|>"
 # The tiny tokenizer's special tokens. ``<video>`` is not one: the released tokenizer has no such token, and vLLM
 # finds it in a prompt as the text's own tokens.
-SPECIAL_TOKENS = (END_OF_TEXT, IM_START, IM_END, IMG_START, IMG_END, IMG_CONTEXT)
-NEMOTRON_TOKENS = TokenStrings(image=IMG_CONTEXT, video=VIDEO_TEXT, image_block=IMG_CONTEXT, video_block=VIDEO_TEXT)
+SPECIAL_TOKENS = (END_OF_TEXT, IM_START, IM_END, IMG_START, IMG_END, IMG_CONTEXT, SOUND_START, SOUND_END, SOUND_CONTEXT)
+NEMOTRON_TOKENS = TokenStrings(image=IMG_CONTEXT, video=VIDEO_TEXT, image_block=IMG_CONTEXT, video_block=VIDEO_TEXT,
+                               audio=SOUND_CONTEXT)
 
 # ChatML turns; a video or image item renders as its placeholder text on its own line.
 CHAT_TEMPLATE = (
@@ -104,6 +114,8 @@ CHAT_TEMPLATE = (
     "{{- '<video>\\n' -}}"
     "{%- elif item['type'] == 'image' -%}"
     "{{- '<image>\\n' -}}"
+    "{%- elif item['type'] in ('audio', 'input_audio', 'audio_url') -%}"
+    "{{- '<so_embedding>\\n' -}}"
     "{%- elif item['type'] == 'text' -%}"
     "{{- item['text'] -}}"
     "{%- endif -%}"
@@ -382,7 +394,7 @@ class NemotronHOmniFamily:
     config_paths: ClassVar[ConfigPaths] = CONFIG_PATHS
     extra_rows: ClassVar[tuple[ExtraRows, ...]] = ()
     pruning_methods: ClassVar[tuple[str, ...]] = ("evs",)  # vLLM refuses VidCom2 for this model
-    modalities: ClassVar[tuple[str, ...]] = ("video", "image")
+    modalities: ClassVar[tuple[str, ...]] = ("video", "image", "audio")
     rope: ClassVar[bool] = False
     weight_names: ClassVar[NameMap] = WEIGHT_NAMES
 
@@ -425,9 +437,14 @@ class NemotronHOmniFamily:
                       initializer_range=INITIALIZER_RANGE)
         # force_image_size and use_thumbnail: the tiler's settings, as released configs store them (transformers'
         # config keeps them as given)
-        return dict(text_config=text, vision_config=vision, projector_hidden_size=48, vision_hidden_size=32,
-                    video_temporal_patch_size=2, downsample_ratio=0.5, image_token_id=ids["image"],
-                    video_token_id=ids["image"], force_image_size=TINY_TILE_SIZE, use_thumbnail=True)
+        # A Parakeet encoder of two conformer blocks, 16 mel bins (the released sound_config's keys).
+        audio = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, num_mel_bins=16,
+                     subsampling_conv_channels=8, conv_kernel_size=9, projection_hidden_size=48,
+                     projection_bias=False, sampling_rate=16000, initializer_range=INITIALIZER_RANGE)
+        return dict(text_config=text, vision_config=vision, audio_config=audio, projector_hidden_size=48,
+                    vision_hidden_size=32, video_temporal_patch_size=2, downsample_ratio=0.5,
+                    image_token_id=ids["image"], video_token_id=ids["image"], audio_token_id=ids["audio"],
+                    force_image_size=TINY_TILE_SIZE, use_thumbnail=True)
 
     @classmethod
     def prepare_tiny_model(cls, model, tokenizer) -> None:
@@ -439,8 +456,15 @@ class NemotronHOmniFamily:
         ids = _tokenizer_ids(tokenizer)
         generator = torch.Generator().manual_seed(0)
         with torch.no_grad():
-            model.language_model.lm_head.weight[[ids["image"], ids["img_start"], ids["img_end"]]] = 0.0
+            markers = [ids[key] for key in ("image", "img_start", "img_end", "audio", "audio_start", "audio_end")]
+            model.language_model.lm_head.weight[markers] = 0.0
             model.multi_modal_projector.linear_2.weight *= TINY_PROJECTOR_SCALE
+            if model.embed_audio is not None:
+                model.embed_audio.linear_2.weight *= TINY_PROJECTOR_SCALE
+                for module in model.audio_tower.modules():  # running statistics a trained encoder would have
+                    if isinstance(module, nn.BatchNorm1d):
+                        module.running_mean.uniform_(-0.5, 0.5, generator=generator)
+                        module.running_var.uniform_(0.5, 1.5, generator=generator)
             for layer in model.language_model.model.layers:
                 if layer.block_type == MAMBA:
                     mixer = layer.mixer
@@ -514,11 +538,15 @@ class NemotronHOmniFamily:
         eos = getattr(self.config.text_config, "eos_token_id", None)
         eos = () if eos is None else tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
         # Videos merge at the image pad too: vLLM fills a video's <image> tokens with its rows.
-        return SpecialTokens(image, image, int(start), int(end), eos)
+        audio = getattr(self.config, "audio_token_id", None)
+        return SpecialTokens(image, image, int(start), int(end), eos,
+                             None if self._audio_config() is None or audio is None else int(audio))
 
     def prompt_target(self, modality: str) -> tuple[int, ...]:
         if modality.startswith("video"):
             return tuple(self._ids(VIDEO_TEXT))
+        if modality.startswith("audio"):
+            return tuple(self._ids(SOUND_CONTEXT))
         return (int(self.config.image_token_id),)
 
     def video_block_ids(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -577,6 +605,38 @@ class NemotronHOmniFamily:
                              "config.json and re-export, or send videos")
         return ImageTiling(int(size), int(self.config.vision_config.patch_size), DEFAULT_MAX_TILES, bool(thumbnail))
 
+    def _audio_config(self):
+        """The Parakeet settings: transformers' ``audio_config``, or ``sound_config`` as released configs and vLLM
+        spell it (transformers' own config class renames it on load)."""
+        audio = getattr(self.config, "audio_config", None)
+        return audio if audio is not None else getattr(self.config, "sound_config", None)
+
+    def audio_features(self) -> AudioFeatures | None:
+        """vLLM's feature settings from the audio config; None for a checkpoint without one (it serves no audio, as
+        in vLLM)."""
+        audio = self._audio_config()
+        if audio is None:
+            return None
+        read = (lambda key, default=None: audio.get(key, default)) if isinstance(audio, dict) else \
+            (lambda key, default=None: getattr(audio, key, default))
+        optional = {name: read(name) for name in ("hop_length", "win_length", "n_fft", "preemphasis")
+                    if read(name) is not None}
+        factor = int(read("subsampling_factor", 8))
+        stages = factor.bit_length() - 1
+        if factor != 1 << stages:
+            raise ValueError(f"sound_config.subsampling_factor {factor} is not a power of 2 (Parakeet subsamples by "
+                             "stride-2 stages); this checkpoint's audio cannot be encoded")
+        return AudioFeatures(int(read("sampling_rate", 16000)), int(read("num_mel_bins")),
+                             kernel=int(read("subsampling_conv_kernel_size", 3)),
+                             stride=int(read("subsampling_conv_stride", 2)), stages=stages, **optional)
+
+    def audio_encoder(self, model: nn.Module) -> AudioEncoder:
+        return AudioEncoder(model)
+
+    def audio_encoder_symbols(self, bucket_frames: int) -> dict[str, int]:
+        features = self.audio_features()
+        return audio_symbols(bucket_frames, features.kernel, features.stride, features.stages)
+
     def image_encoder(self, model: nn.Module) -> RadioEncoder:
         return RadioEncoder.from_model(model, image=True)
 
@@ -593,6 +653,23 @@ class NemotronHOmniFamily:
     def pruning_symbols(self, grid_hw: Sequence[int], bucket: int) -> dict[str, int]:
         _, h, w = self.merged_grid((1, *grid_hw))
         return pruning_symbols(h * w, bucket)
+
+    def _audio_pad(self) -> int:
+        pad = self.special_tokens().audio_pad
+        if pad is None:
+            raise ValueError("this checkpoint's config has no sound_config (audio_config) and audio_token_id: it "
+                             "serves no audio, as in vLLM; send images or videos")
+        return pad
+
+    def _audio_ids(self, media: MediaInput) -> np.ndarray:
+        """``<so_start>``, a pad per row of every clip, ``<so_end>``: vLLM's audio replacement."""
+        features = self.audio_features()
+        if features is None:
+            raise ValueError("this checkpoint's config has no sound_config: it serves no audio, as in vLLM; send "
+                             "images or videos")
+        rows = audio_rows(features, media.clip_frames)
+        return np.asarray([*self._ids(SOUND_START), *([self._audio_pad()] * rows), *self._ids(SOUND_END)],
+                          dtype=np.int64)
 
     def _image_ids(self, media: MediaInput) -> np.ndarray:
         """``<img>``, a pad per row of every tile (the thumbnail's last), ``</img>``: vLLM's image replacement."""
@@ -623,10 +700,16 @@ class NemotronHOmniFamily:
         rate so small that ``1 - q`` rounds to 1)."""
         if media.kind == "image":
             return self._image_ids(media)
+        if media.kind == "audio":
+            return self._audio_ids(media)
         t, h, w = self.merged_grid(media.grid_thw)
         return self._video_ids(media, [h * w] * t if kept == t * h * w else [kept] + [0] * (t - 1))
 
     def video_layout(self, media: MediaInput, kept_indices: np.ndarray) -> MediaLayout:
+        if media.kind == "audio":
+            ids = self._audio_ids(media)
+            return MediaLayout(ids, np.ones(len(ids), dtype=bool), (MediaBlock(int(np.sum(ids == self._audio_pad())),
+                                                                               1, 1),))
         t, h, w = self.merged_grid(media.grid_thw)
         if media.kind == "image":
             ids = self._image_ids(media)
@@ -660,7 +743,8 @@ def patches_to_frames(pixel_values: torch.Tensor, grid_thw: Sequence[int], tempo
 def _tokenizer_ids(tokenizer) -> dict[str, int]:
     ids = {}
     for key, token in (("image", IMG_CONTEXT), ("img_start", IMG_START), ("img_end", IMG_END), ("eos", IM_END),
-                       ("pad", END_OF_TEXT)):
+                       ("pad", END_OF_TEXT), ("audio", SOUND_CONTEXT), ("audio_start", SOUND_START),
+                       ("audio_end", SOUND_END)):
         token_id = tokenizer.convert_tokens_to_ids(token)
         if token_id is None or (token_id == tokenizer.unk_token_id and token != tokenizer.unk_token):
             raise ValueError(f"tokenizer has no {token!r} token; build it with tiny.build_tokenizer('nemotron_h_omni')")

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from qeff_evs.manifest import LayerState, SpecialTokens
+from qeff_evs.models.parakeet import subsampled_frames
 from qeff_evs.positions import MediaBlock
 from qeff_evs.weights.name_map import NameMap
 
@@ -83,22 +84,30 @@ class TokenStrings:
     video: str  # ... once per video
     image_block: str  # what a chat template writes for one image: markers around the pad
     video_block: str  # ... for one video; also the plain (template-less) prompt's video
+    audio: str = ""  # ... once per audio item, in a family with audio ("" otherwise)
 
     def pad(self, modality: str) -> str:
-        """The pad string of ``modality`` ("image" or "video")."""
-        return _by_modality(modality, self.image, self.video)
+        """The pad string of ``modality`` ("image", "video", "audio")."""
+        return _by_modality(modality, self.image, self.video, self.audio)
 
     def block(self, modality: str) -> str:
         """The placeholder block a chat template writes for one item of ``modality``."""
-        return _by_modality(modality, self.image_block, self.video_block)
+        return _by_modality(modality, self.image_block, self.video_block, self.audio)
+
+    @property
+    def pads(self) -> tuple[str, ...]:
+        """Every media pad a chat template may emit, in (image, video, audio) order."""
+        return tuple(pad for pad in (self.image, self.video, self.audio) if pad)
 
 
-def _by_modality(modality: str, image, video):
+def _by_modality(modality: str, image, video, audio=""):
     if modality.startswith("image"):
         return image
     if modality.startswith("video"):
         return video
-    raise ValueError(f"qeff-evs exports take images and videos, not {modality!r}")
+    if modality.startswith("audio") and audio:
+        return audio
+    raise ValueError(f"this family takes images and videos, not {modality!r}")
 
 
 @dataclass(frozen=True)
@@ -213,6 +222,32 @@ def check_max_tiles(value: Any) -> int:
 
 
 @dataclass(frozen=True)
+class AudioFeatures:
+    """How a checkpoint turns a waveform into its audio encoder's log-mel features and counts their rows (Parakeet's
+    settings, as vLLM reads them from the config's ``sound_config``): clips of at most ``clip_seconds`` (the last at
+    least ``min_clip_seconds``), pre-emphasis, an STFT, slaney mel filters, a log, per-clip normalisation, and a
+    subsampling of ``stages`` convolutions of ``kernel`` and ``stride`` in time."""
+
+    sampling_rate: int
+    mels: int
+    hop_length: int = 160
+    win_length: int = 400
+    n_fft: int = 512
+    preemphasis: float = 0.97
+    kernel: int = 3
+    stride: int = 2
+    stages: int = 3
+    clip_seconds: float = 30.0  # vLLM's clip_duration_s (fixed there, not read from the config)
+    min_clip_seconds: float = 0.1  # vLLM's clip_min_duration_s
+    bucket_seconds: tuple[float, ...] = (1.0, 2.0, 4.0, 8.0, 16.0, 30.0)  # the audio encoder's clip specializations
+
+    @property
+    def bucket_frames(self) -> tuple[int, ...]:
+        """The feature frames of each bucket: a clip of that length has ``samples // hop_length`` of them."""
+        return tuple(int(round(seconds * self.sampling_rate)) // self.hop_length for seconds in self.bucket_seconds)
+
+
+@dataclass(frozen=True)
 class MediaInput:
     """A preprocessed video or image: patches in the family's order and its patch grid (an image's ``T`` is its
     tile count where its family tiles images, else 1)."""
@@ -221,14 +256,19 @@ class MediaInput:
     grid_thw: tuple[int, int, int]  # patch grid (temporal patches, H patches, W patches)
     fps: float  # sampling rate of the frames the patches were made from
     frame_times: tuple[float, ...] = ()  # seconds of each sampled frame (timestamp layouts need them)
-    kind: str = "video"  # "video" (pruned by EVS) or "image" (grid T = 1, or its tiles; never pruned)
+    kind: str = "video"  # "video" (pruned by EVS), "image" (grid T = 1, or its tiles) or "audio" (never pruned)
     pruning: Any = None  # a video's own models.pruning.VideoPruning (the request's choice); None: the engine's
     frame_indices: tuple[int, ...] = ()  # source index of each sampled frame (layouts that print them need them)
     source_fps: float = 0.0  # the source's frame rate as vLLM's loader reports it (0: unknown)
+    # An audio item's feature frames per clip: ``pixel_values`` holds its clips' features one after another,
+    # ``(sum of these, mels)``, and ``grid_thw`` is ``(clips, most frames, mels)``.
+    clip_frames: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        if self.kind not in ("video", "image"):
-            raise ValueError(f"media kind must be 'video' or 'image', got {self.kind!r}")
+        if self.kind not in ("video", "image", "audio"):
+            raise ValueError(f"media kind must be 'video', 'image' or 'audio', got {self.kind!r}")
+        if self.kind == "audio" and (not self.clip_frames or min(self.clip_frames) < 1):
+            raise ValueError(f"an audio item has its clips' feature frames, got {self.clip_frames!r}")
         if self.kind == "image" and int(self.grid_thw[0]) < 1:
             raise ValueError(f"an image has one temporal patch or one per tile, got grid {tuple(self.grid_thw)}")
 
@@ -248,6 +288,20 @@ class MediaLayout:
     @property
     def ids(self) -> np.ndarray:
         return self.unpruned_ids[self.keep]
+
+
+def audio_rows(features: AudioFeatures, clip_frames: Sequence[int]) -> int:
+    """An audio item's rows: each clip's subsampled frames (vLLM's count), at least one."""
+    return max(1, sum(subsampled_frames(int(f), features.kernel, features.stride, features.stages)
+                      for f in clip_frames))
+
+
+def item_grid(family: "ModelFamily", media: MediaInput) -> tuple[int, int, int]:
+    """An item's rows as a merged grid ``(T, h, w)``: a video's or image's merged patch grid, an audio item's
+    ``(1, 1, rows)`` (its rows are never pruned)."""
+    if media.kind == "audio":
+        return (1, 1, audio_rows(family.audio_features(), media.clip_frames))
+    return family.merged_grid(media.grid_thw)
 
 
 def image_layout(image_token_id: int, merged_grid: tuple[int, int, int]) -> MediaLayout:
@@ -363,6 +417,14 @@ class ModelFamily(Protocol):
 
     def image_encoder_symbols(self, grid_hw: Sequence[int], frames: int) -> dict[str, int]:
         """Values of the image encoder's dynamic symbols for calls of ``frames`` tiles of grid ``(H, W)``."""
+
+    def audio_features(self) -> AudioFeatures | None:
+        """The checkpoint's audio feature settings; None where it serves no audio (a family without audio, or a
+        checkpoint of an audio family without an audio config); ValueError naming why for an audio config that
+        cannot be encoded."""
+
+    def audio_encoder(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Exportable audio encoder (``audio_features`` set): one clip's padded features and mask in, rows out."""
 
     def encoder_host_inputs(self, grid_hw: Sequence[int], frames: int) -> dict[str, np.ndarray]:
         """Every encoder input except ``pixel_values``, for calls of ``frames`` patches of grid ``(H, W)``."""

@@ -107,10 +107,10 @@ class VideoPruning:
         return pruning_method(self.method).kept_token_count(tokens_per_frame, frame_count, self.rate)
 
     def kept_tokens(self, merged_grid: Sequence[int], kind: str = "video") -> int:
-        """``K`` of one media item of merged grid ``(T, h, w)``: every token of an image, the count rule's
-        for a video."""
+        """``K`` of one media item of merged grid ``(T, h, w)``: every token of an image or an audio item, the count
+        rule's for a video."""
         t, h, w = (int(v) for v in merged_grid)
-        if kind == "image":
+        if kind != "video":
             return t * h * w
         return self.kept_token_count(h * w, t)
 

@@ -283,6 +283,12 @@ class QwenVLFamily(abc.ABC):
     def image_encoder_symbols(self, grid_hw: Sequence[int], frames: int) -> dict[str, int]:
         raise ValueError(f"{self.name} encodes images with its video encoder; it has no image encoder graph")
 
+    def audio_features(self) -> None:
+        return None  # no audio tower
+
+    def audio_encoder(self, model: nn.Module) -> None:
+        return None
+
     def encoder_host_inputs(self, grid_hw: Sequence[int], frames: int) -> dict[str, np.ndarray]:
         return encoder_host_inputs(self.vision_config, self.wrapper.frame_inputs_fn, grid_hw, frames)
 

@@ -57,14 +57,22 @@ def answer(bundle: ExportBundle, engine: Engine, video: MediaInput, question: st
     return _answer(bundle, engine, pieces, [video])
 
 
-def answer_media(bundle: ExportBundle, engine: Engine, media: Sequence[MediaInput], question: str) -> GenerationResult:
-    """A question about several items (images and videos, in ``media``'s order, before the question), rendered by
-    the chat template as vLLM's chat endpoint renders a user turn of those parts."""
+def answer_media(bundle: ExportBundle, engine: Engine, media: Sequence[MediaInput], question: str,
+                 use_audio_in_video: bool = False) -> GenerationResult:
+    """A question about several items (images, audio clips and videos, in ``media``'s order, before the question),
+    rendered by the chat template as vLLM's chat endpoint renders a user turn of those parts. With
+    ``use_audio_in_video`` a video's sound (an audio item) follows it in ``media`` and in the prompt, as vLLM's
+    Nemotron-H processor lays it out: the video block, then the sound's."""
     for item in media:
         if item.kind == "video":
             bundle.manifest.check_video(item.grid_thw)
-    content = [{"type": item.kind} for item in media] + [{"type": "text", "text": question}]
-    return _answer(bundle, engine, chat_pieces(bundle.tokenizer, content, bundle.family.token_strings), list(media))
+    sounds = {i + 1 for i, item in enumerate(media) if use_audio_in_video and item.kind == "video"}
+    if any(i >= len(media) or media[i].kind != "audio" for i in sounds):
+        raise ValueError("use_audio_in_video: each video needs its sound (an audio item) right after it")
+    content = [{"type": item.kind} for i, item in enumerate(media) if i not in sounds]
+    pieces = chat_pieces(bundle.tokenizer, content + [{"type": "text", "text": question}],
+                         bundle.family.token_strings, sound_in_video=bool(sounds))
+    return _answer(bundle, engine, pieces, list(media))
 
 
 def _answer(bundle: ExportBundle, engine: Engine, pieces, media: list[MediaInput]) -> GenerationResult:

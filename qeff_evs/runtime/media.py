@@ -12,6 +12,7 @@ import torch
 
 from qeff_evs.models.protocol import SAMPLING_FPS, MediaInput
 from qeff_evs.runtime.export_bundle import ExportBundle
+from qeff_evs.runtime.inputs.audio_features import USE_AUDIO_IN_VIDEO
 from qeff_evs.runtime.inputs.image_tiles import (
     MAX_TILES_KEY, max_tiles_of, tile_patches, tile_pixels, without_tile_kwargs,
 )
@@ -28,15 +29,21 @@ from qeff_evs.runtime.inputs.video_io import ARRAY_SUFFIX
 
 
 def video_kwargs(bundle: ExportBundle, mm_processor_kwargs: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
-    """The video processor's ``mm_processor_kwargs``: without the tiler's where the family tiles images (one
-    processor takes both in vLLM), else as given (a key the video processor does not know is refused there)."""
-    if mm_processor_kwargs is None or MAX_TILES_KEY not in mm_processor_kwargs:
+    """The video processor's ``mm_processor_kwargs``: without the tiler's where the family tiles images and without
+    ``use_audio_in_video`` where it serves audio (one processor takes them all in vLLM), else as given (a key the
+    video processor does not know is refused there)."""
+    if not mm_processor_kwargs:
         return mm_processor_kwargs
+    kwargs = dict(mm_processor_kwargs)
+    if USE_AUDIO_IN_VIDEO in kwargs and bundle.family.audio_features() is not None:
+        kwargs.pop(USE_AUDIO_IN_VIDEO)
+    if MAX_TILES_KEY not in kwargs:
+        return kwargs
     try:
         bundle.family.image_tiling()
     except ValueError:
-        return mm_processor_kwargs
-    return without_tile_kwargs(mm_processor_kwargs)
+        return kwargs
+    return without_tile_kwargs(kwargs)
 
 
 def video_from_file(path: str | Path, bundle: ExportBundle, *, media_io_kwargs: Mapping[str, Any] | None = None,

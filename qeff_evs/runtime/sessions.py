@@ -3,7 +3,7 @@ pipeline, the language session, or both."""
 
 from __future__ import annotations
 
-from qeff_evs.manifest import IMAGE_ENCODER, LANGUAGE_DECODE, pruning_graph
+from qeff_evs.manifest import AUDIO_ENCODER, IMAGE_ENCODER, LANGUAGE_DECODE, pruning_graph
 from qeff_evs.runtime.backends.openvino import PRECISIONS as OPENVINO_PRECISIONS
 from qeff_evs.runtime.backends.ort import OrtEncoderSession, OrtLanguageSession, OrtPruningSession
 from qeff_evs.runtime.backends.torch_reference import TorchEncoderSession, TorchLanguageSession, TorchPruningSession
@@ -33,12 +33,14 @@ def vision_pipeline(bundle: ExportBundle, backend: str, device: str | None = Non
     if problem:
         raise ValueError(problem)
     methods = runnable_methods(bundle, backend, method)
-    tiled = IMAGE_ENCODER in m.files
-    image_encoder = None
+    tiled, audio = IMAGE_ENCODER in m.files, AUDIO_ENCODER in m.files
+    image_encoder = audio_encoder = None
     if backend == "ort":
         encoder = OrtEncoderSession(m.path(root, "encoder"), m.weight_dtype)
         if tiled:
             image_encoder = OrtEncoderSession(m.path(root, IMAGE_ENCODER), m.weight_dtype)
+        if audio:
+            audio_encoder = OrtEncoderSession(m.path(root, AUDIO_ENCODER), m.weight_dtype)
         pruning = {name: OrtPruningSession(m.path(root, pruning_graph(name))) for name in methods}
     elif backend in OPENVINO_PRECISIONS:
         from qeff_evs.runtime.backends.openvino import OpenVinoEncoderSession, OpenVinoPruningSession
@@ -46,6 +48,8 @@ def vision_pipeline(bundle: ExportBundle, backend: str, device: str | None = Non
         encoder = OpenVinoEncoderSession(m.path(root, "encoder"), OPENVINO_PRECISIONS[backend])
         if tiled:
             image_encoder = OpenVinoEncoderSession(m.path(root, IMAGE_ENCODER), OPENVINO_PRECISIONS[backend])
+        if audio:
+            audio_encoder = OpenVinoEncoderSession(m.path(root, AUDIO_ENCODER), OPENVINO_PRECISIONS[backend])
         pruning = {name: OpenVinoPruningSession(m.path(root, pruning_graph(name))) for name in methods}
     elif backend == "torch":
         from qeff_evs.models.checkpoint import load_checkpoint
@@ -54,6 +58,8 @@ def vision_pipeline(bundle: ExportBundle, backend: str, device: str | None = Non
         encoder = TorchEncoderSession(bundle.family.encoder(checkpoint.model), device)
         if tiled:
             image_encoder = TorchEncoderSession(bundle.family.image_encoder(checkpoint.model), device)
+        if audio:
+            audio_encoder = TorchEncoderSession(bundle.family.audio_encoder(checkpoint.model), device)
         pruning = {name: TorchPruningSession(bundle.family.pruning_ranking(name), device) for name in methods}
     elif backend == "qaic":
         from qeff_evs.runtime.backends.qaic import qaic_vision_pipeline
@@ -62,7 +68,7 @@ def vision_pipeline(bundle: ExportBundle, backend: str, device: str | None = Non
     else:
         raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     return VisionPipeline(bundle.family, encoder, pruning, m.frames_per_call, m.temporal_patch_buckets,
-                          image_encoder, tiled)
+                          image_encoder, tiled, audio_encoder, m.audio_buckets)
 
 
 def runnable_methods(bundle: ExportBundle, backend: str, method: str | None = None) -> tuple[str, ...]:

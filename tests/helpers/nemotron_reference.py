@@ -349,3 +349,102 @@ def hf_reference_images(model, tokenizer, question: str, images: list[tuple[torc
     embeds[prompt == image_id] = torch.cat(rows)
     first, tokens = greedy(model.language_model, embeds, steps)
     return Reference(out, kept, tokens, first)
+
+
+# ---- audio (vLLM 0.34's Parakeet extractor; transformers' audio tower) -------------------------------
+
+AUDIO = load_defs(PROCESSOR_FILE, {"get_audio_repl": "NanoNemotronVLProcessor"}, {
+    "AUDIO_START": "<so_start>", "AUDIO_END": "<so_end>", "AUDIO_CONTEXT": "<so_embedding>",
+    "cached_encode": cached_encode, "PromptUpdateDetails": PromptUpdateDetails})
+
+
+def vllm_extractor(sound_config):
+    """vLLM's ``ParakeetExtractor`` over a checkpoint's sound config, eager (its ``torch.compile`` steps off: the
+    same ops, no compiler in the tests)."""
+    torch._dynamo.config.disable = True
+    from vllm.model_executor.models.parakeet import ParakeetExtractor
+
+    return ParakeetExtractor(sound_config)
+
+
+def vllm_audio_ids(tokenizer, extractor, waveform: np.ndarray) -> list[int]:
+    """What vLLM's processor replaces a ``<so_embedding>`` with: ``get_audio_repl`` of the waveform."""
+    processor = types.SimpleNamespace(audio_extractor=extractor, tokenizer=tokenizer)
+    return list(AUDIO["get_audio_repl"](processor, waveform).full)
+
+
+def hf_audio_rows(model, extractor, waveform: np.ndarray) -> torch.Tensor:
+    """transformers' audio tower and projector on vLLM's features of ``waveform``, clip by clip, each clip's rows
+    cut to the count vLLM keeps (``_process_audio_input``: the subsampled length of its mask; transformers' own
+    ``get_audio_features`` keeps one row more when the frames are a multiple of 8)."""
+    features = extractor([waveform])
+    rows = []
+    for clip, mask in zip(features["input_audio_features"], features["feature_attention_mask"]):
+        hidden = model.audio_tower(input_features=clip[None], attention_mask=mask[None].long()).last_hidden_state
+        keep = int(model.audio_tower._get_subsampling_output_length(mask.sum()[None]).item())
+        rows.append(model.embed_audio(hidden)[0, :keep])
+    return torch.cat(rows)
+
+
+@torch.no_grad()
+def hf_reference_turn(model, tokenizer, extractor, question: str, parts: list[tuple[str, Any]], q: float,
+                      steps: int, sound_after_video: np.ndarray | None = None) -> Reference:
+    """transformers on one user turn of ``parts`` (``("image", (tiles, vLLM ids))``, ``("audio", waveform)``,
+    ``("video", MediaInput)``, in order) then ``question``: the chat template rendered whole, each placeholder
+    replaced as vLLM replaces it; ``sound_after_video`` (``use_audio_in_video``): a ``<so_embedding>`` put right
+    after the ``<video>`` as vLLM's ``apply`` puts it, then that waveform's block. Image, audio and kept video rows
+    at their pads; transformers' language model greedy over its own cache."""
+    config = model.config
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": [{"type": kind} for kind, _ in parts] + [{"type": "text", "text": question}]}],
+        tokenize=False, add_generation_prompt=True)
+    if sound_after_video is not None:
+        text = text.replace("<video>", "<video><so_embedding>")
+        video_at = [i for i, (kind, _) in enumerate(parts) if kind == "video"][0]
+        parts = parts[:video_at + 1] + [("audio", sound_after_video)] + parts[video_at + 1:]
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    image_id, audio_id = config.image_token_id, config.audio_token_id
+    video_ids = tokenizer.encode("<video>", add_special_tokens=False)
+    out, image_rows, audio_rows, kept = [], [], [], np.zeros(0, dtype=np.int64)
+    remaining = list(parts)
+    at = 0
+    while at < len(ids):
+        kind = remaining[0][0] if remaining else None
+        if kind == "image" and ids[at] == image_id:
+            tiles, repl = remaining.pop(0)[1]
+            out += repl
+            image_rows.append(hf_image_rows(model, tiles))
+            at += 1
+        elif kind == "audio" and ids[at] == audio_id:
+            waveform = remaining.pop(0)[1]
+            out += vllm_audio_ids(tokenizer, extractor, waveform)
+            audio_rows.append(hf_audio_rows(model, extractor, waveform))
+            at += 1
+        elif kind == "video" and ids[at:at + len(video_ids)] == video_ids:
+            video = remaining.pop(0)[1]
+            frames = patches_to_frames(torch.as_tensor(video.pixel_values), video.grid_thw,
+                                       config.video_temporal_patch_size, config.vision_config.patch_size)
+            video_rows = model.get_video_features(frames).pooler_output.reshape(-1, config.text_config.hidden_size)
+            t, h, w = video.grid_thw[0], video.grid_thw[1] // 2, video.grid_thw[2] // 2
+            mask = torch.ones(video_rows.shape[0], dtype=torch.bool) if q == 0 else \
+                vllm_evs.compute_retention_mask(video_rows, (t, h, w), 1, q)
+            counts = mask.reshape(t, h * w).sum(dim=1).tolist()
+            markers = {k.lstrip("_"): v for k, v in _marker_ids(tokenizer).items()}
+            out += list(get_video_repl(tokens_per_frame=counts, frames_indices=list(video.frame_indices),
+                                       frame_duration_ms=int(1000 / video.source_fps), tokenizer=tokenizer,
+                                       video_temporal_patch_size=config.video_temporal_patch_size, **markers).full)
+            image_rows.append(video_rows[mask])  # video rows sit at the image context token, as vLLM puts them
+            kept = torch.nonzero(mask).reshape(-1).numpy()
+            at += len(video_ids)
+        else:
+            out.append(ids[at])
+            at += 1
+    assert not remaining, f"the rendered prompt lacks placeholders for {[kind for kind, _ in remaining]}"
+    prompt = torch.tensor([out])
+    embeds = model.get_input_embeddings()(prompt).clone()
+    if image_rows:
+        embeds[prompt == image_id] = torch.cat(image_rows)
+    if audio_rows:
+        embeds[prompt == audio_id] = torch.cat(audio_rows)
+    first, tokens = greedy(model.language_model, embeds, steps)
+    return Reference(out, kept, tokens, first)

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from qeff_evs import evs
-from qeff_evs.models.protocol import MediaInput, ModelFamily
+from qeff_evs.models.protocol import MediaInput, ModelFamily, audio_rows, item_grid
 from qeff_evs.models.pruning import VideoPruning, temporal_patch_bucket, pad_to_bucket, pruning_host_inputs
 from qeff_evs.runtime.backends.base import EncoderSession, MergedRows, PruningSession, VisionResult, close_session
 from qeff_evs.specializations.sets import check_frames_per_call
@@ -44,6 +44,9 @@ class VisionPipeline:
     # graph of their own); ``tiled_images``: whether it has, so that a backend without the session refuses images.
     image_encoder: EncoderSession | None = None
     tiled_images: bool = False
+    # The audio encoder's session and its clip buckets in feature frames, where the export has one.
+    audio_encoder: EncoderSession | None = None
+    audio_buckets: tuple[int, ...] = ()
     # The encoder's host index inputs per frame grid (H, W): the same for every video of that
     # resolution at this F, so they are built once, not per video.
     _host_inputs: dict[tuple[int, int], dict[str, np.ndarray]] = field(default_factory=dict, init=False, repr=False)
@@ -54,8 +57,34 @@ class VisionPipeline:
             raise ValueError(f"buckets must be positive temporal patch counts, got {self.buckets!r}")
         self.buckets = tuple(sorted(int(b) for b in self.buckets))
 
+    def audio_rows(self, media: MediaInput) -> MergedRows:
+        """An audio item's rows: each clip padded to the smallest frame bucket holding it, one call each, its own
+        rows kept (``models/parakeet.py``), the clips' rows in order."""
+        if self.audio_encoder is None:
+            raise ValueError("this export or backend runs no audio encoder (export a checkpoint with a sound_config; "
+                             "the qaic backend does not load it yet); send images or videos")
+        features = self.family.audio_features()
+        pixels = np.asarray(media.pixel_values, dtype=np.float32)
+        rows, start = [], 0
+        for frames in media.clip_frames:
+            fitting = [b for b in self.audio_buckets if b >= frames]
+            if not fitting:
+                raise ValueError(f"an audio clip of {frames} feature frames is longer than the export's largest audio "
+                                 f"bucket ({max(self.audio_buckets)} frames); re-export this folder")
+            bucket = min(fitting)
+            padded = np.zeros((bucket, pixels.shape[1]), dtype=np.float32)
+            padded[:frames] = pixels[start:start + frames]
+            mask = np.zeros(bucket, dtype=np.int64)
+            mask[:frames] = 1
+            out = self.audio_encoder.encode(padded, {"feature_mask": mask})
+            rows.append(out.rows[:audio_rows(features, (frames,))])
+            start += frames
+        return MergedRows(np.concatenate(rows), {})
+
     def merged_rows(self, media: MediaInput, progress: Progress | None = None) -> MergedRows:
         """The item's merged rows ``(T*h*w, hidden)`` (+ extras), encoded F temporal patches per call."""
+        if media.kind == "audio":
+            return self.audio_rows(media)
         t, big_h, big_w = (int(v) for v in media.grid_thw)
         _, h, w = self.family.merged_grid(media.grid_thw)
         f, patches, tokens = self.frames_per_call, big_h * big_w, h * w
@@ -106,7 +135,7 @@ class VisionPipeline:
 
     def prune(self, media: MediaInput, merged: MergedRows, pruning: VideoPruning) -> VisionResult:
         """The kept rows of an item: its method's ranking, first K kept; every row when K is all of them."""
-        grid = self.family.merged_grid(media.grid_thw)
+        grid = item_grid(self.family, media)
         total = grid[0] * grid[1] * grid[2]
         k = pruning.kept_tokens(grid, media.kind)
         if k == total:
@@ -127,7 +156,8 @@ class VisionPipeline:
     def close(self) -> None:
         """Release every session's program (QAIC); nothing to do on the host backends."""
         close_session(self.encoder)
-        if self.image_encoder is not None:
-            close_session(self.image_encoder)
+        for session in (self.image_encoder, self.audio_encoder):
+            if session is not None:
+                close_session(session)
         for session in self.pruning.values():
             close_session(session)

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from qeff_evs import evs
-from qeff_evs.models.protocol import MediaInput, ModelFamily
+from qeff_evs.models.protocol import MediaInput, ModelFamily, item_grid
 from qeff_evs.models.pruning import DEFAULT_METHOD, VideoPruning
 from qeff_evs.positions import check_rope_range
 from qeff_evs.specializations.sets import chunk_seq_len
@@ -62,8 +62,8 @@ class EngineConfig:
 
 
 def kept_count(family: ModelFamily, media: MediaInput, pruning: VideoPruning) -> int:
-    """K for one media item: the method's count rule for a video, every token of an image."""
-    return pruning.kept_tokens(family.merged_grid(media.grid_thw), media.kind)
+    """K for one media item: the method's count rule for a video, every token of an image or an audio item."""
+    return pruning.kept_tokens(item_grid(family, media), media.kind)
 
 
 def encode_media(family: ModelFamily, vision: VisionSession, media: MediaInput, pruning: VideoPruning
@@ -71,7 +71,7 @@ def encode_media(family: ModelFamily, vision: VisionSession, media: MediaInput, 
     """Encode one item (encoder calls, then its pruning graph once): its K kept rows, their indices, per-frame
     counts."""
     result = vision.encode(media, pruning)
-    t, h, w = family.merged_grid(media.grid_thw)
+    t, h, w = item_grid(family, media)
     indices = result.kept_indices.astype(np.int64)
     per_frame = evs.tokens_per_frame_kept(indices, t, h * w)
     return EncodedMedia(result.rows, indices, result.extras, tuple(per_frame))
@@ -89,7 +89,7 @@ def media_hash(media: MediaInput, pruning: VideoPruning) -> str:
     digest = hashlib.sha256()
     digest.update(np.ascontiguousarray(media.pixel_values.numpy()).tobytes())
     digest.update(repr((tuple(int(v) for v in media.grid_thw), media.kind, pruning.method, pruning.rate,
-                        float(media.fps), tuple(float(t) for t in media.frame_times))).encode())
+                        float(media.fps), tuple(float(t) for t in media.frame_times), media.clip_frames)).encode())
     return digest.hexdigest()
 
 

@@ -49,26 +49,36 @@ def video_question_pieces(tokenizer, question: str, tokens: TokenStrings | None 
     return [PromptPiece(ids=encode(before)), PromptPiece(media_item=0), PromptPiece(ids=encode(after))]
 
 
-def chat_pieces(tokenizer, content: list[dict], tokens: TokenStrings | None = None) -> list[PromptPiece]:
-    """One user turn (OpenAI-style ``content``: text, ``{"type": "video"}``, ``{"type": "image"}``) as pieces.
+def chat_pieces(tokenizer, content: list[dict], tokens: TokenStrings | None = None,
+                sound_in_video: bool = False) -> list[PromptPiece]:
+    """One user turn (OpenAI-style ``content``: text, ``{"type": "video"}``, ``{"type": "image"}``,
+    ``{"type": "audio"}``) as pieces.
 
-    The chat template renders the turn, which is then split at every image or video pad it emits (the
-    family's ``tokens``); media placeholders are numbered in prompt order (the order of the request's media list).
+    The chat template renders the turn, which is then split at every media pad it emits (the family's ``tokens``);
+    media placeholders are numbered in prompt order (the order of the request's media list).
     """
-    return conversation_pieces(tokenizer, [{"role": "user", "content": content}], tokens)
+    return conversation_pieces(tokenizer, [{"role": "user", "content": content}], tokens, sound_in_video)
 
 
-def conversation_pieces(tokenizer, messages: list[dict], tokens: TokenStrings | None = None) -> list[PromptPiece]:
+def conversation_pieces(tokenizer, messages: list[dict], tokens: TokenStrings | None = None,
+                        sound_in_video: bool = False) -> list[PromptPiece]:
     """A chat (OpenAI-style ``messages``: user turns with text and media parts, assistant turns as text) as pieces,
     rendered whole by the chat template as vLLM's chat endpoint renders it, then split at its media pads (numbered
-    in prompt order)."""
+    in prompt order). ``sound_in_video`` (vLLM's ``use_audio_in_video``): an audio pad right after each video pad,
+    as vLLM's Nemotron-H processor puts the video's sound; each video's next media item is then its sound."""
     tokens = _tokens(tokens)
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("a conversation needs the checkpoint's chat template, and this tokenizer has none; "
                          "ask each question in a request of its own")
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    if sound_in_video:
+        if not tokens.audio:
+            raise ValueError("use_audio_in_video: this model serves no audio")
+        text = text.replace(tokens.video, tokens.video + tokens.audio)
     pieces = []
-    for item, part in enumerate(text.replace(tokens.image, tokens.video).split(tokens.video)):
+    for pad in tokens.pads:  # every pad is one item: split at each, numbered in prompt order
+        text = text.replace(pad, tokens.video)
+    for item, part in enumerate(text.split(tokens.video)):
         if item:
             pieces.append(PromptPiece(media_item=item - 1))
         if part:

@@ -39,6 +39,7 @@ from qeff_evs.runtime.engine.request import PromptPiece, plan_prompt
 from qeff_evs.runtime.builders import largest_image_rows, largest_item_rows, video_pruning
 from qeff_evs.runtime.export_bundle import ExportBundle, open_export
 from qeff_evs.runtime.media import image_from_array, video_from_frames
+from qeff_evs.runtime.inputs.audio_features import USE_AUDIO_IN_VIDEO, audio_input, use_audio_in_video
 from qeff_evs.runtime.inputs.video_io import DEFAULT_ARRAY_FPS
 from qeff_evs.vllm.engine.limits import served_pruning
 from qeff_evs.vllm.activation import active_backend
@@ -76,7 +77,11 @@ def media_from_fields(fields: Mapping[str, Any], modality: str) -> MediaInput:
     if modality == "image":
         return MediaInput(_pixels(fields, "pixel_values"),
                           tuple(int(v) for v in fields["image_grid_thw"].tolist()), 1.0, (), kind="image")
-    raise ValueError(f"qeff-evs exports take images and videos, not {modality!r}")
+    if modality == "audio":
+        return MediaInput(_pixels(fields, "input_audio_features"),
+                          tuple(int(v) for v in fields["audio_grid"].tolist()), float(fields["audio_sampling_rate"]),
+                          (), kind="audio", clip_frames=tuple(int(n) for n in fields["audio_clip_frames"].tolist()))
+    raise ValueError(f"qeff-evs exports take images, videos and audio, not {modality!r}")
 
 
 def _pixels(fields: Mapping[str, Any], name: str) -> torch.Tensor:
@@ -106,14 +111,16 @@ def _image_array(image: Any) -> np.ndarray:
 
 
 def process_media(bundle: ExportBundle, videos: Sequence[Any], images: Sequence[Any],
-                  video_kwargs: Mapping[str, Any] | None = None, served: RequestPruningBounds | None = None
-                  ) -> BatchFeature:
-    """Videos and images -> the fields our worker reads; a ``ValueError`` naming what the export serves.
+                  video_kwargs: Mapping[str, Any] | None = None, served: RequestPruningBounds | None = None,
+                  audios: Sequence[Any] = ()) -> BatchFeature:
+    """Videos, images and audio clips -> the fields our worker reads; a ``ValueError`` naming what the export serves.
     ``video_kwargs``: the request's ``mm_processor_kwargs`` (the video processor's, and its own pruning:
     ``request_pruning.PRUNING_KEYS``); ``served``: the server's pruning and the bounds a request's choice keeps
-    within (default: the export's pruning, no context bound)."""
+    within (default: the export's pruning, no context bound); ``audios``: waveforms at the checkpoint's rate (vLLM's
+    parser made them mono)."""
     served = served or RequestPruningBounds(video_pruning(bundle), None, PRUNING_METHODS)
     asked, video_kwargs = PruningRequest.split(video_kwargs)
+    video_kwargs = {k: v for k, v in video_kwargs.items() if k != USE_AUDIO_IN_VIDEO}  # the prompt's, not frames'
     data: dict[str, torch.Tensor] = {}
     if videos:
         media = []
@@ -148,7 +155,40 @@ def process_media(bundle: ExportBundle, videos: Sequence[Any], images: Sequence[
                 raise ValueError(f"image {number}: {error}") from None
         data.update(pixel_values=torch.cat([m.pixel_values for m in media]),
                     image_grid_thw=torch.tensor([m.grid_thw for m in media], dtype=torch.int64))
+    if audios:
+        features = bundle.family.audio_features()
+        if features is None:
+            raise ValueError(f"this export ({bundle.family.name}) serves no audio; send images and videos")
+        media = []
+        for number, waveform in enumerate(audios):
+            try:
+                media.append(audio_input(np.asarray(waveform.cpu() if isinstance(waveform, torch.Tensor)
+                                                    else waveform, dtype=np.float32), features))
+            except ValueError as error:
+                raise ValueError(f"audio {number}: {error}") from None
+        data.update(input_audio_features=torch.cat([m.pixel_values for m in media]),
+                    audio_grid=torch.tensor([m.grid_thw for m in media], dtype=torch.int64),
+                    audio_sampling_rate=torch.tensor([m.fps for m in media], dtype=torch.float64),
+                    audio_clip_frames=torch.tensor([n for m in media for n in m.clip_frames], dtype=torch.int64),
+                    audio_num_clips=torch.tensor([len(m.clip_frames) for m in media], dtype=torch.int64),
+                    audio_num_frames=torch.tensor([sum(m.clip_frames) for m in media], dtype=torch.int64))
     return BatchFeature(data)
+
+
+def sound_after_videos(prompt_ids: Sequence[int], video_target: Sequence[int], audio_target: Sequence[int]
+                       ) -> list[int]:
+    """``use_audio_in_video``: the audio pad right after each video's text, where vLLM's Nemotron-H processor puts
+    a video's sound (it re-encodes the prompt with ``<so_embedding>`` after every ``<video>``)."""
+    ids, out, at = [int(i) for i in prompt_ids], [], 0
+    video_target, audio_target = list(video_target), list(audio_target)
+    while at < len(ids):
+        if ids[at:at + len(video_target)] == video_target:
+            out += video_target + audio_target
+            at += len(video_target)
+        else:
+            out.append(ids[at])
+            at += 1
+    return out
 
 
 @dataclass(frozen=True)
@@ -200,14 +240,35 @@ class _FramesWithMetadata(MultiModalDataParser):
         return frames, _frames_and_metadata((frames, metadata))[1]
 
 
+class _ExactRate:
+    """The resampler of our parser: audio at the checkpoint's rate passes; another rate is refused in one line
+    (vLLM resamples with torchaudio, which this environment does not have and qeff-evs does not reimplement)."""
+
+    def __init__(self, target_sr: int) -> None:
+        self.target_sr = target_sr
+
+    def resample(self, audio, *, orig_sr: float):
+        if abs(float(orig_sr) - self.target_sr) > 1e-6:
+            raise ValueError(f"audio sampled at {orig_sr:g} Hz: this model's audio encoder takes {self.target_sr} Hz "
+                             f"and qeff-evs does not resample; send it at {self.target_sr} Hz (e.g. ffmpeg -i IN -ar "
+                             f"{self.target_sr} OUT.wav)")
+        return audio
+
+
 class QeffEvsProcessingInfo(BaseProcessingInfo):
     @cached_property
     def bundle(self) -> ExportBundle:
         return open_export(self.ctx.model_config.model)
 
     def get_data_parser(self) -> MultiModalDataParser:
-        return _FramesWithMetadata(video_needs_metadata=True, expected_hidden_size=self._get_expected_hidden_size(),
-                               allow_missing_mm_embeddings=self.allow_missing_mm_embeddings)
+        features = self.bundle.family.audio_features()
+        parser = _FramesWithMetadata(video_needs_metadata=True, expected_hidden_size=self._get_expected_hidden_size(),
+                                     allow_missing_mm_embeddings=self.allow_missing_mm_embeddings,
+                                     target_sr=None if features is None else features.sampling_rate,
+                                     target_channels=None if features is None else 1)
+        if features is not None:
+            parser.audio_resampler = _ExactRate(features.sampling_rate)
+        return parser
 
     @cached_property
     def pruning(self) -> VideoPruning:
@@ -220,8 +281,14 @@ class QeffEvsProcessingInfo(BaseProcessingInfo):
         return RequestPruningBounds(self.pruning, self.ctx.model_config.max_model_len,
                                     runnable_methods(self.bundle, active_backend() or "ort", self.pruning.method))
 
+    @cached_property
+    def serves_audio(self) -> bool:
+        """Whether this export encodes audio: a family with audio and a checkpoint with an audio config."""
+        return self.bundle.family.audio_features() is not None
+
     def get_supported_mm_limits(self) -> Mapping[str, int | None]:
-        return {"image": None, "video": None}
+        audio = {"audio": None} if self.serves_audio else {}
+        return {"image": None, "video": None, **audio}
 
     def get_mm_max_tokens_per_item(self, seq_len: int, mm_counts: Mapping[str, int]) -> Mapping[str, int]:
         """Encoder rows of the largest item the export serves (vLLM sizes its encoder cache with them): a request may
@@ -229,8 +296,11 @@ class QeffEvsProcessingInfo(BaseProcessingInfo):
         builds one to profile or measure (an EC producer encodes one dummy item of each listed modality), and a
         request with one still reaches the family's own refusal."""
         unpruned = VideoPruning(self.pruning.method, 0.0)
-        rows = {"video": largest_item_rows(self.bundle, unpruned), "image": largest_image_rows(self.bundle)}
-        return {modality: n for modality, n in rows.items() if modality in self.bundle.family.modalities}
+        # An audio clip of any length is served (cut into 30 s clips): as vLLM, its rows are bounded by seq_len.
+        rows = {"video": largest_item_rows(self.bundle, unpruned), "image": largest_image_rows(self.bundle),
+                "audio": seq_len}
+        served = self.get_supported_mm_limits()
+        return {modality: n for modality, n in rows.items() if modality in served}
 
 
 class QeffEvsDummyInputs(BaseDummyInputsBuilder[QeffEvsProcessingInfo]):
@@ -238,14 +308,19 @@ class QeffEvsDummyInputs(BaseDummyInputsBuilder[QeffEvsProcessingInfo]):
 
     def get_dummy_text(self, mm_counts: Mapping[str, int]) -> str:
         tokens = self.info.bundle.family.token_strings
-        return tokens.video_block * mm_counts.get("video", 0) + tokens.image_block * mm_counts.get("image", 0)
+        return (tokens.video_block * mm_counts.get("video", 0) + tokens.image_block * mm_counts.get("image", 0)
+                + tokens.audio * mm_counts.get("audio", 0))
 
     def get_dummy_mm_data(self, seq_len: int, mm_counts: Mapping[str, int], mm_options=None):
         m = self.info.bundle.manifest
         height, width = max(m.resolutions, key=lambda r: r[0] * r[1])
         video = np.zeros((m.max_frames, height, width, 3), dtype=np.uint8)
         image = np.zeros((height, width, 3), dtype=np.uint8)
-        return {"video": [video] * mm_counts.get("video", 0), "image": [image] * mm_counts.get("image", 0)}
+        features = self.info.bundle.family.audio_features()
+        audio = [] if features is None else \
+            [np.zeros(int(features.clip_seconds * features.sampling_rate), dtype=np.float32)]  # one full clip
+        return {"video": [video] * mm_counts.get("video", 0), "image": [image] * mm_counts.get("image", 0),
+                "audio": audio * mm_counts.get("audio", 0)}
 
 
 class QeffEvsProcessor(BaseMultiModalProcessor[QeffEvsProcessingInfo]):
@@ -263,10 +338,21 @@ class QeffEvsProcessor(BaseMultiModalProcessor[QeffEvsProcessingInfo]):
         return super()._cached_apply_hf_processor(inputs, timing_ctx)
 
     def apply(self, inputs, timing_ctx):
-        """vLLM's ``BaseMultiModalProcessor.apply`` (0.32), with our checks and the prompt's positions end."""
+        """vLLM's ``BaseMultiModalProcessor.apply`` (0.32), with our checks and the prompt's positions end; with
+        ``use_audio_in_video`` (the server's ``--mm-processor-kwargs`` under the request's) each video's sound goes
+        right after it, as vLLM's Nemotron-H processor lays it out."""
         family = self.info.bundle.family
+        modalities = self._modalities()
+        merged = self.info.ctx.model_config.get_multimodal_config().merge_mm_processor_kwargs(
+            inputs.hf_processor_mm_kwargs)
+        try:
+            sound_in_video = use_audio_in_video(merged)
+        except ValueError as error:
+            raise VLLMValidationError(str(error), parameter="mm_processor_kwargs") from None
+        if sound_in_video and "video" in inputs.mm_data_items:
+            inputs = self._with_video_sound(inputs, family)
         pads = {modality: (family.prompt_target(modality), family.token_strings.pad(modality))
-                for modality in ("video", "image")}
+                for modality in modalities}
         problem = media_count(inputs.prompt, inputs.mm_data_items.get_all_counts(), pads)
         if problem:
             raise VLLMValidationError(problem, parameter="messages")
@@ -283,11 +369,32 @@ class QeffEvsProcessor(BaseMultiModalProcessor[QeffEvsProcessingInfo]):
         result[POSITIONS_END] = positions_end(len(prompt_ids), [(i.start_idx, i.length) for i in items], spans)
         return result
 
+    def _modalities(self) -> tuple[str, ...]:
+        return ("video", "image", "audio") if self.info.serves_audio else ("video", "image")
+
+    def _with_video_sound(self, inputs, family):
+        """The prompt with an audio pad after each video's text; the videos' sounds must be the request's audio
+        items (the chat API reads each ``video_url``'s audio track for them), one per video, as vLLM requires."""
+        if not self.info.serves_audio:
+            raise VLLMValidationError(f"use_audio_in_video: this export ({family.name}) serves no audio",
+                                      parameter="mm_processor_kwargs")
+        counts = inputs.mm_data_items.get_all_counts()
+        if counts.get("audio", 0) != counts.get("video", 0):
+            raise VLLMValidationError(
+                f"use_audio_in_video needs each video's sound: {counts.get('video', 0)} video(s) and "
+                f"{counts.get('audio', 0)} audio item(s); send the videos as video_url through the chat API (their "
+                "audio tracks are read from them) or pass one audio item per video", parameter="mm_processor_kwargs")
+        prompt = sound_after_videos(inputs.prompt, family.prompt_target("video"), family.prompt_target("audio"))
+        return dataclasses.replace(inputs, prompt=prompt)
+
     def _apply_hf_processor_main(self, mm_items, hf_kwargs: Mapping[str, object]) -> BatchFeature:
         # No Hugging Face processor runs: our host preprocessing does, on (frames, metadata) per video.
-        videos = [mm_items["video"].get(i) for i in range(mm_items["video"].get_count())] if "video" in mm_items else []
-        images = [mm_items["image"].get(i) for i in range(mm_items["image"].get_count())] if "image" in mm_items else []
-        return process_media(self.info.bundle, videos, images, hf_kwargs, self.info.request_pruning)
+        def items(modality: str) -> list:
+            return [mm_items[modality].get(i) for i in range(mm_items[modality].get_count())] \
+                if modality in mm_items else []
+
+        return process_media(self.info.bundle, items("video"), items("image"), hf_kwargs, self.info.request_pruning,
+                             audios=items("audio"))
 
     def _get_mm_fields_config(self, hf_inputs: BatchFeature, hf_processor_mm_kwargs: Mapping[str, object]):
         # Every field but the pixels is kept on the host (keep_on_cpu): vLLM then sends it for an item its scheduler
@@ -311,6 +418,15 @@ class QeffEvsProcessor(BaseMultiModalProcessor[QeffEvsProcessingInfo]):
             grids = hf_inputs["image_grid_thw"]
             fields.update(pixel_values=MultiModalFieldConfig.flat_from_sizes("image", grids.prod(-1)),
                           image_grid_thw=MultiModalFieldConfig.batched("image", keep_on_cpu=True))
+        if "audio_grid" in hf_inputs:
+            fields.update(input_audio_features=MultiModalFieldConfig.flat_from_sizes(
+                              "audio", hf_inputs["audio_num_frames"]),
+                          audio_grid=MultiModalFieldConfig.batched("audio", keep_on_cpu=True),
+                          audio_sampling_rate=MultiModalFieldConfig.batched("audio", keep_on_cpu=True),
+                          audio_clip_frames=MultiModalFieldConfig.flat_from_sizes(
+                              "audio", hf_inputs["audio_num_clips"], keep_on_cpu=True),
+                          audio_num_clips=MultiModalFieldConfig.batched("audio", keep_on_cpu=True),
+                          audio_num_frames=MultiModalFieldConfig.batched("audio", keep_on_cpu=True))
         return fields
 
     def _get_prompt_updates(self, mm_items, hf_processor_mm_kwargs, out_mm_kwargs):
@@ -329,5 +445,5 @@ class QeffEvsProcessor(BaseMultiModalProcessor[QeffEvsProcessingInfo]):
 
         return [PromptReplacement(modality=modality, target=list(family.prompt_target(modality)),
                                   replacement=placeholder(modality, tokens.media_pad(modality)))
-                for modality in ("video", "image")]
+                for modality in self._modalities()]
 
