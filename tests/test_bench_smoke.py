@@ -259,6 +259,26 @@ def test_qwen3_5_smoke_runs_the_hybrid_graph(tmp_path):
     assert rows and all(r["logits_max_abs_diff"] <= 1e-4 for r in rows)
 
 
+def test_nemotron_sound_track_stays_while_the_video_is_pruned(tmp_path):
+    """--sound-seconds on Nemotron-H Omni: the clip's sound rows (vLLM's count for 1.5 s: 19) and its two markers are
+    in every q's prompt beside the video's kept rows; a family without audio is refused in one line."""
+    runs = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for seconds in ("0", "1.5"):
+            out = tmp_path / seconds
+            assert cli.main(["bench", "--smoke", "--family", "nemotron_h_omni", "--only", "pruning_sweep",
+                             "--sound-seconds", seconds, "-o", str(out)]) == 0
+            runs[seconds] = json.loads((out / "results.json").read_text())["pruning_sweep"]
+    assert runs["1.5"]["sound_seconds"] == 1.5 and runs["0"]["sound_seconds"] == 0
+    for silent, heard in zip(runs["0"]["rows"], runs["1.5"]["rows"], strict=True):
+        assert (silent["sound_rows"], heard["sound_rows"]) == (0, 19)
+        assert heard["kept_tokens"] == silent["kept_tokens"]
+        assert heard["prompt_tokens"] == silent["prompt_tokens"] + 19 + 2  # + <so_start>, <so_end>
+    assert cli.main(["bench", "--smoke", "--only", "pruning_sweep", "--sound-seconds", "1",
+                     "-o", str(tmp_path / "qwen")]) == 2
+
+
 def test_bench_without_matplotlib_names_the_extra(monkeypatch, tmp_path, capsys):
     """matplotlib is the optional bench extra: without it the bench stops first, exit 2, with the install line."""
     for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")]:

@@ -32,8 +32,14 @@ def model_config(config: BenchConfig):
     """The transformers config of the benchmarked model: realistic or tiny widths, the requested depths."""
     from qeff_evs.models.tiny import build_tokenizer, tiny_config
 
+    if config.options.get("sound_seconds") and "audio" not in family_class(config.family).modalities:
+        raise ValueError(f"--sound-seconds: {config.family} has no audio encoder; benchmark a sound track on "
+                         "--family nemotron_h_omni")
     if config.widths == "realistic":
-        return realistic_config(config.family, text_layers=config.text_layers, vision_layers=config.vision_layers)
+        # A sound track to benchmark (the pruning sweep's sound_seconds) needs an audio encoder, as deep as the tower.
+        audio_layers = config.vision_layers if config.options.get("sound_seconds") else 0
+        return realistic_config(config.family, text_layers=config.text_layers, vision_layers=config.vision_layers,
+                                audio_layers=audio_layers)
     return tiny_config(config.family, build_tokenizer(config.family), text_layers=config.text_layers,
                        vision_layers=config.vision_layers)
 

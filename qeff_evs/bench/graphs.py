@@ -17,7 +17,7 @@ from qeff_evs.bench.checkpoint import model_config, save_checkpoint
 from qeff_evs.bench.config import BenchConfig, Progress, prefill_chunk_lengths
 from qeff_evs.bench.sessions import open_inference_session
 from qeff_evs.export.pipeline import ExportOptions, export_checkpoint
-from qeff_evs.manifest import LanguageShape
+from qeff_evs.manifest import AUDIO_ENCODER, LanguageShape
 from qeff_evs.models.protocol import ModelFamily
 from qeff_evs.models.registry import family_for_config
 from qeff_evs.manifest import pruning_graph
@@ -48,6 +48,8 @@ class BenchGraphs:
     checkpoint_dir: Path  # the saved random checkpoint
     export_dir: Path  # qeff-evs export's folder: what `qeff-evs run` and `vllm serve` take
     short_prefill_lens: tuple[int, ...] = ()  # the export's shorter prefill lengths (Manifest.short_prefill_lens)
+    audio_encoder: object | None = None  # ... of the audio encoder graph, where the export has one
+    audio_buckets: tuple[int, ...] = ()  # its clip buckets in feature frames
 
     @property
     def merge_size(self) -> int:
@@ -58,8 +60,9 @@ class BenchGraphs:
 
     def vision_pipeline(self) -> VisionPipeline:
         """The runtime's vision side over the opened sessions: encoder calls of F patches, then EVS's ranking."""
+        audio = None if self.audio_encoder is None else OrtEncoderSession(self.audio_encoder)
         return VisionPipeline(self.family, OrtEncoderSession(self.encoder), {"evs": OrtPruningSession(self.evs)},
-                              self.frames_per_call, self.buckets)
+                              self.frames_per_call, self.buckets, audio_encoder=audio, audio_buckets=self.audio_buckets)
 
 
 def export_options(config: BenchConfig) -> ExportOptions:
@@ -119,6 +122,9 @@ def open_graphs(workdir: Path, progress: Progress, language: bool = True) -> Ben
         checkpoint_dir=checkpoint_dir,
         export_dir=export_dir,
         short_prefill_lens=manifest.short_prefill_lens,
+        audio_encoder=(open_inference_session(str(manifest.path(export_dir, AUDIO_ENCODER)))
+                       if AUDIO_ENCODER in manifest.files else None),
+        audio_buckets=manifest.audio_buckets,
     )
 
 

@@ -6,6 +6,10 @@ shortest prefill length holding it, logits from the last chunk only) of the lang
 token comes out of the last prefill chunk, so time to first token = vision + prefill (each
 request's own calls, as if it ran alone).
 
+With ``--sound-seconds S`` (a family with audio: Nemotron-H Omni) the clip has a sound track of S seconds: its rows
+follow the video block in the language prompt as vLLM's ``use_audio_in_video`` lays them, never pruned, and the
+vision side encodes it too (the audio encoder graph, once per q): what pruning buys when the audio tokens stay.
+
 Order of work: one pass per q alone, untimed, which warms up and records peak resident memory;
 then per repetition the vision runs (q in alternating order) and the prefills of all q
 interleaved chunk by chunk (``run_interleaved``).
@@ -23,10 +27,11 @@ import numpy as np
 from qeff_evs import evs
 from qeff_evs.bench import kept_tokens, memory, plots
 from qeff_evs.bench.config import BenchConfig
-from qeff_evs.bench.phase import MS, Phase, Progress, fmt, fmt_seconds, section_head, table_head
+from qeff_evs.bench.phase import MS, Option, Phase, Progress, fmt, fmt_seconds, section_head, table_head
 from qeff_evs.bench.timing import CLOCKS, CPU, WALL, ChunkedRun, Samples, alternating, median, run_interleaved, timed
-from qeff_evs.bench.workload import Clip, first_special_id, language_prompt, question_ids, synthetic_clip
-from qeff_evs.models.protocol import MediaInput
+from qeff_evs.bench.workload import (Clip, first_special_id, language_prompt, question_ids, synthetic_clip,
+                                     synthetic_sound)
+from qeff_evs.models.protocol import MediaInput, audio_rows
 from qeff_evs.models.pruning import VideoPruning
 from qeff_evs.runtime.backends.base import LanguageInputs
 from qeff_evs.runtime.backends.ort import OrtLanguageSession
@@ -59,6 +64,7 @@ class PruningPoint:
     peak_above_start_mb: float | None = None
     vision_kept_per_frame: list[int] = field(default_factory=list)
     vision_kept_indices: list[int] = field(default_factory=list)
+    sound_rows: int = 0  # the sound track's rows in the prompt (never pruned); 0 without one
 
 
 @dataclass
@@ -67,6 +73,7 @@ class PruningSweep:
     vision_clip: tuple[int, int]
     vision_merged_grid: tuple[int, int, int]
     points: list[PruningPoint]
+    sound_seconds: float = 0.0  # the clip's sound track, 0 for none
 
 
 def sweep_rates(config: BenchConfig) -> list[float]:
@@ -101,7 +108,8 @@ class _Case:
     vision_k: int
 
 
-def _cases(config: BenchConfig, graphs: BenchGraphs, language_clip: Clip, vision_clip: Clip) -> list[_Case]:
+def _cases(config: BenchConfig, graphs: BenchGraphs, language_clip: Clip, vision_clip: Clip,
+           sound: MediaInput | None) -> list[_Case]:
     family, shape, merge = graphs.family, graphs.language_shape, graphs.merge_size
     question = question_ids(config.question_tokens, first_special_id(family), config.seed)
     lt, lh, lw = family.merged_grid(language_clip.grid_thw)
@@ -109,12 +117,13 @@ def _cases(config: BenchConfig, graphs: BenchGraphs, language_clip: Clip, vision
     cases = []
     for q in sweep_rates(config):
         prompt = language_prompt(family, language_clip, q, question, shape.hidden, shape.extras,
-                                 merge, config.seed)
+                                 merge, config.seed, sound)
         k = evs.kept_token_count(lh * lw, lt, q)
+        heard = 0 if sound is None else audio_rows(family.audio_features(), sound.clip_frames)
         vision_k = evs.kept_token_count(vh * vw, vt, q)
         steps = engine_prefill_steps(prompt, config, graphs)
         point = PruningPoint(
-            q=q, video_tokens=lt * lh * lw, kept_tokens=k, text_tokens=len(prompt.ids) - k,
+            q=q, video_tokens=lt * lh * lw, kept_tokens=k, text_tokens=len(prompt.ids) - k - heard, sound_rows=heard,
             prompt_tokens=len(prompt.ids), prefill_chunks=len(steps),
             vision_video_tokens=vt * vh * vw, vision_kept_tokens=vision_k,
             encoder_cache_bytes=k * shape.hidden * 4 * (1 + sum(shape.extras.values())),
@@ -123,12 +132,20 @@ def _cases(config: BenchConfig, graphs: BenchGraphs, language_clip: Clip, vision
     return cases
 
 
+def _encode(vision: VisionPipeline, video: MediaInput, sound: MediaInput | None, q: float):
+    """The vision side of one request: the video's rows pruned at ``q``, and its sound's rows (the first's result)."""
+    result = vision.encode(video, VideoPruning("evs", q))
+    if sound is not None:
+        vision.encode(sound, VideoPruning("evs", q))
+    return result
+
+
 def _memory_pass(case: _Case, vision: VisionPipeline, language: OrtLanguageSession, video: MediaInput,
-                 merged_grid: tuple[int, int, int]) -> None:
+                 sound: MediaInput | None, merged_grid: tuple[int, int, int]) -> None:
     """The q's vision run and prefill alone: warm-up, kept indices and peak resident memory."""
     start_mb = memory.resident_mb()
     memory.reset_peak()
-    result = vision.encode(video, VideoPruning("evs", case.point.q))
+    result = _encode(vision, video, sound, case.point.q)
     run_interleaved([ChunkedRun(language, case.steps)])
     peak = memory.peak_mb()
     point = case.point
@@ -144,18 +161,21 @@ def run_pruning_sweep(config: BenchConfig, graphs: BenchGraphs, progress: Progre
     spec = graphs.preprocess
     language_clip = synthetic_clip(spec, config.frames, config.frame_size, config.seed)
     vision_clip = synthetic_clip(spec, config.vision_frames, config.vision_frame_size, config.seed)
-    cases = _cases(config, graphs, language_clip, vision_clip)
+    seconds = float(config.options.get("sound_seconds", 0.0))
+    sound = synthetic_sound(graphs.family, seconds, config.seed) if seconds else None
+    cases = _cases(config, graphs, language_clip, vision_clip, sound)
     vision = graphs.vision_pipeline()
     video = vision_clip.video
     merged_grid = graphs.family.merged_grid(vision_clip.grid_thw)
 
     for case in cases:
         progress(f"pruning sweep: q={case.point.q:g} alone (warm-up, peak memory)")
-        _memory_pass(case, vision, OrtLanguageSession(graphs.language, graphs.language_shape), video, merged_grid)
+        _memory_pass(case, vision, OrtLanguageSession(graphs.language, graphs.language_shape), video, sound,
+                     merged_grid)
     for rep in range(config.repeats):
         order = alternating(cases, rep)
         for case in order:
-            timed(lambda: vision.encode(video, VideoPruning("evs", case.point.q)), case.point.vision)
+            timed(lambda: _encode(vision, video, sound, case.point.q), case.point.vision)
         runs = [ChunkedRun(OrtLanguageSession(graphs.language, graphs.language_shape), case.steps)
                 for case in order]
         run_interleaved(runs)
@@ -168,6 +188,7 @@ def run_pruning_sweep(config: BenchConfig, graphs: BenchGraphs, progress: Progre
         vision_clip=(config.vision_frames, config.vision_frame_size),
         vision_merged_grid=merged_grid,
         points=[case.point for case in cases],
+        sound_seconds=seconds,
     )
 
 
@@ -182,7 +203,7 @@ def pruning_rows(sweep: PruningSweep) -> list[dict]:
         row = {
             "q": p.q, "video_tokens": p.video_tokens, "kept_tokens": p.kept_tokens,
             "text_tokens": p.text_tokens, "prompt_tokens": p.prompt_tokens, "prefill_chunks": p.prefill_chunks,
-            "vision_kept_tokens": p.vision_kept_tokens, "peak_rss_mb": p.peak_rss_mb,
+            "vision_kept_tokens": p.vision_kept_tokens, "sound_rows": p.sound_rows, "peak_rss_mb": p.peak_rss_mb,
             "peak_above_start_mb": p.peak_above_start_mb, "encoder_cache_bytes": p.encoder_cache_bytes,
         }
         for clock in CLOCKS:
@@ -205,7 +226,8 @@ def pruning_rows(sweep: PruningSweep) -> list[dict]:
 
 def section(sweep: PruningSweep) -> dict:
     return {"language_clip": list(sweep.language_clip), "vision_clip": list(sweep.vision_clip),
-            "vision_merged_grid": list(sweep.vision_merged_grid), "rows": pruning_rows(sweep),
+            "vision_merged_grid": list(sweep.vision_merged_grid), "sound_seconds": sweep.sound_seconds,
+            "rows": pruning_rows(sweep),
             "samples": [asdict(point) for point in sweep.points]}
 
 
@@ -213,15 +235,17 @@ def load(saved: dict) -> PruningSweep:
     points = [PruningPoint(**{**sample, "vision": Samples(**sample["vision"]), "prefill": Samples(**sample["prefill"])})
               for sample in saved["samples"]]
     return PruningSweep(tuple(saved["language_clip"]), tuple(saved["vision_clip"]), tuple(saved["vision_merged_grid"]),
-                        points)
+                        points, saved.get("sound_seconds", 0.0))
 
 
 def markdown(results: dict) -> list[str]:
     cfg, ps = results["config"], results[NAME]
     lf, ls = ps["language_clip"]
     vf, vs = ps["vision_clip"]
+    heard = ps.get("sound_seconds", 0.0)
+    sound = f" with {heard:g} s of its sound ({ps['rows'][0]['sound_rows']} rows, kept)" if heard else ""
     lines = [
-        *section_head(results, NAME, f"Pruning sweep: {lf} frames {ls}x{ls} + {cfg['question_tokens']}-token "
+        *section_head(results, NAME, f"Pruning sweep: {lf} frames {ls}x{ls}{sound} + {cfg['question_tokens']}-token "
                       f"question, prefill chunks of {cfg['prefill_seq_len']}, ctx_len {cfg['ctx_len']}"),
         f"proportional = q=0 prefill x (K+text)/(V+text); chunk limit = q=0 prefill x chunks/chunks(q=0). "
         f"Vision side (encoder calls of {cfg['frames_per_call']} temporal patches, then the EVS graph) timed on "
@@ -268,5 +292,16 @@ def plot_kept_tokens(results: dict, path: Path) -> Path:
                                        kept, path)
 
 
+def sound_seconds(text: str) -> float:
+    """``--sound-seconds``: a finite number of seconds >= 0 (argparse names the flag and the value otherwise)."""
+    value = float(text)
+    if not 0 <= value < float("inf"):
+        raise ValueError(text)
+    return value
+
+
 PHASE = Phase(NAME, run_pruning_sweep, section=section, load=load, markdown=markdown,
-              plots={"latency_vs_q.png": plot_latency_vs_q, "kept_tokens.png": plot_kept_tokens})
+              plots={"latency_vs_q.png": plot_latency_vs_q, "kept_tokens.png": plot_kept_tokens},
+              options=(Option("sound_seconds", sound_seconds, {"full": 0.0},
+                              "seconds of sound with the clip (a family with audio): its rows after the video's, "
+                              "never pruned; 0 for none"),))

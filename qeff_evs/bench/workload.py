@@ -16,9 +16,10 @@ import numpy as np
 import torch
 
 from qeff_evs import evs
-from qeff_evs.models.protocol import SAMPLING_FPS, ModelFamily, MediaInput
+from qeff_evs.models.protocol import SAMPLING_FPS, ModelFamily, MediaInput, audio_rows
 from qeff_evs.runtime.inputs.processor import VisionPreprocessSpec, preprocess_video
 from qeff_evs.runtime.engine.request import EncodedMedia, PreparedPrompt, PromptPiece, prepare_prompt
+from qeff_evs.runtime.inputs.audio_features import audio_input
 from qeff_evs.runtime.inputs.synthetic import moving_square_video
 
 
@@ -85,13 +86,34 @@ def random_rows(num_rows: int, hidden: int, seed: int,
 
 
 def language_prompt(family: ModelFamily, clip: Clip, q: float, question: tuple[int, ...], hidden: int,
-                    extras: Mapping[str, int], merge_size: int, seed: int) -> PreparedPrompt:
-    """Final ids and int64 positions of the clip pruned at ``q`` followed by the question."""
+                    extras: Mapping[str, int], merge_size: int, seed: int,
+                    sound: MediaInput | None = None) -> PreparedPrompt:
+    """Final ids and int64 positions of the clip pruned at ``q`` followed by the question; ``sound``: the clip's
+    sound right after it, as vLLM's ``use_audio_in_video`` lays it (every row kept)."""
     indices = pixel_kept_indices(clip.video, merge_size, q)
     rows, extra = random_rows(len(indices), hidden, seed, extras)
     t, h, w = family.merged_grid(clip.grid_thw)
     encoded = EncodedMedia(rows, indices, extra, tuple(evs.tokens_per_frame_kept(indices, t, h * w)))
-    return prepare_prompt(prompt_pieces(family, question), [clip.video], [encoded], family)
+    pieces = prompt_pieces(family, question)
+    if sound is None:
+        return prepare_prompt(pieces, [clip.video], [encoded], family)
+    count = audio_rows(family.audio_features(), sound.clip_frames)
+    sound_rows, sound_extra = random_rows(count, hidden, seed + 1, extras)
+    heard = EncodedMedia(sound_rows, np.arange(count, dtype=np.int64), sound_extra, (count,))
+    return prepare_prompt([*pieces[:2], PromptPiece(media_item=1), *pieces[2:]], [clip.video, sound],
+                          [encoded, heard], family)
+
+
+def synthetic_sound(family: ModelFamily, seconds: float, seed: int) -> MediaInput:
+    """``seconds`` of seeded noise at the checkpoint's rate as its audio encoder's input (the encoder's work depends
+    on the length only)."""
+    features = family.audio_features()
+    if features is None:
+        raise ValueError(f"--sound-seconds: {family.name} has no audio encoder; benchmark a sound track on "
+                         "--family nemotron_h_omni")
+    samples = int(round(seconds * features.sampling_rate))
+    wave = 0.1 * np.random.default_rng(seed).standard_normal(samples).astype(np.float32)
+    return audio_input(wave, features)
 
 
 def first_special_id(family: ModelFamily) -> int:

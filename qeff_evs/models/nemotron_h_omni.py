@@ -495,14 +495,27 @@ class NemotronHOmniFamily:
                 "video_maintain_aspect_ratio": True}
 
     @classmethod
-    def realistic_config_kwargs(cls, text_layers: int = 6, vision_layers: int = 4) -> dict[str, Any]:
-        """Released widths; the ``<image>`` id is the tiny tokenizer's, whose text the bench's prompts are made of
-        (the frame separators and markers come from the tokenizer, the pads from the config: they must agree)."""
+    def realistic_config_kwargs(cls, text_layers: int = 6, vision_layers: int = 4,
+                                audio_layers: int = 0) -> dict[str, Any]:
+        """Released widths; the ``<image>`` and ``<so_embedding>`` ids are the tiny tokenizer's, whose text the bench's
+        prompts are made of (the frame separators and markers come from the tokenizer, the pads from the config: they
+        must agree). ``audio_layers``: a Parakeet encoder of that depth (``realistic_audio_widths``); none for 0."""
         text, vision = cls.realistic_widths(text_layers, vision_layers)
-        image = _tokenizer_ids(cls.tiny_tokenizer())["image"]
+        ids = _tokenizer_ids(cls.tiny_tokenizer())
+        audio = {} if not audio_layers else dict(audio_config=cls.realistic_audio_widths(audio_layers),
+                                                 audio_token_id=ids["audio"])
         return dict(text_config=text, vision_config=vision, projector_hidden_size=4096, vision_hidden_size=1280,
-                    video_temporal_patch_size=2, downsample_ratio=0.5, image_token_id=image, video_token_id=image,
-                    force_image_size=512, use_thumbnail=True)
+                    video_temporal_patch_size=2, downsample_ratio=0.5, image_token_id=ids["image"],
+                    video_token_id=ids["image"], force_image_size=512, use_thumbnail=True, **audio)
+
+    @classmethod
+    def realistic_audio_widths(cls, layers: int) -> dict[str, Any]:
+        """A Parakeet encoder at transformers' ``ParakeetEncoderConfig`` widths (Parakeet 0.6B: hidden 1024, 8 heads,
+        FFN 4096, 80 mel bins, subsampling by 8 through 256 channels) with ``layers`` conformer blocks, its projector
+        4096 wide as the vision one; the released Omni's own sound widths are not in our references."""
+        return dict(hidden_size=1024, num_hidden_layers=layers, num_attention_heads=8, intermediate_size=4096,
+                    num_mel_bins=80, subsampling_conv_channels=256, conv_kernel_size=9, projection_hidden_size=4096,
+                    projection_bias=False, sampling_rate=16000)
 
     @classmethod
     def realistic_widths(cls, text_layers: int, vision_layers: int) -> tuple[dict[str, Any], dict[str, Any]]:
