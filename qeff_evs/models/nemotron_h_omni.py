@@ -39,7 +39,7 @@ only position the graph uses is the KV slot, the token's index in the pruned pro
 contract holds trivially (rows 1..3 of ``position_ids`` are the unpruned positions restricted to the kept tokens,
 each tubelet a one-dimensional run, and the graph ignores them; ``rope`` False: no RoPE table, no bound).
 
-Language graph (``NemotronHLanguageGraph``): attention layers over the slot KV cache with the windowed vision rows;
+Language graph (``NemotronHLanguageGraph``, ``models/nemotron_h_language.py``): attention layers over the slot KV cache with the windowed vision rows;
 each Mamba2 layer through ``models.mamba2.Mamba2Step`` over its retained ``conv_state.{i}`` (fp16 on the card, like
 KV) and ``ssm_state.{i}`` (fp32 on the card: node precision, as Qwen3.5's recurrent state); MoE layers by
 ``sparse_moe``'s expert forms (``hit``, the MoE work's measured choice) under Nemotron-H's router (sigmoid scores,
@@ -51,12 +51,10 @@ chunk loop, as Qwen3.5's Gated DeltaNet); row reuse follows Qwen3.5's rule (a st
 from __future__ import annotations
 
 from collections.abc import Sequence
-import math
 from typing import Any, ClassVar
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers import NemotronH_Omni_Reasoning_V3_Config
 from transformers.image_utils import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
@@ -64,9 +62,28 @@ from transformers.models.nemotron_h_omni.modeling_nemotron_h_omni import Nemotro
 
 from qeff_evs import evs
 from qeff_evs.manifest import LayerState, SpecialTokens
-from qeff_evs.models.language import LanguageGraph, LayerStep
-from qeff_evs.models.mamba2 import SSM_STATE, Mamba2Step, state_names
+from qeff_evs.models import nemotron_h_checkpoints as checkpoints
 from qeff_evs.models.linear_attention import CONV_STATE
+from qeff_evs.models.mamba2 import SSM_STATE
+from qeff_evs.models.nemotron_h_language import (
+    ATTENTION,
+    CONV_PRECISION,
+    MAMBA,
+    SSM_PRECISION,
+    NemotronHLanguageGraph,
+    layer_kinds,
+)
+from qeff_evs.models.nemotron_h_tokens import (
+    IMG_CONTEXT,
+    IMG_END,
+    IMG_START,
+    NEMOTRON_TOKENS,
+    SOUND_CONTEXT,
+    SOUND_END,
+    SOUND_START,
+    VIDEO_PROCESSOR,
+    VIDEO_TEXT,
+)
 from qeff_evs.models.protocol import (
     AudioFeatures,
     ConfigPaths,
@@ -76,61 +93,18 @@ from qeff_evs.models.protocol import (
     MediaLayout,
     NormalizedConfig,
     audio_rows,
-    TokenStrings,
     VideoPreprocessing,
 )
 from qeff_evs.models.pruning import PruningRanking, pruning_symbols
 from qeff_evs.models.parakeet import AudioEncoder, audio_symbols
 from qeff_evs.models.radio import RadioEncoder, encoder_host_inputs, encoder_symbols
 from qeff_evs.models.registry import register_family
-from qeff_evs.models.sparse_moe import DEFAULT_EXPERT_FORM, FORMS, ExpertWeights, Routing, check_expert_form
 from qeff_evs.positions import MediaBlock
 from qeff_evs.weights.name_map import EXPERT, FusedExperts, NameMap, Rename, SplitTensors
 
-MAMBA, ATTENTION, MOE, MLP = "linear_attention", "full_attention", "moe", "mlp"
-LAYER_KINDS = (MAMBA, ATTENTION, MOE, MLP)
-# The conv state is fp16 on the card like KV; the SSM state fp32 (module docstring).
-CONV_PRECISION, SSM_PRECISION = "float16", "float32"
-
-# vLLM's processor strings (``transformers_utils/processors/nano_nemotron_vl.py``).
-IMG_START, IMG_END, IMG_CONTEXT, VIDEO_TEXT = "<img>", "</img>", "<image>", "<video>"
-SOUND_START, SOUND_END, SOUND_CONTEXT = "<so_start>", "<so_end>", "<so_embedding>"
-IM_START, IM_END, END_OF_TEXT = "<|im_start|>", "<|im_end|>", "<|endoftext|>"
-# The tiny tokenizer's special tokens. ``<video>`` is not one: the released tokenizer has no such token, and vLLM
-# finds it in a prompt as the text's own tokens.
-SPECIAL_TOKENS = (END_OF_TEXT, IM_START, IM_END, IMG_START, IMG_END, IMG_CONTEXT, SOUND_START, SOUND_END, SOUND_CONTEXT)
-NEMOTRON_TOKENS = TokenStrings(image=IMG_CONTEXT, video=VIDEO_TEXT, image_block=IMG_CONTEXT, video_block=VIDEO_TEXT,
-                               audio=SOUND_CONTEXT)
-
-# ChatML turns; a video or image item renders as its placeholder text on its own line.
-CHAT_TEMPLATE = (
-    "{%- for message in messages -%}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' -}}"
-    "{%- if message['content'] is string -%}"
-    "{{- message['content'] -}}"
-    "{%- else -%}"
-    "{%- for item in message['content'] -%}"
-    "{%- if item['type'] == 'video' -%}"
-    "{{- '<video>\\n' -}}"
-    "{%- elif item['type'] == 'image' -%}"
-    "{{- '<image>\\n' -}}"
-    "{%- elif item['type'] in ('audio', 'input_audio', 'audio_url') -%}"
-    "{{- '<so_embedding>\\n' -}}"
-    "{%- elif item['type'] == 'text' -%}"
-    "{{- item['text'] -}}"
-    "{%- endif -%}"
-    "{%- endfor -%}"
-    "{%- endif -%}"
-    "{{- '<|im_end|>\\n' -}}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}"
-    "{{- '<|im_start|>assistant\\n' -}}"
-    "{%- endif -%}"
-)
 
 # The released video preprocessing (transformers' NemotronH_Omni_Reasoning_V3VideoProcessor defaults): 16-px
 # patches, CLIP mean/std, frames resized to one aspect-kept tile near 1024 patches; tubelets of 2 frames.
-VIDEO_PROCESSOR = "NemotronH_Omni_Reasoning_V3VideoProcessor"
 TARGET_PATCHES = 1024
 PREPROCESS_DEFAULTS = VideoPreprocessing(
     patch_size=16, temporal_patch_size=2, merge_size=2, image_mean=tuple(OPENAI_CLIP_MEAN),
@@ -169,15 +143,6 @@ WEIGHT_NAMES = NameMap(
     splits=(SplitTensors("attn.qkv", ("attention.q_proj", "attention.k_proj", "attention.v_proj")),),
 )
 
-# Tiny test models: widths, and Mamba2 steps that stay clear of transformers' prefill clamp (see mamba2.py).
-INITIALIZER_RANGE = 0.3
-TINY_DT_RANGE = (1e-2, 0.5)
-TINY_DT_PROJECTION_SCALE = 0.1
-# The projector's output layer scaled down: at INITIALIZER_RANGE its squared-ReLU rows come out with std ~30,
-# which would swamp the text embeddings (std ~0.3) and every fp32 rounding with them.
-TINY_PROJECTOR_SCALE = 0.03
-TINY_TARGET_PATCHES = 24
-TINY_TILE_SIZE = 64  # 4 x 4 patches, 4 rows per tile
 # vLLM's default max_num_tiles (DEFAULT_NUM_TILES of its Nemotron-H processor)
 DEFAULT_MAX_TILES = 12
 
@@ -202,151 +167,6 @@ CONFIG_PATHS = NemotronConfigPaths(
     max_positions="text_config.max_position_embeddings",
     image_token_id="image_token_id", video_token_id="video_token_id",
 )
-
-
-def layer_kinds(config) -> list[str]:
-    """Each decoder layer's kind (``layers_block_type``), checked."""
-    text = config["text_config"] if isinstance(config, dict) else config.text_config
-    kinds = list(text["layers_block_type"] if isinstance(text, dict) else text.layers_block_type)
-    unknown = sorted(set(kinds) - set(LAYER_KINDS))
-    if unknown:
-        raise ValueError(f"layers_block_type holds {unknown}; a Nemotron-H layer is one of {LAYER_KINDS}")
-    return kinds
-
-
-def tiny_layer_kinds(layers: int) -> list[str]:
-    """The tiny models' layers: Mamba2, MoE, attention, Mamba2, MLP, MoE, ... (two Mamba2 layers with an attention
-    layer between them from 4 layers on); at least one attention layer (the KV slots live there)."""
-    cycle = [MAMBA, MOE, ATTENTION, MAMBA, MLP, MOE]
-    kinds = [cycle[i % len(cycle)] for i in range(layers)]
-    if ATTENTION not in kinds:
-        kinds[-1] = ATTENTION
-    return kinds
-
-
-def released_layer_kinds(layers: int) -> list[str]:
-    """Nemotron 3 Nano's pattern (``MEMEM*EMEMEM*...``) cut to ``layers``, its last layer attention if the cut holds
-    none (a bench model keeps one KV cache)."""
-    pattern = "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME"
-    kinds = [{"M": MAMBA, "E": MOE, "*": ATTENTION, "-": MLP}[c] for c in pattern[:layers]]
-    if ATTENTION not in kinds:
-        kinds[-1] = ATTENTION
-    return kinds
-
-
-# ---------------------------------------------------------------------------------------------
-# The sparse MoE block
-
-
-class NemotronMoe(nn.Module):
-    """One NemotronH MoE block (``NemotronHMoE``) with static shapes, sharing its parameters.
-
-    Router (fp32, as transformers and vLLM compute it): sigmoid scores; experts chosen by score plus
-    ``e_score_correction_bias``, first limited to the ``topk_group`` best of ``n_group`` groups (a group scores its
-    two best); weights are the chosen experts' *scores*, renormalised (``norm_topk_prob``) and times
-    ``routed_scaling_factor``. Experts: ``down @ relu2(up @ x)``, no gate, by ``expert_form``; optional latent
-    projections around them; the shared expert on every token.
-    """
-
-    def __init__(self, block: nn.Module, expert_form: str = DEFAULT_EXPERT_FORM) -> None:
-        super().__init__()
-        self.block = block
-        self.expert_form = check_expert_form(expert_form)
-        gate = block.gate
-        self.top_k, self.groups, self.top_groups = int(gate.top_k), int(gate.num_group), int(gate.topk_group)
-        self.num_experts = int(gate.num_experts)
-        if self.num_experts % self.groups:
-            raise ValueError(f"{self.num_experts} experts do not split into n_group={self.groups} groups")
-
-    def routing(self, hidden: torch.Tensor) -> Routing:
-        gate = self.block.gate
-        scores = torch.sigmoid(F.linear(hidden.float(), gate.weight.float()))
-        choice = scores + gate.e_score_correction_bias.float()
-        if self.groups > 1:
-            grouped = choice.reshape(-1, self.groups, self.num_experts // self.groups)
-            group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
-            kept = torch.zeros_like(group_scores).scatter(1, group_scores.topk(self.top_groups, dim=-1).indices, 1.0)
-            allowed = kept[:, :, None].expand_as(grouped).reshape(-1, self.num_experts) > 0
-            choice = torch.where(allowed, choice, torch.full((), float("-inf"), device=choice.device))
-        experts = torch.topk(choice, self.top_k, dim=-1).indices
-        weights = scores.gather(1, experts)
-        if gate.norm_topk_prob:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return Routing((weights * gate.routed_scaling_factor).to(hidden.dtype), experts)
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        block, shape = self.block, hidden.shape
-        flat = hidden.reshape(-1, shape[-1])
-        experts = block.experts
-        routed = FORMS[self.expert_form](block.fc1_latent_proj(flat), self.routing(flat),
-                                         ExpertWeights(experts.up_proj, experts.down_proj, experts.act_fn, gated=False))
-        out = block.fc2_latent_proj(routed) + block.shared_experts(flat)
-        return out.reshape(shape)
-
-
-# ---------------------------------------------------------------------------------------------
-# The language graph
-
-
-class _TextModel(nn.Module):
-    """NemotronH's backbone under the names ``LanguageGraph`` reads (``embed_tokens``, ``layers``, ``norm``)."""
-
-    def __init__(self, backbone: nn.Module) -> None:
-        super().__init__()
-        self.embed_tokens = backbone.embeddings
-        self.layers = backbone.layers
-        self.norm = backbone.norm_f
-
-
-class NemotronHLanguageGraph(LanguageGraph):
-    """Nemotron-H's language step (module docstring): each layer's norm, mixer and residual, the mixer by its kind.
-
-    ``prefill_seq_len``: the compiled prefill length the Mamba2 chunk loop is unrolled for (a graph for export and
-    the torch backend; chunks up to that length and decode). Without it each call picks its path by its own length
-    (eager only). ``prefill_seq_len`` 1: a decode-only graph. ``expert_form`` (keyword): ``sparse_moe.EXPERT_FORMS``.
-    """
-
-    def __init__(self, hf_model: nn.Module, media_token_ids: Sequence[int] | None = None,
-                 rope_positions: int | None = None, prefill_seq_len: int | None = None, *,
-                 expert_form: str = DEFAULT_EXPERT_FORM):
-        super().__init__(hf_model, media_token_ids, rope_positions)
-        self.trace_seq_len = prefill_seq_len
-        unrolled = None if prefill_seq_len == 1 else prefill_seq_len  # decode-only: the traced length picks
-        kinds = layer_kinds(hf_model.config)
-        layers = self.text_model.layers
-        self.mamba = nn.ModuleDict({str(i): Mamba2Step(layers[i].mixer, prefill_seq_len=unrolled)
-                                    for i, kind in enumerate(kinds) if kind == MAMBA})
-        self.moe = nn.ModuleDict({str(i): NemotronMoe(layers[i].mixer, expert_form)
-                                  for i, kind in enumerate(kinds) if kind == MOE})
-        self.expert_form = expert_form
-
-    @staticmethod
-    def text_parts(hf_model: nn.Module) -> tuple[nn.Module, nn.Module]:
-        language = getattr(hf_model, "language_model", None)
-        if language is None or not hasattr(language, "model") or not hasattr(language, "lm_head"):
-            raise ValueError(f"{type(hf_model).__name__} lacks .language_model (a NemotronHForCausalLM); pass the "
-                             "transformers NemotronH_Omni_Reasoning_V3 model")
-        return _TextModel(language.model), language.lm_head
-
-    def decoder_layer(self, layer_idx: int, layer: nn.Module, hidden: torch.Tensor, step: LayerStep) -> torch.Tensor:
-        key = str(layer_idx)
-        normed = layer.norm(hidden.to(layer.norm.weight.dtype))
-        if key in self.mamba:
-            if torch.jit.is_tracing() and self.trace_seq_len is None:
-                raise ValueError("a Nemotron-H language graph unrolls its prefill for one length: build it with "
-                                 "prefill_seq_len (the compiled prefill length) before tracing it")
-            conv, ssm = state_names(layer_idx)
-            out = self.mamba[key](normed, step.slots, step.states[conv], step.states[ssm], step.batch_index)
-            step.states[conv], step.states[ssm] = out.conv_state, out.ssm_state
-            mixed = out.hidden_states
-        elif key in self.moe:
-            mixed = self.moe[key](normed)
-        elif layer.block_type == ATTENTION:
-            mixed = layer.mixer(hidden_states=normed, attention_mask=step.attention_mask,
-                                past_key_values=step.cache)[0]
-        else:
-            mixed = layer.mixer(normed)
-        return hidden + mixed
 
 
 # ---------------------------------------------------------------------------------------------
@@ -410,129 +230,16 @@ class NemotronHOmniFamily:
     def normalized_config(self) -> NormalizedConfig:
         return self.config_paths.read(self.config)
 
-    # ---- tiny test checkpoints and realistic bench configs ----------------------------------------
+    # ---- tiny test checkpoints and realistic bench configs (models/nemotron_h_checkpoints.py) ---------------
 
-    @classmethod
-    def tiny_tokenizer(cls):
-        from qeff_evs.models.tiny import train_tokenizer
-
-        return train_tokenizer(SPECIAL_TOKENS, eos_token=IM_END, pad_token=END_OF_TEXT, chat_template=CHAT_TEMPLATE)
-
-    @classmethod
-    def tiny_config_kwargs(cls, tokenizer, text_layers: int = 6, vision_layers: int = 2) -> dict[str, Any]:
-        ids = _tokenizer_ids(tokenizer)
-        text = dict(
-            vocab_size=len(tokenizer), hidden_size=64, layers_block_type=tiny_layer_kinds(text_layers),
-            num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=96,
-            mamba_num_heads=4, mamba_head_dim=8, n_groups=2, ssm_state_size=8, conv_kernel=4, chunk_size=8,
-            n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-            moe_shared_expert_intermediate_size=32, n_group=2, topk_group=1, routed_scaling_factor=2.5,
-            # the vision norm transformers and vLLM build for checkpoints with MTP layers (the released one's)
-            num_nextn_predict_layers=1, max_position_embeddings=1024, initializer_range=INITIALIZER_RANGE,
-            time_step_min=1e-4, eos_token_id=ids["eos"], bos_token_id=ids["pad"], pad_token_id=ids["pad"],
-        )
-        # max_img_size 256: a 16 x 16 position table, resampled for the tiny frames.
-        vision = dict(hidden_size=32, num_hidden_layers=vision_layers, num_attention_heads=2, patch_size=16,
-                      max_img_size=256, num_cls_tokens=2, num_registers=2, video_temporal_patch_size=2,
-                      initializer_range=INITIALIZER_RANGE)
-        # force_image_size and use_thumbnail: the tiler's settings, as released configs store them (transformers'
-        # config keeps them as given)
-        # A Parakeet encoder of two conformer blocks, 16 mel bins (the released sound_config's keys).
-        audio = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, num_mel_bins=16,
-                     subsampling_conv_channels=8, conv_kernel_size=9, projection_hidden_size=48,
-                     projection_bias=False, sampling_rate=16000, initializer_range=INITIALIZER_RANGE)
-        return dict(text_config=text, vision_config=vision, audio_config=audio, projector_hidden_size=48,
-                    vision_hidden_size=32, video_temporal_patch_size=2, downsample_ratio=0.5,
-                    image_token_id=ids["image"], video_token_id=ids["image"], audio_token_id=ids["audio"],
-                    force_image_size=TINY_TILE_SIZE, use_thumbnail=True)
-
-    @classmethod
-    def prepare_tiny_model(cls, model, tokenizer) -> None:
-        """Zero the output rows of the image markers (a random model would emit them, and an ``<image>`` fed back
-        would be taken for a media row); scale the projector's output to the text embeddings' size
-        (``TINY_PROJECTOR_SCALE``); give the Mamba2 heads steps in ``TINY_DT_RANGE`` with a small input dependence,
-        so some heads remember and no step meets transformers' prefill clamp; make the MoE correction bias random
-        (transformers' init is zero: a choice that ignored it would go unnoticed)."""
-        ids = _tokenizer_ids(tokenizer)
-        generator = torch.Generator().manual_seed(0)
-        with torch.no_grad():
-            markers = [ids[key] for key in ("image", "img_start", "img_end", "audio", "audio_start", "audio_end")]
-            model.language_model.lm_head.weight[markers] = 0.0
-            model.multi_modal_projector.linear_2.weight *= TINY_PROJECTOR_SCALE
-            if model.embed_audio is not None:
-                model.embed_audio.linear_2.weight *= TINY_PROJECTOR_SCALE
-                for module in model.audio_tower.modules():  # running statistics a trained encoder would have
-                    if isinstance(module, nn.BatchNorm1d):
-                        module.running_mean.uniform_(-0.5, 0.5, generator=generator)
-                        module.running_var.uniform_(0.5, 1.5, generator=generator)
-            for layer in model.language_model.model.layers:
-                if layer.block_type == MAMBA:
-                    mixer = layer.mixer
-                    heads = mixer.num_heads
-                    low, high = (math.log(v) for v in TINY_DT_RANGE)
-                    dt = torch.exp(torch.empty(heads).uniform_(low, high, generator=generator))
-                    mixer.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
-                    mixer.in_proj.weight[-heads:] *= TINY_DT_PROJECTION_SCALE
-                elif layer.block_type == MOE:
-                    layer.mixer.gate.e_score_correction_bias.copy_(
-                        torch.empty(layer.mixer.gate.num_experts).uniform_(-0.5, 0.5, generator=generator))
-
-    @classmethod
-    def tiny_generation_config(cls, tokenizer):
-        from transformers import GenerationConfig
-
-        ids = _tokenizer_ids(tokenizer)
-        return GenerationConfig(bos_token_id=ids["pad"], eos_token_id=[ids["eos"]], pad_token_id=ids["pad"],
-                                do_sample=False)
-
-    @classmethod
-    def tiny_preprocessor_config(cls, config) -> dict[str, Any]:
-        """transformers' video processor config keys (``video_preprocessor_config.json`` of the released folder)."""
-        vision = config.vision_config
-        return {"video_processor_type": VIDEO_PROCESSOR, "norm_mean": list(vision.norm_mean),
-                "norm_std": list(vision.norm_std), "patch_size": vision.patch_size,
-                "downsample_ratio": config.downsample_ratio, "video_target_num_patches": TINY_TARGET_PATCHES,
-                "video_maintain_aspect_ratio": True}
-
-    @classmethod
-    def realistic_config_kwargs(cls, text_layers: int = 6, vision_layers: int = 4,
-                                audio_layers: int = 0) -> dict[str, Any]:
-        """Released widths; the ``<image>`` and ``<so_embedding>`` ids are the tiny tokenizer's, whose text the bench's
-        prompts are made of (the frame separators and markers come from the tokenizer, the pads from the config: they
-        must agree). ``audio_layers``: a Parakeet encoder of that depth (``realistic_audio_widths``); none for 0."""
-        text, vision = cls.realistic_widths(text_layers, vision_layers)
-        ids = _tokenizer_ids(cls.tiny_tokenizer())
-        audio = {} if not audio_layers else dict(audio_config=cls.realistic_audio_widths(audio_layers),
-                                                 audio_token_id=ids["audio"])
-        return dict(text_config=text, vision_config=vision, projector_hidden_size=4096, vision_hidden_size=1280,
-                    video_temporal_patch_size=2, downsample_ratio=0.5, image_token_id=ids["image"],
-                    video_token_id=ids["image"], force_image_size=512, use_thumbnail=True, **audio)
-
-    @classmethod
-    def realistic_audio_widths(cls, layers: int) -> dict[str, Any]:
-        """A Parakeet encoder at transformers' ``ParakeetEncoderConfig`` widths (Parakeet 0.6B: hidden 1024, 8 heads,
-        FFN 4096, 80 mel bins, subsampling by 8 through 256 channels) with ``layers`` conformer blocks, its projector
-        4096 wide as the vision one; the released Omni's own sound widths are not in our references."""
-        return dict(hidden_size=1024, num_hidden_layers=layers, num_attention_heads=8, intermediate_size=4096,
-                    num_mel_bins=80, subsampling_conv_channels=256, conv_kernel_size=9, projection_hidden_size=4096,
-                    projection_bias=False, sampling_rate=16000)
-
-    @classmethod
-    def realistic_widths(cls, text_layers: int, vision_layers: int) -> tuple[dict[str, Any], dict[str, Any]]:
-        """Nemotron 3 Nano Omni 30B-A3B widths: the language model is Nemotron 3 Nano 30B-A3B's (its config.json as
-        third parties quote it), the vision tower transformers' RADIO defaults (C-RADIO-H), with these depths."""
-        text = dict(
-            vocab_size=131072, hidden_size=2688, layers_block_type=released_layer_kinds(text_layers),
-            num_attention_heads=32, num_key_value_heads=2, head_dim=128, intermediate_size=1856,
-            mamba_num_heads=64, mamba_head_dim=64, n_groups=8, ssm_state_size=128, conv_kernel=4, chunk_size=128,
-            n_routed_experts=128, num_experts_per_tok=6, moe_intermediate_size=1856,
-            moe_shared_expert_intermediate_size=3712, n_group=1, topk_group=1, routed_scaling_factor=2.5,
-            norm_topk_prob=True, layer_norm_epsilon=1e-5, max_position_embeddings=262144, tie_word_embeddings=False,
-            num_nextn_predict_layers=0, eos_token_id=11,
-        )
-        vision = dict(hidden_size=1280, num_hidden_layers=vision_layers, num_attention_heads=16, patch_size=16,
-                      max_img_size=2048, num_cls_tokens=3, num_registers=7, video_temporal_patch_size=2)
-        return text, vision
+    tiny_tokenizer = staticmethod(checkpoints.tiny_tokenizer)
+    tiny_config_kwargs = staticmethod(checkpoints.tiny_config_kwargs)
+    prepare_tiny_model = staticmethod(checkpoints.prepare_tiny_model)
+    tiny_generation_config = staticmethod(checkpoints.tiny_generation_config)
+    tiny_preprocessor_config = staticmethod(checkpoints.tiny_preprocessor_config)
+    realistic_config_kwargs = staticmethod(checkpoints.realistic_config_kwargs)
+    realistic_audio_widths = staticmethod(checkpoints.realistic_audio_widths)
+    realistic_widths = staticmethod(checkpoints.realistic_widths)
 
     # ---- one checkpoint ----------------------------------------------------------------------------
 
@@ -751,15 +458,3 @@ def patches_to_frames(pixel_values: torch.Tensor, grid_thw: Sequence[int], tempo
     channels = pixel_values.shape[1] // (tp * p * p)
     x = pixel_values.reshape(t, big_h, big_w, tp, channels, p, p)
     return x.permute(0, 3, 4, 1, 5, 2, 6).reshape(t * tp, channels, big_h * p, big_w * p)
-
-
-def _tokenizer_ids(tokenizer) -> dict[str, int]:
-    ids = {}
-    for key, token in (("image", IMG_CONTEXT), ("img_start", IMG_START), ("img_end", IMG_END), ("eos", IM_END),
-                       ("pad", END_OF_TEXT), ("audio", SOUND_CONTEXT), ("audio_start", SOUND_START),
-                       ("audio_end", SOUND_END)):
-        token_id = tokenizer.convert_tokens_to_ids(token)
-        if token_id is None or (token_id == tokenizer.unk_token_id and token != tokenizer.unk_token):
-            raise ValueError(f"tokenizer has no {token!r} token; build it with tiny.build_tokenizer('nemotron_h_omni')")
-        ids[key] = int(token_id)
-    return ids
