@@ -24,6 +24,7 @@ import copy
 import itertools
 import json
 import re
+import warnings
 
 import numpy as np
 import pytest
@@ -144,6 +145,49 @@ def test_tiny_checkpoint_folder_and_realistic_widths(checkpoint, hf_model, bundl
     with torch.device("meta"):  # the real class builds (no memory)
         model = NemotronHOmniFamily.model_class(realistic)
     assert model.language_model.lm_head.weight.shape == (131072, 2688)
+
+
+def test_realistic_widths_with_an_audio_encoder():
+    """The bench's sound track: a Parakeet encoder at transformers' ParakeetEncoderConfig widths, as deep as asked;
+    none unless asked; a family without audio refuses one."""
+    from transformers import ParakeetEncoderConfig
+
+    defaults = ParakeetEncoderConfig()
+    realistic = realistic_config("nemotron_h_omni", text_layers=3, vision_layers=2, audio_layers=2)
+    audio = realistic.audio_config
+    assert (audio.hidden_size, audio.num_attention_heads, audio.intermediate_size, audio.num_mel_bins,
+            audio.subsampling_conv_channels, audio.num_hidden_layers) == (
+        defaults.hidden_size, defaults.num_attention_heads, defaults.intermediate_size, defaults.num_mel_bins,
+        defaults.subsampling_conv_channels, 2)
+    assert realistic.audio_token_id == NemotronHOmniFamily.tiny_tokenizer().convert_tokens_to_ids("<so_embedding>")
+    assert realistic_config("nemotron_h_omni", text_layers=3, vision_layers=2).audio_config is None
+    with pytest.raises(ValueError, match="qwen2_5_vl has no audio encoder"):
+        realistic_config("qwen2_5_vl", audio_layers=2)
+
+
+def test_the_checkpoints_own_pruning_rate_is_named_not_applied(checkpoint, tmp_path):
+    """vLLM 0.34 takes the rate from --video-pruning-rate and the request, never from the config's
+    video_pruning_rate (the released Omni config ships one): the export's default stays the flag's, and the export
+    says so in one line."""
+    import shutil
+
+    from qeff_evs.export.pipeline import export_checkpoint
+
+    shipped = tmp_path / "shipped"
+    shutil.copytree(checkpoint, shipped)
+    config = json.loads((shipped / "config.json").read_text())
+    config["video_pruning_rate"] = 0.25
+    (shipped / "config.json").write_text(json.dumps(config))
+    said = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        export_checkpoint(shipped, tmp_path / "export", ExportOptions(Q, (8,), ((64, 64),), 32, CTX_LEN),
+                          progress=said.append)
+    assert [line for line in said if "video_pruning_rate" in line] == [
+        f"the checkpoint's config ships video_pruning_rate 0.25; as in vLLM, the export's default is "
+        f"--video-pruning-rate ({Q:g}) and a request may ask its own: pass --video-pruning-rate 0.25 to serve the "
+        "checkpoint's"]
+    assert open_export(tmp_path / "export").manifest.video_pruning_rate == Q
 
 
 # --------------------------------------------------------------------------------------------------

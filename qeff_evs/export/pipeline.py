@@ -433,6 +433,11 @@ def _export(checkpoint: LoadedCheckpoint, reader, out: Path, options: ExportOpti
     is one line (``folder.disk_full``)."""
     family = family_for_config(checkpoint.config, checkpoint.tokenizer)
     q, max_rate, methods = check_pruning_options(options, family.pruning_methods, family.name)
+    shipped = getattr(checkpoint.config, "video_pruning_rate", None)
+    if shipped and float(shipped) != q:  # vLLM 0.34 reads the rate from its flag and the request, never the config
+        progress(f"the checkpoint's config ships video_pruning_rate {float(shipped):g}; as in vLLM, the export's "
+                 f"default is --video-pruning-rate ({q:g}) and a request may ask its own: pass "
+                 f"--video-pruning-rate {float(shipped):g} to serve the checkpoint's")
     if not family.rope:  # positions reach its graph only as KV slots: no RoPE table, no bound on them
         rope_positions = None
     vc = family.normalized_config
