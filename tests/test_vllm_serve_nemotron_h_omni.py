@@ -193,6 +193,24 @@ def test_bad_tiles_audio_and_sound_are_refused_per_request(server, tmp_path):
     assert response.choices[0].token_ids
 
 
+def test_a_server_wide_use_audio_in_video_without_the_sound_names_the_requests_flag(export):
+    """A server-wide use_audio_in_video reaches the processor with no audio item (vLLM's chat API reads a video's
+    track only when the request asks): one line naming the request's flag, not vLLM's 22.05 kHz bytes fallback."""
+    from types import SimpleNamespace
+
+    from qeff_evs.vllm.processing.processor import QeffEvsProcessor
+    from qeff_evs.vllm.surface import VLLMValidationError
+
+    processor = SimpleNamespace(info=SimpleNamespace(serves_audio=True))
+    family = open_export(export).family
+    for counts, line in (({"video": 1}, 'no sound came with the video.*pass mm_processor_kwargs {"use_audio_in_video": '
+                                        'true} in the request'),
+                         ({"video": 2, "audio": 1}, r"needs each video's sound: 2 video\(s\) and 1 audio item")):
+        inputs = SimpleNamespace(mm_data_items=SimpleNamespace(get_all_counts=lambda counts=counts: counts))
+        with pytest.raises(VLLMValidationError, match=line):
+            QeffEvsProcessor._with_video_sound(processor, inputs, family)
+
+
 def test_a_row_is_reused_only_when_its_whole_history_is_a_prefix(server, export):
     """Token-id prompts (Qwen3.5's test): a request that starts with a finished request's whole history reuses its
     row (cached tokens), one that shares only its prompt reuses nothing; both equal our engine alone."""

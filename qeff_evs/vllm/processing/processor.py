@@ -379,6 +379,14 @@ class QeffEvsProcessor(BaseMultiModalProcessor[QeffEvsProcessingInfo]):
             raise VLLMValidationError(f"use_audio_in_video: this export ({family.name}) serves no audio",
                                       parameter="mm_processor_kwargs")
         counts = inputs.mm_data_items.get_all_counts()
+        if not counts.get("audio", 0):
+            # vLLM's chat API reads a video_url's sound only when the request asks; its own fallback (the video's
+            # bytes, kept by its nemotron_vl loader) decodes the sound at 22.05 kHz, a resampling not built here.
+            raise VLLMValidationError(
+                "use_audio_in_video: no sound came with the video(s): vLLM's chat API reads a video_url's audio track "
+                "only when the request itself asks for it; pass mm_processor_kwargs {\"use_audio_in_video\": true} "
+                "in the request (a server-wide --mm-processor-kwargs value does not make it read one)",
+                parameter="mm_processor_kwargs")
         if counts.get("audio", 0) != counts.get("video", 0):
             raise VLLMValidationError(
                 f"use_audio_in_video needs each video's sound: {counts.get('video', 0)} video(s) and "
