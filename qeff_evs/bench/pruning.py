@@ -248,8 +248,9 @@ def markdown(results: dict) -> list[str]:
         *section_head(results, NAME, f"Pruning sweep: {lf} frames {ls}x{ls}{sound} + {cfg['question_tokens']}-token "
                       f"question, prefill chunks of {cfg['prefill_seq_len']}, ctx_len {cfg['ctx_len']}"),
         f"proportional = q=0 prefill x (K+text)/(V+text); chunk limit = q=0 prefill x chunks/chunks(q=0). "
-        f"Vision side (encoder calls of {cfg['frames_per_call']} temporal patches, then the EVS graph) timed on "
-        f"{vf} frames {vs}x{vs}; TTFT = that vision time + prefill. Peak RSS: the q's vision run and prefill alone.",
+        f"Vision side (encoder calls of {cfg['frames_per_call']} temporal patches, then the EVS graph"
+        f"{', then the audio encoder on the sound' if heard else ''}) timed on {vf} frames {vs}x{vs}; TTFT = that "
+        f"vision time + prefill. Peak RSS: the q's vision run and prefill alone.",
         "",
         *table_head("| q | K | prompt tokens | chunks | prefill CPU s | proportional CPU s | chunk limit CPU s "
                     "| CPU / proportional | speedup CPU | prefill wall s | speedup wall | vision wall s (K) "
@@ -279,8 +280,10 @@ def plot_latency_vs_q(results: dict, path: Path) -> Path:
     axes.plot(q, [r[WALL]["prefill_ms"] / MS for r in rows], "o-", alpha=0.35, label="language prefill, wall time")
     axes.plot(q, [r[WALL]["vision_ms"] / MS for r in rows], "s-", label="vision graph, wall (smaller clip)")
     frames, size = results[NAME]["language_clip"]
+    heard = results[NAME].get("sound_seconds", 0.0)
+    sound = f" + {heard:g} s of sound, kept" if heard else ""
     plots.finish(axes, "video pruning rate q", "seconds (median)",
-                 f"Prefill vs EVS pruning rate ({frames} frames {size}x{size})")
+                 f"Prefill vs EVS pruning rate ({frames} frames {size}x{size}{sound})")
     return plots.save(figure, path)
 
 
