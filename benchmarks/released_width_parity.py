@@ -49,7 +49,7 @@ from qeff_evs.runtime.backends.torch_reference import TorchEncoderSession, Torch
 from qeff_evs.runtime.backends.vision import VisionPipeline
 from qeff_evs.runtime.engine.request import EncodedMedia, prepare_prompt
 from qeff_evs.runtime.engine.steps import prefill_step
-from qeff_evs.runtime.inputs.processor import VisionPreprocessSpec
+from qeff_evs.runtime.inputs.preprocess_spec import VisionPreprocessSpec
 from qeff_evs import evs
 
 FRAMES, SIZE, QUESTION_TOKENS, SEED = 16, 448, 32, 0

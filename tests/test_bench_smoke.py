@@ -27,7 +27,7 @@ from qeff_evs.bench.pruning import PruningPoint, PruningSweep, pruning_rows
 from qeff_evs.bench.timing import Samples, alternating
 from qeff_evs.bench.window_sweep import QEFFICIENT, USER_VISION_SIZE, qefficient_steps
 from qeff_evs.bench.workload import language_prompt, pixel_kept_indices, synthetic_clip
-from qeff_evs.runtime.inputs.processor import VisionPreprocessSpec
+from qeff_evs.runtime.inputs.preprocess_spec import VisionPreprocessSpec
 
 vllm_evs = pytest.importorskip("vllm.multimodal.video_prune.evs")
 

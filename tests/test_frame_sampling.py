@@ -48,13 +48,9 @@ from qeff_evs.runtime.inputs.frame_sampling import (
     loader_metadata,
     sample_clip,
 )
-from qeff_evs.runtime.inputs.processor import (
-    VisionPreprocessSpec,
-    choose_resolution,
-    delivered_video_frames,
-    video_file_frames,
-    video_size,
-)
+from qeff_evs.runtime.inputs.frame_sizes import choose_resolution
+from qeff_evs.runtime.inputs.preprocess_spec import VisionPreprocessSpec
+from qeff_evs.runtime.inputs.processor import delivered_video_frames, video_file_frames, video_size
 from qeff_evs.runtime.inputs.video_io import decode_video_frames, read_video_source
 
 cv2 = pytest.importorskip("cv2")

@@ -32,15 +32,9 @@ from transformers.models.qwen3_vl.video_processing_qwen3_vl import smart_resize 
 from transformers.video_utils import VideoMetadata
 
 from qeff_evs.models.qwen2_5_vl import CLIP_MEAN, CLIP_STD
-from qeff_evs.runtime.inputs.processor import (
-    VisionPreprocessSpec,
-    choose_resolution,
-    preprocess_image,
-    preprocess_video,
-    sample_frame_indices,
-    smart_resize,
-    smart_resize_video,
-)
+from qeff_evs.runtime.inputs.frame_sizes import choose_resolution, smart_resize, smart_resize_video
+from qeff_evs.runtime.inputs.preprocess_spec import VisionPreprocessSpec
+from qeff_evs.runtime.inputs.processor import preprocess_image, preprocess_video, sample_frame_indices
 from qeff_evs.runtime.inputs.synthetic import moving_square_video
 
 SPECS = {family: VisionPreprocessSpec.for_family(family) for family in ("qwen2_5_vl", "qwen3_vl")}

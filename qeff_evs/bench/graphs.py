@@ -23,7 +23,7 @@ from qeff_evs.models.registry import family_for_config
 from qeff_evs.manifest import pruning_graph
 from qeff_evs.runtime.backends.ort import OrtEncoderSession, OrtPruningSession
 from qeff_evs.runtime.backends.vision import VisionPipeline
-from qeff_evs.runtime.inputs.processor import VisionPreprocessSpec
+from qeff_evs.runtime.inputs.preprocess_spec import VisionPreprocessSpec
 from qeff_evs.runtime.export_bundle import open_export
 from qeff_evs.specializations import TARGETS, short_prefill_lens
 

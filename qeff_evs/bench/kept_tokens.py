@@ -15,7 +15,7 @@ from qeff_evs.bench.checkpoint import model_config
 from qeff_evs.bench.config import BenchConfig
 from qeff_evs.bench.workload import synthetic_clip
 from qeff_evs.models.registry import family_class
-from qeff_evs.runtime.inputs.processor import VisionPreprocessSpec
+from qeff_evs.runtime.inputs.preprocess_spec import VisionPreprocessSpec
 
 TOKEN_PIXELS = 6  # each merged token drawn as a square of this many pixels
 PRUNED_BRIGHTNESS = 0.15  # pruned tokens keep a faint trace of their colour

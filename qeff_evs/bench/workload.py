@@ -17,7 +17,8 @@ import torch
 
 from qeff_evs import evs
 from qeff_evs.models.protocol import SAMPLING_FPS, ModelFamily, MediaInput, audio_rows
-from qeff_evs.runtime.inputs.processor import VisionPreprocessSpec, preprocess_video
+from qeff_evs.runtime.inputs.preprocess_spec import VisionPreprocessSpec
+from qeff_evs.runtime.inputs.processor import preprocess_video
 from qeff_evs.runtime.engine.request import EncodedMedia, PreparedPrompt, PromptPiece, prepare_prompt
 from qeff_evs.runtime.inputs.audio_features import audio_input
 from qeff_evs.runtime.inputs.synthetic import moving_square_video

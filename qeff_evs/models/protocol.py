@@ -44,7 +44,7 @@ class VideoPreprocessing:
     defaults follow: ``do_sample_frames``, ``sampling_fps`` (``fps``; ``None`` where the class has none),
     ``num_frames``, ``min_frames``, ``max_frames``.
 
-    How pixels are made (``runtime/inputs/processor.py`` implements each choice): ``resampler`` "pil" (HF's PIL
+    How pixels are made (``runtime/inputs/processor.py`` and ``frame_sizes.py`` implement each choice): ``resampler`` "pil" (HF's PIL
     processors: resize uint8 frames with PIL, then rescale and normalise) or "torch_antialias" (resize the float
     frames with torch's antialiased bicubic, then divide by 255 and normalise, no rounding between);
     ``patch_order`` "merge_blocks" (rows over merge windows first, each ``(channel, frame, y, x)``: Qwen's) or

@@ -10,7 +10,7 @@ from transformers import AutoTokenizer
 from qeff_evs.manifest import MODEL_CONFIG_DIR, LanguageShape, Manifest, read_manifest
 from qeff_evs.models.protocol import ModelFamily
 from qeff_evs.models.registry import family_for_config
-from qeff_evs.runtime.inputs.processor import VisionPreprocessSpec
+from qeff_evs.runtime.inputs.preprocess_spec import VisionPreprocessSpec
 
 
 @dataclass

@@ -16,9 +16,9 @@ from qeff_evs.runtime.inputs.audio_features import USE_AUDIO_IN_VIDEO
 from qeff_evs.runtime.inputs.image_tiles import (
     MAX_TILES_KEY, max_tiles_of, tile_patches, tile_pixels, without_tile_kwargs,
 )
+from qeff_evs.runtime.inputs.frame_sizes import choose_resolution
 from qeff_evs.runtime.inputs.processor import (
     VideoFrames,
-    choose_resolution,
     delivered_video_frames,
     preprocess_image,
     preprocess_video,

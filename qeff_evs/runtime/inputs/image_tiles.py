@@ -19,7 +19,8 @@ from typing import Any
 import numpy as np
 
 from qeff_evs.models.protocol import ImageTiling, check_max_tiles
-from qeff_evs.runtime.inputs.processor import VisionPreprocessSpec, patchify, torch_resize_normalize
+from qeff_evs.runtime.inputs.preprocess_spec import VisionPreprocessSpec
+from qeff_evs.runtime.inputs.processor import patchify, torch_resize_normalize
 
 MAX_TILES_KEY = "max_num_tiles"  # vLLM's processor argument (server --mm-processor-kwargs, or per request)
 
