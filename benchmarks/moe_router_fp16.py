@@ -33,7 +33,7 @@ from torch import nn
 
 from qeff_evs.export.fp16 import convert_to_fp16
 from qeff_evs.export.node_precision import keep_in_fp32, router_paths
-from qeff_evs.export.verify import EVS_NORMS, video_like_rows
+from qeff_evs.export.verify_runs import EVS_NORMS, video_like_rows
 from qeff_evs.models.sparse_moe import route
 
 MODELS = {"qwen3_vl_moe": ("Qwen3-VL-30B-A3B", 2048, 128, 8), "qwen3_5_moe": ("Qwen3.5-35B-A3B", 2048, 256, 8)}

@@ -1,6 +1,6 @@
 """``verify --fp16``'s router comparison on an MoE export, over a video prompt's own prefill chunks.
 
-``qeff_evs.export.verify.router_comparison`` runs the export's language graph three ways (fp32; the card's fp16
+``qeff_evs.export.verify_routers.router_comparison`` runs the export's language graph three ways (fp32; the card's fp16
 emulation with the routers in fp16; the same with the routers kept fp32, as the export's node-precision file keeps
 them) and counts, per token and sparse layer, whose top-k expert set changes, with fp32's margin between the k-th and
 (k+1)-th router probability of each flipped token. ``qeff-evs verify --fp16`` feeds it video-like rows; here it gets
@@ -13,7 +13,7 @@ export's prefill length (a padded last chunk's padding is not counted)::
 ``EXPORT_DIR``: an MoE export at released widths, e.g. ``benchmarks/moe_whole_model.py export``'s
 ``OUT/work_qwen3_vl_moe/export``. Each seed is its own clip and question. Besides the flip counts (which at random
 weights' margins are a count of near-ties) the report has the error of the router probabilities themselves against
-fp32 (``verify.router_agreement``) and, at the first sparse layer, what the router's own precision adds. Writes
+fp32 (``verify_routers.router_agreement``) and, at the first sparse layer, what the router's own precision adds. Writes
 ``OUT_DIR/moe_router_video_<family>.json`` and ``.md``. The language graph is gigabytes: run it under ``flock
 /tmp/qeff-heavy.lock``; one variant is open at a time.
 """
@@ -30,7 +30,7 @@ import numpy as np
 from qeff_evs import evs
 from qeff_evs.bench.sessions import open_inference_session
 from qeff_evs.bench.workload import first_special_id, prompt_pieces, question_ids, synthetic_clip
-from qeff_evs.export.verify import RouterChunk, router_comparison
+from qeff_evs.export.verify_routers import RouterChunk, router_comparison
 from qeff_evs.manifest import pruning_graph
 from qeff_evs.models.pruning import VideoPruning
 from qeff_evs.runtime.backends.ort import OrtEncoderSession, OrtPruningSession

@@ -35,7 +35,7 @@ import yaml
 from qeff_evs import cli
 from qeff_evs.export.node_precision import router_paths
 from qeff_evs.export.pipeline import ExportOptions, export_checkpoint
-from qeff_evs.export.verify import RouterChunk, router_comparison, video_like_router_chunks
+from qeff_evs.export.verify_routers import RouterChunk, router_comparison, video_like_router_chunks
 from qeff_evs.models.graph_io import PAD_POSITION
 from qeff_evs.models.registry import family_class
 from qeff_evs.models.tiny import save_tiny_checkpoint

@@ -13,7 +13,8 @@ from onnx import TensorProto, helper
 
 from qeff_evs.cli import main
 from qeff_evs.export.fp16 import convert_to_fp16, round_external_weights, round_to_fp16
-from qeff_evs.export.verify import compile_lines, evs_comparisons, router_agreement, verify_export
+from qeff_evs.export.verify import compile_lines, evs_comparisons, verify_export
+from qeff_evs.export.verify_routers import router_agreement
 
 
 def run(model: onnx.ModelProto, **feeds: np.ndarray) -> np.ndarray:

@@ -39,17 +39,33 @@ import yaml
 
 from qeff_evs import evs
 from qeff_evs.evs import kept_from_ranking
-from qeff_evs.export.fp16 import convert_to_fp16, round_external_weights
-from qeff_evs.export.node_precision import keep_in_fp32, router_paths
+from qeff_evs.export.fp16 import convert_to_fp16
+from qeff_evs.export.node_precision import keep_in_fp32
 from qeff_evs.export.onnx_graph import legacy_export
-from qeff_evs.models.parakeet import AUDIO_FRAMES
+from qeff_evs.export.verify_routers import ROUTER_CHUNKS, router_comparison
+from qeff_evs.export.verify_runs import (
+    EVS_NORMS,
+    Comparison,
+    LanguageRun,
+    agreement,
+    chunk_feeds,
+    graph_session,
+    kept_agreement,
+    nonfinite,
+    video_like_rows,
+)
 from qeff_evs.manifest import (
-    AUDIO_ENCODER, IMAGE_ENCODER, LANGUAGE_DECODE, MODEL_CONFIG_DIR, PRUNING_ROLE, LanguageShape, check_export_graphs, graph_role,
-    pruning_graph, read_manifest,
+    AUDIO_ENCODER,
+    IMAGE_ENCODER,
+    LANGUAGE_DECODE,
+    MODEL_CONFIG_DIR,
+    PRUNING_ROLE,
+    check_export_graphs,
+    graph_role,
+    pruning_graph,
+    read_manifest,
 )
-from qeff_evs.models.graph_io import (
-    BATCH_INDEX, COMP_CTX_LENGTHS, LOGITS_ROWS, RETAINED_SUFFIX, LanguageGraphIO, state_shapes,
-)
+from qeff_evs.models.parakeet import AUDIO_FRAMES
 from qeff_evs.models.pruning import BUCKET_TOKENS, PruningRanking, VideoPruning, pad_to_bucket, pruning_host_inputs
 from qeff_evs.specializations import read_specializations_json
 
@@ -57,11 +73,9 @@ Progress = Callable[[str], None]
 CONVERT_FLAG = "-convert-to-fp16"
 POSITION_OFFSETS = (10, 1000, 2000, 4000, 8000)
 EVS_WIDTHS = (2048, 3584)
-EVS_NORMS = (20.0, 100.0)
 MAGNITUDE = 1e3
 DECODE_STEPS = 4
 STATE_CHUNKS, STATE_DECODE_STEPS = 16, 64  # the layer-state workload: prefill chunks, then decode steps
-ROUTER_CHUNKS = 8  # the router workload: prefill chunks of video-like media rows
 
 
 def compile_lines(export_dir: Path) -> dict[str, bool]:
@@ -116,34 +130,7 @@ def _kept_fp32(export_dir: Path, converted: onnx.ModelProto) -> onnx.ModelProto:
 
 
 # --------------------------------------------------------------------------------------------------
-# Comparisons
-
-
-def nonfinite(values: np.ndarray) -> int:
-    return int(np.size(values) - np.isfinite(values).sum())
-
-
-def agreement(a, b) -> float:
-    """Share of positions where two equally long sequences agree."""
-    a, b = list(a), list(b)
-    return 1.0 if not a else sum(x == y for x, y in zip(a, b)) / len(a)
-
-
-def kept_agreement(fp32_indices, fp16_indices) -> float:
-    """Share of fp32's kept tokens that the fp16 run keeps too."""
-    fp32_indices = set(np.asarray(fp32_indices).tolist())
-    return 1.0 if not fp32_indices else len(fp32_indices & set(np.asarray(fp16_indices).tolist())) / len(fp32_indices)
-
-
-@dataclass
-class Comparison:
-    name: str
-    max_abs_error: float = 0.0
-    greedy_agreement: float = 1.0
-    kept_token_agreement: float | None = None
-    nonfinite_fp32: int = 0
-    nonfinite_fp16: int = 0
-    detail: dict = field(default_factory=dict)
+# The report, and the language graph's workloads (runs: verify_runs.py; the routers' check: verify_routers.py)
 
 
 @dataclass
@@ -167,91 +154,12 @@ class VerifyReport:
         return found
 
 
-# --------------------------------------------------------------------------------------------------
-# Runs (plain ONNX Runtime sessions: the export side never imports the runtime)
-
-
-EXTERNAL_DATA_FOLDER = "session.model_external_initializers_file_folder_path"  # ORT's key for a graph from bytes
-
-
-def _session(graph: Path | bytes, weights: Path | None = None):
-    """An ORT session of a graph file, or of a serialized graph whose external data lies in ``weights``."""
-    import onnxruntime as ort
-
-    options = ort.SessionOptions()
-    if weights is not None:
-        options.add_session_config_entry(EXTERNAL_DATA_FOLDER, str(weights))
-    return ort.InferenceSession(graph if isinstance(graph, bytes) else str(graph), options,
-                                providers=["CPUExecutionProvider"])
-
-
-class _LanguageRun:
-    """One language graph with its retained state fed back, as a ``-retained-state`` program keeps it.
-
-    ``graph``: what to run (default the export's language graph file), e.g. a serialized probe of it with
-    ``extra_outputs`` whose weights lie in ``weights``."""
-
-    def __init__(self, export_dir: Path, graph: Path | bytes | None = None, extra_outputs: tuple[str, ...] = (),
-                 weights: Path | None = None):
-        manifest = read_manifest(export_dir)
-        self.shape = manifest.language_shape
-        self.tokens = manifest.special_tokens
-        self.session = _session(manifest.path(export_dir, "language") if graph is None else graph, weights)
-        self.prefill_seq_len = manifest.prefill_seq_len
-        self.io = LanguageGraphIO.of_shape(self.shape)
-        self.output_names = [*self.io.output_names, *extra_outputs]
-        self.reset()
-
-    def reset(self) -> None:
-        self.state = {name: np.zeros(dims, np.float32) for name, dims in state_shapes(self.shape).items()}
-
-    def chunk_len(self, wanted: int) -> int:
-        """A chunk length the graph takes: a graph with layer states is unrolled for its prefill length."""
-        return min(wanted, self.prefill_seq_len) if self.shape.layer_states else wanted
-
-    def call(self, input_ids: np.ndarray, positions: np.ndarray, **vision: np.ndarray) -> dict[str, np.ndarray]:
-        """Every output of one call, by name; the retained state kept for the next."""
-        feeds = {**self.state, **vision, "input_ids": input_ids, "position_ids": positions,
-                 "image_idx": np.zeros((1, 1), np.int64)}
-        if BATCH_INDEX in self.io.input_names:
-            feeds[BATCH_INDEX] = np.zeros((input_ids.shape[0], 1), np.int64)
-        feeds.update(shape_feeds(self.shape, positions))
-        outputs = dict(zip(self.output_names, self.session.run(self.output_names, feeds)))
-        for name, value in outputs.items():
-            if name.endswith(RETAINED_SUFFIX):
-                self.state[name[: -len(RETAINED_SUFFIX)]] = value
-        return outputs
-
-    def run(self, input_ids: np.ndarray, positions: np.ndarray, **vision: np.ndarray) -> np.ndarray:
-        return self.call(input_ids, positions, **vision)["logits"][0, 0]
-
-
-def _chunk(run: _LanguageRun, seq_len: int, offset: int, seed: int, media_rows: np.ndarray | None = None):
+def _chunk(run: LanguageRun, seq_len: int, offset: int, seed: int, media_rows: np.ndarray | None = None):
     """Feeds of a prefill chunk of ``seq_len`` tokens at KV slots 0.. and M-RoPE positions ``offset``.."""
-    return _chunk_feeds(run.shape, run.tokens, seq_len, offset, seed, media_rows)
+    return chunk_feeds(run.shape, run.tokens, seq_len, offset, seed, media_rows)
 
 
-def _chunk_feeds(shape, tokens, seq_len: int, offset: int, seed: int, media_rows: np.ndarray | None = None):
-    rng = np.random.default_rng(seed)
-    special = set(tokens.ids)
-    vocab = [i for i in range(min(shape.vocab or 256, 4096)) if i not in special]
-    ids = rng.choice(vocab, size=(1, seq_len)).astype(np.int64)
-    window = np.zeros((1, shape.vision_size, shape.hidden), np.float32)
-    if media_rows is not None:
-        ids[0, 1:1 + len(media_rows)] = tokens.media_pad("video")
-        window[0, : len(media_rows)] = media_rows
-    positions = np.empty((4, 1, seq_len), np.int64)
-    positions[0, 0] = np.arange(seq_len)
-    positions[1:, 0] = offset + np.arange(seq_len)
-    vision = {"vision_embeds": window}
-    for name, levels in shape.extras.items():  # every level of an extra: the chunk's vision rows
-        extra = np.zeros((levels, 1, shape.vision_size, shape.hidden), np.float32)
-        extra[:, 0] = window[0]
-        vision[name] = extra
-    return ids, positions, vision
-
-
-def _generate(run: _LanguageRun, chunk, offset: int, steps: int) -> tuple[np.ndarray, list[int]]:
+def _generate(run: LanguageRun, chunk, offset: int, steps: int) -> tuple[np.ndarray, list[int]]:
     """Prefill ``chunk`` then greedy-decode ``steps`` tokens; (every logits row, greedy tokens)."""
     ids, positions, vision = chunk
     run.reset()
@@ -277,8 +185,8 @@ def _compare_runs(name: str, fp32: tuple[np.ndarray, list[int]], fp16: tuple[np.
 
 
 def position_comparisons(fp32_dir: Path, fp16_dir: Path | None, seq_len: int = 16) -> list[Comparison]:
-    fp32 = _LanguageRun(fp32_dir)
-    fp16 = _LanguageRun(fp16_dir) if fp16_dir else None
+    fp32 = LanguageRun(fp32_dir)
+    fp16 = LanguageRun(fp16_dir) if fp16_dir else None
     seq_len = fp32.chunk_len(seq_len)
     table = fp32.shape.rope_positions or fp32.shape.ctx_len
     last = table - seq_len - DECODE_STEPS - 1
@@ -293,8 +201,8 @@ def position_comparisons(fp32_dir: Path, fp16_dir: Path | None, seq_len: int = 1
 
 
 def magnitude_comparison(fp32_dir: Path, fp16_dir: Path | None, seq_len: int = 16) -> Comparison:
-    fp32 = _LanguageRun(fp32_dir)
-    fp16 = _LanguageRun(fp16_dir) if fp16_dir else None
+    fp32 = LanguageRun(fp32_dir)
+    fp16 = LanguageRun(fp16_dir) if fp16_dir else None
     seq_len = fp32.chunk_len(seq_len)
     rng = np.random.default_rng(3)
     rows = (rng.choice([-1.0, 1.0], size=(seq_len // 2, fp32.shape.hidden)) * MAGNITUDE).astype(np.float32)
@@ -308,8 +216,8 @@ def state_comparison(fp32_dir: Path, fp16_dir: Path | None, chunks: int = STATE_
     """``chunks`` prefill chunks of the compiled length at consecutive slots, then ``steps`` decode steps
     (both runs fed fp32's greedy tokens, so the states see the same inputs): logits all along, greedy
     agreement, and each layer state's largest relative error (Frobenius, over its layers) at the end."""
-    fp32 = _LanguageRun(fp32_dir)
-    fp16 = _LanguageRun(fp16_dir) if fp16_dir else None
+    fp32 = LanguageRun(fp32_dir)
+    fp16 = LanguageRun(fp16_dir) if fp16_dir else None
     seq_len = fp32.prefill_seq_len
     total = chunks * seq_len + steps
     if total > fp32.shape.ctx_len:  # as many chunks as the context holds
@@ -339,171 +247,6 @@ def state_comparison(fp32_dir: Path, fp16_dir: Path | None, chunks: int = STATE_
             detail[f"{state.name}_relative_error"] = max(errors)
         detail["states"] = len(names)
     return _compare_runs("layer_states", results["fp32"], results.get("fp16"), **detail)
-
-
-def _router_outputs(model: onnx.ModelProto, paths: list[list[str]]) -> tuple[list[str], list[str]]:
-    """Each router's probabilities (its Softmax output) and chosen experts (its TopK indices) in the fp32 graph (the
-    fp16 emulation keeps both names)."""
-    producers = {name: node for node in model.graph.node for name in node.output}
-    chosen = [next(producers[name].output[1] for name in path if producers[name].op_type == "TopK") for path in paths]
-    return [path[1] for path in paths], chosen
-
-
-def _router_probe(model: onnx.ModelProto, probs: list[str], chosen: list[str]) -> onnx.ModelProto:
-    """``model`` with the routers' probabilities and chosen experts as extra graph outputs."""
-    probe = onnx.ModelProto()
-    probe.CopyFrom(model)
-    probe.graph.output.extend([onnx.helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, None) for name in probs]
-                              + [onnx.helper.make_tensor_value_info(name, onnx.TensorProto.INT64, None) for name in chosen])
-    return probe
-
-
-@dataclass(frozen=True)
-class RouterChunk:
-    """One prefill chunk of a router workload: the language graph's per-call feeds (no state) and which of its
-    tokens are real (a padded last chunk's padding is not counted)."""
-
-    input_ids: np.ndarray  # (1, S)
-    position_ids: np.ndarray  # (4, 1, S)
-    vision: dict[str, np.ndarray]  # vision_embeds and the family's extra rows, by input name
-    real: np.ndarray  # (S,) bool
-
-
-def video_like_router_chunks(export_dir: Path, chunks: int = ROUTER_CHUNKS) -> list[RouterChunk]:
-    """``chunks`` prefill chunks of the compiled length whose tokens are video-like media rows (norms 20..100,
-    frames drifting) after one text token, at consecutive KV slots."""
-    manifest = read_manifest(export_dir)
-    seq_len, shape = manifest.prefill_seq_len, manifest.language_shape
-    rows = video_like_rows(chunks, seq_len - 1, shape.hidden, EVS_NORMS, seed=5)
-    workload = []
-    for c in range(chunks):
-        ids, positions, vision = _chunk_feeds(shape, manifest.special_tokens, seq_len, 0, seed=200 + c,
-                                              media_rows=rows[c * (seq_len - 1):(c + 1) * (seq_len - 1)])
-        workload.append(RouterChunk(ids, positions + c * seq_len, vision, np.ones(seq_len, bool)))
-    return workload
-
-
-def _router_run(export_dir: Path, probe: onnx.ModelProto, weights: Path, workload: list[RouterChunk],
-                names: list[str]) -> list[list[np.ndarray]]:
-    """Per chunk, ``names``' values (each router's probabilities, then its chosen experts) for the real tokens of
-    ``probe`` (a graph without its weights, which lie in ``weights``); the session closed when done (a
-    released-width graph is gigabytes: one variant open at a time)."""
-    run = _LanguageRun(export_dir, probe.SerializeToString(), tuple(names), weights)
-    values = []
-    for chunk in workload:
-        outputs = run.call(chunk.input_ids, chunk.position_ids, **chunk.vision)
-        values.append([outputs[name].reshape(chunk.real.size, -1)[chunk.real] for name in names])
-    return values
-
-
-def router_comparison(export_dir: Path, chunks: int = ROUTER_CHUNKS,
-                      workload: list[RouterChunk] | None = None) -> Comparison | None:
-    """The MoE routers of the language graph under the fp16 emulation, with the router in fp16 and kept in fp32
-    (its path from logits to renormalised weights in the node-precision list; the rest as the export's
-    node-precision file says), over ``workload``'s prefill chunks (default: ``video_like_router_chunks``, ``chunks``
-    of them; a real prompt's chunks give the router what a video's tokens give it), each run carrying its own
-    KV/state. Per (real token, sparse layer): whether the fp16 run's top-k set differs from fp32's, and for each
-    flipped one fp32's margin between its k-th and (k+1)-th router probability (how near a tie the flip was).
-    None for a graph without routers.
-
-    One variant is open at a time, and the fp16 emulation is converted once, in place, its weights written once
-    for both fp16 variants: at released widths the graph is gigabytes (past protobuf's 2 GB)."""
-    manifest = read_manifest(export_dir)
-    language = manifest.path(export_dir, "language")
-    model = onnx.load(str(language), load_external_data=False)
-    paths = router_paths(model)
-    if not paths:
-        return None
-    listed = []
-    if "language_node_precision" in manifest.files:
-        listed = yaml.safe_load(manifest.path(export_dir, "language_node_precision").read_text())
-        listed = listed.get("FP32NodeInstanceNames") or []
-    router_nodes = {name for path in paths for name in path}
-    others = [name for name in listed if name not in router_nodes]
-    fp32_inputs = [name for state in manifest.language_shape.layer_states if state.precision == "float32"
-                   for name in state.input_names]
-    workload = video_like_router_chunks(export_dir, chunks) if workload is None else workload
-    probs, chosen = _router_outputs(model, paths)
-    names = [*probs, *chosen]
-    outputs = {}
-    # The fp32 probe reads the export's own weights (loaded without them, the graph is small).
-    outputs["fp32"] = _router_run(export_dir, _router_probe(model, probs, chosen), language.parent, workload, names)
-    del model
-    with tempfile.TemporaryDirectory() as scratch:
-        # The graph without its weights, converted; the weights rounded file to file into one of scratch's, so
-        # they never enter the proto. Each variant below only edits nodes.
-        converted = convert_to_fp16(onnx.load(str(language), load_external_data=False), in_place=True)
-        round_external_weights(converted, language.parent, Path(scratch), "converted.data")
-        for label, kept in (("router_fp16", others), ("router_fp32", others + sorted(router_nodes))):
-            probe = _router_probe(keep_in_fp32(converted, kept, fp32_inputs), probs, chosen)
-            outputs[label] = _router_run(export_dir, probe, Path(scratch), workload, names)
-    detail = router_agreement(outputs, len(paths))
-    compiled = set(router_nodes) <= set(listed)
-    return Comparison("router", detail={**detail, "compiled_router_precision": "float32" if compiled else "float16"})
-
-
-def _by_router(outputs: list[list[np.ndarray]], index: int) -> np.ndarray:
-    """Router ``index``'s values (probabilities, or chosen experts at ``routers + index``) over every chunk."""
-    return np.concatenate([values[index] for values in outputs])
-
-
-def router_agreement(outputs: dict[str, list[list[np.ndarray]]], routers: int) -> dict:
-    """``router_comparison``'s numbers from its runs' values (per chunk: each router's probabilities, then its
-    chosen experts), fp32 (``outputs["fp32"]``) against each fp16 variant:
-
-    * per (token, sparse layer), whether the top-k set changes, with fp32's k-th - (k+1)-th margin of each flip
-      (also per layer);
-    * the error of the probabilities themselves, not a count of near-ties: per (token, layer) the largest
-      ``|p - p_fp32|`` over the experts, its median and max (over all layers and per layer), and the share of
-      (token, layer) pairs whose margin is within twice that pair's error (those the error could flip; a flip
-      needs the two probabilities' errors to exceed the margin);
-    * ``router_own_error_*``: at the first sparse layer, whose input both fp16 variants compute alike, the two
-      variants' probabilities against each other: what the router's own precision adds, apart from the rounding
-      of the hidden state it reads."""
-    reference = [_by_router(outputs["fp32"], r) for r in range(routers)]
-    top_k = _by_router(outputs["fp32"], routers).shape[-1]
-    ranked = [-np.sort(-p, axis=-1) for p in reference]  # descending
-    margins = np.concatenate([p[:, top_k - 1] - p[:, top_k] for p in ranked])
-    detail = {"routers": routers, "top_k": int(top_k), "tokens_x_layers": int(margins.size),
-              "median_margin": float(np.median(margins))}
-    layer = np.concatenate([np.full(len(p), r) for r, p in enumerate(reference)])
-    chosen = [np.sort(_by_router(outputs["fp32"], routers + r), axis=-1) for r in range(routers)]
-    for label in ("router_fp16", "router_fp32"):
-        flipped = np.concatenate([np.any(chosen[r] != np.sort(_by_router(outputs[label], routers + r), axis=-1),
-                                         axis=-1) for r in range(routers)])
-        detail[f"flipped_share_{label}"] = float(flipped.mean())
-        # A later layer's flips include tokens whose earlier experts changed (a different hidden state, not a tie).
-        detail[f"flipped_by_layer_{label}"] = [[float(m) for m in sorted(margins[flipped & (layer == r)])]
-                                               for r in range(routers)]
-        detail[f"flipped_margins_{label}"] = sorted(float(m) for m in margins[flipped])
-        detail[f"flipped_margin_max_{label}"] = float(margins[flipped].max()) if flipped.any() else 0.0
-        errors = [np.abs(_by_router(outputs[label], r) - reference[r]).max(axis=-1) for r in range(routers)]
-        error = np.concatenate(errors)
-        detail[f"prob_error_max_{label}"] = float(error.max())
-        detail[f"prob_error_median_{label}"] = float(np.median(error))
-        detail[f"prob_error_by_layer_{label}"] = [[float(np.median(e)), float(e.max())] for e in errors]
-        detail[f"within_error_share_{label}"] = float(np.mean(margins <= 2 * error))
-        # Later layers split by whether the token's experts changed at an earlier layer: the error that follows a
-        # flip (another expert's output in the hidden state) against the rounding alone.
-        earlier = np.cumsum(flipped.reshape(routers, -1), axis=0)[:-1] > 0  # (routers - 1, tokens)
-        later = np.stack(errors[1:]) if routers > 1 else np.zeros((0, earlier.shape[1]))
-        for name, mask in (("after_flip", earlier), ("no_earlier_flip", ~earlier)):
-            detail[f"later_layers_prob_error_max_{name}_{label}"] = float(later[mask].max()) if mask.any() else 0.0
-    own = np.abs(_by_router(outputs["router_fp16"], 0) - _by_router(outputs["router_fp32"], 0)).max(axis=-1)
-    detail["router_own_error_median"], detail["router_own_error_max"] = float(np.median(own)), float(own.max())
-    return detail
-
-
-def shape_feeds(shape: LanguageShape, positions: np.ndarray) -> dict[str, np.ndarray]:
-    """The inputs a call takes by the export's shape: ``comp_ctx_lengths`` as long as the smallest compute context
-    length holding the call's last slot (the specialization a card picks), one ``logits_rows`` row."""
-    feeds = {}
-    length = shape.comp_ctx_len(int(positions[0].max()))
-    if length is not None:
-        feeds[COMP_CTX_LENGTHS] = np.arange(length, dtype=np.int64)
-    if shape.logits_rows:
-        feeds[LOGITS_ROWS] = np.zeros(1, dtype=np.int64)
-    return feeds
 
 
 def _vision_feeds(export_dir: Path, role: str, session, seed: int) -> dict[str, np.ndarray]:
@@ -576,14 +319,14 @@ def vision_comparisons(fp32_dir: Path, fp16_dir: Path | None) -> list[Comparison
     for role, file in graph_files(fp32_dir).items():
         if role == "language":
             continue
-        fp32 = _session(fp32_dir / file)
+        fp32 = graph_session(fp32_dir / file)
         feeds = _vision_feeds(fp32_dir, role, fp32, seed=1)
         names = [o.name for o in fp32.get_outputs()]
         reference = dict(zip(names, fp32.run(names, feeds)))
         floats = [n for n in names if reference[n].dtype.kind == "f"]
         result = Comparison(role, nonfinite_fp32=sum(nonfinite(reference[n]) for n in floats))
         if fp16_dir is not None:
-            card = dict(zip(names, _session(fp16_dir / file).run(names, feeds)))
+            card = dict(zip(names, graph_session(fp16_dir / file).run(names, feeds)))
             result.nonfinite_fp16 = sum(nonfinite(card[n]) for n in floats)
             errors = [np.abs(card[n] - reference[n]) for n in floats if card[n].shape == reference[n].shape]
             result.max_abs_error = float(max((np.nan_to_num(e, nan=np.inf).max() for e in errors), default=0.0))
@@ -592,18 +335,6 @@ def vision_comparisons(fp32_dir: Path, fp16_dir: Path | None) -> list[Comparison
                                                              _kept_by_ranking(manifest, role, feeds, card["ranking"]))
         results.append(result)
     return results
-
-
-def video_like_rows(frames: int, tokens: int, width: int, norms: tuple[float, float], seed: int) -> np.ndarray:
-    """``(frames*tokens, width)`` rows with norms in ``norms`` whose tokens drift a little frame to frame."""
-    rng = np.random.default_rng(seed)
-    base = rng.standard_normal((tokens, width))
-    rows = []
-    for _ in range(frames):
-        base = base + rng.standard_normal((tokens, width)) * rng.uniform(0.05, 0.5, size=(tokens, 1))
-        scale = rng.uniform(*norms, size=(tokens, 1)) / np.linalg.norm(base, axis=1, keepdims=True)
-        rows.append(base * scale)
-    return np.concatenate(rows).astype(np.float32)
 
 
 def evs_comparisons(export_dir: Path, converts_evs: bool, frames: int = 8, tokens: int = 256,
