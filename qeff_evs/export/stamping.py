@@ -3,7 +3,7 @@
 The language step is a prologue, one part per decoder layer and an epilogue (``qeff_evs.models.language_parts``).
 This module traces the prologue, one layer of each kind (``language_parts.layer_kind``) and the epilogue, each on its
 own with its parameters as inputs (``onnx_graph.trace_without_weights``), takes their weights out
-(``weights.cut_weights``), and chains them by name into the language graph: the prologue, then for every decoder layer
+(``weight_exprs.cut_weights``), and chains them by name into the language graph: the prologue, then for every decoder layer
 the graph of its kind with that layer's retained inputs and outputs and weights, then the epilogue. Tracing costs the
 same whatever the depth; the graph grows by one copy of a layer's nodes per layer, and its weights are written
 afterwards, one tensor at a time (``weights.write_weights``).
@@ -27,7 +27,8 @@ from onnx import helper
 
 from qeff_evs.export.onnx_functions import attach_functions, rewrite_rms_norms
 from qeff_evs.export.onnx_graph import ONNX_OPSET, trace_without_weights
-from qeff_evs.export.weights import GraphWeight, WeightExpr, cut_weights, rename_weights
+from qeff_evs.export.weight_exprs import WeightExpr, cut_weights
+from qeff_evs.export.weights import GraphWeight, rename_weights
 from qeff_evs.models.graph_io import LanguageGraphIO
 from qeff_evs.models.language import LanguageGraph
 from qeff_evs.models.language_parts import (

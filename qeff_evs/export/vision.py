@@ -19,7 +19,8 @@ import torch
 from qeff_evs.export.onnx_functions import attach_functions, rewrite_rms_norms
 from qeff_evs.export.onnx_graph import check_named_axes, check_static_ops, legacy_export, trace_without_weights
 from qeff_evs.export.reuse import GraphReuse
-from qeff_evs.export.weights import GraphWeight, WeightStore, attach_weights, cut_weights, rename_weights, write_weights
+from qeff_evs.export.weight_exprs import cut_weights
+from qeff_evs.export.weights import GraphWeight, WeightStore, attach_weights, rename_weights, write_weights
 from qeff_evs.models.graph_io import VisionGraphSpec
 from qeff_evs.models.pruning import PruningRanking
 from qeff_evs.models.vision_common import EncoderWrapper
