@@ -39,15 +39,8 @@ from transformers.models.qwen3_vl.video_processing_qwen3_vl import smart_resize 
 from transformers.video_utils import VideoMetadata
 
 from qeff_evs.models.qwen3_vl import temporal_patch_times
-from qeff_evs.runtime.inputs.frame_sampling import (
-    LoaderSettings,
-    ProcessorSettings,
-    SourceVideo,
-    frame_rule,
-    loader_frame_indices,
-    loader_metadata,
-    sample_clip,
-)
+from qeff_evs.runtime.inputs.frame_sampling import ProcessorSettings, frame_rule, sample_clip
+from qeff_evs.runtime.inputs.loader_sampling import LoaderSettings, SourceVideo, loader_frame_indices, loader_metadata
 from qeff_evs.runtime.inputs.frame_sizes import choose_resolution
 from qeff_evs.runtime.inputs.preprocess_spec import VisionPreprocessSpec
 from qeff_evs.runtime.inputs.processor import delivered_video_frames, video_file_frames, video_size

@@ -38,15 +38,12 @@ import numpy as np
 import torch
 from PIL import Image
 
-from qeff_evs.runtime.inputs.frame_sampling import (
+from qeff_evs.runtime.inputs.frame_sampling import ProcessorSettings, SampledClip, frame_rule, sample_clip
+from qeff_evs.runtime.inputs.loader_sampling import (
     ClipMetadata,
     LoaderSettings,
-    ProcessorSettings,
-    SampledClip,
-    frame_rule,
     loader_frame_indices,
     loader_metadata,
-    sample_clip,
     vllm_loader_failure,
 )
 from qeff_evs.runtime.inputs.frame_sizes import check_exported_size, choose_resolution
@@ -311,7 +308,7 @@ class LoadedFrames:
 
 
 def load_frames(video: str | Path | bytes, loader: LoaderSettings, *, reader: str | None = None) -> LoadedFrames:
-    """vLLM's loader step (frame_sampling.py's step 2) on a video file or a video's bytes: the frames it picks,
+    """vLLM's loader step (frame_sampling.py's step 2, loader_sampling.py) on a video file or a video's bytes: the frames it picks,
     decoded. Frames vLLM's loader would fail on (a clip shorter than a temporal patch) are delivered all."""
     source = read_video_source(video, reader=reader)
     decoded = decode_video_frames(video, source, loader_frame_indices(source, loader), reader=reader)

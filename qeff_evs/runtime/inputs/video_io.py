@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 
 from qeff_evs.models.protocol import SAMPLING_FPS
-from qeff_evs.runtime.inputs.frame_sampling import SourceVideo
+from qeff_evs.runtime.inputs.loader_sampling import SourceVideo
 
 DEFAULT_ARRAY_FPS = SAMPLING_FPS  # an array taken as already sampled passes the sampler unchanged
 ARRAY_SUFFIX = ".npy"

@@ -25,7 +25,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from qeff_evs.runtime.inputs.frame_sampling import CODEC, GENERIC_LOADER, LOADER_NUM_FRAMES, LoaderSettings
+from qeff_evs.runtime.inputs.loader_sampling import CODEC, GENERIC_LOADER, LOADER_NUM_FRAMES, LoaderSettings
 from qeff_evs.runtime.inputs.processor import load_frames
 from qeff_evs.vllm.surface import VIDEO_LOADER_REGISTRY, VideoLoader
 from qeff_evs.vllm.surface import VLLMValidationError
