@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from qeff_evs.export.pipeline import compile_commands, embedding_io_names
+from qeff_evs.export.compile_inputs import compile_commands, embedding_io_names
 from qeff_evs.manifest import check_export_graphs, read_manifest
 from qeff_evs.models.registry import family_class
 from qeff_evs.specializations import CompileOptions, read_specializations_json, run_compile, write_compile_script

@@ -32,30 +32,24 @@ Layout of the export folder::
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
-import shutil
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
-import onnx
-
 from qeff_evs import evs
-from qeff_evs.positions import rope_table_length
 from qeff_evs.export.budget import check_budget, estimate_budget
+from qeff_evs.export.compile_inputs import NODE_PRECISION_FILE, compile_commands, embedding_io_names, write_node_precision
 from qeff_evs.export.folder import claim_folder, disk_full
 from qeff_evs.export.language import export_language_graph, export_language_graph_stamped
-from qeff_evs.export.node_precision import node_precision_yaml, router_paths, state_path
+from qeff_evs.export.model_folder import save_model_config, save_serving_config, save_video_processor_config, stop_token_ids
 from qeff_evs.export.reuse import GraphReuse, checkpoint_digest, code_digest
-from qeff_evs.export.stamping import LAYER_DOMAIN
 from qeff_evs.export.vision import export_encoder_graph, export_encoder_graph_streamed, export_pruning_graph
 from qeff_evs.export.weights import WEIGHT_DTYPES, WEIGHTS_DIR, WeightStore, settings_stamp
 from qeff_evs.manifest import (
     AUDIO_ENCODER,
     AUDIO_ENCODER_FILES,
-    EXPORT_FILES,
     IMAGE_ENCODER,
     IMAGE_ENCODER_FILES,
     LANGUAGE_DECODE,
@@ -64,7 +58,6 @@ from qeff_evs.manifest import (
     PRUNING_ROLE,
     EncoderEntry,
     LanguageShape,
-    LayerState,
     Manifest,
     PruningEntry,
     export_files,
@@ -77,16 +70,13 @@ from qeff_evs.models.checkpoint import (
 )
 from qeff_evs.models.hollow import hollow_model, parameter_names
 from qeff_evs.models.language import language_spec
-from qeff_evs.models.protocol import ModelFamily
 from qeff_evs.models.pruning import PRUNING_METHODS, pruning_method
 from qeff_evs.models.registry import family_class, family_for_config
+from qeff_evs.positions import rope_table_length
 from qeff_evs.specializations import (
     DEFAULT_FRAMES_PER_CALL,
     DEFAULT_MAX_FRAMES,
-    EMBEDDING_NAMES,
     FLOAT16,
-    RETAINED_SUFFIX,
-    CompileCommand,
     CompileOptions,
     EncoderTarget,
     PruningTarget,
@@ -94,61 +84,16 @@ from qeff_evs.specializations import (
     comp_ctx_lengths,
     default_sampled_frame_buckets,
     language_specializations,
-    program_specializations,
-    prepare_graph_compile,
     short_prefill_lens,
-    state_precisions,
     vision_specializations,
     write_compile_script,
-    write_specializations_json,
 )
-from qeff_evs.specializations.compile_command import NODE_PRECISION_FLAG, SUB_FUNCTIONS_FLAG
+from qeff_evs.specializations.placement import PerGraph
 from qeff_evs.specializations.sets import COMP_CTX_STEP, check_frame_size, check_frames_per_call
-from qeff_evs.specializations.placement import PerGraph, write_placement_record
-from qeff_evs.weights.json_file import read_json
 
 FLOAT32 = "float32"
-NODE_PRECISION_FILE = "language/node_precision.yaml"  # the language graph's fp32 nodes (state paths, routers), if any
-
 Progress = Callable[[str], None]
-PREPROCESSOR_FILES = ("preprocessor_config.json", "video_preprocessor_config.json")
 DEFAULT_MAX_PRUNING_RATE = 0.9  # --max-video-pruning-rate: the RoPE tables cover ctx_len / (1 - 0.9)
-
-
-def stop_token_ids(checkpoint, config_eos: tuple[int, ...]) -> list[int]:
-    """The config's eos ids, then generation_config.json's: HF generate and vLLM stop on both."""
-    generation = getattr(checkpoint.model, "generation_config", None)
-    extra = getattr(generation, "eos_token_id", None)
-    extra = [] if extra is None else [extra] if isinstance(extra, int) else list(extra)
-    ids = [int(i) for i in config_eos]
-    return ids + [int(i) for i in extra if int(i) not in ids]
-
-
-def save_serving_config(checkpoint, family: ModelFamily, eos: list[int], ctx_len: int, folder: Path) -> None:
-    """The export as a model folder: ``config.json`` and ``generation_config.json`` at its top, beside the tokenizer.
-
-    The config names qeff-evs's interface class for the family (its ``serving_architecture``) instead of
-    Hugging Face's, and the generation config stops on the same ids as ``qeff-evs run``. Its
-    ``max_position_embeddings`` is the export's ``ctx_len``, so vLLM's default ``max_model_len`` is what
-    the graphs hold. ``AutoConfig``, ``AutoTokenizer``, ``GenerationConfig`` and vLLM all read the folder
-    as they read a checkpoint.
-    """
-    from transformers import GenerationConfig
-
-    config = float_config(checkpoint.config)  # the graphs hold float weights: vLLM must not set up its quantized kernels
-    config.architectures = [family.serving_architecture]
-    getattr(config, "text_config", config).max_position_embeddings = int(ctx_len)
-    config.save_pretrained(folder)  # EXPORT_FILES["serving_config"]
-    GenerationConfig(eos_token_id=list(eos)).save_pretrained(folder)
-
-
-def save_model_config(checkpoint, folder: Path) -> None:
-    """The config and preprocessor files the ORT/QAIC runtime needs, without the weights."""
-    float_config(checkpoint.config).save_pretrained(folder)
-    for name in PREPROCESSOR_FILES:
-        source = Path(checkpoint.model_dir) / name
-        if source.is_file():
-            shutil.copyfile(source, folder / name)
 
 
 @dataclass(frozen=True)
@@ -232,107 +177,6 @@ def check_frame_sizes(options: ExportOptions, patch_size: int, merge_size: int, 
             raise ValueError(
                 f"--frames {frames} must be a positive multiple of temporal_patch_size {temporal_patch_size}")
     check_frames_per_call(options.frames_per_call, "--frames-per-call")
-
-
-def embedding_io_names(family: ModelFamily | type[ModelFamily]) -> tuple[str, ...]:
-    """Graph I/O kept in fp16 on the card (``custom_io.yaml``): vision rows and the family's extra rows."""
-    return (*EMBEDDING_NAMES, *(rows.name for rows in family.extra_rows))
-
-
-def write_node_precision(export_dir: Path, layer_states: Sequence[LayerState]) -> Path | None:
-    """The language graph's ``-node-precision-info`` file keeping in fp32 each fp32 layer state's path
-    (``node_precision.state_path``: from its input to its ``_RetainedState``) and each MoE router's
-    (``node_precision.router_paths``: logits to renormalised weights; in fp16 twice as many tokens change their
-    top-k set, ``benchmarks/moe_router_fp16.py``); None when the graph has neither."""
-    fp32 = [name for state in layer_states if state.precision == FLOAT32 for name in state.input_names]
-    model = onnx.load(str(export_dir / EXPORT_FILES["language"]), load_external_data=False)
-    names = [node for name in fp32 for node in state_path(model, name, name + RETAINED_SUFFIX)]
-    names = list(dict.fromkeys(names + [node for path in router_paths(model) for node in path]))
-    if not names:
-        return None
-    path = export_dir / NODE_PRECISION_FILE
-    path.write_text(node_precision_yaml(names))
-    return path
-
-
-def _has_layer_functions(language_graph: Path) -> bool:
-    """Whether the language graph calls layer functions (``--layer-functions``): its compile line then takes
-    ``-sub-functions``, as QEfficient's does for its ``use_onnx_subfunctions`` graphs."""
-    if not language_graph.is_file():
-        return False
-    model = onnx.load(str(language_graph), load_external_data=False)
-    return any(function.domain == LAYER_DOMAIN for function in model.functions)
-
-
-def compile_commands(export_dir: Path, options: CompileOptions, kv_precision: str,
-                     specs: Mapping[str, Sequence[Specialization]],
-                     embedding_names: Sequence[str], layer_states: Sequence[LayerState] = (),
-                     node_precision: Path | None = None) -> list[CompileCommand]:
-    """Check each graph of ``specs`` (by graph, in compile order: ``Manifest.graphs``) against its
-    specializations, write its compile inputs and ``placement.json``, return the commands. Cores and devices
-    are per role (``manifest.graph_role``): every method's pruning graph gets the pruning role's.
-    ``embedding_names``: the I/O kept in fp16 on the card (``embedding_io_names``); ``layer_states``: a
-    family's other retained state (custom IO by its declared precision); ``node_precision``: the language
-    graph's node-precision file (``write_node_precision``), passed to its compile line."""
-    if node_precision is not None:
-        if any(flag.startswith(NODE_PRECISION_FLAG) for flag in options.extra_flags):
-            raise ValueError(f"the export keeps its fp32 state's ops in fp32 with {node_precision}; add your nodes to "
-                             f"that file instead of passing another {NODE_PRECISION_FLAG}...")
-        flag = NODE_PRECISION_FLAG + os.path.relpath(Path(node_precision).resolve(), Path(export_dir).resolve())
-        options = dataclasses.replace(options, extra_flags=(*options.extra_flags, flag))
-    commands = []
-    cores, devices = options.cores, options.devices
-    sub_functions = _has_layer_functions(export_dir / EXPORT_FILES["language"])
-    if sub_functions and options.mxfp6_matmul:
-        raise ValueError("the language graph's layers are ONNX functions (exported with --layer-functions), whose "
-                         "weights -mxfp6-matmul cannot compress (it needs them as the graph's constants): compile "
-                         "without --mxfp6, or export again without --layer-functions")
-    files = export_files(tuple(graph[len(PRUNING_ROLE) + 1:] for graph in specs if graph_role(graph) == PRUNING_ROLE))
-    if IMAGE_ENCODER in specs:
-        files.update(IMAGE_ENCODER_FILES)
-    if AUDIO_ENCODER in specs:
-        files.update(AUDIO_ENCODER_FILES)
-    programs = options.language_programs  # one side of prefill/decode disaggregation: its own specializations
-    for graph in specs:
-        role = graph_role(graph)
-        if programs == "decode" and role != "language":
-            continue  # a decode instance runs no vision graph
-        onnx_path = export_dir / files[graph]
-        graph_dir = onnx_path.parent
-        # The encoder and pruning graphs share the vision folder: their files carry the graph's name; a language
-        # program of one side, the side's (language/prefill_specializations.json, language/prefill_qpc).
-        stem = graph if graph != "language" else None if programs == "both" else programs
-        graph_specs = program_specializations(specs[graph], programs) if graph == "language" else specs[graph]
-        commands.append(prepare_graph_compile(
-            onnx_path, graph_dir, graph_specs, graph=role, kv_precision=kv_precision,
-            style=options.specializations_layout, num_cores=cores[role],
-            mxfp6_matmul=options.mxfp6_matmul,
-            extra_flags=(*options.flags_for(role), *([SUB_FUNCTIONS_FLAG] if sub_functions and role == "language"
-                                                     else [])), relative_to=export_dir,
-            aic_hw_version=options.aic_hw_version, num_devices=devices[role], stem=stem,
-            embedding_names=embedding_names, state_precisions=state_precisions(layer_states)))
-        if stem is None or graph != "language":
-            write_specializations_json(export_dir / files[f"{graph}_specializations_named"], specs[graph], "named")
-    write_placement_record(export_dir, cores, devices)
-    return commands
-
-
-def save_video_processor_config(checkpoint, family: ModelFamily, folder: Path) -> None:
-    """``video_preprocessor_config.json`` at the export's top, naming the family's HF video processor.
-
-    vLLM picks its video loader by the model folder's ``video_processor_type`` (else by ``model_type``
-    through torchvision, else its generic OpenCV loader): with this file an export gets the loader a real
-    checkpoint gets (the one named for its processor), so vLLM hands our processor the frames it would hand the
-    model's. The checkpoint's own video (else image) preprocessor settings are kept.
-    """
-    settings: dict = {}
-    for name in PREPROCESSOR_FILES:
-        source = Path(checkpoint.model_dir) / name
-        if source.is_file():
-            settings.update(read_json(source))
-    settings.pop("image_processor_type", None)
-    settings.setdefault("video_processor_type", family.preprocessing.video_processor)
-    (folder / EXPORT_FILES["video_processor_config"]).write_text(json.dumps(settings, indent=2) + "\n")
 
 
 def export_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, options: ExportOptions,
