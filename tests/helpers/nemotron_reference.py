@@ -303,6 +303,24 @@ def hf_image_rows(model, tiles: torch.Tensor) -> torch.Tensor:
     return rows.reshape(-1, rows.shape[-1])
 
 
+def hf_video_block(model, tokenizer, video, q: float) -> tuple[list[int], torch.Tensor, np.ndarray]:
+    """A video's ids as vLLM's ``get_video_repl`` writes them for the rows vLLM's EVS keeps at ``q`` of
+    transformers' tower rows, those rows, and their indices."""
+    config = model.config
+    frames = patches_to_frames(torch.as_tensor(video.pixel_values), video.grid_thw,
+                               config.video_temporal_patch_size, config.vision_config.patch_size)
+    video_rows = model.get_video_features(frames).pooler_output.reshape(-1, config.text_config.hidden_size)
+    t, h, w = video.grid_thw[0], video.grid_thw[1] // 2, video.grid_thw[2] // 2
+    mask = torch.ones(video_rows.shape[0], dtype=torch.bool) if q == 0 else \
+        vllm_evs.compute_retention_mask(video_rows, (t, h, w), 1, q)
+    counts = mask.reshape(t, h * w).sum(dim=1).tolist()
+    markers = {k.lstrip("_"): v for k, v in _marker_ids(tokenizer).items()}
+    repl = list(get_video_repl(tokens_per_frame=counts, frames_indices=list(video.frame_indices),
+                               frame_duration_ms=int(1000 / video.source_fps), tokenizer=tokenizer,
+                               video_temporal_patch_size=config.video_temporal_patch_size, **markers).full)
+    return repl, video_rows[mask], torch.nonzero(mask).reshape(-1).numpy()
+
+
 @torch.no_grad()
 def hf_reference_images(model, tokenizer, question: str, images: list[tuple[torch.Tensor, list[int]]], video,
                         q: float, steps: int) -> Reference:
@@ -327,19 +345,9 @@ def hf_reference_images(model, tokenizer, question: str, images: list[tuple[torc
             rows.append(hf_image_rows(model, tiles))
             at += 1
         elif video is not None and ids[at:at + len(video_ids)] == video_ids:
-            frames = patches_to_frames(torch.as_tensor(video.pixel_values), video.grid_thw,
-                                       config.video_temporal_patch_size, config.vision_config.patch_size)
-            video_rows = model.get_video_features(frames).pooler_output.reshape(-1, config.text_config.hidden_size)
-            t, h, w = video.grid_thw[0], video.grid_thw[1] // 2, video.grid_thw[2] // 2
-            mask = torch.ones(video_rows.shape[0], dtype=torch.bool) if q == 0 else \
-                vllm_evs.compute_retention_mask(video_rows, (t, h, w), 1, q)
-            counts = mask.reshape(t, h * w).sum(dim=1).tolist()
-            markers = {k.lstrip("_"): v for k, v in _marker_ids(tokenizer).items()}
-            out += list(get_video_repl(tokens_per_frame=counts, frames_indices=list(video.frame_indices),
-                                       frame_duration_ms=int(1000 / video.source_fps), tokenizer=tokenizer,
-                                       video_temporal_patch_size=config.video_temporal_patch_size, **markers).full)
-            rows.append(video_rows[mask])
-            kept = torch.nonzero(mask).reshape(-1).numpy()
+            repl, video_rows, kept = hf_video_block(model, tokenizer, video, q)
+            out += repl
+            rows.append(video_rows)
             at += len(video_ids)
         else:
             out.append(ids[at])
@@ -421,20 +429,9 @@ def hf_reference_turn(model, tokenizer, extractor, question: str, parts: list[tu
             audio_rows.append(hf_audio_rows(model, extractor, waveform))
             at += 1
         elif kind == "video" and ids[at:at + len(video_ids)] == video_ids:
-            video = remaining.pop(0)[1]
-            frames = patches_to_frames(torch.as_tensor(video.pixel_values), video.grid_thw,
-                                       config.video_temporal_patch_size, config.vision_config.patch_size)
-            video_rows = model.get_video_features(frames).pooler_output.reshape(-1, config.text_config.hidden_size)
-            t, h, w = video.grid_thw[0], video.grid_thw[1] // 2, video.grid_thw[2] // 2
-            mask = torch.ones(video_rows.shape[0], dtype=torch.bool) if q == 0 else \
-                vllm_evs.compute_retention_mask(video_rows, (t, h, w), 1, q)
-            counts = mask.reshape(t, h * w).sum(dim=1).tolist()
-            markers = {k.lstrip("_"): v for k, v in _marker_ids(tokenizer).items()}
-            out += list(get_video_repl(tokens_per_frame=counts, frames_indices=list(video.frame_indices),
-                                       frame_duration_ms=int(1000 / video.source_fps), tokenizer=tokenizer,
-                                       video_temporal_patch_size=config.video_temporal_patch_size, **markers).full)
-            image_rows.append(video_rows[mask])  # video rows sit at the image context token, as vLLM puts them
-            kept = torch.nonzero(mask).reshape(-1).numpy()
+            repl, video_rows, kept = hf_video_block(model, tokenizer, remaining.pop(0)[1], q)
+            out += repl
+            image_rows.append(video_rows)  # video rows sit at the image context token, as vLLM puts them
             at += len(video_ids)
         else:
             out.append(ids[at])
