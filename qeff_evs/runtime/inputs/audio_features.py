@@ -55,15 +55,17 @@ def mel_filters(features: AudioFeatures) -> torch.Tensor:
     return torch.from_numpy(bank.T).to(torch.float32)
 
 
-def clip_features(clip: np.ndarray, features: AudioFeatures) -> np.ndarray:
-    """One clip's normalised log-mel features, ``(samples // hop, mels)`` float32."""
+def clip_features(clip: np.ndarray, features: AudioFeatures, filters: torch.Tensor | None = None) -> np.ndarray:
+    """One clip's normalised log-mel features, ``(samples // hop, mels)`` float32 (``filters``: ``mel_filters``'
+    bank, computed once per item by ``audio_input``)."""
     x = torch.as_tensor(np.asarray(clip, dtype=np.float32))
     emphasised = torch.cat([x[:1], x[1:] - features.preemphasis * x[:-1]])
     spectrum = torch.stft(emphasised, features.n_fft, hop_length=features.hop_length, win_length=features.win_length,
                           window=torch.hann_window(features.win_length, periodic=False), return_complex=True,
                           pad_mode="constant")
     power = spectrum.real.square() + spectrum.imag.square()
-    logs = torch.log(mel_filters(features) @ power + LOG_GUARD).T  # (frames, mels)
+    filters = mel_filters(features) if filters is None else filters
+    logs = torch.log(filters @ power + LOG_GUARD).T  # (frames, mels)
     frames = len(clip) // features.hop_length
     valid = logs[:frames]
     mean = valid.sum(dim=0) / frames
@@ -80,9 +82,9 @@ def audio_input(waveform: np.ndarray, features: AudioFeatures) -> MediaInput:
     sizes = clip_sizes(len(samples), features)
     padded = np.zeros(sum(sizes), dtype=np.float32)
     padded[:len(samples)] = samples
-    clips, start = [], 0
+    clips, start, filters = [], 0, mel_filters(features)
     for size in sizes:
-        clips.append(clip_features(padded[start:start + size], features))
+        clips.append(clip_features(padded[start:start + size], features, filters))
         start += size
     frames = tuple(len(c) for c in clips)
     return MediaInput(torch.from_numpy(np.concatenate(clips)), (len(clips), max(frames), features.mels),
