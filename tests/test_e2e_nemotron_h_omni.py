@@ -446,6 +446,17 @@ def test_image_rows_equal_transformers(sessions, hf_model, bundles):
         np.testing.assert_allclose(vision.merged_rows(media).rows, reference, rtol=0, atol=ATOL)
 
 
+def assert_generate_equals(hf_model, result, **media) -> None:
+    """transformers' greedy ``generate`` of STEPS tokens on ``result``'s prompt ids with ``media`` (its own media
+    inputs) gives ``result``'s tokens (not one repeated) and, within ATOL, its first logits."""
+    ids = torch.tensor([result.prompt_token_ids])
+    out = hf_model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **media, max_new_tokens=STEPS,
+                            min_new_tokens=STEPS, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    hf_tokens = out.sequences[0, ids.shape[1]:].tolist()
+    assert result.generated_token_ids == hf_tokens and len(set(hf_tokens)) > 3
+    assert_top_logits_match(result.prefill_top_logits, out.logits[0][0], ATOL)
+
+
 def test_an_image_equals_transformers_generate(bundles, sessions, hf_model):
     """transformers' ``generate`` on an image's tiles (its packed image path: each tile an image of its own grid,
     its own merge) equals the engine's tokens and first logits."""
@@ -455,15 +466,8 @@ def test_an_image_equals_transformers_generate(bundles, sessions, hf_model):
     tiles, _ = tile_pixels(image, bundle.family.image_tiling(), bundle.preprocess)
     engine = make_engine(bundles, sessions, 32, "ort", 0.0)
     result = answer_media(bundle, engine, [media], QUESTION)
-    ids = torch.tensor([result.prompt_token_ids])
-    grids = torch.tensor([[4, 4]] * len(tiles))
-    out = hf_model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
-                            pixel_values=torch.as_tensor(media.pixel_values), image_grid_hw=grids,
-                            max_new_tokens=STEPS, min_new_tokens=STEPS, do_sample=False, output_logits=True,
-                            return_dict_in_generate=True)
-    hf_tokens = out.sequences[0, ids.shape[1]:].tolist()
-    assert result.generated_token_ids == hf_tokens and len(set(hf_tokens)) > 3
-    assert_top_logits_match(result.prefill_top_logits, out.logits[0][0], ATOL)
+    assert_generate_equals(hf_model, result, pixel_values=torch.as_tensor(media.pixel_values),
+                           image_grid_hw=torch.tensor([[4, 4]] * len(tiles)))
 
 
 @pytest.fixture(scope="module")
@@ -577,15 +581,9 @@ def test_an_audio_clip_equals_transformers_generate(bundles, sessions, hf_model)
     media = audio_input(wave, bundle.family.audio_features())
     engine = make_engine(bundles, sessions, 32, "ort", 0.0)
     result = answer_media(bundle, engine, [media], QUESTION)
-    ids = torch.tensor([result.prompt_token_ids])
     features = torch.as_tensor(media.pixel_values)[None]
-    out = hf_model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), input_features=features,
-                            input_features_mask=torch.ones(features.shape[:2], dtype=torch.int64),
-                            max_new_tokens=STEPS, min_new_tokens=STEPS, do_sample=False, output_logits=True,
-                            return_dict_in_generate=True)
-    hf_tokens = out.sequences[0, ids.shape[1]:].tolist()
-    assert result.generated_token_ids == hf_tokens and len(set(hf_tokens)) > 3
-    assert_top_logits_match(result.prefill_top_logits, out.logits[0][0], ATOL)
+    assert_generate_equals(hf_model, result, input_features=features,
+                           input_features_mask=torch.ones(features.shape[:2], dtype=torch.int64))
 
 
 @pytest.fixture(scope="module")
